@@ -1,0 +1,187 @@
+// pybind11 face of csrc/aio: converts, releases the GIL around anything that
+// can block, and maps errors to OSError with errno. No policy lives here:
+// buffer validation, fallback decisions and error messages are in
+// infinity/aio (Python).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <system_error>
+
+#include "aio/aligned_buffer.h"
+#include "aio/engine.h"
+#include "aio/file.h"
+#include "aio/request.h"
+
+namespace py = pybind11;
+using namespace infinity::aio;
+
+namespace {
+
+// Keeps a Python callable to run (with the GIL) when the buffer is freed:
+// used to cudaHostUnregister pinned memory before it is unmapped.
+class PyAlignedBuffer {
+ public:
+  PyAlignedBuffer(size_t nbytes, bool huge_pages, bool prefault)
+      : buf_(std::make_unique<AlignedBuffer>(nbytes, huge_pages, prefault)) {}
+  ~PyAlignedBuffer() {
+    if (finalizer_) {
+      try {
+        finalizer_(ptr(), buf_->size());
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("infinity._aio.AlignedBuffer finalizer");
+      }
+    }
+  }
+  uintptr_t ptr() const { return reinterpret_cast<uintptr_t>(buf_->data()); }
+  size_t nbytes() const { return buf_->size(); }
+  size_t mapped_size() const { return buf_->mapped_size(); }
+  std::string page_kind() const {
+    switch (buf_->page_kind()) {
+      case PageKind::kSmall: return "small";
+      case PageKind::kTransparentHuge: return "thp";
+      case PageKind::kHugeTlb: return "hugetlb";
+    }
+    return "small";
+  }
+  void set_finalizer(py::object f) { finalizer_ = std::move(f); }
+  AlignedBuffer& raw() { return *buf_; }
+
+ private:
+  std::unique_ptr<AlignedBuffer> buf_;
+  py::object finalizer_;
+};
+
+OpenMode parse_mode(const std::string& m) {
+  if (m == "r") return OpenMode::kRead;
+  if (m == "w") return OpenMode::kWrite;
+  if (m == "rw") return OpenMode::kReadWrite;
+  throw std::invalid_argument("mode must be 'r', 'w' or 'rw', got '" + m + "'");
+}
+
+py::object error_dict(const RequestError& e) {
+  if (e.err == 0 && !e.eof) return py::none();
+  py::dict d;
+  d["errno"] = e.err;
+  d["eof"] = e.eof;
+  d["write"] = e.write;
+  d["path"] = e.path;
+  d["offset"] = e.offset;
+  d["nbytes"] = e.nbytes;
+  d["file_size"] = e.file_size;
+  return std::move(d);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_aio, m) {
+  m.doc() = "infinity's async I/O engine (io_uring + threads). Use infinity.aio, not this module.";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      // what() is "<context>: <strerror>"; keep the context as the filename.
+      std::string what = e.what();
+      std::string msg = e.code().message();
+      std::string ctx = what;
+      if (what.size() > msg.size() + 2 && what.compare(what.size() - msg.size(), msg.size(), msg) == 0)
+        ctx = what.substr(0, what.size() - msg.size() - 2);
+      py::object exc = py::module_::import("builtins").attr("OSError")(e.code().value(), msg, ctx);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+    }
+  });
+
+  py::class_<PyAlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
+      .def(py::init<size_t, bool, bool>(), py::arg("nbytes"), py::arg("huge_pages") = true,
+           py::arg("prefault") = true)
+      .def_property_readonly("ptr", &PyAlignedBuffer::ptr)
+      .def_property_readonly("nbytes", &PyAlignedBuffer::nbytes)
+      .def_property_readonly("mapped_size", &PyAlignedBuffer::mapped_size)
+      .def_property_readonly("page_kind", &PyAlignedBuffer::page_kind)
+      .def("set_finalizer", &PyAlignedBuffer::set_finalizer)
+      .def_buffer([](PyAlignedBuffer& b) -> py::buffer_info {
+        return py::buffer_info(b.raw().data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes())}, {1});
+      });
+
+  py::class_<File, std::shared_ptr<File>>(m, "File")
+      .def_property_readonly("path", &File::path)
+      .def_property_readonly("direct", &File::direct)
+      .def_property_readonly("direct_refused", &File::direct_refused)
+      .def_property_readonly("closed", [](File& f) { return f.buffered_fd() < 0; })
+      .def_property_readonly("fileno", &File::buffered_fd)
+      .def("size", &File::size)
+      .def("close", &File::close);
+
+  m.def(
+      "open_file",
+      [](const std::string& path, const std::string& mode, bool create, bool direct) {
+        OpenMode om = parse_mode(mode);
+        py::gil_scoped_release nogil;
+        return File::open(path, om, create, direct);
+      },
+      py::arg("path"), py::arg("mode"), py::arg("create"), py::arg("direct"));
+  m.def("file_from_fd", &File::from_fd, py::arg("fd"));
+
+  py::class_<Request, std::shared_ptr<Request>>(m, "Request")
+      .def_property_readonly("nbytes", &Request::nbytes)
+      .def_property_readonly("write", &Request::write)
+      .def("done", &Request::done, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Request::wait, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("error", [](Request& r) { return error_dict(r.error()); });
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](uint64_t block_size, unsigned queue_depth, unsigned thread_count,
+                       const std::string& backend, bool single_submit, bool overlap_events) {
+             EngineOptions o;
+             o.block_size = block_size;
+             o.queue_depth = queue_depth;
+             o.thread_count = thread_count;
+             if (backend == "io_uring")
+               o.backend = BackendKind::kIoUring;
+             else if (backend == "threads")
+               o.backend = BackendKind::kThreads;
+             else
+               throw std::invalid_argument("backend must be 'io_uring' or 'threads', got '" + backend + "'");
+             o.single_submit = single_submit;
+             o.overlap_events = overlap_events;
+             py::gil_scoped_release nogil;
+             return new Engine(o);
+           }),
+           py::kw_only(), py::arg("block_size"), py::arg("queue_depth"), py::arg("thread_count"),
+           py::arg("backend"), py::arg("single_submit"), py::arg("overlap_events"))
+      .def(
+          "submit",
+          [](Engine& e, bool write,
+             const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, std::shared_ptr<File>>>& segs) {
+            std::vector<Segment> v;
+            v.reserve(segs.size());
+            for (auto& [ptr, n, off, f] : segs) {
+              if (!f || f->buffered_fd() < 0) throw std::invalid_argument("the file is closed");
+              v.push_back(Segment{reinterpret_cast<char*>(ptr), n, off, f});
+            }
+            py::gil_scoped_release nogil;
+            return e.submit(write, v);
+          },
+          py::arg("write"), py::arg("segments"))
+      .def("wait_all", &Engine::wait_all, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("in_flight", &Engine::in_flight)
+      .def(
+          "register_buffers",
+          [](Engine& e, const std::vector<std::pair<uintptr_t, uint64_t>>& ranges) {
+            std::vector<RegisteredRange> v;
+            for (auto& [p, n] : ranges) v.push_back(RegisteredRange{reinterpret_cast<char*>(p), n});
+            py::gil_scoped_release nogil;
+            e.register_buffers(v);
+          },
+          py::arg("ranges"))
+      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+
+  m.def("probe_io_uring", &probe_io_uring, py::call_guard<py::gil_scoped_release>());
+  m.def("built_with_io_uring", &built_with_io_uring);
+  m.attr("DIRECT_ALIGNMENT") = kDirectAlignment;
+  m.attr("HUGE_PAGE_SIZE") = kHugePageSize;
+}

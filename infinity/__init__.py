@@ -1,0 +1,9 @@
+"""infinity: train PyTorch models whose state is larger than GPU and host memory.
+
+Parameters, gradients and optimizer state live on NVMe and are streamed through
+pinned host buffers to the compute device just in time (ZeRO-Infinity).
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -1,0 +1,29 @@
+"""Python face of the C++ async I/O engine (csrc/aio): AioHandle, AioConfig, buffers, errors."""
+
+from infinity import _aio
+from infinity.aio.buffers import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE, aligned_empty, buffer_span
+from infinity.aio.config import AioConfig
+from infinity.aio.errors import AioEOFError, AioError
+from infinity.aio.handle import AioFile, AioHandle, AioRequest, io_uring_status, open_file
+
+
+def built_with_io_uring() -> bool:
+    """Whether this build has the io_uring back end (liburing was found at build time)."""
+    return _aio.built_with_io_uring()
+
+
+__all__ = [
+    "DIRECT_ALIGNMENT",
+    "HUGE_PAGE_SIZE",
+    "AioConfig",
+    "AioEOFError",
+    "AioError",
+    "AioFile",
+    "AioHandle",
+    "AioRequest",
+    "aligned_empty",
+    "buffer_span",
+    "built_with_io_uring",
+    "io_uring_status",
+    "open_file",
+]

@@ -1,0 +1,449 @@
+"""AioHandle: asynchronous pread/pwrite through the C++ engine (io_uring or threads).
+
+Async is the primitive: ``pread``/``pwrite`` return an AioRequest that keeps
+its buffer alive until it completes; the ``sync_*`` variants are
+``submit(...).wait()``. Waiting releases the GIL. One handle may be used from
+several threads, and several handles at once.
+
+Fallbacks, each announced with one log line: ``engine="auto"`` uses the
+threads back end where io_uring is refused (Docker's default seccomp profile,
+``kernel.io_uring_disabled``, or a build without liburing); files on a file
+system that refuses O_DIRECT (tmpfs) are read and written buffered.
+
+Fork: a handle belongs to the process that made it (its worker threads do not
+survive fork); in a child it raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any, Literal, Union
+
+from infinity import _aio
+from infinity.aio.buffers import buffer_span
+from infinity.aio.config import AioConfig
+from infinity.aio.errors import AioError, request_error
+
+log = logging.getLogger("infinity.aio")
+
+PathLike = Union[str, "os.PathLike[str]"]
+FileArg = Union["AioFile", PathLike, int]
+
+_announced: set[str] = set()
+_announce_lock = threading.Lock()
+
+
+def _announce_once(key: str, message: str) -> None:
+    with _announce_lock:
+        if key in _announced:
+            return
+        _announced.add(key)
+    log.warning(message)
+
+
+def io_uring_status() -> str:
+    """'' when io_uring can be used in this process, else the reason it cannot."""
+    return _aio.probe_io_uring()
+
+
+class AioFile:
+    """A file opened once for many requests (the engine keeps a direct and a buffered descriptor)."""
+
+    def __init__(self, raw: _aio.File):
+        self._raw = raw
+
+    @property
+    def path(self) -> str:
+        return self._raw.path
+
+    @property
+    def direct(self) -> bool:
+        """Whether O_DIRECT is in use (False where the file system refused it)."""
+        return self._raw.direct
+
+    @property
+    def closed(self) -> bool:
+        return self._raw.closed
+
+    def size(self) -> int:
+        return self._raw.size()
+
+    def fileno(self) -> int:
+        return self._raw.fileno
+
+    def close(self) -> None:
+        """Closes the descriptors. Requests in flight on the file keep it open until they end."""
+        self._raw.close()
+
+    def __enter__(self) -> AioFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"AioFile({self.path!r}, direct={self.direct})"
+
+
+def open_file(
+    path: PathLike,
+    mode: Literal["r", "w", "rw"] = "rw",
+    *,
+    create: bool = True,
+    o_direct: bool = True,
+) -> AioFile:
+    """Opens ``path`` for the engine. Errors name the path and say what to fix."""
+    p = os.fspath(path)
+    try:
+        raw = _aio.open_file(p, mode, create, o_direct)
+    except OSError as e:
+        raise _open_error(e, p, mode) from None
+    if o_direct and not raw.direct:
+        _announce_once(
+            "odirect:" + os.path.dirname(os.path.abspath(p)),
+            f"O_DIRECT is refused by the file system holding {os.path.dirname(os.path.abspath(p))} "
+            "(tmpfs?); using buffered I/O there: reads may be served by the page cache",
+        )
+    return AioFile(raw)
+
+
+def _open_error(e: OSError, path: str, mode: str) -> AioError:
+    why = os.strerror(e.errno) if e.errno else str(e)
+    hint = ""
+    if e.errno == errno.ENOENT:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            hint = f": the directory {parent} does not exist; create it or choose another path"
+        else:
+            hint = ": no such file"
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        hint = f": permission denied for mode '{mode}'; check the owner and mode of the path"
+    elif e.errno == errno.EROFS:
+        hint = ": the file system is read-only"
+    return AioError(e.errno or errno.EIO, f"cannot open '{path}' ({why}){hint}", path, op="open")
+
+
+class AioRequest:
+    """One submitted read or write. ``wait()`` returns the byte count or raises AioError."""
+
+    __slots__ = ("_raw", "_keepalive", "__weakref__")
+
+    def __init__(self, raw: _aio.Request, keepalive: Any):
+        self._raw = raw
+        self._keepalive = keepalive  # buffers and files, until completion
+
+    @property
+    def nbytes(self) -> int:
+        return self._raw.nbytes
+
+    @property
+    def write(self) -> bool:
+        return self._raw.write
+
+    def done(self) -> bool:
+        """True once every piece has completed (successfully or not)."""
+        return self._raw.done()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits (GIL released). Raises TimeoutError after ``timeout`` seconds, AioError on failure."""
+        if not self._raw.wait(-1.0 if timeout is None else float(timeout)):
+            raise TimeoutError(
+                f"{'pwrite' if self.write else 'pread'} of {self.nbytes} bytes not done after {timeout} s"
+            )
+        self._keepalive = None
+        err = self._raw.error()
+        if err is not None:
+            raise request_error(err, self.nbytes)
+        return self.nbytes
+
+    result = wait
+
+    def __repr__(self) -> str:
+        kind = "pwrite" if self.write else "pread"
+        return f"<AioRequest {kind} {self.nbytes} bytes {'done' if self.done() else 'in flight'}>"
+
+
+_live_handles: weakref.WeakSet[AioHandle] = weakref.WeakSet()
+
+
+class AioHandle:
+    """Asynchronous NVMe I/O. The DeepSpeed ``aio`` keys map onto the keyword arguments.
+
+    Requests larger than ``block_size`` are split into block_size pieces, kept
+    ``queue_depth`` deep per worker; ``thread_count`` workers share a request.
+    """
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 1 << 20,
+        queue_depth: int = 32,
+        thread_count: int = 1,
+        engine: Literal["auto", "io_uring", "threads"] = "auto",
+        o_direct: bool = True,
+        single_submit: bool = False,
+        overlap_events: bool = True,
+        intra_op_parallelism: int | None = None,
+    ):
+        if intra_op_parallelism is not None:
+            if thread_count not in (1, intra_op_parallelism):
+                raise ValueError(
+                    f"thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} "
+                    "are the same setting; pass one"
+                )
+            thread_count = intra_op_parallelism
+        cfg = AioConfig(
+            block_size=block_size,
+            queue_depth=queue_depth,
+            thread_count=thread_count,
+            engine=engine,
+            o_direct=o_direct,
+            single_submit=single_submit,
+            overlap_events=overlap_events,
+        )
+        self._engine, resolved = _start_engine(cfg)
+        self.config = AioConfig(**{**cfg.__dict__, "engine": resolved})
+        self._pid = os.getpid()
+        self._closed = False
+        _live_handles.add(self)
+
+    @classmethod
+    def from_config(cls, config: AioConfig) -> AioHandle:
+        return cls(
+            block_size=config.block_size,
+            queue_depth=config.queue_depth,
+            thread_count=config.thread_count,
+            engine=config.engine,
+            o_direct=config.o_direct,
+            single_submit=config.single_submit,
+            overlap_events=config.overlap_events,
+        )
+
+    @property
+    def engine(self) -> str:
+        """The back end in use: 'io_uring' or 'threads'."""
+        return self.config.engine
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- files ---------------------------------------------------------------
+
+    def open(self, path: PathLike, mode: Literal["r", "w", "rw"] = "rw", *, create: bool = True) -> AioFile:
+        """Opens ``path`` once for many requests, O_DIRECT per this handle's ``o_direct``."""
+        self._check("open", os.fspath(path), 0, 0)
+        return open_file(path, mode, create=create, o_direct=self.config.o_direct)
+
+    def _resolve(self, file: FileArg, write: bool) -> _aio.File:
+        if isinstance(file, AioFile):
+            if file.closed:
+                raise AioError(errno.EBADF, f"'{file.path}' was closed", file.path)
+            return file._raw
+        if isinstance(file, int) and not isinstance(file, bool):
+            try:
+                return _aio.file_from_fd(file)
+            except OSError as e:
+                raise AioError(e.errno or errno.EBADF, f"bad file descriptor {file}: {os.strerror(e.errno or errno.EBADF)}") from None
+        # A path: opened for this request only, closed when it completes, so a
+        # file replaced on disk is never served from a stale descriptor.
+        return open_file(file, "rw" if write else "r", create=write, o_direct=self.config.o_direct)._raw
+
+    # -- requests ------------------------------------------------------------
+
+    def pread(self, buffer: Any, file: FileArg, offset: int = 0) -> AioRequest:
+        """Reads len(buffer) bytes at ``offset`` into ``buffer``, asynchronously."""
+        return self._submit(False, [(buffer, file, offset)])
+
+    def pwrite(self, buffer: Any, file: FileArg, offset: int = 0) -> AioRequest:
+        """Writes ``buffer`` at ``offset``, asynchronously (creating a file given by path)."""
+        return self._submit(True, [(buffer, file, offset)])
+
+    def sync_pread(self, buffer: Any, file: FileArg, offset: int = 0) -> int:
+        return self.pread(buffer, file, offset).wait()
+
+    def sync_pwrite(self, buffer: Any, file: FileArg, offset: int = 0) -> int:
+        return self.pwrite(buffer, file, offset).wait()
+
+    def pread_many(self, items: Iterable[tuple], file: FileArg | None = None) -> AioRequest:
+        """One request for many reads: items are (buffer, offset) with ``file``, or (buffer, file, offset)."""
+        return self._submit(False, _with_file(items, file))
+
+    def pwrite_many(self, items: Iterable[tuple], file: FileArg | None = None) -> AioRequest:
+        """One request for many writes: items are (buffer, offset) with ``file``, or (buffer, file, offset)."""
+        return self._submit(True, _with_file(items, file))
+
+    def _submit(self, write: bool, items: list[tuple[Any, FileArg, int]]) -> AioRequest:
+        segments = []
+        keep = []
+        files: dict[int, _aio.File] = {}
+        for buffer, file, offset in items:
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise ValueError(f"offset must be a non-negative int, got {offset!r}")
+            ptr, nbytes, k = buffer_span(buffer, writable=not write)
+            self._check("pwrite" if write else "pread", file, offset, nbytes)
+            key = id(file)
+            raw = files.get(key)
+            if raw is None:
+                raw = files[key] = self._resolve(file, write)
+            segments.append((ptr, nbytes, offset, raw))
+            keep.append(k)
+        if self._closed:  # re-check after opening files (close may race)
+            self._check("pwrite" if write else "pread", items[0][1], items[0][2], 0)
+        raw_req = self._engine.submit(write, segments)
+        return AioRequest(raw_req, (keep, list(files.values())))
+
+    def register_buffers(self, buffers: Iterable[Any]) -> None:
+        """Registers buffers with io_uring (fixed buffers) so requests in them skip per-I/O page pinning.
+
+        Buffers must stay alive while registered; pass ``[]`` to unregister. A no-op
+        for the threads engine. Waits for requests in flight first.
+        """
+        self._check("register_buffers", "", 0, 0)
+        ranges = []
+        for b in buffers:
+            ptr, n, _ = buffer_span(b, writable=True)
+            # io_uring caps one registered buffer at 1 GiB.
+            for off in range(0, n, 1 << 30):
+                ranges.append((ptr + off, min(1 << 30, n - off)))
+        if self.engine == "io_uring":
+            self._engine.register_buffers(ranges)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Waits until every request submitted on this handle has completed (GIL released)."""
+        if self._closed:
+            return
+        if not self._engine.wait_all(-1.0 if timeout is None else float(timeout)):
+            raise TimeoutError(f"requests still in flight after {timeout} s")
+
+    def in_flight(self) -> int:
+        """Requests submitted and not yet complete."""
+        return 0 if self._closed else self._engine.in_flight()
+
+    def close(self) -> None:
+        """Waits for requests in flight, then stops the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() == self._pid:
+            self._engine.shutdown()
+        _live_handles.discard(self)
+
+    def __enter__(self) -> AioHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and os.getpid() == self._pid:
+                self._engine.shutdown()
+        except Exception:
+            pass
+
+    def _check(self, op: str, file: Any, offset: int, nbytes: int) -> None:
+        if self._closed:
+            raise AioError(
+                errno.EBADF,
+                f"{op} of {nbytes} bytes at offset {offset} on '{_name(file)}': the AioHandle is closed",
+                _name(file),
+                op=op,
+                offset=offset,
+                nbytes=nbytes,
+            )
+        if os.getpid() != self._pid:
+            raise AioError(
+                errno.EBADF,
+                f"{op} on '{_name(file)}': this AioHandle was created in process {self._pid} and its "
+                "worker threads do not survive fork(); create a new handle in the child",
+                _name(file),
+                op=op,
+            )
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"AioHandle(engine={c.engine!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
+            f"thread_count={c.thread_count}, o_direct={c.o_direct}{', closed' if self._closed else ''})"
+        )
+
+
+def _name(file: Any) -> str:
+    if isinstance(file, AioFile):
+        return file.path
+    if isinstance(file, int):
+        return f"<fd {file}>"
+    try:
+        return os.fspath(file)
+    except TypeError:
+        return repr(file)
+
+
+def _with_file(items: Iterable[tuple], file: FileArg | None) -> list[tuple[Any, FileArg, int]]:
+    out = []
+    for it in items:
+        if file is not None:
+            buffer, offset = it
+            out.append((buffer, file, offset))
+        else:
+            buffer, f, offset = it
+            out.append((buffer, f, offset))
+    return out
+
+
+def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
+    kw = dict(
+        block_size=cfg.block_size,
+        queue_depth=cfg.queue_depth,
+        thread_count=cfg.thread_count,
+        single_submit=cfg.single_submit,
+        overlap_events=cfg.overlap_events,
+    )
+    if cfg.engine in ("auto", "io_uring"):
+        reason = _aio.probe_io_uring()
+        if not reason:
+            try:
+                return _aio.Engine(backend="io_uring", **kw), "io_uring"
+            except OSError as e:
+                reason = f"io_uring_queue_init: {os.strerror(e.errno or errno.EIO)}"
+        if cfg.engine == "io_uring":
+            raise AioError(
+                errno.ENOSYS,
+                f"engine='io_uring' is not available here ({reason}); use engine='auto' to fall "
+                "back to the threads engine",
+            )
+        _announce_once(
+            "engine",
+            f"io_uring is not available ({reason}); using the threads I/O engine. In Docker, "
+            "io_uring is blocked by the default seccomp profile (see the README).",
+        )
+    return _aio.Engine(backend="threads", **kw), "threads"
+
+
+def _close_all_at_exit() -> None:
+    for h in list(_live_handles):
+        h.close()
+
+
+atexit.register(_close_all_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    # The parent's worker threads do not exist in the child: destroying an
+    # engine here would join threads that are gone. Keep every inherited
+    # engine alive for good (a deliberate leak) and let _check() refuse use.
+    import ctypes
+
+    for h in list(_live_handles):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._engine))
+    _live_handles.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

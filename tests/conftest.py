@@ -1,0 +1,22 @@
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def nvme_dir(tmp_path_factory) -> Path:
+    """A directory on a disk file system (O_DIRECT works there), not tmpfs.
+
+    pytest's tmp_path may be on tmpfs on some machines; swap files belong on
+    the disk, so this lives under INFINITY_TEST_NVME (default ~/.cache).
+    """
+    root = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+    root.mkdir(parents=True, exist_ok=True)
+    d = tmp_path_factory.mktemp("nvme", numbered=True)
+    target = root / f"{os.getpid()}-{d.name}"
+    target.mkdir(parents=True, exist_ok=True)
+    yield target
+    import shutil
+
+    shutil.rmtree(target, ignore_errors=True)
