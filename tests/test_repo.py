@@ -1,0 +1,38 @@
+"""Repository-wide contracts: layering (DESIGN.md), lint, and the README's set-up commands."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        pytest.fail(f"{name} is not installed; it comes with `pip install -e '.[test]'`")
+    return path
+
+
+def test_layers_import_only_downward():
+    r = subprocess.run([_tool("lint-imports")], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ruff_clean():
+    r = subprocess.run([_tool("ruff"), "check", "infinity", "tests", "bench"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_readme_has_exactly_two_setup_commands():
+    sys.path.insert(0, str(ROOT / ".ci"))
+    try:
+        import readme_command
+    finally:
+        sys.path.pop(0)
+    cmds = readme_command.commands()
+    assert "pytest" in cmds["tests"]
+    assert cmds["main"].startswith("./setup.sh")
