@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include "aio/aligned_buffer.h"
+#include "aio/checksum.h"
 #include "aio/engine.h"
 #include "aio/file.h"
 #include "aio/request.h"
@@ -180,6 +181,14 @@ PYBIND11_MODULE(_aio, m) {
           py::arg("ranges"))
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "crc32c",
+      [](uintptr_t ptr, size_t nbytes, uint32_t value) {
+        py::gil_scoped_release nogil;
+        return crc32c(reinterpret_cast<const void*>(ptr), nbytes, value);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("value") = 0);
+  m.def("crc32c_is_hardware", &crc32c_is_hardware);
   m.def("probe_io_uring", &probe_io_uring, py::call_guard<py::gil_scoped_release>());
   m.def("built_with_io_uring", &built_with_io_uring);
   m.attr("DIRECT_ALIGNMENT") = kDirectAlignment;

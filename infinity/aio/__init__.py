@@ -2,6 +2,7 @@
 
 from infinity import _aio
 from infinity.aio.buffers import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE, aligned_empty, buffer_span
+from infinity.aio.checksum import crc32c, crc32c_is_hardware
 from infinity.aio.config import AioConfig
 from infinity.aio.errors import AioEOFError, AioError
 from infinity.aio.handle import AioFile, AioHandle, AioRequest, io_uring_status, open_file
@@ -23,6 +24,8 @@ __all__ = [
     "AioRequest",
     "aligned_empty",
     "buffer_span",
+    "crc32c",
+    "crc32c_is_hardware",
     "built_with_io_uring",
     "io_uring_status",
     "open_file",
