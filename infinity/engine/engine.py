@@ -1,0 +1,181 @@
+"""Engine: forward, backward and step for a model trained under a DeepSpeed-style config.
+
+Called as in DeepSpeed, every micro-batch: ``loss = engine(batch)``,
+``engine.backward(loss)``, ``engine.step()``. Backward scales the loss by
+1/gradient_accumulation_steps (and by the fp16 loss scale); ``step`` updates
+only at the accumulation boundary: it takes the global gradient norm (all
+shards, all ranks), skips the step on fp16 overflow, clips, runs the
+partitioned Adam over the shards (streamed from NVMe where they live there),
+and advances the lr schedule.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.config import InfinityConfig
+from infinity.engine.build import Runtime, build_runtime, train_dtype
+from infinity.engine.loss_scaler import LossScaler
+from infinity.engine.optimizers import choose_optimizer
+from infinity.optim.lr_schedules import build_scheduler
+from infinity.zero.collectives import DataParallelGroup
+
+log = logging.getLogger("infinity.engine")
+
+
+class Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: InfinityConfig,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        group: DataParallelGroup | None = None,
+        device: torch.device | None = None,
+    ):
+        self.module = model
+        self.config = config
+        self.group = group or DataParallelGroup()
+        self.device = device or torch.device("cpu")
+        self.stage = config.zero_optimization.stage
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.dtype = train_dtype(config)
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._closed = False
+        self.loss_scaler = (
+            LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
+        )
+        choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
+        self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
+        self.optimizer = self.runtime.optimizer or self.runtime.passthrough
+        self.lr_scheduler = self._make_scheduler(lr_scheduler)
+        self.last_grad_norm: float | None = None
+
+    def _make_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None:
+            if self.config.scheduler is not None:
+                raise ValueError(
+                    "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one"
+                )
+            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    # -- the training loop ------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open()
+        return self.module(*args, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagates ``loss`` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale)."""
+        self._check_open()
+        if loss.dim() != 0:
+            raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        boundary = self.is_gradient_accumulation_boundary()
+        first = self.micro_steps % self.gradient_accumulation_steps == 0
+        rt = self.runtime
+        if rt.reducer is not None:
+            rt.reducer.begin_micro(first=first, last=boundary)
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        (loss * scale if scale != 1.0 else loss).backward()
+        if rt.reducer is not None and boundary and self.stage < 2:
+            rt.reducer.reduce_resident_grads()
+
+    def step(self) -> None:
+        """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
+        self._check_open()
+        if self.is_gradient_accumulation_boundary():
+            if self.runtime.passthrough is not None:
+                self._passthrough_step()
+            else:
+                self._partitioned_step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def _partitioned_step(self) -> None:
+        rt = self.runtime
+        has_grad = rt.reducer.window_has_grad()
+        sumsq = torch.tensor([rt.optimizer.local_grad_sumsq(has_grad)], dtype=torch.float64)
+        self.group.all_reduce_sum(sumsq)
+        scale = self.loss_scaler.scale
+        norm = math.sqrt(float(sumsq)) / scale
+        self.last_grad_norm = norm
+        if self.config.fp16.enabled and not math.isfinite(norm):
+            self.skipped_steps += 1
+            log.warning("fp16 gradients overflowed; step skipped, loss scale %g -> ", scale)
+            self.loss_scaler.update(overflow=True)
+            return
+        coef = 1.0 / scale
+        clip = self.config.gradient_clipping
+        if clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s rule, applied to the global norm.
+            coef *= min(1.0, clip / (norm + 1e-6))
+        rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
+        if rt.partitioner is not None:
+            rt.partitioner.refresh_persistent()
+        self.loss_scaler.update(overflow=False)
+
+    def _passthrough_step(self) -> None:
+        params = self.runtime.params
+        for p in params:
+            if p.grad is not None:
+                self.group.all_reduce_mean(p.grad)
+        if self.config.gradient_clipping > 0:
+            self.last_grad_norm = float(
+                torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.config.gradient_clipping)
+            )
+        self.runtime.passthrough.step()
+        self.runtime.passthrough.zero_grad(set_to_none=True)
+
+    # -- the rest of DeepSpeed's engine surface ----------------------------------
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def close(self) -> None:
+        """Releases buffers, removes hooks, deletes swap files. The model's parameters are left empty
+        under stage 3 (save a checkpoint or export first)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.runtime.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed")

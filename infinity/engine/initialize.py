@@ -1,0 +1,46 @@
+"""infinity.initialize(): the one call from a model and a DeepSpeed-style config to a training engine."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from infinity.config import load_config
+from infinity.engine.engine import Engine
+from infinity.zero.collectives import DataParallelGroup
+
+
+def _bootstrap_distributed() -> DataParallelGroup:
+    """Joins the process group torchrun describes (gloo on CPU, NCCL on GPU); world size 1 needs none."""
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return DataParallelGroup()
+
+
+def compute_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def initialize(
+    model: nn.Module,
+    config: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    **auto_values: Any,
+) -> Engine:
+    """Builds the engine. ``config``: a path (hjson/JSON) or dict in DeepSpeed's schema.
+
+    Keyword arguments fill the config's ``"auto"`` values by name (``lr=``,
+    ``weight_decay=``, ``train_micro_batch_size_per_gpu=``, ``bf16=`` ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
+    group = _bootstrap_distributed()
+    cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, **auto_values)
+    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=compute_device())

@@ -1,0 +1,6 @@
+"""Reference models (pure torch, no infinity imports): the demo's GPT and its built-in corpus."""
+
+from infinity.models.corpus import TextCorpus
+from infinity.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "TextCorpus"]

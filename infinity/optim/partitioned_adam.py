@@ -1,0 +1,257 @@
+"""PartitionedAdam: Adam/AdamW over this rank's flat shards, its state in a TieredStore (host or NVMe).
+
+For every unit shard the optimizer keeps fp32 ``m``, ``v`` and the
+accumulated gradient ``g`` in ``state_store`` and, unless the parameters are
+fp32 stage-3 shards (which are their own master copy), an fp32 ``master``.
+The step streams sub-groups of units (at most ``sub_group_numel`` elements
+each): the reads of sub-group i+1 are issued before sub-group i is updated,
+and i's dirty state is evicted (written back asynchronously) right after —
+read i+1 ‖ update i ‖ write i-1, bounded by the store's buffer pool.
+
+Numerics follow torch.optim.Adam/AdamW (foreach=False) parameter by
+parameter: each parameter keeps its own step count, and a parameter that got
+no gradient in the window is skipped entirely (no decay, no moment update),
+as torch skips ``p.grad is None``. Param groups are shared with the torch
+optimizer the user passed, so an lr scheduler bound to either works.
+
+This module is the GradSink of infinity.zero's GradReducer (``open``/``close``)
+and knows nothing of modules or hooks: shards arrive as ShardSpecs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from infinity.optim.functional import adam_step
+from infinity.store import TieredStore
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSegment:
+    """Elements [lo, hi) of a shard belong to parameter ``param`` (index into ``params``),
+    which is slot ``slot`` of its unit (the index into that unit's has-grad flags)."""
+
+    param: int
+    slot: int
+    lo: int
+    hi: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """One unit's shard on this rank, as the optimizer sees it."""
+
+    index: int
+    numel: int
+    param_dtype: torch.dtype
+    segments: tuple[ShardSegment, ...]
+    param_key: Hashable | None = None  # the shard in the parameter store (stage 3), else None
+
+
+class PartitionedAdam(torch.optim.Optimizer):
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        defaults: dict[str, Any],
+        params: Sequence[torch.nn.Parameter],
+        shards: Sequence[ShardSpec],
+        *,
+        state_store: TieredStore,
+        param_store: TieredStore | None,
+        state_home: str,
+        adamw: bool,
+        sub_group_numel: int,
+        on_updated: Callable[[int, torch.Tensor], None] | None = None,
+    ):
+        # torch.optim.Optimizer bookkeeping: param_groups is *shared* with the
+        # user's optimizer (same dicts), so schedulers bound to it still work.
+        torch.optim.Optimizer.__init__(self, [{"params": [torch.empty(0)]}], dict(defaults))
+        self.param_groups = param_groups
+        self.defaults = defaults
+        self.params = list(params)
+        self.shards = list(shards)
+        self.state_store = state_store
+        self.param_store = param_store
+        self.adamw = adamw
+        self.on_updated = on_updated
+        self._group_of = self._map_groups()
+        self.param_steps = [0] * len(self.params)
+        self._stepped: set[int] = set()
+        self._sumsq: dict[int, float] = {}
+        self._open_grads: dict[int, torch.Tensor] = {}
+        self._master_in_param_store = {
+            s.index: s.param_key is not None and s.param_dtype == torch.float32 for s in self.shards
+        }
+        self.sub_groups = _split(self.shards, sub_group_numel)
+        self._register(state_home)
+
+    # -- setup ----------------------------------------------------------------
+
+    def _map_groups(self) -> list[int | None]:
+        where = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                where[id(p)] = gi
+        return [where.get(id(p)) for p in self.params]
+
+    def _keys(self, s: ShardSpec) -> list[tuple[int, str]]:
+        names = ["m", "v", "g"] if self._master_in_param_store[s.index] else ["master", "m", "v", "g"]
+        return [(s.index, n) for n in names]
+
+    def _register(self, home: str) -> None:
+        specs = []
+        for s in self.shards:
+            for key in self._keys(s):
+                specs.append((key, (s.numel,), torch.float32))
+        # Registered in step order, each unit's arrays side by side: a
+        # sub-group comes back in few large reads.
+        self.state_store.register_many(specs, home=home)
+
+    def init_state(self, index: int, master: torch.Tensor | None) -> None:
+        """Sets a shard's starting state: master = ``master`` (fp32, unless the parameter
+        store holds it), moments and gradient zero."""
+        s = self.shards[index]
+        for key in self._keys(s):
+            t = self.state_store.fetch(key, overwrite=True).result()
+            if key[1] == "master":
+                if master is None:
+                    raise ValueError(f"shard {index} needs its initial fp32 master values")
+                t.copy_(master)
+            else:
+                t.zero_()
+            self.state_store.mark_dirty(key)
+            self.state_store.release(key)
+            self.state_store.evict(key)
+
+    # -- GradSink ---------------------------------------------------------------
+
+    def open(self, unit_index: int, *, first: bool) -> torch.Tensor:
+        key = (unit_index, "g")
+        g = self.state_store.fetch(key, overwrite=first).result()
+        if first:
+            g.zero_()
+        self._open_grads[unit_index] = g
+        return g
+
+    def close(self, unit_index: int, *, final: bool) -> None:
+        key = (unit_index, "g")
+        g = self._open_grads.pop(unit_index)
+        if final:  # the window's last contribution: take the norm while it is in memory
+            self._sumsq[unit_index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+        self.state_store.mark_dirty(key)
+        self.state_store.release(key)
+        self.state_store.evict(key)
+
+    # -- step -------------------------------------------------------------------
+
+    def local_grad_sumsq(self, has_grad: Sequence[torch.Tensor]) -> float:
+        """Sum of squares of this rank's accumulated grads (the engine all-reduces it)."""
+        total = 0.0
+        for s in self.shards:
+            if not bool(has_grad[s.index].any()):
+                continue
+            if s.index not in self._sumsq:
+                key = (s.index, "g")
+                g = self.state_store.fetch(key).result()
+                self._sumsq[s.index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+                self.state_store.release(key)
+                self.state_store.evict(key)
+            total += self._sumsq[s.index]
+        return total
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, *, grad_scale: float = 1.0, has_grad: Sequence[torch.Tensor]) -> None:
+        """One Adam step over every shard. ``grad_scale`` multiplies the grads first
+        (loss-scale removal and clipping); ``has_grad[unit][slot]`` says which
+        parameters got a gradient in this window."""
+        if closure is not None:
+            raise ValueError("PartitionedAdam.step does not take a closure")
+        self._sumsq.clear()
+        pending = self._fetch(self.sub_groups[0]) if self.sub_groups else {}
+        for i, group in enumerate(self.sub_groups):
+            current = pending
+            pending = self._fetch(self.sub_groups[i + 1]) if i + 1 < len(self.sub_groups) else {}
+            for s in group:
+                self._update_shard(s, {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
+                                   grad_scale, has_grad[s.index])
+        for s in self.shards:
+            for seg in s.segments:
+                if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
+                    self._stepped.add(seg.param)
+        for p in self._stepped:
+            self.param_steps[p] += 1
+        self._stepped.clear()
+
+    def _fetch(self, group: list[ShardSpec]) -> dict[tuple[int, str], Any]:
+        futures: dict[tuple[int, str], Any] = {}
+        for s in group:
+            keys = self._keys(s)
+            for key, fut in zip(keys, self.state_store.fetch_many(keys)):
+                futures[key] = fut
+            if s.param_key is not None:
+                # fp32: the parameter shard is the master copy (read, update in
+                # place); 16-bit: it receives the new values (nothing to read).
+                overwrite = not self._master_in_param_store[s.index]
+                futures[(s.index, "param")] = self.param_store.fetch(s.param_key, overwrite=overwrite)
+        return futures
+
+    def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor) -> None:
+        in_param_store = self._master_in_param_store[s.index]
+        master = t["param"] if in_param_store else t["master"]
+        half = t["param"] if s.param_key is not None and not in_param_store else None
+        g, m, v = t["g"], t["m"], t["v"]
+        if grad_scale != 1.0 and bool(flags.any()):
+            g.mul_(grad_scale)
+        for seg in s.segments:
+            gi = self._group_of[seg.param]
+            lo, hi = seg.lo, seg.hi
+            if gi is None or not bool(flags[seg.slot]):
+                if half is not None:  # unchanged, but the half copy is written whole
+                    half[lo:hi].copy_(master[lo:hi])
+                continue
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            adam_step(
+                master[lo:hi],
+                g[lo:hi],
+                m[lo:hi],
+                v[lo:hi],
+                step=self.param_steps[seg.param] + 1,
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]),
+                adamw=self.adamw,
+                out_half=None if half is None else half[lo:hi],
+            )
+        if self.on_updated is not None:
+            self.on_updated(s.index, half if half is not None else master)
+        for key in self._keys(s):
+            if key[1] != "g":
+                self.state_store.mark_dirty(key)
+            self.state_store.release(key)
+            self.state_store.evict(key)  # write i-1 starts now, behind the next update
+        if s.param_key is not None:
+            self.param_store.mark_dirty(s.param_key)
+            self.param_store.release(s.param_key)
+            self.param_store.evict(s.param_key)
+
+
+def _split(shards: Sequence[ShardSpec], limit: int) -> list[list[ShardSpec]]:
+    groups: list[list[ShardSpec]] = []
+    size = math.inf
+    for s in shards:
+        if size + s.numel > limit or not groups:
+            groups.append([])
+            size = 0
+        groups[-1].append(s)
+        size += s.numel
+    return groups

@@ -1,0 +1,153 @@
+"""GradReducer: from autograd's per-parameter grads to this rank's fp32 gradient shard of each unit.
+
+Stages 2 and 3 reduce as backward goes: a parameter's grad is taken in its
+post-accumulate hook, placed in its unit's flat buffer, and once the unit's
+last grad has arrived the buffer is reduce-scattered (mean over ranks) and
+added into the unit's gradient shard, which lives with the optimizer state
+(host memory or NVMe) — so no full-model gradient ever exists. Stages 0 and 1
+let autograd accumulate ``p.grad`` across the micro-batches of a window and
+reduce once at its end (all-reduce for 0, reduce-scatter for 1), as DeepSpeed
+does.
+
+The shards are reached through a GradSink (implemented by the optimizer):
+``open(unit, first=)`` returns the fp32 shard (zeroed when ``first``: the
+unit's first contribution in this accumulation window) and ``close(unit,
+final=)`` says the writing is done (``final``: nothing more comes in this
+window, so the optimizer may take its norm now, while it is in memory).
+
+The reducer also records which parameters received a gradient in the window:
+torch's optimizers skip a parameter whose grad is None (no decay, no moment
+update, no step count), and so must we to give the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from infinity.zero.buffers import TensorCache
+from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.unit import ParamUnit
+
+
+class GradSink(Protocol):
+    def open(self, unit_index: int, *, first: bool) -> torch.Tensor: ...
+
+    def close(self, unit_index: int, *, final: bool) -> None: ...
+
+
+class GradReducer:
+    def __init__(
+        self,
+        units: list[ParamUnit],
+        group: DataParallelGroup,
+        sink: GradSink,
+        *,
+        stage: int,
+        cache: TensorCache,
+    ):
+        self.units = units
+        self.group = group
+        self.sink = sink
+        self.stage = stage
+        self.cache = cache
+        # Stage 0 keeps the whole optimizer state on every rank: its "shard" is the unit.
+        self.shard_world = 1 if stage == 0 else group.world_size
+        self.shard_rank = 0 if stage == 0 else group.rank
+        self._flat: dict[int, torch.Tensor] = {}  # unit -> flat fp32 grads of this micro-batch (W > 1)
+        self._open: dict[int, torch.Tensor] = {}  # unit -> opened shard (W == 1)
+        self._touched: set[int] = set()  # units with a contribution in this window
+        self._has_grad = [torch.zeros(len(u.params), dtype=torch.bool) for u in units]
+        self._last_micro = True
+
+    # -- window bookkeeping -------------------------------------------------
+
+    def begin_micro(self, *, first: bool, last: bool) -> None:
+        if first:
+            self._touched.clear()
+            for f in self._has_grad:
+                f.zero_()
+        self._last_micro = last
+
+    def window_has_grad(self) -> list[torch.Tensor]:
+        """Per unit, per parameter: did it get a gradient in this window, on any rank."""
+        if self.group.world_size > 1 and self._has_grad:
+            flat = torch.cat([f.to(torch.uint8) for f in self._has_grad])
+            self.group.all_reduce_max(flat)
+            out, i = [], 0
+            for f in self._has_grad:
+                out.append(flat[i : i + f.numel()].bool())
+                i += f.numel()
+            return out
+        return [f.clone() for f in self._has_grad]
+
+    # -- stages 2 and 3: reduce as backward goes ----------------------------
+
+    def add(self, unit: ParamUnit, slot: int, grad: torch.Tensor) -> None:
+        s = unit.layout.slots[slot]
+        self._has_grad[unit.index][slot] = True
+        if self.shard_world == 1:
+            view = self._open.get(unit.index)
+            if view is None:
+                view = self._open[unit.index] = self.sink.open(unit.index, first=unit.index not in self._touched)
+                self._touched.add(unit.index)
+            view[s.offset : s.offset + s.numel].add_(grad.reshape(-1))
+            return
+        flat = self._flat.get(unit.index)
+        if flat is None:
+            flat = self._flat[unit.index] = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
+        flat[s.offset : s.offset + s.numel].copy_(grad.reshape(-1))
+
+    def finish(self, unit: ParamUnit) -> None:
+        """The unit's grads for this micro-batch are complete: reduce them into its shard."""
+        if self.shard_world == 1:
+            if unit.index in self._open:
+                del self._open[unit.index]
+                self.sink.close(unit.index, final=self._last_micro)
+            return
+        flat = self._flat.pop(unit.index, None)
+        if flat is None:
+            return
+        self._reduce_into_shard(unit, flat, first=unit.index not in self._touched)
+        self.cache.put(flat)
+
+    def finish_all(self) -> None:
+        """End of a backward: reduce every unit still pending (parameters without a grad count as zero)."""
+        for idx in sorted(set(self._open) | set(self._flat)):
+            self.finish(self.units[idx])
+
+    # -- stages 0 and 1: reduce the accumulated p.grad at the window's end ---
+
+    def reduce_resident_grads(self) -> None:
+        for unit in self.units:
+            grads = [p.grad for p in unit.params]
+            if all(g is None for g in grads):
+                # Every rank must take part in the collective all the same.
+                if self.group.world_size == 1:
+                    continue
+            flat = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
+            for slot, (s, g) in enumerate(zip(unit.layout.slots, grads)):
+                if g is not None:
+                    flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
+                    self._has_grad[unit.index][slot] = True
+            if self.stage == 0:
+                self.group.all_reduce_mean(flat)
+                view = self.sink.open(unit.index, first=True)
+                view.copy_(flat[: view.numel()])
+                self.sink.close(unit.index, final=True)
+            else:
+                self._reduce_into_shard(unit, flat, first=True)
+            self._touched.add(unit.index)
+            self.cache.put(flat)
+            for p in unit.params:
+                p.grad = None
+
+    def _reduce_into_shard(self, unit: ParamUnit, flat: torch.Tensor, *, first: bool) -> None:
+        shard = self.cache.get(unit.layout.shard_numel, torch.float32)
+        self.group.reduce_scatter_mean(shard, flat)
+        view = self.sink.open(unit.index, first=first)
+        view.add_(shard)
+        self._touched.add(unit.index)
+        self.sink.close(unit.index, final=self._last_micro)
+        self.cache.put(shard)

@@ -1,0 +1,233 @@
+"""zero.Init: build a model straight into partitioned storage, so it may be larger than host memory.
+
+Inside the context every parameter is partitioned as soon as the module that
+owns it is complete — when it is assigned to its parent (torch's global
+module-registration hook fires after the child's ``__init__`` has returned),
+or at the end of the context for the root. Partitioning writes this rank's
+slice of the parameter to an init store (NVMe or host memory, as
+``offload_param`` says) and leaves an empty placeholder in ``.data``.
+
+Parent code that touches children's parameters afterwards —
+``self.apply(self._init_weights)``, ``module.weight.data.normal_()``, tying —
+still works and consumes the RNG exactly as without Init: a TorchFunctionMode
+sees every torch function a partitioned parameter takes part in (``.data``,
+``.shape`` and in-place inits included), materialises the parameter first,
+and writes it back as soon as a torch function involves other parameters
+(or the context ends). At most the parameters of one operation are
+materialised at a time.
+
+``infinity.initialize`` then lays the parameters out in units (which may
+differ from construction-time modules after tying) from the init store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from infinity.aio import AioConfig
+from infinity.memory import BufferPool
+from infinity.store import TieredStore
+from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.layout import make_layout
+
+log = logging.getLogger("infinity.zero")
+
+_INIT_POOL_NBYTES = 64 << 20
+
+
+@dataclasses.dataclass
+class _Record:
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    shard_numel: int
+    numel: int
+
+
+class InitStore:
+    """Where parameters built under zero.Init wait for ``initialize``: this rank's slice of each."""
+
+    def __init__(self, *, home: str, nvme_path: str | None, aio: AioConfig, group: DataParallelGroup):
+        self.home = home
+        self.group = group
+        pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else 4096)
+        path = os.path.join(nvme_path, f"rank{group.rank}") if nvme_path else None
+        if path:
+            os.makedirs(path, exist_ok=True)
+        self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
+        self.records: weakref.WeakKeyDictionary[nn.Parameter, _Record] = weakref.WeakKeyDictionary()
+        self._next = 0
+
+    def __contains__(self, p: nn.Parameter) -> bool:
+        return p in self.records
+
+    def partition(self, p: nn.Parameter) -> None:
+        data = p.data.detach().reshape(-1)
+        layout = make_layout(["p"], [p.shape], p.dtype, self.group.world_size)
+        lo, hi = layout.shard_range(self.group.rank)
+        shard = torch.zeros(layout.shard_numel, dtype=p.dtype)
+        part = data[lo:min(hi, data.numel())]
+        shard[: part.numel()] = part
+        key = f"init{self._next}"
+        self._next += 1
+        self.store.register(key, (layout.shard_numel,), p.dtype, home=self.home)
+        self.store.write(key, shard).result()
+        self.records[p] = _Record(key, p.shape, p.dtype, layout.shard_numel, data.numel())
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def full(self, p: nn.Parameter) -> torch.Tensor:
+        """The whole parameter (all ranks' slices gathered); every rank must call in the same order."""
+        rec = self.records[p]
+        shard = self.store.fetch(rec.key).result()
+        try:
+            full = torch.empty(rec.shard_numel * self.group.world_size, dtype=rec.dtype)
+            self.group.all_gather(full, shard)
+        finally:
+            self.store.release(rec.key)
+        return full[: rec.numel].view(rec.shape)
+
+    def rewrite(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        rec = self.records[p]
+        flat = value.detach().reshape(-1)
+        lo = self.group.rank * rec.shard_numel
+        shard = torch.zeros(rec.shard_numel, dtype=rec.dtype)
+        part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
+        shard[: part.numel()] = part
+        self.store.write(rec.key, shard).result()
+
+    def forget(self, p: nn.Parameter) -> None:
+        rec = self.records.pop(p, None)
+        if rec is not None:
+            self.store.unregister(rec.key)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+_active: list[_InitMode] = []
+
+
+def init_store_of(params: Iterator[nn.Parameter]) -> InitStore | None:
+    """The InitStore holding any of ``params`` (a model built under zero.Init), if one does."""
+    stores = {id(s): s for s in _live_stores if any(p in s for p in params)}
+    return next(iter(stores.values()), None) if stores else None
+
+
+_live_stores: weakref.WeakSet[InitStore] = weakref.WeakSet()
+
+
+class _InitMode(TorchFunctionMode):
+    def __init__(self, store: InitStore):
+        super().__init__()
+        self.store = store
+        self.materialized: dict[nn.Parameter, torch.Tensor] = {}
+        self.tracked: list[weakref.ref[nn.Parameter]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        involved = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, nn.Parameter) and a in self.store]
+        self.flush(keep=involved)
+        for p in involved:
+            if p not in self.materialized:
+                full = self.store.full(p).clone()
+                p.data = full
+                self.materialized[p] = full
+        return func(*args, **kwargs)
+
+    def flush(self, keep: list[nn.Parameter] = ()) -> None:
+        """Writes back every materialised parameter not in ``keep``."""
+        for p in [q for q in self.materialized if all(q is not k for k in keep)]:
+            full = self.materialized.pop(p)
+            with torch._C.DisableTorchFunction():
+                self.store.rewrite(p, full)
+                p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+
+    def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is None:
+            return
+        with torch._C.DisableTorchFunction():
+            self.flush()
+            for p in child._parameters.values():
+                if p is not None and p not in self.store and p.numel() > 0:
+                    self.store.partition(p)
+
+    def on_param_registered(self, module: nn.Module, name: str, p: nn.Parameter | None) -> None:
+        if p is not None:
+            self.tracked.append(weakref.ref(p))
+
+    def finish(self) -> None:
+        with torch._C.DisableTorchFunction():
+            self.flush()
+            for ref in self.tracked:
+                p = ref()
+                if p is not None and p not in self.store and p.numel() > 0:
+                    self.store.partition(p)
+
+
+class Init:
+    """Context manager: modules built inside have their parameters partitioned as they are created.
+
+    ``config`` is the training config (path or dict) or an already loaded
+    InfinityConfig; it decides where parameters wait (``offload_param``). With a
+    stage below 3 the context does nothing (DeepSpeed's behaviour), and says so.
+    """
+
+    def __init__(self, config: Any = None, *, enabled: bool = True, **auto_values: Any):
+        self.enabled = enabled
+        self.config = config
+        self.auto_values = auto_values
+        self._mode: _InitMode | None = None
+        self._handles: list[Any] = []
+        self.store: InitStore | None = None
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        from infinity.config import InfinityConfig, load_config
+
+        group = DataParallelGroup()
+        cfg = self.config
+        if not isinstance(cfg, InfinityConfig):
+            cfg = load_config(cfg if cfg is not None else {"zero_optimization": {"stage": 3}},
+                              world_size=group.world_size, **self.auto_values)
+        zero = cfg.zero_optimization
+        if zero.stage != 3:
+            log.warning("zero.Init does nothing with zero_optimization.stage=%d (it partitions for stage 3)", zero.stage)
+            self.enabled = False
+            return self
+        offload = zero.offload_param
+        home = "nvme" if offload.device == "nvme" else "cpu"
+        self.store = InitStore(home=home, nvme_path=str(offload.nvme_path) if home == "nvme" else None,
+                               aio=cfg.aio, group=group)
+        _live_stores.add(self.store)
+        self._mode = _InitMode(self.store)
+        self._handles = [
+            module_hooks.register_module_module_registration_hook(self._mode.on_module_registered),
+            module_hooks.register_module_parameter_registration_hook(self._mode.on_param_registered),
+        ]
+        self._mode.__enter__()
+        _active.append(self._mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is None:
+            return
+        mode = self._mode
+        self._mode = None
+        _active.remove(mode)
+        mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        mode.finish()

@@ -1,0 +1,328 @@
+"""Stage-3 partitioner: gathers each unit's parameters around its use and releases them after.
+
+Forward: a pre-hook on every module gathers the units it needs (its own and
+shared ones) into a *frame*; the post-hook (always called, also when forward
+raises) releases the frame's units. A parameter read outside its owner's
+forward — ``F.linear(x, self.wte.weight)`` — is caught where every parameter
+read goes through, the module's ``_parameters`` dict, and gathered into the
+innermost running frame.
+
+Backward: tensors autograd saves are packed (saved-tensor hooks) so that a
+view of a gathered buffer is stored as (unit, size, stride, offset) rather
+than as memory; unpacking gathers the unit again, on demand or already
+prefetched. A unit gathered for backward is released once all its parameters'
+grads have been reduced, or at the end of backward.
+
+Gradients are handed to the GradReducer by GradHooks (grad_hooks.py); the
+partitioner releases a unit gathered for backward when GradHooks says its
+grads are done, and everything else at the end of backward.
+
+Threading: all hooks run on the thread doing forward or backward; the shard
+source (store or prefetch scheduler) is the only part shared with I/O threads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import weakref
+from collections.abc import Hashable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from infinity.zero.buffers import TensorCache
+from infinity.zero import gathered
+from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.grad_hooks import GradHooks
+from infinity.zero.unit import ParamUnit, UnitState
+from infinity.zero.units import UnitMap
+
+
+class ShardSource(Protocol):
+    """Where the partitioner gets this rank's shard of a unit (a store, or a prefetch scheduler over one)."""
+
+    def acquire(self, key: Hashable) -> torch.Tensor:
+        """The shard, resident on the compute device (waits if it must); one hold."""
+        ...
+
+    def release(self, key: Hashable) -> None: ...
+
+    def mark_dirty(self, key: Hashable) -> None:
+        """The held shard was changed in place; it must reach its home."""
+        ...
+
+
+@dataclasses.dataclass
+class _Frame:
+    module: nn.Module
+    units: list[ParamUnit]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SavedParamRef:
+    unit: ParamUnit
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements of `dtype` from the start of the unit's flat buffer
+    dtype: torch.dtype
+
+
+class _InterceptingParams(dict):
+    """A module's ``_parameters`` that gathers a released parameter when forward code reads it."""
+
+    __slots__ = ("_owner",)
+
+    def __getitem__(self, name: str) -> Any:
+        p = dict.__getitem__(self, name)
+        owner = self._owner()
+        if owner is not None and p is not None and owner._frames:
+            owner._on_param_read(p)
+        return p
+
+
+class Stage3Partitioner:
+    def __init__(
+        self,
+        root: nn.Module,
+        unit_map: UnitMap,
+        *,
+        shards: ShardSource,
+        group: DataParallelGroup,
+        grad_hooks: GradHooks | None,
+        cache: TensorCache,
+    ):
+        self.root = root
+        self.units = unit_map.units
+        self.uses = unit_map.uses
+        self.unit_of = unit_map.unit_of
+        self.shards = shards
+        self.group = group
+        self.grad_hooks = grad_hooks
+        if grad_hooks is not None:
+            grad_hooks.on_unit_done = self._release_backward
+            grad_hooks.on_backward_end = self._end_of_backward
+        self.cache = cache
+        self._frames: list[_Frame] = []
+        self._saved_hooks: Any = None
+        self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
+        self._backward_units: list[ParamUnit] = []
+        self._handles: list[Any] = []
+        self._own_callback_queued = False
+        self._installed = False
+        # Called with (unit, full fp32 values) when GatheredParameters changed a unit.
+        self.on_modified: Any = None
+
+    # -- install / remove -----------------------------------------------------
+
+    def install(self) -> None:
+        for unit in self.units:
+            for p in unit.params:
+                p.data = unit._placeholder
+        for unit in self.units:
+            if unit.persistent:
+                self._gather(unit)
+        for mod in self.root.modules():
+            self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
+            if mod._parameters and not isinstance(mod._parameters, _InterceptingParams):
+                d = _InterceptingParams(mod._parameters)
+                d._owner = weakref.ref(self)
+                mod._parameters = d
+        gathered.register_partitioner(self.unit_of, self)
+        self._installed = True
+
+    def remove(self) -> None:
+        """Removes every hook; parameters are left released (their data lives in the shards)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for mod in self.root.modules():
+            if isinstance(mod._parameters, _InterceptingParams):
+                mod._parameters = dict(mod._parameters)
+        gathered.unregister_partitioner(self.unit_of)
+        self._installed = False
+
+    # -- gather / release -------------------------------------------------------
+
+    def _gather(self, unit: ParamUnit) -> None:
+        shard = self.shards.acquire(unit.key)
+        if self.group.world_size == 1:
+            full = shard  # zero copy: the shard is the whole (padded) unit
+        else:
+            try:
+                full = self.cache.get(unit.layout.padded_numel, unit.layout.dtype)
+                self.group.all_gather(full, shard)
+            finally:
+                self.shards.release(unit.key)
+        unit.to_gathered(full)
+        if not unit.persistent:
+            start = full.data_ptr()
+            bisect.insort(self._ranges, (start, start + unit.full_nbytes, unit), key=lambda r: r[0])
+
+    def _ungather(self, unit: ParamUnit) -> None:
+        full = unit.to_released()
+        self._ranges = [r for r in self._ranges if r[2] is not unit]
+        if self.group.world_size == 1:
+            self.shards.release(unit.key)
+        else:
+            self.cache.put(full)
+
+    def _hold(self, unit: ParamUnit) -> None:
+        if unit.persistent:
+            return
+        if unit.state is UnitState.RELEASED:
+            self._gather(unit)
+        unit.holds += 1
+
+    def _unhold(self, unit: ParamUnit) -> None:
+        if unit.persistent:
+            return
+        unit.holds -= 1
+        if unit.holds == 0:
+            self._ungather(unit)
+
+    def refresh_persistent(self) -> None:
+        """After an optimizer step: persistent units re-read their (updated) shards."""
+        for unit in self.units:
+            if unit.persistent and unit.state is UnitState.GATHERED:
+                self._ungather_persistent(unit)
+                self._gather(unit)
+
+    def _ungather_persistent(self, unit: ParamUnit) -> None:
+        full = unit.to_released()
+        if self.group.world_size == 1:
+            self.shards.release(unit.key)
+        else:
+            self.cache.put(full)
+
+    def release_all(self) -> None:
+        """Drops every hold (an aborted forward, or engine shutdown)."""
+        while self._frames:
+            frame = self._frames.pop()
+            for unit in frame.units:
+                self._unhold(unit)
+        for unit in self._backward_units:
+            if unit.backward_held:
+                unit.backward_held = False
+                self._unhold(unit)
+        self._backward_units.clear()
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    def hold_for_user(self, units: list[ParamUnit]) -> None:
+        """GatheredParameters: gather (persistent units are always gathered)."""
+        for unit in units:
+            self._hold(unit)
+
+    def unhold_for_user(self, units: list[ParamUnit]) -> None:
+        for unit in units:
+            self._unhold(unit)
+
+    def write_back(self, units: list[ParamUnit], *, src: int) -> None:
+        """GatheredParameters(modifier_rank=src): rank ``src``'s gathered values become every rank's shard."""
+        for unit in units:
+            full = unit.full
+            self.group.broadcast(full, src=src)
+            lo, hi = unit.layout.shard_range(self.group.rank)
+            shard = self.shards.acquire(unit.key)
+            try:
+                if shard.data_ptr() != full.data_ptr():
+                    shard.copy_(full[lo:hi])
+                self.shards.mark_dirty(unit.key)
+            finally:
+                self.shards.release(unit.key)
+            if self.on_modified is not None:
+                self.on_modified(unit, full[lo:hi].float())
+
+    def gathered_units(self) -> list[ParamUnit]:
+        return [u for u in self.units if u.state is UnitState.GATHERED and not u.persistent]
+
+    # -- forward hooks ------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._frames:
+            # The outermost module entered: from here until it returns, tensors
+            # autograd saves that view gathered parameters are packed by reference.
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        frame = _Frame(module, [])
+        self._frames.append(frame)
+        for unit in self.uses.get(module, ()):
+            self._hold(unit)
+            frame.units.append(unit)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._frames or self._frames[-1].module is not module:
+            return  # a forward that raised before our pre-hook ran
+        frame = self._frames.pop()
+        for unit in frame.units:
+            self._unhold(unit)
+        if not self._frames and self._saved_hooks is not None:
+            self._saved_hooks.__exit__(None, None, None)
+            self._saved_hooks = None
+
+    def _on_param_read(self, p: nn.Parameter) -> None:
+        entry = self.unit_of.get(p)
+        if entry is None:
+            return
+        unit = entry[0]
+        if unit.persistent or unit.state is UnitState.GATHERED:
+            return
+        self._hold(unit)
+        self._frames[-1].units.append(unit)
+
+    # -- saved tensors ------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._ranges or t.layout is not torch.strided or t.numel() == 0 or t.device.type == "meta":
+            return t
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(self._ranges, ptr, key=lambda r: r[0]) - 1
+        if i < 0:
+            return t
+        start, end, unit = self._ranges[i]
+        if ptr >= end:
+            return t
+        return _SavedParamRef(unit, t.size(), t.stride(), (ptr - start) // t.element_size(), t.dtype)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _SavedParamRef):
+            return packed
+        unit = packed.unit
+        self._hold_for_backward(unit)
+        base = unit.full if packed.dtype == unit.layout.dtype else unit.full.view(packed.dtype)
+        return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
+
+    def _hold_for_backward(self, unit: ParamUnit) -> None:
+        if self.grad_hooks is not None:
+            self.grad_hooks.queue_end_of_backward()
+        else:
+            self._queue_own_end_of_backward()
+        if unit.backward_held or unit.persistent:
+            return
+        self._hold(unit)
+        unit.backward_held = True
+        self._backward_units.append(unit)
+
+    # -- backward ---------------------------------------------------------------
+
+    def _queue_own_end_of_backward(self) -> None:
+        # Without gradients to reduce (frozen model), the partitioner still
+        # needs to hear when backward ends to release what it gathered.
+        if not self._own_callback_queued:
+            self._own_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _release_backward(self, unit: ParamUnit) -> None:
+        if unit.backward_held:
+            unit.backward_held = False
+            self._unhold(unit)
+
+    def _end_of_backward(self) -> None:
+        self._own_callback_queued = False
+        for unit in self._backward_units:
+            self._release_backward(unit)
+        self._backward_units.clear()

@@ -1,0 +1,72 @@
+"""Cutting a module tree into ParamUnits.
+
+Each module's own (direct) parameters form its unit, split by dtype, and —
+for stage 3 — into a partitioned unit and a persistent one (parameters with
+fewer than ``persistence_threshold`` elements, which stay resident as
+DeepSpeed's stage3_param_persistence_threshold says). A parameter shared by
+several modules (tied weights) belongs to the first module that lists it;
+the others *use* its unit, so their forward fetches it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from infinity.zero.layout import make_layout
+from infinity.zero.unit import ParamUnit
+
+
+@dataclasses.dataclass
+class UnitMap:
+    units: list[ParamUnit]
+    uses: dict[nn.Module, list[ParamUnit]]  # units a module's forward needs (own and shared)
+    unit_of: dict[nn.Parameter, tuple[ParamUnit, int]]  # parameter -> (unit, slot)
+
+    def param_names(self) -> dict[nn.Parameter, str]:
+        return {p: u.names[i] for u in self.units for i, p in enumerate(u.params)}
+
+
+def build_units(
+    module: nn.Module,
+    *,
+    world_size: int,
+    persistence_threshold: int,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> UnitMap:
+    """``dtype``: the precision floating-point parameters train in (default: their own)."""
+    units: list[ParamUnit] = []
+    unit_of: dict[nn.Parameter, tuple[ParamUnit, int]] = {}
+    uses: dict[nn.Module, list[ParamUnit]] = {}
+    for mod_name, mod in module.named_modules():
+        new: list[tuple[str, nn.Parameter]] = []
+        for pname, p in mod._parameters.items():
+            if p is not None and p not in unit_of and all(p is not q for _, q in new):
+                new.append((f"{mod_name}.{pname}" if mod_name else pname, p))
+        groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for name, p in new:
+            pdt = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            groups.setdefault((pdt, p.numel() < persistence_threshold), []).append((name, p))
+        for (dtype, small), members in groups.items():
+            names = [n for n, _ in members]
+            params = [p for _, p in members]
+            layout = make_layout(names, [p.shape for p in params], dtype, world_size)
+            label = mod_name or "<root>"
+            if len(groups) > 1:
+                label += f"[{str(dtype).removeprefix('torch.')}{', persistent' if small else ''}]"
+            unit = ParamUnit(len(units), label, params, names, layout, persistent=small, device=device)
+            units.append(unit)
+            for i, p in enumerate(params):
+                unit_of[p] = (unit, i)
+        used: list[ParamUnit] = []
+        for p in mod._parameters.values():
+            if p is not None:
+                u = unit_of[p][0]
+                if all(u is not v for v in used):
+                    used.append(u)
+        if used:
+            uses[mod] = used
+    return UnitMap(units, uses, unit_of)

@@ -1,0 +1,71 @@
+"""Plain PyTorch training: the oracle every offload configuration is compared with."""
+
+import torch
+
+from tests.engine.models import MODELS, batch
+
+LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 0.05
+
+
+def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, seed: int = 0):
+    """Per (step, micro, rank) losses and final weights of torch AdamW (foreach=False) with clipping."""
+    torch.manual_seed(seed)
+    model = MODELS[model_name]()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    losses = {}
+    for step in range(steps):
+        if hasattr(model, "step"):
+            model.step = step
+        for micro in range(gas):
+            for rank in range(world_size):
+                x, y = batch(step, micro, rank)
+                loss = model(x, y)
+                (loss / gas / world_size).backward()
+                losses[(step, micro, rank)] = loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def engine_config(stage: int, offload_param: str, offload_optimizer: str, nvme_path, *, gas: int) -> dict:
+    zero = {"stage": stage, "sub_group_size": 3000, "stage3_param_persistence_threshold": 100}
+    if offload_param != "none":
+        zero["offload_param"] = {"device": offload_param, "nvme_path": str(nvme_path), "buffer_count": 4,
+                                 "buffer_size": 1 << 16, "max_in_cpu": 0}
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": offload_optimizer, "nvme_path": str(nvme_path)}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "zero_optimization": zero,
+        "aio": {"block_size": 1 << 20, "queue_depth": 8},
+    }
+
+
+def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int = 0, seed: int = 0):
+    """The same training through infinity.initialize; returns losses and the final full weights."""
+    import infinity
+    from infinity.zero.gathered import GatheredParameters
+
+    torch.manual_seed(seed)
+    model = MODELS[model_name]()
+    engine = infinity.initialize(model, config)
+    losses = {}
+    try:
+        for step in range(steps):
+            if hasattr(model, "step"):
+                model.step = step
+            for micro in range(gas):
+                x, y = batch(step, micro, rank)
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses[(step, micro, rank)] = loss.item()
+        with GatheredParameters(engine):
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        engine.close()
+    return losses, weights
