@@ -69,6 +69,14 @@ DEFAULT_TEXT: dict[str, str] = {
     "zero_optimization.overlap_comm": "(true at stage 3, else false)",
 }
 _NOT_ARGUMENTS = ("type", "params", "enabled")
+# HF Trainer / torch names people reach for, and the argument they mean.
+FAMILIAR_NAMES: dict[str, str] = {
+    "learning_rate": "lr",
+    "max_grad_norm": "gradient_clipping",
+    "per_device_train_batch_size": "train_micro_batch_size_per_gpu",
+    "warmup_steps": "warmup_num_steps",
+    "num_training_steps": "total_num_steps",
+}
 
 
 def is_auto(value: Any) -> bool:
@@ -211,7 +219,8 @@ def canonical_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, s
     if unknown:
         parts = []
         for a in sorted(unknown):
-            match = difflib.get_close_matches(a, sorted(names), n=1, cutoff=0.6)
+            match = [FAMILIAR_NAMES[a]] if a in FAMILIAR_NAMES else []
+            match = match or difflib.get_close_matches(a, sorted(names), n=1, cutoff=0.6)
             parts.append(f"{a}=" + (f" (did you mean {match[0]}=?)" if match else ""))
         raise ConfigError(
             f'unknown argument(s) {", ".join(parts)}: arguments fill "auto" config values and are '

@@ -114,9 +114,9 @@ def load_config(
         warnings.warn(_unknown_message(unknown), InfinityConfigWarning, stacklevel=2)
     sources = resolve(parsed.tree, auto_values, optimizer)
     sources.update(complete_batch(parsed.tree, world_size))
-    cfg = _build(InfinityConfig, parsed.tree)
-    cfg = dataclasses.replace(
-        cfg,
+    cfg = _build(
+        InfinityConfig,
+        parsed.tree,
         world_size=world_size,
         opaque=parsed.opaque,
         auto_filled=tuple(sorted(sources.items())),
@@ -141,14 +141,17 @@ def _unknown_message(unknown: list[tuple[str, str | None]]) -> str:
     )
 
 
-def _build(cls: type, node: dict[str, Any]) -> Any:
-    """Constructs the section ``cls`` from a canonical, resolved sub-tree (validation in the class)."""
+def _build(cls: type, node: dict[str, Any], **internal: Any) -> Any:
+    """Constructs the section ``cls`` from a canonical, resolved sub-tree (validation in the class).
+
+    ``internal``: the non-key fields of InfinityConfig (world_size, bookkeeping).
+    """
     if cls is AioConfig:
         return AioConfig.from_dict(node)
     if cls is SchedulerConfig:
         pcls = SCHEDULE_PARAMS[node["type"]]
         return SchedulerConfig(type=node["type"], params=_build(pcls, node.get("params") or {}))
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(internal)
     for name, value in node.items():
         sub = subsection(cls, name, node)
         kwargs[name] = _build(sub, value) if sub is not None and isinstance(value, dict) else value

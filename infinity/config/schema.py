@@ -183,6 +183,9 @@ def _read_value(
     cls: type, canon: str, value: Any, path: str, parsed: Parsed, section: Mapping[str, Any]
 ) -> Any:
     sub = subsection(cls, canon, section)
+    if cls is InfinityConfig and canon == "zero_optimization" and isinstance(value, bool):
+        parsed.user_keys.add(f"{path}.stage")
+        return {"stage": 1 if value else 0}  # DeepSpeed's deprecated boolean form
     if cls is SchedulerConfig and canon == "params":
         if value is None:
             return {}
