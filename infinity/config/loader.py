@@ -75,26 +75,33 @@ def _plain(value: Any) -> Any:
 def load_config(
     config: str | os.PathLike | Mapping[str, Any] | InfinityConfig | None = None,
     *,
-    world_size: int = 1,
+    world_size: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     **auto_values: Any,
 ) -> InfinityConfig:
     """Reads, resolves and validates a DeepSpeed-style config.
 
     ``config``: a path (read with hjson), a dict (not modified), an
-    InfinityConfig (returned as is when no arguments would change it), or
-    None (all defaults). ``world_size``: data-parallel ranks, for the batch
-    arithmetic. ``optimizer``: a torch optimizer to read "auto" optimizer
+    InfinityConfig (returned as is when no arguments would change it; for
+    another world size its per-rank micro batch and accumulation are kept and
+    train_batch_size recomputed), or None (all defaults). ``world_size``:
+    data-parallel ranks, for the batch arithmetic (default 1; for an
+    InfinityConfig, its own). ``optimizer``: a torch optimizer to read "auto" optimizer
     values from. ``auto_values``: values for "auto" keys, named like the keys
     (see [Note: where an "auto" value comes from] in auto.py).
     Raises ConfigError (a ValueError) naming key, value and fix.
     """
     if isinstance(config, InfinityConfig):
-        if auto_values or optimizer is not None or world_size != config.world_size:
-            return load_config(
-                config.to_dict(), world_size=world_size, optimizer=optimizer, **auto_values
-            )
-        return config
+        if world_size is None:
+            world_size = config.world_size
+        if not auto_values and optimizer is None and world_size == config.world_size:
+            return config
+        raw_again = config.to_dict()
+        if world_size != config.world_size:
+            del raw_again["train_batch_size"]
+        return load_config(raw_again, world_size=world_size, optimizer=optimizer, **auto_values)
+    if world_size is None:
+        world_size = 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be an integer >= 1; got {world_size!r}")
     if config is None:
@@ -147,7 +154,10 @@ def _build(cls: type, node: dict[str, Any], **internal: Any) -> Any:
     ``internal``: the non-key fields of InfinityConfig (world_size, bookkeeping).
     """
     if cls is AioConfig:
-        return AioConfig.from_dict(node)
+        try:
+            return AioConfig.from_dict(node)
+        except ValueError as e:  # AioConfig's own messages already name aio.<key>
+            raise ConfigError(str(e)) from e
     if cls is SchedulerConfig:
         pcls = SCHEDULE_PARAMS[node["type"]]
         return SchedulerConfig(type=node["type"], params=_build(pcls, node.get("params") or {}))
