@@ -18,6 +18,7 @@ from infinity.aio.config import AioConfig
 from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
+from infinity.config.summary import render
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
 from infinity.config.values import (
     check_section,
@@ -156,8 +157,6 @@ class InfinityConfig:
 
     def summary(self) -> str:
         """A few readable lines: what will run, what "auto" became, what has no effect here."""
-        from infinity.config.summary import render
-
         return render(self)
 
 

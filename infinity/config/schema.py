@@ -189,7 +189,7 @@ def _read_value(
     if cls is SchedulerConfig and canon == "params":
         if value is None:
             return {}
-        if sub is None:
+        if sub is None or isinstance(value, str) and value == AUTO:
             return value  # type missing or unsupported: reported by _check_scheduler
         return _walk_schedule_params(sub, value, path, parsed)
     if sub is None or isinstance(value, str) and value == AUTO:

@@ -186,18 +186,18 @@ def _coerce(value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
             return _BAD
         if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
             return _BAD
-        v = int(value)
-        return v if _in_range(v, meta) else _BAD
+        n = int(value)
+        return n if _in_range(n, meta) else _BAD
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return _BAD
-        v = float(value)
-        return v if math.isfinite(v) and _in_range(v, meta) else _BAD
+        x = float(value)
+        return x if math.isfinite(x) and _in_range(x, meta) else _BAD
     if tp is str:
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         return value if isinstance(value, str) and value else _BAD
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else _BAD
     raise TypeError(f"no coercion for type {tp!r}")  # a section declared with an unsupported type
 

@@ -52,7 +52,7 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def _per_group(optimizer: torch.optim.Optimizer, value: LrArg, name: str) -> list[float]:
     n = len(optimizer.param_groups)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence):
         if len(value) != n:
             raise ValueError(
                 f"expected {n} values for {name} (one per param group), got {len(value)}"
