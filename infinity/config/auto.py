@@ -136,6 +136,14 @@ class _Resolver:
     def fill(self, cls: type, node: dict[str, Any], name: str, path: str) -> None:
         tp, meta, default = field_info(cls, name)
         arg = arg_name(path)
+        if path in ("fp16", "bf16") and arg in self.args:
+            # a whole precision section written as "auto": the argument says whether it is on
+            node[name] = {
+                "enabled": coerce(self.args[arg], bool, f"{self.label(arg)} (for {path})", {})
+            }
+            self.used.add(arg)
+            self.sources[f"{path}.enabled"] = self.label(arg)
+            return
         if path in HIDDEN_SIZE_KEYS and "hidden_size" in self.args:
             self.used.add("hidden_size")
         if arg in self.args:

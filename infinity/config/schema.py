@@ -142,9 +142,9 @@ def _walk(cls: type, section: Any, path: str, parsed: Parsed) -> dict[str, Any]:
     out: dict[str, Any] = {}
     written_as: dict[str, str] = {}
     for key, value in section.items():
-        full = join(path, key)
         if not isinstance(key, str):
             raise ConfigError(f"{path or 'the config'} has a non-string key {key!r}")
+        full = join(path, key)
         if cls is ZeroConfig and key in ("cpu_offload", "cpu_offload_param"):
             _legacy_offload(key, value, out, written_as, path, parsed)
             continue
@@ -240,7 +240,7 @@ def _legacy_offload(
     if not isinstance(value, bool):
         raise ConfigError(f"{join(path, key)} must be true or false; got {value!r}")
     parsed.user_keys.add(join(path, key))
-    if target in written_as or (target in out):
+    if target in out:
         raise ConfigError(
             f"{join(path, key)} (deprecated) and {join(path, target)} are both set; keep {target}"
         )

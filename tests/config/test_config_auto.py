@@ -174,6 +174,12 @@ def test_bf16_and_fp16_arguments_fill_enabled_including_the_bfloat16_alias():
     assert cfg.fp16.enabled and not cfg.bf16.enabled
 
 
+def test_a_precision_section_written_as_auto_takes_the_boolean_argument():
+    cfg = load_config({"bf16": "auto", "fp16": "auto"}, bf16=True)
+    assert cfg.bf16.enabled and not cfg.fp16.enabled
+    assert dict(cfg.auto_filled)["bf16.enabled"] == "bf16="
+
+
 def test_alias_argument_names_fill_the_canonical_key():
     cfg = load_config({"aio": {"intra_op_parallelism": "auto"}}, intra_op_parallelism=4)
     assert cfg.aio.thread_count == 4
