@@ -265,7 +265,15 @@ class BufferPool:
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
         with self._cv:
-            if not self._waiters:
+            first = not self._waiters
+            if first:
+                r = self._take(nbytes, size, name)
+                if r is not None:
+                    return r
+        if first:  # nobody queued: ask the owners for room before counting a wait
+            self._run_reclaimers(size)
+        with self._cv:
+            if first and not self._waiters:
                 r = self._take(nbytes, size, name)
                 if r is not None:
                     return r
