@@ -10,6 +10,7 @@ can be made to fail with an errno, the way a dying drive would.
 from __future__ import annotations
 
 import errno as _errno
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -38,7 +39,7 @@ class _FailedRequest:
         self._exc = AioError(
             err,
             f"{'pwrite' if kind == 'write' else 'pread'} of {nbytes} bytes at offset {offset} "
-            f"{'to' if kind == 'write' else 'from'} '{path}' failed: injected {_errno.errorcode[err]}",
+            f"{'to' if kind == 'write' else 'from'} '{path}' failed: {os.strerror(err)} (injected)",
             path,
             op=kind,
             offset=offset,

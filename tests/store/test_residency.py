@@ -37,7 +37,9 @@ def test_keys_registered_together_come_back_in_one_read_into_one_region(make_sto
     aio.log.clear()
     in_use = store.pool.stats().in_use
     futs = store.fetch_many(keys)
-    assert [torch.equal(f.result(10), data[k]) for k, f in zip(keys, futs, strict=True)] == [True] * 32
+    assert [torch.equal(f.result(10), data[k]) for k, f in zip(keys, futs, strict=True)] == [
+        True
+    ] * 32
     assert len(aio.reads()) == 1, "contiguous keys must be one request"
     assert len(aio.reads()[0].segments) == 1 and aio.reads()[0].nbytes == 32 * 16 * KiB
     assert store.pool.stats().regions == 1 and store.pool.stats().in_use == in_use + 32 * 16 * KiB
