@@ -217,9 +217,11 @@ class Reaper:
                 oldest = self._ops[0]
             oldest.wait_io(REAPER_SLICE_S)
             with self._cv:
-                ended = [op for op in self._ops if op.io_done() or op.claimed]
-                if ended:
-                    self._ops = [op for op in self._ops if not (op.io_done() or op.claimed)]
+                # One pass: an op that ends between two passes would be dropped unnoticed.
+                ended, pending = [], []
+                for op in self._ops:
+                    (ended if op.claimed or op.io_done() else pending).append(op)
+                self._ops = pending
             finish = self._finish()
             if finish is None:
                 return

@@ -566,6 +566,37 @@ class TieredStore:
         state = "closed" if self._closed else f"{len(self._records)} keys"
         return f"<TieredStore '{self.name}' {state}>"
 
+    def _check_invariants(self) -> int:
+        """Asserts the store's invariants (tests call it after every step); returns pool bytes held."""
+        with self._lock:
+            slots: dict[int, tuple[Slot, int]] = {}
+            for rec in self._records.values():
+                assert rec.holds >= 0, rec
+                if rec.home_tensor is not None:
+                    assert rec.slot is None and rec.state in (
+                        Residency.AT_REST,
+                        Residency.COPYING,
+                        Residency.ON_DEVICE,
+                    ), rec
+                elif rec.state is Residency.AT_REST:
+                    assert (
+                        rec.slot is None and rec.holds == 0 and not rec.dirty and not rec.waiters
+                    ), rec
+                elif rec.state is not Residency.READING:
+                    assert rec.slot is not None, rec
+                assert (rec.state is Residency.DIRTY) <= rec.dirty, rec
+                assert not (rec.state is Residency.IN_HOST and rec.dirty), rec
+                assert (rec in self._lru) == rec.idle, rec
+                if rec.op is not None:
+                    assert rec.op in self._ops or rec.op.claimed, rec
+                if rec.slot is not None:
+                    slot, n = slots.get(id(rec.slot), (rec.slot, 0))
+                    slots[id(rec.slot)] = (slot, n + 1)
+            for slot, n in slots.values():
+                assert slot.members == n and not slot.region.released, (slot.members, n)
+            assert len(self._lru) == sum(1 for r in self._records.values() if r.idle)
+            return sum(slot.region.size for slot, _n in slots.values())
+
     # -- internals: fetch ----------------------------------------------------
 
     def _fetch(self, keys: list[Hashable], tier: Tier, overwrite: bool) -> list[StoreFuture]:
