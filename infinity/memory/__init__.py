@@ -1,0 +1,19 @@
+"""Host memory for I/O: page-aligned (pinned when CUDA is present) buffers and the buffer pool.
+
+Imports only infinity.aio (and torch). See DESIGN.md (memory).
+"""
+
+from infinity.aio import aligned_empty
+from infinity.memory.pool import BufferPool, PoolRegion, PoolStats, PoolTooSmallError, format_nbytes
+from infinity.memory.ranges import RangeAllocator, round_up
+
+__all__ = [
+    "BufferPool",
+    "PoolRegion",
+    "PoolStats",
+    "PoolTooSmallError",
+    "RangeAllocator",
+    "aligned_empty",
+    "format_nbytes",
+    "round_up",
+]

@@ -1,0 +1,33 @@
+"""The tiered tensor store: keys at rest on NVMe or in host memory, made resident in pool memory and on the device.
+
+Imports only infinity.memory and infinity.aio (and torch). See DESIGN.md (store)
+and [Note: residency] in record.py.
+"""
+
+from infinity.store.errors import (
+    IntegrityError,
+    StoreError,
+    StoreIOError,
+    StoreStateError,
+    SwapSpaceError,
+)
+from infinity.store.futures import StoreFuture
+from infinity.store.record import KeySpec, Residency
+from infinity.store.stats import StoreStats, TierTraffic
+from infinity.store.store import TieredStore
+from infinity.store.swapdir import reclaim_stale
+
+__all__ = [
+    "IntegrityError",
+    "KeySpec",
+    "Residency",
+    "StoreError",
+    "StoreFuture",
+    "StoreIOError",
+    "StoreStateError",
+    "StoreStats",
+    "SwapSpaceError",
+    "TierTraffic",
+    "TieredStore",
+    "reclaim_stale",
+]

@@ -1,0 +1,233 @@
+"""The store's asynchrony: I/O ops in flight, the futures callers hold, and the reaper that completes ops.
+
+[Note: completing ops]
+An IoOp is one submitted request (a read or write of one or several keys, or
+a host-to-device copy). Its completion changes residency state and releases
+or keeps pool regions, so it must run exactly once, whoever notices first:
+- a caller waiting in ``StoreFuture.result()`` waits on the op's request
+  (outside the store lock, GIL released), then completes it;
+- otherwise the store's reaper thread notices (it waits on the oldest op a
+  few ms at a time and sweeps the rest), so regions return to the pool even
+  when nobody ever waits.
+The first to take the op's claim (under the store lock) completes it; anyone
+else waits for ``op.finished``. Futures are resolved after the store lock is
+released, so callbacks may call the store.
+
+Threading: StoreFuture methods may be called from any thread. The reaper
+holds its store weakly: a store that is dropped without close() is not kept
+alive by it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger("infinity.store")
+
+REAPER_SLICE_S = 0.02
+
+
+class IoOp:
+    """One request in flight and the keys whose state its completion changes."""
+
+    __slots__ = (
+        "kind",
+        "req",
+        "recs",
+        "nbytes",
+        "background",
+        "claimed",
+        "finished",
+        "t0",
+        "__weakref__",
+    )
+
+    def __init__(self, kind: str, req: Any, recs: list, nbytes: int, *, background: bool = False):
+        self.kind = kind  # "read" | "write" | "h2d"
+        self.req = req  # AioRequest, or anything with wait(timeout) and done()
+        self.recs = recs
+        self.nbytes = nbytes
+        self.background = (
+            background  # a write-back nobody waits for (errors are kept on the record)
+        )
+        self.claimed = False
+        self.finished = threading.Event()
+        self.t0 = time.monotonic()
+
+    def io_done(self) -> bool:
+        return bool(self.req.done())
+
+    def wait_io(self, timeout: float | None) -> bool:
+        """Waits until the request has ended (successfully or not); False on timeout."""
+        try:
+            self.req.wait(timeout)
+        except TimeoutError:
+            return self.io_done()
+        except Exception:
+            pass  # a failed request has ended; its error is raised when the op completes
+        return True
+
+    def error(self) -> BaseException | None:
+        """The request's exception, once it has ended."""
+        try:
+            self.req.wait(0)
+        except TimeoutError:
+            raise AssertionError("IoOp.error() before the request ended") from None
+        except Exception as e:
+            return e
+        return None
+
+
+class StoreFuture(concurrent.futures.Future):
+    """A store operation's result: ``result(timeout=None)``, ``done()``, ``exception()``, callbacks.
+
+    Waiting drives completion (see [Note: completing ops]); time spent blocked
+    in ``result`` is counted in the store's ``stats().wait_s``.
+    """
+
+    def __init__(self, store: Any = None, op: IoOp | None = None, label: str = ""):
+        super().__init__()
+        self._store = store
+        self._op = op
+        self._label = label
+        self._deps: Sequence[StoreFuture] = ()
+
+    def cancel(self) -> bool:
+        return False  # store transitions cannot be undone half way
+
+    def result(self, timeout: float | None = None) -> Any:
+        deadline = self._drive(timeout)
+        return super().result(_remaining(deadline))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        deadline = self._drive(timeout)
+        return super().exception(_remaining(deadline))
+
+    def _drive(self, timeout: float | None) -> float | None:
+        t0 = time.monotonic()
+        deadline = None if timeout is None else t0 + timeout
+        if self.done():
+            return deadline
+        try:
+            for dep in self._deps:
+                dep._drive(_remaining(deadline))
+            op = self._op
+            if op is not None and self._store is not None and not self.done():
+                if not op.wait_io(_remaining(deadline)):
+                    raise TimeoutError(self._timeout_message(timeout))
+                self._store._finish(op)
+                if not op.finished.wait(_remaining(deadline)):
+                    raise TimeoutError(self._timeout_message(timeout))
+            if not self.done():
+                # Resolved by another thread (one finding a region, or a write
+                # this fetch follows).
+                concurrent.futures.wait([self], _remaining(deadline))
+                if not self.done():
+                    raise TimeoutError(self._timeout_message(timeout))
+        finally:
+            if self._store is not None:
+                self._store._count_wait(time.monotonic() - t0)
+        return deadline
+
+    def _timeout_message(self, timeout: float | None) -> str:
+        return f"{self._label or 'store operation'} not complete after {timeout} s"
+
+    def __repr__(self) -> str:
+        return f"<StoreFuture {self._label} {'done' if self.done() else 'pending'}>"
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def done_future(value: Any = None, label: str = "") -> StoreFuture:
+    f = StoreFuture(label=label)
+    f.set_result(value)
+    return f
+
+
+def gather(futures: Sequence[StoreFuture], store: Any, label: str) -> StoreFuture:
+    """A future that completes when all of ``futures`` have; it raises the first failure."""
+    out = StoreFuture(store, None, label)
+    out._store = None  # waiting is counted by the dependencies
+    out._deps = tuple(futures)
+    if not futures:
+        out.set_result(None)
+        return out
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        for f in futures:
+            exc = f.exception(0)
+            if exc is not None:
+                out.set_exception(exc)
+                return
+        out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out
+
+
+class Reaper:
+    """A daemon thread that completes a store's ops nobody waits for (see [Note: completing ops])."""
+
+    def __init__(self, finish: Callable[..., None], name: str):
+        self._finish = weakref.WeakMethod(finish)  # type: ignore[arg-type]
+        self._cv = threading.Condition()
+        self._ops: list[IoOp] = []
+        self._stop = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"infinity-store-reaper[{name}]", daemon=True
+        )
+        self._thread.start()
+
+    def add(self, op: IoOp) -> None:
+        with self._cv:
+            self._ops.append(op)
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._ops and not self._stop:
+                    self._cv.wait(1.0)
+                    if self._finish() is None:
+                        return
+                if self._stop:
+                    return
+                oldest = self._ops[0]
+            oldest.wait_io(REAPER_SLICE_S)
+            with self._cv:
+                # One pass: an op that ends between two passes would be dropped unnoticed.
+                ended, pending = [], []
+                for op in self._ops:
+                    (ended if op.claimed or op.io_done() else pending).append(op)
+                self._ops = pending
+            finish = self._finish()
+            if finish is None:
+                return
+            for op in ended:
+                try:
+                    finish(op, wait=False)
+                except Exception:  # never let the reaper die: later ops would go unnoticed
+                    log.exception("infinity store reaper: completing an op failed")
+            del finish
