@@ -1,0 +1,229 @@
+// The Adam step, the overflow check and the bandwidth probe written once over
+// a vector abstraction V; each ISA translation unit (kernel_scalar.cc,
+// kernel_avx2.cc, kernel_avx512.cc) supplies V and instantiates the set.
+// Include only from those files: it must be compiled with their flags.
+//
+// V provides: R (a register of kWidth floats), load/store (unaligned),
+// set1, add, sub, mul, div, sqrt, fmadd(a, b, c) = a * b + c rounded once,
+// load_bf16/load_f16 (kWidth 16-bit values -> R), store_bf16/store_f16
+// (R -> kWidth 16-bit values, round to nearest even, see half.h),
+// U (an integer register) with zero_u, max_abs32 (kWidth fp32 bit patterns
+// with the sign cleared, max-accumulated), max_abs16 (2 * kWidth 16-bit
+// patterns likewise), hmax32, hmax16, and fence() (after streaming stores).
+//
+// [Note: Adam numerics]
+// torch.optim.Adam/AdamW with foreach=False run, per element and in fp32,
+// with every Python scalar (a double) rounded to fp32 first:
+//   Adam, wd > 0:  g = fma(p, wd, g)                       grad.add(p, alpha=wd)
+//   AdamW, wd > 0: p = p * (1 - lr*wd)                     param.mul_(...)
+//   m = fma(w, g - m, m), w = 1 - beta1 (w < 0.5)          exp_avg.lerp_(g, w)
+//     = fma(w - 1, g - m, g)             (otherwise)
+//   v = fma((1 - beta2) * g, g, v * beta2)                 mul_ + addcmul_
+//   d = sqrt(v) / sqrt(1 - beta2^step) + eps               sqrt / bc2 + eps
+//   p = p + (-(lr / (1 - beta1^step)) * m) / d             addcdiv_
+// with the fusions torch's x86-64 CPU kernels have as built (lerp and
+// add(alpha) call fmadd; GCC contracts addcmul's multiply-add), found by
+// comparing each op bit for bit with torch 2.13. The kernels do exactly these
+// operations in this order with the same roundings; files are compiled with
+// -ffp-contract=off so the compiler fuses nothing else, and the scalar path
+// calls std::fma where torch fuses. So every ISA gives the same bits, and
+// exp_avg and exp_avg_sq equal torch's bit for bit. The one op that differs:
+// sqrt here is IEEE (correctly rounded), while torch's x86 wheels take it from
+// MKL's vsSqrt, an ulp off for ~1% of inputs; so the update, and hence param,
+// can differ from torch's by an ulp of the update (relative 6e-8 of lr per
+// step), well inside the 1e-6 the tests allow.
+// NaN and inf propagate through the same operations, hence like torch.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+
+#include "adam/kernel.h"
+
+namespace infinity::adam {
+
+template <class V>
+struct Kernels {
+  using R = typename V::R;
+  static constexpr size_t W = V::kWidth;
+
+  struct Consts {
+    R weight_decay, decay, lerp_coeff, beta2, one_minus_beta2, bc2_sqrt, eps, neg_step_size;
+    bool lerp_small;
+    explicit Consts(const Coeffs& c)
+        : weight_decay(V::set1(c.weight_decay)),
+          decay(V::set1(c.decay)),
+          lerp_coeff(V::set1(c.lerp_coeff)),
+          beta2(V::set1(c.beta2)),
+          one_minus_beta2(V::set1(c.one_minus_beta2)),
+          bc2_sqrt(V::set1(c.bias_correction2_sqrt)),
+          eps(V::set1(c.eps)),
+          neg_step_size(V::set1(c.neg_step_size)),
+          lerp_small(c.lerp_small) {}
+  };
+
+  template <DType G>
+  static R load_grad(const void* g, size_t i) {
+    if constexpr (G == DType::kFloat32) {
+      return V::load(static_cast<const float*>(g) + i);
+    } else if constexpr (G == DType::kBFloat16) {
+      return V::load_bf16(static_cast<const uint16_t*>(g) + i);
+    } else {
+      return V::load_f16(static_cast<const uint16_t*>(g) + i);
+    }
+  }
+
+  // H: 0 = no copy, else the DType of the copy.
+  template <int H>
+  static void store_half(void* h, size_t i, R x) {
+    if constexpr (H == static_cast<int>(DType::kBFloat16)) {
+      V::store_bf16(static_cast<uint16_t*>(h) + i, x);
+    } else if constexpr (H == static_cast<int>(DType::kFloat16)) {
+      V::store_f16(static_cast<uint16_t*>(h) + i, x);
+    }
+  }
+
+  // One vector of elements; see [Note: Adam numerics].
+  template <WeightDecay D>
+  static inline void update(const Consts& k, R& p, R g, R& m, R& v) {
+    if constexpr (D == WeightDecay::kL2) g = V::fmadd(p, k.weight_decay, g);
+    if constexpr (D == WeightDecay::kDecoupled) p = V::mul(p, k.decay);
+    const R diff = V::sub(g, m);
+    m = V::fmadd(k.lerp_coeff, diff, k.lerp_small ? m : g);
+    v = V::fmadd(V::mul(k.one_minus_beta2, g), g, V::mul(v, k.beta2));
+    const R denom = V::add(V::div(V::sqrt(v), k.bc2_sqrt), k.eps);
+    p = V::add(V::div(V::mul(k.neg_step_size, m), denom), p);
+  }
+
+  template <DType G, int H, WeightDecay D>
+  static void step_vectors(const Consts& k, const Buffers& b, size_t i, size_t end) {
+    float* __restrict p = b.param;
+    float* __restrict m = b.exp_avg;
+    float* __restrict v = b.exp_avg_sq;
+    for (; i + W <= end; i += W) {
+      R pv = V::load(p + i);
+      R mv = V::load(m + i);
+      R vv = V::load(v + i);
+      update<D>(k, pv, load_grad<G>(b.grad, i), mv, vv);
+      V::store(p + i, pv);
+      V::store(m + i, mv);
+      V::store(v + i, vv);
+      store_half<H>(b.out_half, i, pv);
+    }
+  }
+
+  template <DType G, int H, WeightDecay D>
+  static void step_range(const Coeffs& c, const Buffers& b, size_t begin, size_t end) {
+    const Consts k(c);
+    const size_t body_end = begin + (end - begin) / W * W;
+    step_vectors<G, H, D>(k, b, begin, body_end);
+    if (body_end == end) return;
+    // The last partial vector goes through stack copies so that it takes the
+    // very same instructions (and roundings) as the body.
+    const size_t n = end - body_end;
+    const size_t gsize = G == DType::kFloat32 ? 4 : 2;
+    alignas(64) float tp[W] = {}, tm[W] = {}, tv[W] = {};
+    alignas(64) unsigned char tg[W * 4] = {};
+    alignas(64) uint16_t th[W] = {};
+    std::memcpy(tp, b.param + body_end, n * 4);
+    std::memcpy(tm, b.exp_avg + body_end, n * 4);
+    std::memcpy(tv, b.exp_avg_sq + body_end, n * 4);
+    std::memcpy(tg, static_cast<const unsigned char*>(b.grad) + body_end * gsize, n * gsize);
+    Buffers t = b;
+    t.param = tp;
+    t.exp_avg = tm;
+    t.exp_avg_sq = tv;
+    t.grad = tg;
+    t.out_half = th;
+    step_vectors<G, H, D>(k, t, 0, W);
+    std::memcpy(b.param + body_end, tp, n * 4);
+    std::memcpy(b.exp_avg + body_end, tm, n * 4);
+    std::memcpy(b.exp_avg_sq + body_end, tv, n * 4);
+    if (H != 0) std::memcpy(static_cast<uint16_t*>(b.out_half) + body_end, th, n * 2);
+  }
+
+  template <DType G, int H>
+  static void step_decay(const Coeffs& c, const Buffers& b, size_t begin, size_t end) {
+    switch (c.decay_mode) {
+      case WeightDecay::kNone: return step_range<G, H, WeightDecay::kNone>(c, b, begin, end);
+      case WeightDecay::kL2: return step_range<G, H, WeightDecay::kL2>(c, b, begin, end);
+      case WeightDecay::kDecoupled: return step_range<G, H, WeightDecay::kDecoupled>(c, b, begin, end);
+    }
+  }
+
+  template <DType G>
+  static void step_half(const Coeffs& c, const Buffers& b, size_t begin, size_t end) {
+    if (b.out_half == nullptr) return step_decay<G, 0>(c, b, begin, end);
+    if (b.half_dtype == DType::kBFloat16) {
+      return step_decay<G, static_cast<int>(DType::kBFloat16)>(c, b, begin, end);
+    }
+    return step_decay<G, static_cast<int>(DType::kFloat16)>(c, b, begin, end);
+  }
+
+  static void step(const Coeffs& c, const Buffers& b, size_t begin, size_t end) {
+    switch (b.grad_dtype) {
+      case DType::kFloat32: step_half<DType::kFloat32>(c, b, begin, end); break;
+      case DType::kBFloat16: step_half<DType::kBFloat16>(c, b, begin, end); break;
+      case DType::kFloat16: step_half<DType::kFloat16>(c, b, begin, end); break;
+    }
+    V::fence();
+  }
+
+  // Blocks of kBlock elements between looks at the other threads' verdict.
+  static constexpr size_t kBlock = 16384;
+
+  static bool has_overflow(const void* data, DType dtype, size_t begin, size_t end,
+                           const std::atomic<bool>* found) {
+    // A value is inf or NaN when its magnitude bits reach the exponent's all-ones.
+    const bool wide = dtype == DType::kFloat32;
+    const uint32_t limit = wide ? 0x7f800000u : dtype == DType::kBFloat16 ? 0x7f80u : 0x7c00u;
+    const size_t step = wide ? W : 2 * W;
+    size_t i = begin;
+    while (i < end) {
+      if (found != nullptr && found->load(std::memory_order_relaxed)) return true;
+      const size_t block_end = end - i > kBlock ? i + kBlock : end;
+      typename V::U acc = V::zero_u();
+      for (; i + step <= block_end; i += step) {
+        acc = wide ? V::max_abs32(acc, static_cast<const float*>(data) + i)
+                   : V::max_abs16(acc, static_cast<const uint16_t*>(data) + i);
+      }
+      uint32_t top = wide ? V::hmax32(acc) : V::hmax16(acc);
+      for (; i < block_end; ++i) {  // the rest of the last block
+        uint32_t bits;
+        if (wide) {
+          std::memcpy(&bits, static_cast<const float*>(data) + i, 4);
+          bits &= 0x7fffffffu;
+        } else {
+          bits = static_cast<const uint16_t*>(data)[i] & 0x7fffu;
+        }
+        top = bits > top ? bits : top;
+      }
+      if (top >= limit) return true;
+    }
+    return false;
+  }
+
+  static void stream(const Buffers& b, size_t begin, size_t end) {
+    float* __restrict p = b.param;
+    float* __restrict m = b.exp_avg;
+    float* __restrict v = b.exp_avg_sq;
+    const float* __restrict g = static_cast<const float*>(b.grad);
+    size_t i = begin;
+    for (; i + W <= end; i += W) {
+      const R gv = V::load(g + i);
+      V::store(p + i, V::add(V::load(p + i), gv));
+      V::store(m + i, V::add(V::load(m + i), gv));
+      V::store(v + i, V::add(V::load(v + i), gv));
+    }
+    for (; i < end; ++i) {
+      p[i] += g[i];
+      m[i] += g[i];
+      v[i] += g[i];
+    }
+  }
+
+  static KernelSet make(Isa isa) { return KernelSet{isa, &step, &has_overflow, &stream}; }
+};
+
+}  // namespace infinity::adam
