@@ -1,35 +1,57 @@
 // Dispatch for csrc/adam: checks arguments, derives the fp32 step constants
 // from the double hyper-parameters, picks the kernel set for the ISA, and
-// splits the elements of all tensors of a call evenly over the threads.
+// hands the elements of all tensors of a call to the threads in chunks.
 //
 // [Note: partitioning]
-// A call's tensors are laid end to end in one index space; thread i takes
-// [total*i/t, total*(i+1)/t) rounded down to 64 elements (a cache line of
-// the 16-bit copy is 32 elements), walking across tensor boundaries. One
-// dispatch per call however many tensors: 200 small tensors cost one wake-up,
-// not 200. Kernels give the same bits for any split (kernel.h), so the result
-// does not depend on the thread count.
+// A call's tensors are laid end to end in one index space, cut into chunks of
+// kChunkElements (a multiple of 64 elements, so that two threads write to a
+// common cache line only where a tensor boundary falls inside one), which the
+// threads take in turn from an atomic counter until none are left. Taking work dynamically
+// rather than in fixed halves matters on a busy machine: a thread that lost
+// its core to another thread (I/O workers, another process) holds up the step
+// by one chunk, not by its whole share. One dispatch per call however many
+// tensors: 200 small tensors cost one parallel region, not 200. Kernels give
+// the same bits for any split (kernel.h), so results do not depend on the
+// thread count or on who took which chunk. Threads: [Note: threads] in
+// parallel.h.
 #include "adam/adam.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "adam/kernel.h"
-#include "adam/thread_pool.h"
+#include "adam/parallel.h"
 
 namespace infinity::adam {
 namespace {
 
 // Below this many elements per thread a wake-up costs more than it saves.
 constexpr size_t kMinElementsPerThread = 32768;
+// The unit threads take work in ([Note: partitioning]); 128 KiB of each fp32 array.
+constexpr size_t kChunkElements = 32768;
 
 size_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+size_t last_level_cache_bytes() {
+  long bytes = -1;
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+  if (bytes <= 0) bytes = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+  return bytes > 0 ? static_cast<size_t>(bytes) : size_t{32} << 20;  // unknown: 32 MiB
+}
+
+std::atomic<size_t> g_stream_min_bytes{last_level_cache_bytes()};
 
 const KernelSet& kernels_for(Isa isa) {
   if (!isa_supported(isa)) {
@@ -151,25 +173,24 @@ void parallel_ranges(const std::vector<size_t>& starts, int num_threads, F&& f) 
   const size_t total = starts.back();
   if (total == 0) return;
   const size_t by_size = std::max<size_t>(1, total / kMinElementsPerThread);
-  const size_t t = std::min<size_t>(static_cast<size_t>(num_threads), by_size);
-  auto split = [&](size_t i) -> size_t {
-    if (i >= t) return total;
-    const auto s = static_cast<size_t>(static_cast<unsigned __int128>(total) * i / t);
-    return s & ~static_cast<size_t>(63);
-  };
-  const std::function<void(int)> task = [&](int i) {
-    const size_t lo = split(static_cast<size_t>(i));
-    const size_t hi = split(static_cast<size_t>(i) + 1);
-    if (lo >= hi) return;
-    size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
-                                   starts.begin()) - 1;
-    for (; k < count && starts[k] < hi; ++k) {
-      const size_t b = std::max(lo, starts[k]) - starts[k];
-      const size_t e = std::min(hi, starts[k + 1]) - starts[k];
-      if (b < e) f(k, b, e);
+  const size_t wanted = std::min<size_t>(static_cast<size_t>(num_threads), by_size);
+  const size_t chunks = (total + kChunkElements - 1) / kChunkElements;
+  std::atomic<size_t> next{0};
+  parallel_run(static_cast<int>(wanted), [&] {
+    for (;;) {
+      const size_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      const size_t lo = c * kChunkElements;
+      const size_t hi = std::min(total, lo + kChunkElements);
+      size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
+                                     starts.begin()) - 1;
+      for (; k < count && starts[k] < hi; ++k) {
+        const size_t b = std::max(lo, starts[k]) - starts[k];
+        const size_t e = std::min(hi, starts[k + 1]) - starts[k];
+        if (b < e) f(k, b, e);
+      }
     }
-  };
-  ThreadPool::global().run(static_cast<int>(t), task);
+  });
 }
 
 std::vector<size_t> prefix(const size_t* numel, size_t count) {
@@ -217,13 +238,22 @@ const char* isa_name(Isa isa) {
   return "unknown";
 }
 
+const char* threading_backend() { return parallel_backend(); }
+
+size_t stream_min_bytes() { return g_stream_min_bytes.load(); }
+void set_stream_min_bytes(size_t bytes) { g_stream_min_bytes.store(bytes); }
+
 void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, Isa isa,
                int num_threads) {
-  const Coeffs c = derive(hyper);
+  Coeffs c = derive(hyper);
   const KernelSet& k = kernels_for(isa);
   check_threads(num_threads);
   check_no_overlap(tensors, count);
-  parallel_ranges(prefix(tensors, count), num_threads,
+  const std::vector<size_t> starts = prefix(tensors, count);
+  // [Note: streaming the 16-bit copy] in kernel_impl.h: only when the step's
+  // buffers (16 bytes per parameter and more) cannot stay in the cache anyway.
+  c.stream_half = starts.back() * 16 > g_stream_min_bytes.load(std::memory_order_relaxed);
+  parallel_ranges(starts, num_threads,
                   [&](size_t t, size_t b, size_t e) { k.step(c, tensors[t], b, e); });
 }
 

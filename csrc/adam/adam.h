@@ -9,8 +9,8 @@
 // Invariants: every buffer is contiguous, holds `numel` elements, and no two
 // buffers of one tensor overlap (checked; std::invalid_argument otherwise).
 // Threading: adam_step() and has_overflow() may be called from any thread;
-// each call splits its elements over `num_threads` threads (the caller is one
-// of them) of a process-wide pool and returns when all are done.
+// each call splits its elements over up to `num_threads` OpenMP threads (the
+// caller is one of them) and returns when all are done (parallel.h).
 //
 // This layer knows neither torch nor pybind11: raw pointers and counts only.
 #pragma once
@@ -53,6 +53,15 @@ struct Hyper {
 bool isa_supported(Isa isa);
 Isa best_isa();
 const char* isa_name(Isa isa);
+
+// "openmp", or "serial" for a build without OpenMP.
+const char* threading_backend();
+
+// Steps whose buffers exceed this many bytes (16 per parameter) write the
+// 16-bit copy with non-temporal stores; default: the last-level cache size.
+// Process-wide; tests lower it to exercise that path on small tensors.
+size_t stream_min_bytes();
+void set_stream_min_bytes(size_t bytes);
 
 // Updates `count` tensors in place. Throws std::invalid_argument on a bad
 // hyper-parameter, an unsupported ISA, or overlapping buffers.

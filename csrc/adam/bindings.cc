@@ -94,6 +94,11 @@ PYBIND11_MODULE(_adam, m) {
   m.def("best_isa", [] { return static_cast<int>(ad::best_isa()); },
         "The widest ISA this CPU supports (chosen from CPUID).");
   m.def("isa_name", [](int isa) { return std::string(ad::isa_name(to_isa(isa))); }, py::arg("isa"));
+  m.def("stream_min_bytes", &ad::stream_min_bytes,
+        "Steps over more bytes than this (16 per parameter) stream the 16-bit copy past the cache.");
+  m.def("set_stream_min_bytes", &ad::set_stream_min_bytes, py::arg("nbytes"));
+  m.def("threading_backend", [] { return std::string(ad::threading_backend()); },
+        "\"openmp\" (sharing torch's libgomp), or \"serial\" for a build without OpenMP.");
 
   m.def(
       "adam_step",
@@ -144,6 +149,31 @@ PYBIND11_MODULE(_adam, m) {
       },
       py::arg("data"), py::arg("numels"), py::arg("dtypes"), py::arg("isa"), py::arg("num_threads"),
       "True when any element of the arrays is inf or NaN.");
+
+  // torch keeps each parameter's step count in its own 0-dim tensor; with
+  // hundreds of parameters, reading and bumping them with tensor ops costs more
+  // than the step itself on small models. Pointers checked by the caller
+  // (infinity/optim/cpu_adam.py): 0-dim CPU float32 or float64.
+  m.def(
+      "bump_step_counts",
+      [](const std::vector<uintptr_t>& ptrs, const std::vector<int>& is_double, double increment) {
+        check_len(is_double, ptrs.size(), "is_double");
+        std::vector<double> before(ptrs.size());
+        for (size_t i = 0; i < ptrs.size(); ++i) {
+          if (is_double[i]) {
+            auto* p = reinterpret_cast<double*>(ptrs[i]);
+            before[i] = *p;
+            *p = *p + increment;
+          } else {
+            auto* p = reinterpret_cast<float*>(ptrs[i]);
+            before[i] = *p;
+            *p = *p + static_cast<float>(increment);
+          }
+        }
+        return before;
+      },
+      py::arg("ptrs"), py::arg("is_double"), py::arg("increment"),
+      "Adds `increment` to each 0-dim step tensor (fp32 or fp64) in place; returns the values before.");
 
   m.def(
       "stream_bound",

@@ -29,6 +29,7 @@ struct Coeffs {
   float bias_correction2_sqrt = 1.0f;
   float eps = 1e-8f;
   float neg_step_size = -1e-3f;  // -lr / (1 - beta1^step)
+  bool stream_half = false;      // non-temporal stores for the 16-bit copy (kernel_impl.h)
 };
 
 struct KernelSet {

@@ -11,6 +11,7 @@ struct Avx2 {
   using R = __m256;
   using U = __m256i;
   static constexpr size_t kWidth = 8;
+  static constexpr bool kCanStream = true;
 
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
@@ -30,7 +31,7 @@ struct Avx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   // Round to nearest even in integers (half.h float_to_bf16), NaN made quiet.
-  static void store_bf16(uint16_t* p, R x) {
+  static __m128i to_bf16(R x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(u, 16);
     const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
@@ -40,12 +41,13 @@ struct Avx2 {
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
     // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather qwords 0 and 2.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(packed);
   }
-  static void store_f16(uint16_t* p, R x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m128i to_f16(R x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, R x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static void store_f16(uint16_t* p, R x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
+  static void stream_bf16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static void stream_f16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
 
   static U zero_u() { return _mm256_setzero_si256(); }
   static U max_abs32(U acc, const float* p) {

@@ -11,6 +11,7 @@ struct Avx512 {
   using R = __m512;
   using U = __m512i;
   static constexpr size_t kWidth = 16;
+  static constexpr bool kCanStream = true;
 
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
@@ -30,7 +31,7 @@ struct Avx512 {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   // Round to nearest even in integers (half.h float_to_bf16), NaN made quiet.
-  static void store_bf16(uint16_t* p, R x) {
+  static __m256i to_bf16(R x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i hi = _mm512_srli_epi32(u, 16);
     const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
@@ -38,12 +39,13 @@ struct Avx512 {
     r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void store_f16(uint16_t* p, R x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m256i to_f16(R x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, R x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static void store_f16(uint16_t* p, R x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_f16(x)); }
+  static void stream_bf16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static void stream_f16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(x)); }
 
   static U zero_u() { return _mm512_setzero_si512(); }
   static U max_abs32(U acc, const float* p) {

@@ -13,6 +13,7 @@ struct Scalar {
   using R = float;
   using U = uint32_t;
   static constexpr size_t kWidth = 1;
+  static constexpr bool kCanStream = false;
 
   static R load(const float* p) { return *p; }
   static void store(float* p, R x) { *p = x; }
@@ -27,6 +28,8 @@ struct Scalar {
   static R load_f16(const uint16_t* p) { return half_to_float(*p); }
   static void store_bf16(uint16_t* p, R x) { *p = float_to_bf16(x); }
   static void store_f16(uint16_t* p, R x) { *p = float_to_half(x); }
+  static void stream_bf16(uint16_t* p, R x) { store_bf16(p, x); }
+  static void stream_f16(uint16_t* p, R x) { store_f16(p, x); }
 
   static U zero_u() { return 0; }
   static U max_abs32(U acc, const float* p) {

@@ -12,6 +12,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# torch first: its libgomp must be loaded before _adam's, so that both bind to
+# that one OpenMP runtime ([Note: threads] in csrc/adam/parallel.h).
+import torch  # noqa: F401, I001
+
 from infinity import _adam
 
 ENV_VAR = "INFINITY_ADAM_ISA"

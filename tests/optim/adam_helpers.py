@@ -1,6 +1,11 @@
 """Helpers shared by the CPU Adam tests."""
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+from infinity import _adam
 
 
 def assert_adam_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -19,3 +24,14 @@ def assert_adam_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of a float tensor, for exact comparisons that see NaN payloads and -0."""
     return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@contextlib.contextmanager
+def streamed_copy(on: bool = True) -> Iterator[None]:
+    """Force (or forbid) non-temporal stores for the 16-bit copy, whatever the step's size."""
+    previous = _adam.stream_min_bytes()
+    _adam.set_stream_min_bytes(0 if on else 2**63)
+    try:
+        yield
+    finally:
+        _adam.set_stream_min_bytes(previous)

@@ -1,4 +1,5 @@
 import pytest
+from adam_helpers import streamed_copy
 
 from infinity.optim import kernel
 
@@ -11,3 +12,10 @@ def isa(request):
         pytest.skip(f"this CPU cannot run the {name} kernels (it supports {', '.join(kernel.supported_isas())})")
     with kernel.use_isa(name):
         yield name
+
+
+@pytest.fixture(params=[False, True], ids=["cached-copy", "streamed-copy"])
+def copy_mode(request):
+    """Runs the test with the 16-bit copy written through the cache, and with non-temporal stores."""
+    with streamed_copy(request.param):
+        yield request.param

@@ -27,7 +27,7 @@ def _assert_same_conversion(p: torch.Tensor, out: torch.Tensor, half: torch.dtyp
 
 
 @pytest.mark.parametrize("half", [BF16, F16], ids=str)
-def test_every_fp32_bit_pattern_class(isa, half):
+def test_every_fp32_bit_pattern_class(isa, half, copy_mode):
     """2^20 random fp32 bit patterns: normals, subnormals, ties, infs, NaNs with payloads, both signs."""
     gen = torch.Generator().manual_seed(5)
     values = torch.randint(-(2**31), 2**31, (1 << 20,), dtype=torch.int64, generator=gen).to(torch.int32).view(torch.float32)
@@ -53,7 +53,7 @@ def _edges() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("half", [BF16, F16], ids=str)
-def test_edge_values(isa, half):
+def test_edge_values(isa, half, copy_mode):
     values = _edges()
     p, out = _copy_through_step(values, half)
     _assert_same_conversion(p, out, half)
@@ -73,3 +73,17 @@ def test_half_gradients_are_read_exactly(isa, grad_dtype):
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(bits(a)[~a.isnan()], bits(b)[~b.isnan()])
+
+
+@pytest.mark.parametrize("offset", [0, 1, 7, 16, 33])
+def test_copy_into_unaligned_views(isa, copy_mode, offset):
+    """out_half may start anywhere: streamed stores need alignment, reached element by element."""
+    n = 1000
+    values = torch.randn(n)
+    buffer = torch.full((n + 64,), -7.0, dtype=BF16)
+    out = buffer[offset : offset + n]
+    p, g, m, v = values.clone(), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    adam_step(p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, out_half=out)
+    assert torch.equal(bits(out), bits(p.to(BF16)))
+    untouched = torch.cat([buffer[:offset], buffer[offset + n :]])
+    assert bool((untouched == -7.0).all()), "nothing outside out_half is written"

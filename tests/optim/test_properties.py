@@ -4,7 +4,7 @@ Every kernel set this CPU supports gives the same bits, and they match torch.
 """
 
 import torch
-from adam_helpers import assert_adam_close, bits
+from adam_helpers import assert_adam_close, bits, streamed_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,21 +74,26 @@ def test_every_isa_gives_the_same_bits_and_matches_torch(numel, h, steps, grad_d
 @given(
     numels=st.lists(st.one_of(st.integers(0, 40), st.integers(41, 70_000)), min_size=1, max_size=6),
     threads=st.integers(1, 5),
+    offset=st.integers(0, 40),
+    streamed=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_foreach_equals_one_call_per_tensor_for_any_thread_count(numels, threads, seed):
-    """Splitting the elements of many tensors over threads never changes a bit."""
+def test_foreach_equals_one_call_per_tensor_for_any_thread_count(numels, threads, offset, streamed, seed):
+    """Splitting the elements of many tensors over threads (and streaming the copy) never changes a bit."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=gen) for n in numels]
     grads = [torch.randn(n, generator=gen).to(BF16) for n in numels]
     h = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "adamw": True}
     ours = [p.clone() for p in params]
     ms, vs = [torch.full_like(p, 0.1) for p in params], [torch.full_like(p, 0.2) for p in params]
-    halves = [torch.empty(n, dtype=F16) for n in numels]
-    foreach_adam_step(ours, grads, ms, vs, step=3, out_halves=halves, num_threads=threads, **h)
+    # The 16-bit copies are views into one buffer, at an arbitrary alignment.
+    halves = list(torch.empty(offset + sum(numels), dtype=F16)[offset:].split(numels))
+    with streamed_copy(streamed):
+        foreach_adam_step(ours, grads, ms, vs, step=3, out_halves=halves, num_threads=threads, **h)
     for p, g, m, v, out in zip(params, grads, ms, vs, halves, strict=True):
         m1, v1, out1 = torch.full_like(p, 0.1), torch.full_like(p, 0.2), torch.empty_like(out)
-        adam_step(p, g, m1, v1, step=3, out_half=out1, num_threads=1, **h)
+        with streamed_copy(False):
+            adam_step(p, g, m1, v1, step=3, out_half=out1, num_threads=1, **h)
         assert torch.equal(bits(m), bits(m1)) and torch.equal(bits(v), bits(v1))
         assert torch.equal(bits(out), bits(out1))
     for a, b in zip(ours, params, strict=True):
