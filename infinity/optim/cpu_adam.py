@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from infinity import _adam
 from infinity.optim.functional import foreach_adam_step
 
 # Keys torch.optim.Adam keeps in every group; a state dict saved here must
@@ -34,6 +35,7 @@ _TORCH_GROUP_DEFAULTS: dict[str, Any] = {
     "differentiable": False,
     "fused": None,
 }
+_STEP_DTYPES = (torch.float32, torch.float64)
 _UNSUPPORTED = {
     "amsgrad": "use torch.optim.AdamW(amsgrad=True) for AMSGrad",
     "maximize": "negate the loss instead",
@@ -173,7 +175,7 @@ class CPUAdam(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any]) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, step_ptrs, step_is_double = [], [], [], [], [], []
         for p in group["params"]:
             grad = p.grad
             if grad is None:
@@ -187,18 +189,25 @@ class CPUAdam(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            step = state["step"]
+            if not (type(step) is torch.Tensor and step.is_cpu and step.dtype in _STEP_DTYPES and step.dim() == 0):
+                step = state["step"] = torch.tensor(float(step), dtype=torch.float32)  # e.g. an int from an old checkpoint
             params.append(p)
             grads.append(grad)
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
+            step_ptrs.append(step.data_ptr())
+            step_is_double.append(step.dtype is torch.float64)
         if not params:
             return
-        # Tensors are stepped together when they are at the same step count
-        # (always, unless some parameter skipped steps without a gradient).
+        # [Note: step counts] torch keeps one 0-dim tensor per parameter; they
+        # are read and bumped through their pointers (tensor ops on hundreds of
+        # them cost more than a small model's whole step), after the kernel
+        # succeeded. Tensors are stepped together when they are at the same
+        # count: always, unless some parameter skipped steps without a gradient.
         buckets: dict[float, list[int]] = {}
-        for i, s in enumerate(steps):
-            buckets.setdefault(s.item(), []).append(i)
+        for i, done in enumerate(_adam.bump_step_counts(step_ptrs, step_is_double, 0.0)):
+            buckets.setdefault(done, []).append(i)
         beta1, beta2 = group["betas"]
         for done, idx in buckets.items():
             if len(buckets) == 1:
@@ -217,5 +226,5 @@ class CPUAdam(torch.optim.Optimizer):
                 bias_correction=bool(group["bias_correction"]),
                 num_threads=self.num_threads,
             )
-        torch._foreach_add_(steps, 1)
+        _adam.bump_step_counts(step_ptrs, step_is_double, 1.0)
         _bump_versions(params)

@@ -64,6 +64,34 @@ def _threads(num_threads: int | None) -> int:
     return num_threads
 
 
+def _check_one(
+    suffix: str, p: object, g: object, m: object, v: object, h: object
+) -> tuple[int, int, int]:
+    """Checks one parameter's tensors; returns (numel, grad code, half code or -1) or raises the error."""
+    if not (isinstance(p, torch.Tensor) and p.is_cpu and p.dtype is _F32 and p.layout is torch.strided and p.is_contiguous()):
+        raise _explain("param" + suffix, p, (_F32,), None)
+    n = p.numel()
+    for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.is_cpu
+            and t.dtype is _F32
+            and t.layout is torch.strided
+            and t.is_contiguous()
+            and t.numel() == n
+        ):
+            raise _explain(name + suffix, t, (_F32,), n)
+    g_code = _GRAD_CODES.get(g.dtype) if isinstance(g, torch.Tensor) else None
+    if not (g_code is not None and g.is_cpu and g.layout is torch.strided and g.is_contiguous() and g.numel() == n):
+        raise _explain("grad" + suffix, g, tuple(_GRAD_CODES), n)
+    if h is None:
+        return n, g_code, -1
+    h_code = _HALF_CODES.get(h.dtype) if isinstance(h, torch.Tensor) else None
+    if not (h_code is not None and h.is_cpu and h.layout is torch.strided and h.is_contiguous() and h.numel() == n):
+        raise _explain("out_half" + suffix, h, tuple(_HALF_CODES), n)
+    return n, g_code, h_code
+
+
 def _gather(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -72,7 +100,12 @@ def _gather(
     out_halves: Sequence[torch.Tensor | None] | None,
     single: bool,
 ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]]:
-    """Checks every tensor and returns the kernel's argument lists (pointers, sizes, dtype codes)."""
+    """Checks every tensor and returns the kernel's argument lists (pointers, sizes, dtype codes).
+
+    The common case (everything right) takes one combined test per parameter:
+    CPUAdam calls this for every tensor on every step. Only a failure takes
+    the slow path that finds and names what is wrong.
+    """
     count = len(params)
     for what, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         if len(seq) != count:
@@ -81,55 +114,50 @@ def _gather(
         raise ValueError(
             f"out_halves has {len(out_halves)} entries but params has {count}; pass one per param (None to skip one)"
         )
-    p_ptrs, g_ptrs, m_ptrs, v_ptrs, h_ptrs = [], [], [], [], []
+    halves = out_halves if out_halves is not None else (None,) * count
     numels, g_codes, h_codes = [], [], []
-    tensor = torch.Tensor
+    f32, codes = _F32, _GRAD_CODES
     for i in range(count):
-        p, g, m, v = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
-        h = None if out_halves is None else out_halves[i]
-        suffix = "" if single else f"[{i}]"
-        if not (
-            isinstance(p, tensor) and p.is_cpu and p.dtype is _F32 and p.layout is torch.strided and p.is_contiguous()
-        ):
-            raise _explain("param" + suffix, p, (_F32,), None)
-        n = p.numel()
-        for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
-            if not (
-                isinstance(t, tensor)
-                and t.is_cpu
-                and t.dtype is _F32
-                and t.layout is torch.strided
-                and t.is_contiguous()
-                and t.numel() == n
-            ):
-                raise _explain(name + suffix, t, (_F32,), n)
-        g_code = _GRAD_CODES.get(g.dtype) if isinstance(g, tensor) else None
-        if not (
-            g_code is not None and g.is_cpu and g.layout is torch.strided and g.is_contiguous() and g.numel() == n
-        ):
-            raise _explain("grad" + suffix, g, tuple(_GRAD_CODES), n)
-        if h is None:
-            h_ptrs.append(0)
-            h_codes.append(-1)
-        else:
-            h_code = _HALF_CODES.get(h.dtype) if isinstance(h, tensor) else None
-            if not (
-                h_code is not None
-                and h.is_cpu
-                and h.layout is torch.strided
-                and h.is_contiguous()
-                and h.numel() == n
-            ):
-                raise _explain("out_half" + suffix, h, tuple(_HALF_CODES), n)
-            h_ptrs.append(h.data_ptr())
-            h_codes.append(h_code)
-        p_ptrs.append(p.data_ptr())
-        g_ptrs.append(g.data_ptr())
-        m_ptrs.append(m.data_ptr())
-        v_ptrs.append(v.data_ptr())
+        p, g, m, v, h = params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], halves[i]
+        try:
+            n = p.numel()
+            ok = (
+                p.dtype is f32
+                and m.dtype is f32
+                and v.dtype is f32
+                and p.is_cpu
+                and m.is_cpu
+                and v.is_cpu
+                and g.is_cpu
+                and p.is_contiguous()
+                and m.is_contiguous()
+                and v.is_contiguous()
+                and g.is_contiguous()
+                and m.numel() == n
+                and v.numel() == n
+                and g.numel() == n
+                and (h is None or (h.dtype in _HALF_CODES and h.is_cpu and h.is_contiguous() and h.numel() == n))
+            )
+            g_code = codes.get(g.dtype)
+        except (AttributeError, TypeError, RuntimeError):
+            ok, g_code = False, None
+        if ok and g_code is not None:
+            h_code = -1 if h is None else _HALF_CODES[h.dtype]
+        else:  # the precise check raises the error that names what is wrong
+            n, g_code, h_code = _check_one("" if single else f"[{i}]", p, g, m, v, h)
         numels.append(n)
         g_codes.append(g_code)
-    return p_ptrs, g_ptrs, m_ptrs, v_ptrs, h_ptrs, numels, g_codes, h_codes
+        h_codes.append(h_code)
+    return (
+        [t.data_ptr() for t in params],
+        [t.data_ptr() for t in grads],
+        [t.data_ptr() for t in exp_avgs],
+        [t.data_ptr() for t in exp_avg_sqs],
+        [0 if t is None else t.data_ptr() for t in halves],
+        numels,
+        g_codes,
+        h_codes,
+    )
 
 
 def adam_step(

@@ -124,3 +124,23 @@ def test_nan_and_inf_propagate_like_torch(isa):
             assert_adam_close(ours, theirs)
         assert torch.equal(out.isnan(), param.isnan())
         assert param.isnan().any() and param.isfinite().any()
+
+
+def test_parameters_that_skip_steps(isa):
+    """A parameter without a gradient is not stepped, so step counts diverge: each keeps its own, as in torch."""
+    gen = torch.Generator().manual_seed(6)
+    init = [torch.randn(50, generator=gen), torch.randn(7, generator=gen), torch.randn(300, generator=gen)]
+    ours = [torch.nn.Parameter(t.clone()) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = CPUAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(20):
+        for i, (p, q) in enumerate(zip(ours, ref, strict=True)):
+            has_grad = i == 0 or (i == 1 and step % 2 == 0) or (i == 2 and step % 3 == 1)
+            g = torch.randn(p.shape, generator=gen) if has_grad else None
+            p.grad, q.grad = g, None if g is None else g.clone()
+        opt.step()
+        ref_opt.step()
+    assert [opt.state[p]["step"].item() for p in ours] == [20, 10, 7]
+    for p, q in zip(ours, ref, strict=True):
+        assert_adam_close(p.detach(), q.detach())

@@ -94,3 +94,22 @@ def test_loaded_state_is_made_contiguous():
     opt.load_state_dict(saved)
     assert all(opt.state[w][k].is_contiguous() for k in ("exp_avg", "exp_avg_sq"))
     opt.step()
+
+
+@pytest.mark.parametrize("make_step", [lambda: 3, lambda: torch.tensor(3.0, dtype=torch.float64)], ids=["int", "float64"])
+def test_old_and_double_step_counts(make_step):
+    """Step counts saved as ints (old checkpoints) or fp64 tensors (default dtype double) continue the count."""
+    model, ref = _model(), _model()
+    opt = CPUAdam(model.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False)
+    _train(model, opt, 3, seed=5)
+    _train(ref, ref_opt, 3, seed=5)
+    saved = opt.state_dict()
+    for s in saved["state"].values():
+        s["step"] = make_step()
+    opt.load_state_dict(saved)
+    _train(model, opt, 2, seed=6)
+    _train(ref, ref_opt, 2, seed=6)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert float(opt.state[p]["step"]) == 5
+        assert_adam_close(p.detach(), q.detach())
