@@ -5,27 +5,27 @@
 // [Note: partitioning]
 // A call's tensors are laid end to end in one index space, cut into chunks of
 // kChunkElements (a multiple of 64 elements, so that two threads write to a
-// common cache line only where a tensor boundary falls inside one), which the
-// threads take in turn from an atomic counter until none are left. Taking work dynamically
-// rather than in fixed halves matters on a busy machine: a thread that lost
-// its core to another thread (I/O workers, another process) holds up the step
-// by one chunk, not by its whole share. One dispatch per call however many
-// tensors: 200 small tensors cost one parallel region, not 200. Kernels give
-// the same bits for any split (kernel.h), so results do not depend on the
-// thread count or on who took which chunk. Threads: [Note: threads] in
-// parallel.h.
+// common cache line only where a tensor boundary falls inside one), which
+// the threads take in turn from an atomic counter until none are left.
+// Taking work dynamically rather than in fixed shares matters on a busy
+// machine: a thread that lost its core (to I/O workers, to another process)
+// holds up the step by one chunk, not by its whole share. One parallel region
+// per call however many tensors: 200 small tensors cost one dispatch, not
+// 200. Kernels give the same bits for any split (kernel.h), so results do not
+// depend on the thread count or on which thread took which chunk. Threads:
+// [Note: threads] in parallel.h.
 #include "adam/adam.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
-#include <unistd.h>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "adam/kernel.h"
 #include "adam/parallel.h"

@@ -11,6 +11,7 @@ struct Avx2 {
   using R = __m256;
   using U = __m256i;
   static constexpr size_t kWidth = 8;
+  static constexpr bool kPrefetch = true;
   static constexpr bool kCanStream = true;
 
   static R load(const float* p) { return _mm256_loadu_ps(p); }

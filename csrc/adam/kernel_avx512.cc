@@ -11,6 +11,7 @@ struct Avx512 {
   using R = __m512;
   using U = __m512i;
   static constexpr size_t kWidth = 16;
+  static constexpr bool kPrefetch = true;
   static constexpr bool kCanStream = true;
 
   static R load(const float* p) { return _mm512_loadu_ps(p); }

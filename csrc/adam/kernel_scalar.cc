@@ -13,6 +13,7 @@ struct Scalar {
   using R = float;
   using U = uint32_t;
   static constexpr size_t kWidth = 1;
+  static constexpr bool kPrefetch = false;
   static constexpr bool kCanStream = false;
 
   static R load(const float* p) { return *p; }
