@@ -1,0 +1,79 @@
+// The CPU Adam/AdamW step over flat fp32 buffers: the core of csrc/adam.
+//
+// One pass per element reads param, grad, exp_avg, exp_avg_sq, writes param,
+// exp_avg, exp_avg_sq and, optionally, a bf16/fp16 copy of the new param (what
+// the device reads next). Gradients may be fp32, bf16 or fp16. The math is
+// torch.optim.Adam/AdamW (foreach=False) operation for operation; see
+// [Note: Adam numerics] in kernel_impl.h.
+//
+// Invariants: every buffer is contiguous, holds `numel` elements, and no two
+// buffers of one tensor overlap (checked; std::invalid_argument otherwise).
+// Threading: adam_step() and has_overflow() may be called from any thread;
+// each call splits its elements over up to `num_threads` OpenMP threads (the
+// caller is one of them) and returns when all are done (parallel.h).
+//
+// This layer knows neither torch nor pybind11: raw pointers and counts only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace infinity::adam {
+
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// The instruction set a kernel is compiled for; chosen at run time (CPUID).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// One parameter tensor's flat buffers.
+struct Buffers {
+  float* param = nullptr;
+  const void* grad = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  void* out_half = nullptr;  // nullptr: no 16-bit copy
+  size_t numel = 0;
+  DType grad_dtype = DType::kFloat32;
+  DType half_dtype = DType::kBFloat16;  // ignored when out_half is nullptr
+};
+
+// Hyper-parameters of one step, as the user gives them (double, like Python).
+struct Hyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double step = 1;              // the step being taken (1 for the first)
+  bool adamw = true;            // decoupled weight decay (AdamW) or L2 (Adam)
+  bool bias_correction = true;
+};
+
+bool isa_supported(Isa isa);
+Isa best_isa();
+const char* isa_name(Isa isa);
+
+// "openmp", or "serial" for a build without OpenMP.
+const char* threading_backend();
+
+// Steps whose buffers exceed this many bytes (16 per parameter) write the
+// 16-bit copy with non-temporal stores; default: the last-level cache size.
+// Process-wide; tests lower it to exercise that path on small tensors.
+size_t stream_min_bytes();
+void set_stream_min_bytes(size_t bytes);
+
+// Updates `count` tensors in place. Throws std::invalid_argument on a bad
+// hyper-parameter, an unsupported ISA, or overlapping buffers.
+void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, Isa isa, int num_threads);
+
+// True when any element of the `count` arrays is inf or NaN.
+bool has_overflow(const void* const* data, const size_t* numel, const DType* dtypes, size_t count,
+                  Isa isa, int num_threads);
+
+// The bandwidth bound of an Adam step: reads four fp32 arrays and writes three
+// of them in place (param += grad, exp_avg += grad, exp_avg_sq += grad) with
+// the same loads, stores, threads and partitioning as adam_step, no Adam math.
+void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads);
+
+}  // namespace infinity::adam

@@ -1,0 +1,51 @@
+// What one SIMD kernel set provides, and the per-step constants it consumes.
+//
+// A kernel set (scalar, AVX2, AVX-512) is compiled in its own translation unit
+// with its own target flags; adam.cc picks one at run time from CPUID and
+// calls it on [begin, end) element ranges of one tensor. Kernels are pure
+// functions of their inputs: any range split gives the same bits, so the
+// thread partitioning never changes results.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+
+#include "adam/adam.h"
+
+namespace infinity::adam {
+
+enum class WeightDecay : int { kNone = 0, kL2 = 1, kDecoupled = 2 };
+
+// Per-step constants, derived in double from Hyper and rounded to fp32 the
+// way torch rounds a Python scalar for an fp32 tensor op (adam.cc).
+struct Coeffs {
+  WeightDecay decay_mode = WeightDecay::kNone;
+  float weight_decay = 0.0f;   // kL2: grad += weight_decay * param
+  float decay = 1.0f;          // kDecoupled: param *= 1 - lr * weight_decay
+  bool lerp_small = true;      // |1 - beta1| < 0.5: torch's lerp branch
+  float lerp_coeff = 0.1f;     // 1 - beta1, or (1 - beta1) - 1 when !lerp_small
+  float beta2 = 0.999f;
+  float one_minus_beta2 = 0.001f;
+  float bias_correction2_sqrt = 1.0f;
+  float eps = 1e-8f;
+  float neg_step_size = -1e-3f;  // -lr / (1 - beta1^step)
+  bool stream_half = false;      // non-temporal stores for the 16-bit copy (kernel_impl.h)
+};
+
+struct KernelSet {
+  Isa isa;
+  void (*step)(const Coeffs& c, const Buffers& b, size_t begin, size_t end);
+  // True when [begin, end) of `data` holds an inf or NaN. Stops early (and
+  // returns true) once *found is set by another thread.
+  bool (*has_overflow)(const void* data, DType dtype, size_t begin, size_t end,
+                       const std::atomic<bool>* found);
+  void (*stream)(const Buffers& b, size_t begin, size_t end);
+};
+
+const KernelSet& scalar_kernels();
+#if defined(INFINITY_ADAM_X86)
+const KernelSet& avx2_kernels();
+const KernelSet& avx512_kernels();
+#endif
+
+}  // namespace infinity::adam

@@ -1,0 +1,50 @@
+"""Type stub for infinity._adam, the pybind11 module built from csrc/adam (see csrc/adam/bindings.cc).
+
+Use infinity.optim, not this module: it checks tensors and passes their data
+pointers here. Every function releases the GIL while the kernels run.
+"""
+
+FLOAT32: int
+BFLOAT16: int
+FLOAT16: int
+SCALAR: int
+AVX2: int
+AVX512: int
+
+def isa_supported(isa: int) -> bool: ...
+def best_isa() -> int: ...
+def isa_name(isa: int) -> str: ...
+def threading_backend() -> str: ...
+def stream_min_bytes() -> int: ...
+def set_stream_min_bytes(nbytes: int) -> None: ...
+def adam_step(
+    params: list[int],
+    grads: list[int],
+    exp_avgs: list[int],
+    exp_avg_sqs: list[int],
+    out_halfs: list[int],
+    numels: list[int],
+    grad_dtypes: list[int],
+    half_dtypes: list[int],
+    step: float,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    bias_correction: bool,
+    isa: int,
+    num_threads: int,
+) -> None: ...
+def has_overflow(data: list[int], numels: list[int], dtypes: list[int], isa: int, num_threads: int) -> bool: ...
+def bump_step_counts(ptrs: list[int], is_double: list[int], increment: float) -> list[float]: ...
+def stream_bound(
+    params: list[int],
+    grads: list[int],
+    exp_avgs: list[int],
+    exp_avg_sqs: list[int],
+    numels: list[int],
+    isa: int,
+    num_threads: int,
+) -> None: ...

@@ -1,0 +1,18 @@
+"""CPU Adam (csrc/adam): the CPUAdam optimizer, the flat functional step, the overflow check."""
+
+from infinity.optim.cpu_adam import CPUAdam
+from infinity.optim.functional import adam_step, foreach_adam_step, has_overflow, stream_bound_step
+from infinity.optim.kernel import best_isa, get_isa, set_isa, supported_isas, use_isa
+
+__all__ = [
+    "CPUAdam",
+    "adam_step",
+    "best_isa",
+    "foreach_adam_step",
+    "get_isa",
+    "has_overflow",
+    "set_isa",
+    "stream_bound_step",
+    "supported_isas",
+    "use_isa",
+]

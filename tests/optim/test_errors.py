@@ -1,0 +1,124 @@
+"""Clear errors: each names the argument, what is wrong, and the fix."""
+
+import pytest
+import torch
+
+from infinity.optim import CPUAdam, adam_step, foreach_adam_step, has_overflow, kernel, set_isa
+
+HYPER = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "adamw": True}
+
+
+def _bufs(n=8):
+    return torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+
+
+def test_non_contiguous():
+    p, g, m, v = _bufs(16)
+    with pytest.raises(ValueError, match=r"grad is not contiguous .*stride \(2,\).*\.contiguous\(\)"):
+        adam_step(p[:8], g[::2], m[:8], v[:8], **HYPER)
+    with pytest.raises(ValueError, match=r"param is not contiguous"):
+        adam_step(p.view(4, 4).t(), g, m, v, **HYPER)
+
+
+def test_mismatched_sizes():
+    p, g, m, v = _bufs()
+    with pytest.raises(ValueError, match=r"exp_avg_sq has 7 elements but param has 8"):
+        adam_step(p, g, m, v[:7], **HYPER)
+    with pytest.raises(ValueError, match=r"out_half has 9 elements but param has 8"):
+        adam_step(p, g, m, v, out_half=torch.empty(9, dtype=torch.bfloat16), **HYPER)
+
+
+def test_wrong_dtypes():
+    p, g, m, v = _bufs()
+    with pytest.raises(TypeError, match=r"grad has dtype torch.float64; the CPU Adam kernel needs torch.float32 or torch.bfloat16 or torch.float16"):
+        adam_step(p, g.double(), m, v, **HYPER)
+    with pytest.raises(TypeError, match=r"param has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32"):
+        adam_step(p.bfloat16(), g, m, v, **HYPER)
+    with pytest.raises(TypeError, match=r"out_half has dtype torch.float32; the CPU Adam kernel needs torch.bfloat16 or torch.float16"):
+        adam_step(p, g, m, v, out_half=torch.empty(8), **HYPER)
+    with pytest.raises(TypeError, match=r"exp_avg must be a torch.Tensor, got list"):
+        adam_step(p, g, [0.0] * 8, v, **HYPER)
+
+
+def test_not_on_cpu():
+    p, g, m, v = _bufs()
+    with pytest.raises(ValueError, match=r"exp_avg is on meta, but the CPU Adam kernel reads and writes host memory"):
+        adam_step(p, g, torch.zeros(8, device="meta"), v, **HYPER)
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta"):
+        has_overflow([g, torch.zeros(8, device="meta")])
+
+
+def test_sparse_and_overlapping():
+    p, g, m, v = _bufs()
+    with pytest.raises(ValueError, match=r"grad has layout torch.sparse_coo"):
+        adam_step(p, g.to_sparse(), m, v, **HYPER)
+    with pytest.raises(ValueError, match=r"tensor 0's exp_avg overlaps tensor 0's exp_avg_sq in memory"):
+        adam_step(p, g, m, m, **HYPER)
+    big = torch.zeros(12)
+    with pytest.raises(ValueError, match=r"overlaps"):
+        adam_step(p, g, big[:8], big[4:], **HYPER)
+    shared = torch.randn(8)  # read-only gradients may share memory
+    foreach_adam_step([p, torch.randn(8)], [shared, shared], [m, torch.zeros(8)], [v, torch.zeros(8)], **HYPER)
+
+
+def test_foreach_names_the_index_and_counts():
+    p, g, m, v = _bufs()
+    with pytest.raises(ValueError, match=r"grad\[1\] has 7 elements but param has 8"):
+        foreach_adam_step([p, p.clone()], [g, g[:7]], [m, m.clone()], [v, v.clone()], **HYPER)
+    with pytest.raises(ValueError, match=r"grads has 1 tensors but params has 2"):
+        foreach_adam_step([p, p.clone()], [g], [m, m.clone()], [v, v.clone()], **HYPER)
+
+
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("lr", -1.0, r"lr must be a finite number >= 0, got -1"),
+        ("beta1", 1.0, r"beta1 must be in \[0, 1\), got 1"),
+        ("beta2", -0.5, r"beta2 must be in \[0, 1\), got -0.5"),
+        ("eps", float("nan"), r"eps must be a finite number >= 0, got nan"),
+        ("weight_decay", -0.1, r"weight_decay must be a finite number >= 0"),
+        ("step", 0, r"step must be >= 1 \(the number of this update; 1 for the first\), got 0"),
+    ],
+)
+def test_hyper_parameters(key, value, message):
+    p, g, m, v = _bufs()
+    before = p.clone()
+    with pytest.raises(ValueError, match=message):
+        adam_step(p, g, m, v, **{**HYPER, key: value})
+    assert torch.equal(p, before), "a refused step changes nothing"
+
+
+def test_thread_count():
+    p, g, m, v = _bufs()
+    with pytest.raises(ValueError, match=r"num_threads must be a positive int or None"):
+        adam_step(p, g, m, v, num_threads=0, **HYPER)
+    with pytest.raises(ValueError, match=r"num_threads must be a positive int or None"):
+        CPUAdam([torch.nn.Parameter(p)], num_threads=-2)
+
+
+def test_isa_names():
+    with pytest.raises(ValueError, match=r"isa must be one of scalar, avx2, avx512, got 'sse9'"):
+        set_isa("sse9")
+    with pytest.raises(ValueError, match=r"INFINITY_ADAM_ISA must be one of scalar, avx2, avx512, got 'neon'"):
+        kernel._resolve("neon", kernel.ENV_VAR)
+    missing = [name for name in kernel.ISAS if name not in kernel.supported_isas()]
+    for name in missing:
+        with pytest.raises(ValueError, match=rf"isa='{name}', but this CPU supports only"):
+            set_isa(name)
+    assert kernel.get_isa() == kernel.best_isa()
+
+
+def test_cpu_adam_refuses_what_it_cannot_update():
+    with pytest.raises(ValueError, match=r"param 0 of group 0 is a contiguous torch.bfloat16 tensor on cpu: keep fp32 master weights"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
+    with pytest.raises(ValueError, match=r"param 1 of group 0 is a non-contiguous torch.float32"):
+        CPUAdam([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, 4).t())])
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -0.1 \(param group 1\)"):
+        CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -0.1}])
+    with pytest.raises(ValueError, match=r"CPUAdam does not implement amsgrad=True \(param group 0\)"):
+        CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True}])
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = CPUAdam([w])
+    w.grad = torch.zeros(3).to_sparse()
+    with pytest.raises(RuntimeError, match=r"CPUAdam does not support sparse gradients"):
+        opt.step()
