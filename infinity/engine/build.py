@@ -72,7 +72,18 @@ def train_dtype(cfg: InfinityConfig) -> torch.dtype:
 
 
 def rank_path(path: Path | str | None, rank: int) -> str | None:
-    return None if path is None else os.path.join(os.fspath(path), f"rank{rank}")
+    """``nvme_path/rank<N>``: each rank swaps in its own directory, made here inside an existing nvme_path."""
+    if path is None:
+        return None
+    base = os.fspath(path)
+    if not os.path.isdir(base):
+        raise ConfigError(
+            f"nvme_path '{base}' does not exist or is not a directory; create it (mkdir -p {base}) "
+            "or point nvme_path at a directory on a local NVMe drive"
+        )
+    d = os.path.join(base, f"rank{rank}")
+    os.makedirs(d, exist_ok=True)
+    return d
 
 
 def build_runtime(

@@ -114,7 +114,8 @@ class Engine:
         rt = self.runtime
         has_grad = rt.reducer.window_has_grad()
         sumsq = torch.tensor([rt.optimizer.local_grad_sumsq(has_grad)], dtype=torch.float64)
-        self.group.all_reduce_sum(sumsq)
+        if self.stage >= 1:  # shards: the norm is spread over the ranks (stage 0 holds it whole)
+            self.group.all_reduce_sum(sumsq)
         scale = self.loss_scaler.scale
         norm = math.sqrt(float(sumsq)) / scale
         self.last_grad_norm = norm

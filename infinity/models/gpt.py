@@ -24,6 +24,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 16
     d_model: int = 1024
+    bias: bool = True  # biases in the Linear layers (GPT-2 has them; LLaMA-style models do not)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -33,7 +34,8 @@ class GPTConfig:
     def num_params(self) -> int:
         """Parameter count (tied head counted once)."""
         d, L = self.d_model, self.n_layer
-        per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+        b = 1 if self.bias else 0
+        per_block = 2 * 2 * d + (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * 4 * d + b * 4 * d) + (4 * d * d + b * d)
         return self.vocab_size * d + self.seq_len * d + L * per_block + 2 * d
 
     @classmethod
@@ -54,8 +56,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -68,8 +70,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
@@ -106,7 +108,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 

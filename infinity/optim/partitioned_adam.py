@@ -128,7 +128,7 @@ class PartitionedAdam(torch.optim.Optimizer):
                 t.zero_()
             self.state_store.mark_dirty(key)
             self.state_store.release(key)
-            self.state_store.evict(key)
+            _evict_unheld(self.state_store, key)
 
     # -- GradSink ---------------------------------------------------------------
 
@@ -147,7 +147,7 @@ class PartitionedAdam(torch.optim.Optimizer):
             self._sumsq[unit_index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
         self.state_store.mark_dirty(key)
         self.state_store.release(key)
-        self.state_store.evict(key)
+        _evict_unheld(self.state_store, key)
 
     # -- step -------------------------------------------------------------------
 
@@ -162,7 +162,7 @@ class PartitionedAdam(torch.optim.Optimizer):
                 g = self.state_store.fetch(key).result()
                 self._sumsq[s.index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
                 self.state_store.release(key)
-                self.state_store.evict(key)
+                _evict_unheld(self.state_store, key)
             total += self._sumsq[s.index]
         return total
 
@@ -238,11 +238,18 @@ class PartitionedAdam(torch.optim.Optimizer):
             if key[1] != "g":
                 self.state_store.mark_dirty(key)
             self.state_store.release(key)
-            self.state_store.evict(key)  # write i-1 starts now, behind the next update
+            _evict_unheld(self.state_store, key)  # write i-1 starts now, behind the next update
         if s.param_key is not None:
             self.param_store.mark_dirty(s.param_key)
             self.param_store.release(s.param_key)
-            self.param_store.evict(s.param_key)
+            _evict_unheld(self.param_store, s.param_key)
+
+
+def _evict_unheld(store: TieredStore, key: Hashable) -> None:
+    """Starts writing ``key`` home now unless someone else still holds it (then the LRU does it later)."""
+    spec = store.spec(key)
+    if spec.home == "nvme" and spec.holds == 0:
+        store.evict(key)
 
 
 def _split(shards: Sequence[ShardSpec], limit: int) -> list[list[ShardSpec]]:

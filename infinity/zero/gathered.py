@@ -9,15 +9,15 @@ already whole and the context does nothing. Every rank must enter it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 
 # Installed partitioners, by parameter (set by Stage3Partitioner.install).
-_partitioner_of: weakref.WeakKeyDictionary[nn.Parameter, Any] = weakref.WeakKeyDictionary()
+_partitioner_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def register_partitioner(params: Iterable[nn.Parameter], partitioner: Any) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
@@ -66,7 +67,7 @@ class InitStore:
         if path:
             os.makedirs(path, exist_ok=True)
         self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
-        self.records: weakref.WeakKeyDictionary[nn.Parameter, _Record] = weakref.WeakKeyDictionary()
+        self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
         self._next = 0
 
     def __contains__(self, p: nn.Parameter) -> bool:

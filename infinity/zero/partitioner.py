@@ -134,7 +134,12 @@ class Stage3Partitioner:
         self._installed = True
 
     def remove(self) -> None:
-        """Removes every hook; parameters are left released (their data lives in the shards)."""
+        """Removes every hook and releases every unit; parameters are left as empty placeholders
+        (their data lives in the shards)."""
+        self.release_all()
+        for unit in self.units:
+            if unit.persistent and unit.state is UnitState.GATHERED:
+                self._ungather_persistent(unit)
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -10,8 +10,12 @@ VOCAB = 64
 
 
 def tiny_gpt() -> nn.Module:
-    """Tied embedding read outside its owner's forward (F.linear(x, wte.weight))."""
-    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=2, d_model=32))
+    """Tied embedding read outside its owner's forward (F.linear(x, wte.weight)).
+
+    Without Linear biases: the attention key bias has an exactly-zero true
+    gradient, so Adam turns its rounding noise into updates that differ from
+    run to run at any last-bit change, which would hide real differences."""
+    return GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=2, d_model=32, bias=False))
 
 
 class TwiceCalled(nn.Module):

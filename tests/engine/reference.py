@@ -4,7 +4,21 @@ import torch
 
 from tests.engine.models import MODELS, batch
 
-LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-8, 0.1, 0.05
+# eps = 1e-6, not 1e-8: some coordinates have a true gradient of exactly zero
+# (attention is invariant to a constant added to every key, so e.g. a
+# LayerNorm bias seen through W_k gets only rounding noise). Adam divides that
+# noise by sqrt(v) + eps and turns it into full-size updates that differ at
+# any last-bit change — with eps = 1e-8 two correct implementations then
+# disagree by ~2e-5 on such tensors. 1e-6 keeps the comparison about the
+# implementation, not about amplified noise.
+LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-6, 0.1, 0.05
+
+
+def eval_loss(forward, model_name: str, step: int) -> float:
+    """An eval forward under no_grad between training steps (the same batch on every rank)."""
+    x, y = batch(step, 99, 0)
+    with torch.no_grad():
+        return forward(x, y).item()
 
 
 def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, seed: int = 0):
@@ -25,6 +39,9 @@ def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, see
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        model.eval()
+        losses[(step, "eval")] = eval_loss(model, model_name, step)
+        model.train()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -64,6 +81,9 @@ def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int
                 engine.backward(loss)
                 engine.step()
                 losses[(step, micro, rank)] = loss.item()
+            engine.eval()
+            losses[(step, "eval")] = eval_loss(engine, model_name, step)
+            engine.train()
         with GatheredParameters(engine):
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
