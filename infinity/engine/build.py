@@ -35,6 +35,7 @@ from infinity.engine.optimizers import OptimizerChoice
 log = logging.getLogger("infinity.engine")
 
 FP32 = torch.float32
+CACHED_FLAT_BUFFERS = 4  # of the largest unit's fp32 size, kept for reuse by TensorCache
 
 
 @dataclasses.dataclass
@@ -97,7 +98,6 @@ def build_runtime(
     zero = cfg.zero_optimization
     stage = zero.stage
     dtype = train_dtype(cfg)
-    cache = TensorCache(device, cap_nbytes=1 << 30)
     params = list(dict.fromkeys(model.parameters()))
     if stage == 3 and not params:
         raise ValueError(
@@ -108,7 +108,8 @@ def build_runtime(
 
     if choice.passthrough is not None:
         model.to(device)
-        return Runtime(UnitMap([], {}, {}), params, None, choice.passthrough, None, None, None, None, None, None, cache)
+        return Runtime(UnitMap([], {}, {}), params, None, choice.passthrough, None, None, None, None, None, None,
+                       TensorCache(device, cap_nbytes=0))
 
     # Floating-point parameters train in the precision the config asks for.
     for p in params:
@@ -122,6 +123,10 @@ def build_runtime(
         unit_map = build_units(model, world_size=layout_world, persistence_threshold=threshold,
                                device=device, dtype=dtype)
     units = unit_map.units
+    # Reused full-size buffers (gathers for world size > 1, flat fp32 grads):
+    # at most a few of the largest unit's flat fp32 size stay cached.
+    largest_numel = max((u.layout.padded_numel for u in units), default=0)
+    cache = TensorCache(device, cap_nbytes=CACHED_FLAT_BUFFERS * 4 * largest_numel)
     flat_params = [p for u in units for p in u.params]
     index_of = {id(p): i for i, p in enumerate(flat_params)}
     shard_rank = 0 if stage == 0 else group.rank
