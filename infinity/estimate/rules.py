@@ -1,0 +1,287 @@
+"""The allocation rules: what the runtime allocates for one setting, per rank — kept in this one place.
+
+Every function here mirrors a named piece of runtime code; its docstring says
+which. When that code changes, change the rule here. Two tests guard the
+mirror: tests/estimate/test_rules.py builds real runtimes and compares these
+numbers with their pools, home tensors, caches and swap files byte for byte,
+and tests/estimate/test_reality.py trains in subprocesses and compares the
+whole estimate with the peak RSS and swap-file bytes the OS reports.
+
+Conventions: sizes in bytes unless named ``*_numel``; "shard" is one rank's
+part of a unit (infinity.zero.layout), padded to a multiple of 4 KiB.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from infinity.aio import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE
+from infinity.config import InfinityConfig, ZeroConfig
+from infinity.memory import round_up
+from infinity.zero.unit import ParamUnit
+from infinity.zero.units import build_units
+
+FP32_NBYTES = 4
+
+CACHED_FLAT_BUFFERS = 4
+"""infinity/engine/build.py CACHED_FLAT_BUFFERS: the TensorCache keeps up to this many
+of the largest unit's flat fp32 size."""
+
+OPTIMIZER_POOL_BUFFERS = 3
+"""infinity/engine/build.py _state_store: ``count = 3`` sub-groups in the optimizer pool
+(the one being read, the one being updated, the one being written)."""
+
+STATE_NBYTES_PER_ELEMENT = 16
+"""infinity/engine/build.py _state_store: master, m, v, g in fp32 — both the pool's
+buffer size and the swap space reserved (also when the master lives in the parameter store)."""
+
+EMPTY_POOL_NBYTES = DIRECT_ALIGNMENT
+"""infinity/engine/build.py: a store without NVMe still gets ``BufferPool(1, 4096)``."""
+
+INIT_POOL_NBYTES = 64 << 20
+"""infinity/zero/init.py _INIT_POOL_NBYTES: zero.Init's pool when parameters wait on NVMe."""
+
+GROW_STEP_MAX = 1 << 30
+"""infinity/store/swapspace.py GROW_STEP_MAX: swap files grow geometrically, by at most 1 GiB."""
+
+
+INIT_OVERHEAD_NBYTES = 16 << 20
+"""Measured, not mirrored: what initialize allocates besides its stores — the aio engines'
+threads and rings, store records, hooks and heap left over from moving the model home (4-5 MiB
+for a 0.1M-parameter GPT, up to 17 MiB for 57M on CPU, torch 2.13)."""
+
+def first_step_overhead_nbytes(dtype: torch.dtype) -> int:
+    """Measured, not mirrored: what the first forward/backward/step allocates once — kernel
+    workspaces, autograd's thread, thread-local arenas. A 0.1M-parameter GPT measured 16 MiB in
+    fp32 and 30 MiB in bf16 (CPU, torch 2.13); larger models a few MiB more (weight packing)."""
+    return (32 << 20) if dtype == torch.float32 else (48 << 20)
+
+SLACK_PERCENT = 10
+"""Measured, not mirrored: glibc's heap keeps some of what torch frees (grads, flat buffers,
+activations are freed and made again every step), so peak RSS exceeds the live tensors by a
+share of them — up to ~7% here, and it moves by ±3% of the training phase from run to run."""
+
+
+def param_dtype(cfg: InfinityConfig) -> torch.dtype:
+    """infinity/engine/build.py train_dtype: the precision parameters train in."""
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[ParamUnit]:
+    """infinity/engine/build.py build_runtime: the units the engine cuts the model into.
+
+    Calls the engine's own infinity.zero.units.build_units (layout world 1 at
+    stage 0, the persistence threshold only at stage 3) with the meta device, so
+    nothing is allocated and the model is not touched.
+    """
+    zero = cfg.zero_optimization
+    return build_units(
+        model,
+        world_size=1 if zero.stage == 0 else world_size,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
+        device=torch.device("meta"),
+        dtype=param_dtype(cfg),
+    ).units
+
+
+def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
+    """csrc/aio/aligned_buffer.cc AlignedBuffer: what an aligned_empty buffer maps (and prefaults).
+
+    2 MiB pages (hugetlb, else THP) for buffers of at least 2 MiB when asked,
+    4 KiB pages otherwise; either way the whole mapping is touched at once.
+    """
+    if nbytes <= 0:
+        return 0
+    if huge_pages and nbytes >= HUGE_PAGE_SIZE:
+        return round_up(nbytes, HUGE_PAGE_SIZE)
+    return round_up(nbytes, DIRECT_ALIGNMENT)
+
+
+def pool_nbytes(count: int, size: int) -> int:
+    """infinity/memory/pool.py BufferPool: one slab of ``count × round_up(size, 4 KiB)`` bytes,
+    allocated with huge pages (see mapped_nbytes)."""
+    return mapped_nbytes(count * round_up(size, DIRECT_ALIGNMENT), huge_pages=True)
+
+
+def swap_nbytes(total: int, block_size: int) -> int:
+    """infinity/store/swapspace.py SwapSpace.reserve/_grow_to (one drive): the bytes
+    ``posix_fallocate`` reserves for ``total`` bytes of keys — 4 KiB, then block_size granular."""
+    if total <= 0:
+        return 0
+    return round_up(round_up(total, DIRECT_ALIGNMENT), block_size)
+
+
+LOCK_FILE_NBYTES = DIRECT_ALIGNMENT
+"""infinity/store/swapdir.py: each store's directory holds an ``infinity.lock`` (one block)."""
+
+EXTENT_SPAN_NBYTES = 64 << 20
+"""File-system metadata, not mirrored: ext4 keeps a large file's extents (at most 128 MiB each) in
+index blocks once they outgrow the inode; one 4 KiB block per 64 MiB of swap is a generous bound."""
+
+
+def swap_dir_overhead_nbytes(swap_nbytes: int) -> int:
+    """Disk a store's swap directory uses beyond its files' sizes: the lock file and extent blocks."""
+    if swap_nbytes <= 0:
+        return 0
+    return LOCK_FILE_NBYTES + DIRECT_ALIGNMENT * -(-swap_nbytes // EXTENT_SPAN_NBYTES)
+
+
+def swap_growth_nbytes(sizes: Sequence[int], block_size: int) -> int:
+    """infinity/store/swapspace.py SwapSpace.alloc without a reserve (zero.Init's store): the
+    files grow to max(need, capacity + min(capacity, 1 GiB)) at each allocation that does not fit."""
+    capacity = used = 0
+    for n in sizes:
+        n = round_up(max(n, 1), DIRECT_ALIGNMENT)
+        if used + n > capacity:
+            need = used + n
+            step = capacity + min(capacity, GROW_STEP_MAX)
+            capacity = round_up(max(need, step), block_size)
+        used += n
+    return capacity
+
+
+def state_keys(stage: int, dtype: torch.dtype) -> tuple[str, ...]:
+    """infinity/optim/partitioned_adam.py PartitionedAdam._keys: fp32 m, v, g per shard, plus an
+    fp32 master unless the shard is a stage-3 fp32 parameter (which is its own master)."""
+    if stage == 3 and dtype == torch.float32:
+        return ("m", "v", "g")
+    return ("master", "m", "v", "g")
+
+
+def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> dict[int, str]:
+    """infinity/engine/build.py _param_homes: stage-3 shards at rest in "cpu" or "nvme".
+
+    Persistent units and every unit unless offload_param is nvme stay in host
+    memory; with nvme, units are kept in host memory greedily while their
+    shards fit in ``max_in_cpu`` elements (DeepSpeed's meaning of the key).
+    """
+    offload = zero.offload_param
+    homes = {}
+    in_cpu = 0
+    for unit in units:
+        if unit.persistent or offload.device != "nvme":
+            homes[unit.index] = "cpu"
+        elif in_cpu + unit.layout.shard_numel <= offload.max_in_cpu:
+            homes[unit.index] = "cpu"
+            in_cpu += unit.layout.shard_numel
+        else:
+            homes[unit.index] = "nvme"
+    return homes
+
+
+def optimizer_pool_numel(units: Sequence[ParamUnit], zero: ZeroConfig) -> int:
+    """infinity/engine/build.py _state_store: elements per optimizer-pool buffer,
+    ``max(min(sub_group_size, all shards), largest shard)``."""
+    total = sum(u.layout.shard_numel for u in units)
+    largest = max((u.layout.shard_numel for u in units), default=0)
+    return max(min(int(zero.sub_group_size), total), largest)
+
+
+def sub_groups(units: Sequence[ParamUnit], sub_group_numel: int) -> list[list[ParamUnit]]:
+    """infinity/optim/partitioned_adam.py _split: consecutive shards, at most
+    ``sub_group_numel`` elements a group (a larger shard is a group of its own)."""
+    groups: list[list[ParamUnit]] = []
+    size = 0
+    for u in units:
+        if not groups or size + u.layout.shard_numel > sub_group_numel:
+            groups.append([])
+            size = 0
+        groups[-1].append(u)
+        size += u.layout.shard_numel
+    return groups
+
+
+def step_param_pool_need(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
+    """infinity/optim/partitioned_adam.py step/_fetch: the parameter-pool bytes held at once
+    by the optimizer step — sub-group i+1's NVMe shards are fetched while sub-group i's
+    are still held. A pool smaller than this waits forever (until its timeout)."""
+    per_group = [
+        sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in g if homes.get(u.index) == "nvme")
+        for g in sub_groups(units, sub_group_numel)
+    ]
+    pairs = [a + b for a, b in zip(per_group, per_group[1:], strict=False)]
+    return max(pairs + per_group, default=0)
+
+
+def tensor_cache_cap(units: Sequence[ParamUnit]) -> int:
+    """infinity/engine/build.py: ``TensorCache(cap_nbytes=CACHED_FLAT_BUFFERS × 4 × largest padded numel)``."""
+    largest = max((u.layout.padded_numel for u in units), default=0)
+    return CACHED_FLAT_BUFFERS * FP32_NBYTES * largest
+
+
+def flat_buffers_nbytes(
+    units: Sequence[ParamUnit], stage: int, world_size: int, dtype: torch.dtype, *, caching: bool
+) -> int:
+    """Peak bytes of the flat buffers infinity.zero takes from the TensorCache (zero/buffers.py).
+
+    - stages 0, 1 (grads.py reduce_resident_grads) and 2, 3 with world size > 1
+      (grads.py add): a flat fp32 buffer of the unit; from stage 1 on
+      (_reduce_into_shard) also an fp32 shard buffer — the same size, so a second
+      buffer, when the world size is 1;
+    - stages 1, 2 with world size > 1 (build.py _resident_param_writer): a full buffer
+      of the parameter dtype to all-gather updated shards into;
+    - stage 3 with world size > 1 (partitioner.py _gather): every gathered unit, held
+      while in use (persistent units for good).
+    Buffers are reused by (numel, dtype) and the free lists hold at most the cap, so
+    the peak is min(cap + in use, every buffer that could exist). With ``caching``
+    False (CUDA: TensorCache.put keeps nothing) only what is in use counts.
+    """
+    b = itemsize(dtype)
+    keys: collections.Counter[tuple[int, int]] = collections.Counter()
+    in_use = 0
+    largest_flat = max((u.layout.padded_numel for u in units), default=0)
+    largest_shard = max((u.layout.shard_numel for u in units), default=0)
+    if stage <= 1 or world_size > 1:
+        for size in {u.layout.padded_numel for u in units}:
+            keys[(size, FP32_NBYTES)] = 1
+        if stage >= 1:
+            for size in {u.layout.shard_numel for u in units}:
+                keys[(size, FP32_NBYTES)] += 1
+            in_use = FP32_NBYTES * (largest_flat + largest_shard)
+        else:
+            in_use = FP32_NBYTES * largest_flat
+    every = sum(n * s * count for (n, s), count in keys.items())
+    if world_size > 1 and stage in (1, 2):
+        every += sum(b * n for n in {u.layout.padded_numel for u in units})
+        in_use = max(in_use, b * largest_flat)
+    if world_size > 1 and stage == 3:
+        every += sum(u.full_nbytes for u in units)
+        in_use += sum(u.full_nbytes for u in units if u.persistent) + gathered_working_set(units)
+    if not caching:
+        return in_use
+    return min(tensor_cache_cap(units) + in_use, every)
+
+
+def gathered_working_set(units: Sequence[ParamUnit]) -> int:
+    """infinity/zero/partitioner.py without a prefetch scheduler: the non-persistent units
+    gathered at once — the unit read outside its owner's forward (a tied embedding, held by
+    the outermost frame), the unit in use, and one whose grads are being reduced in backward:
+    the three largest units' full (padded) sizes at most."""
+    sizes = sorted((u.full_nbytes for u in units if not u.persistent), reverse=True)
+    return sum(sizes[:3])
+
+
+def zero_init_shard_sizes(model: nn.Module, world_size: int) -> list[int]:
+    """infinity/zero/init.py InitStore.partition: each parameter's own padded shard, in its dtype
+    as built (fp32), in construction order."""
+    from infinity.zero.layout import make_layout
+
+    out = []
+    for p in dict.fromkeys(model.parameters()):
+        if p.numel() == 0:
+            continue
+        layout = make_layout(["p"], [p.shape], p.dtype, world_size)
+        out.append(layout.shard_nbytes)
+    return out
