@@ -8,5 +8,6 @@ __version__ = "0.1.0"
 
 from infinity import zero
 from infinity.engine import Engine, initialize
+from infinity.estimate import PreflightError, estimate_memory
 
-__all__ = ["Engine", "__version__", "initialize", "zero"]
+__all__ = ["Engine", "PreflightError", "__version__", "estimate_memory", "initialize", "zero"]

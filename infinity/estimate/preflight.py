@@ -173,7 +173,7 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
         candidates.append(p)
     if candidates:
         best = min(candidates, key=speed_key)
-        out.append(f"or set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)")
+        out.append(f"{'or ' if out else ''}set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)")
     return out
 
 

@@ -6,10 +6,11 @@ memory, ``max_in_cpu`` 1e9 keeps up to 1e9 parameter elements in host memory
 although the user asked for NVMe, and ``buffer_size`` 1e8 is either far too
 big or too small for the largest layer. The rules here:
 
-- ``sub_group_size``: the largest shard (a sub-group never splits one) or
-  SUB_GROUP_TARGET elements, whichever is larger — an optimizer pool near
-  1 GiB, reads and writes of tens of MiB (well past the disk's block size);
-  only ever lowered.
+- ``sub_group_size``: SUB_GROUP_TARGET elements (an optimizer pool near
+  1 GiB; reads and writes of tens of MiB, well past the disk's block size),
+  or a sixteenth of the rank's state if that is less (the pool then costs
+  3/16 of what it streams), but never below the largest shard (a sub-group
+  never splits one); rounded up to 1 Mi elements; only ever lowered.
 - ``offload_param.max_in_cpu``: 0 — every partitioned parameter on NVMe.
 - ``offload_param.buffer_size``: what the parameter pool must hold, with the
   buffer count kept: two sub-groups of shards (the optimizer step holds
@@ -43,8 +44,9 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     changes: list[tuple[str, int, int]] = []
     sub = int(zero.sub_group_size)
     largest = max((u.layout.shard_numel for u in units), default=0)
+    total = sum(u.layout.shard_numel for u in units)
     if zero.offload_optimizer.device == "nvme" or off.device == "nvme":
-        target = max(largest, round_up(SUB_GROUP_TARGET, _ROUND))
+        target = max(largest, round_up(min(SUB_GROUP_TARGET, -(-total // 16)), _ROUND))
         if target < sub:
             changes.append(("zero_optimization.sub_group_size", sub, target))
             sub = target
