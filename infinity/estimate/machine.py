@@ -100,13 +100,12 @@ def process_rss_nbytes() -> int:
 def runtime_baseline_nbytes() -> int:
     """The resident memory of this process with what every training run loads before its first allocation.
 
-    That is torch and infinity imported, plus what the engine imports on first use:
+    That is torch and infinity imported (the package imports its engine), plus what the engine
+    imports on first use:
     the first torch.optim.Optimizer pulls in torch._dynamo (~70 MiB here), and with
     CUDA the context (several hundred MiB of host memory), which is created here.
     Call it before building the model to get the baseline of a run.
     """
-    import infinity.engine  # noqa: F401  (the engine's imports)
-
     torch.optim.Optimizer([torch.empty(0)], {})
     if torch.cuda.is_available():
         torch.cuda.init()
