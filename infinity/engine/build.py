@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.engine.optimizers import OptimizerChoice
 from infinity.memory import BufferPool
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.store import TieredStore
@@ -29,8 +30,6 @@ from infinity.zero.partitioner import Stage3Partitioner
 from infinity.zero.shard_source import StoreShardSource
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
-
-from infinity.engine.optimizers import OptimizerChoice
 
 log = logging.getLogger("infinity.engine")
 
@@ -203,7 +202,7 @@ def build_runtime(
 def _full_values(unit: ParamUnit, init_store) -> torch.Tensor:
     """The unit's whole flat buffer in fp32 (padded with zeros), from the module or zero.Init."""
     full = torch.zeros(unit.layout.padded_numel, dtype=FP32)
-    for p, s in zip(unit.params, unit.layout.slots):
+    for p, s in zip(unit.params, unit.layout.slots, strict=False):
         value = init_store.full(p) if init_store is not None and p in init_store else p.data
         full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
     return full
@@ -286,7 +285,7 @@ def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, sta
         else:
             full = cache.get(unit.layout.padded_numel, values.dtype)
             group.all_gather(full, values.contiguous())
-        for p, s in zip(unit.params, unit.layout.slots):
+        for p, s in zip(unit.params, unit.layout.slots, strict=False):
             p.data.view(-1).copy_(full[s.offset : s.offset + s.numel])
         if full is not values:
             cache.put(full)

@@ -193,7 +193,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         futures: dict[tuple[int, str], Any] = {}
         for s in group:
             keys = self._keys(s)
-            for key, fut in zip(keys, self.state_store.fetch_many(keys)):
+            for key, fut in zip(keys, self.state_store.fetch_many(keys), strict=False):
                 futures[key] = fut
             if s.param_key is not None:
                 # fp32: the parameter shard is the master copy (read, update in

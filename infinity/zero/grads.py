@@ -127,7 +127,7 @@ class GradReducer:
                 if self.group.world_size == 1:
                     continue
             flat = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
-            for slot, (s, g) in enumerate(zip(unit.layout.slots, grads)):
+            for slot, (s, g) in enumerate(zip(unit.layout.slots, grads, strict=False)):
                 if g is not None:
                     flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
                     self._has_grad[unit.index][slot] = True
