@@ -236,6 +236,50 @@ def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate]
     return f"fits with {rec.setting.words()}; needs {', '.join(parts)} ({p.keys()})"
 
 
+def _world(nodes: int, gpus_per_node: int | None, world_size: int | None) -> tuple[int, int]:
+    """(world size, ranks per node) from whichever of the three were given, checked."""
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1; got {nodes}")
+    if world_size is None:
+        world_size = nodes * (gpus_per_node or 1)
+    if gpus_per_node is None:
+        if world_size % nodes:
+            raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}")
+        gpus_per_node = world_size // nodes
+    if world_size != nodes * gpus_per_node:
+        raise ValueError(f"world_size {world_size} != nodes {nodes} × gpus_per_node {gpus_per_node}")
+    return world_size, gpus_per_node
+
+
+def _estimate_all(cfg, selected, wanted, nvme_path, plan, tune_cfg, machine, ranks_per_node):
+    """Plans every wanted setting (the config's own as is), reads the machine, checks fits, and adds a
+    tuned plan for each setting that does not fit as configured. Returns (estimates, view, skipped)."""
+    configs, skipped = [], []
+    for s in wanted:
+        try:
+            configs.append(cfg if s == selected else config_for(cfg, s, nvme_path))
+        except ConfigError as e:
+            skipped.append((s, str(e)))
+    plans = [plan(c) for c in configs]
+    if machine is True:
+        view = machine_view(dict.fromkeys(path for p in plans for path, _ in p.nvme_by_path))
+    else:
+        view = machine or None
+
+    def fit(p: SettingPlan) -> Fit | None:
+        return check_fit(p, view, ranks_per_node=ranks_per_node) if view is not None else None
+
+    ests = [SettingEstimate(p, fit(p)) for p in plans]
+    for c, e in zip(configs, list(ests), strict=True):
+        if e.fit is not None and e.fit.ok:
+            continue
+        tuned_cfg, changes = tune_cfg(c)
+        if changes:
+            p = plan(tuned_cfg, changes)
+            ests.append(SettingEstimate(p, fit(p)))
+    return ests, view, skipped
+
+
 def estimate_memory(
     model_or_param_count: nn.Module | int | float | GPTConfig,
     *,
@@ -270,27 +314,16 @@ def estimate_memory(
     (default: measured in this process, less the model). ``machine``: True to read
     this machine, a MachineView, or False for no fit check. ``settings``: only these.
     """
-    if nodes < 1:
-        raise ValueError(f"nodes must be >= 1; got {nodes}")
-    if world_size is None:
-        world_size = nodes * (gpus_per_node or 1)
-    if gpus_per_node is None:
-        if world_size % nodes:
-            raise ValueError(f"world_size {world_size} is not a multiple of nodes {nodes}")
-        gpus_per_node = world_size // nodes
-    if world_size != nodes * gpus_per_node:
-        raise ValueError(f"world_size {world_size} != nodes {nodes} × gpus_per_node {gpus_per_node}")
+    world_size, gpus_per_node = _world(nodes, gpus_per_node, world_size)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     cfg = _as_config(config, world_size, precision)
     spec = describe_model(model_or_param_count, model_config=model_config, seq=seq)
-    if zero_init is None:
-        if isinstance(model_or_param_count, nn.Module):
-            zero_init = zero_init_mod.init_store_of(list(model_or_param_count.parameters())) is not None
-        else:
-            zero_init = True
+    if zero_init is None:  # a count is assumed built under zero.Init (the way to build a large model)
+        is_module = isinstance(model_or_param_count, nn.Module)
+        zero_init = not is_module or zero_init_mod.init_store_of(list(spec.module.parameters())) is not None
     if baseline_nbytes is None:
         baseline_nbytes = max(0, runtime_baseline_nbytes() - spec.built_nbytes)
         baseline_source = "measured in this process" + (", less the model" if spec.built_nbytes else "")
@@ -301,41 +334,19 @@ def estimate_memory(
         mb = micro_batch or cfg.train_micro_batch_size_per_gpu
         acts = gpt_activations(spec.gpt, micro_batch=mb, seq=seq or spec.gpt.seq_len,
                                itemsize=rules.itemsize(rules.param_dtype(cfg)))
-    default_path = os.fspath(nvme_path) if nvme_path is not None else DEFAULT_NVME_PATH
     own = cfg.zero_optimization
     selected = Setting(own.stage, own.offload_param.device, own.offload_optimizer.device) if config is not None else None
-    wanted = list(settings) if settings is not None else all_settings()
+
     def plan(c: InfinityConfig, changes=()) -> SettingPlan:
         return plan_setting(spec, c, world_size=world_size, device_type=device, baseline_nbytes=baseline_nbytes,
                             activations=acts, checkpointing=activation_checkpointing, zero_init=zero_init,
                             changes=changes)
 
-    configs, skipped = [], []
-    for s in wanted:
-        try:
-            configs.append(cfg if s == selected else config_for(cfg, s, default_path))
-        except ConfigError as e:
-            skipped.append((s, str(e)))
-    plans = [plan(c) for c in configs]
-    view: MachineView | None
-    if machine is True:
-        view = machine_view(dict.fromkeys(path for p in plans for path, _ in p.nvme_by_path))
-    elif machine is False:
-        view = None
-    else:
-        view = machine
-
-    def fit(p: SettingPlan) -> Fit | None:
-        return check_fit(p, view, ranks_per_node=gpus_per_node) if view is not None else None
-
-    ests = [SettingEstimate(p, fit(p)) for p in plans]
-    for c, e in zip(configs, list(ests), strict=True):
-        if e.fit is not None and e.fit.ok:
-            continue
-        tuned_cfg, changes = tune(spec, c, world_size)
-        if changes:
-            p = plan(tuned_cfg, changes)
-            ests.append(SettingEstimate(p, fit(p)))
+    ests, view, skipped = _estimate_all(
+        cfg, selected, list(settings) if settings is not None else all_settings(),
+        os.fspath(nvme_path) if nvme_path is not None else DEFAULT_NVME_PATH,
+        plan, lambda c: tune(spec, c, world_size), machine, gpus_per_node,
+    )
     ests.sort(key=lambda e: speed_key(e.plan))
     rec = next((e for e in ests if e.fit is not None and e.fit.ok), None)
     return MemoryEstimate(

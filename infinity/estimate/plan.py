@@ -173,194 +173,221 @@ def plan_setting(
 ) -> SettingPlan:
     """Itemises what ``cfg`` (one setting) allocates per rank (see the module docstring).
     ``changes``: the sizing keys tune.py changed (recorded in the plan)."""
-    zero = cfg.zero_optimization
-    stage = zero.stage
-    setting = Setting(stage, zero.offload_param.device, zero.offload_optimizer.device, tuned=bool(changes))
-    dtype = rules.param_dtype(cfg)
-    b = rules.itemsize(dtype)
-    dname = str(dtype).removeprefix("torch.")
-    with true_shapes(spec.module):
-        units = rules.units_for(spec.module, cfg, world_size)
-        params = [p for u in units for p in u.params]
-        numels = [p.numel() for p in params]
-        grad_numels = [p.numel() for p in params if p.requires_grad]
-    cuda = device_type == "cuda"
-    W = world_size
-    items: list[Item] = []
-    problems: list[Problem] = []
-    block = cfg.aio.block_size
-    add = items.append
-
-    add(Item("process baseline", "host", baseline_nbytes, "run",
-             "torch and infinity imported, torch._dynamo loaded by the first optimizer"
-             + (", the CUDA context" if cuda else "")))
-
-    # -- the model as the user built it ----------------------------------------
-    zinit = zero_init and stage == 3
-    nvme_paths: dict[str, int] = {}
-    if zinit:
-        with true_shapes(spec.module):
-            sizes = rules.zero_init_shard_sizes(spec.module, W)
-        if zero.offload_param.device == "nvme":
-            add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "run",
-                     "infinity/zero/init.py: the init store's pool (kept while the init store lives)"))
-            n = rules.swap_growth_nbytes(sizes, block)
-            add(Item("zero.Init swap files", "nvme", n, "run",
-                     "each parameter's fp32 shard as built, files grown on demand", "offload_param.nvme_path"))
-            meta = rules.swap_dir_overhead_nbytes(n)
-            add(Item("zero.Init swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
-            nvme_paths[str(zero.offload_param.nvme_path)] = nvme_paths.get(str(zero.offload_param.nvme_path), 0) + n + meta
-        else:
-            add(Item(_ZINIT_CPU, "host", sum(sizes), "init",
-                     "infinity/zero/init.py: each parameter's shard as built, freed once initialize has it", heap=True))
+    p = _Planner(spec, cfg, world_size, device_type)
+    p.add(Item("process baseline", "host", baseline_nbytes, "run",
+               "torch and infinity imported, torch._dynamo loaded by the first optimizer"
+               + (", the CUDA context" if p.cuda else "")))
+    p.model_as_built(zero_init and p.stage == 3)
+    p.optimizer_state()
+    if p.stage == 3:
+        p.parameter_store()
     else:
-        built = spec.built_nbytes if spec.built_nbytes else spec.num_params * rules.FP32_NBYTES
-        add(Item("model as built (fp32)", "host", built, "init",
-                 "the module's parameters before initialize moves them"
-                 + ("" if stage == 3 else (" (the same memory the module trains with on a CPU device)" if dtype == torch.float32 and not cuda else "")),
-                 None, heap=True))
+        p.resident_parameters()
+    p.flat_buffers_and_init()
+    if activations is not None:
+        p.activations(activations, checkpointing)
+    p.overheads()
+    zero = cfg.zero_optimization
+    return SettingPlan(
+        setting=Setting(p.stage, zero.offload_param.device, zero.offload_optimizer.device, tuned=bool(changes)),
+        dtype=p.dname,
+        items=tuple(p.items),
+        problems=tuple(p.problems),
+        device_type=device_type,
+        nvme_by_path=tuple(p.nvme_paths.items()),
+        nvme_traffic_nbytes=p.nvme_traffic,
+        changes=tuple(changes),
+    )
 
-    # -- optimizer state (partitioned_adam.py; build.py _state_store) ---------------
-    S = _sum(units, "shard_numel")
-    keys = rules.state_keys(stage, dtype)
-    opt_tier: Tier = "nvme" if setting.offload_optimizer == "nvme" else "host"
-    opt_detail = "fp32, this rank's shards" + (" (swap files)" if opt_tier == "nvme" else " (host tensors)")
-    key_opt = "zero_optimization.offload_optimizer.device"
-    if "master" in keys:
-        add(Item("fp32 master weights", opt_tier, S * 4, "run", opt_detail, key_opt))
-    add(Item("Adam moments m, v", opt_tier, 2 * S * 4, "run", opt_detail, key_opt))
-    add(Item("gradient partitions (fp32)", opt_tier, S * 4, "run", opt_detail + "; accumulated across micro-batches",
-             key_opt))
-    if opt_tier == "nvme":
-        reserved = rules.swap_nbytes(S * rules.STATE_NBYTES_PER_ELEMENT, block)
+
+class _Planner:
+    """The items of one plan, built section by section (one method per part of the runtime)."""
+
+    def __init__(self, spec: ModelSpec, cfg: InfinityConfig, world_size: int, device_type: str):
+        self.spec = spec
+        self.cfg = cfg
+        self.zero = cfg.zero_optimization
+        self.stage = self.zero.stage
+        self.dtype = rules.param_dtype(cfg)
+        self.b = rules.itemsize(self.dtype)
+        self.dname = str(self.dtype).removeprefix("torch.")
+        with true_shapes(spec.module):
+            self.units = rules.units_for(spec.module, cfg, world_size)
+            params = [p for u in self.units for p in u.params]
+            self.numels = [p.numel() for p in params]
+            self.grad_numels = [p.numel() for p in params if p.requires_grad]
+        self.cuda = device_type == "cuda"
+        self.world = world_size
+        self.block = cfg.aio.block_size
+        self.items: list[Item] = []
+        self.problems: list[Problem] = []
+        self.nvme_paths: dict[str, int] = {}
+        self.nvme_traffic = 0
+
+    def add(self, item: Item) -> None:
+        self.items.append(item)
+
+    def _swap(self, label: str, nbytes: int, path, detail: str, key: str | None = None) -> None:
+        """A store's swap files at ``path``, plus its directory's lock file and extent blocks."""
+        meta = rules.swap_dir_overhead_nbytes(nbytes)
+        self.add(Item(label, "nvme", nbytes, "run", detail, key))
+        self.add(Item(label.split(" swap")[0] + " swap directory", "nvme", meta, "run",
+                      "lock file and file-system extent blocks"))
+        self.nvme_paths[str(path)] = self.nvme_paths.get(str(path), 0) + nbytes + meta
+
+    def model_as_built(self, zinit: bool) -> None:
+        """The parameters as the user built them: in the module, or in zero.Init's store."""
+        if not zinit:
+            built = self.spec.built_nbytes or self.spec.num_params * rules.FP32_NBYTES
+            same = self.stage < 3 and self.dtype == torch.float32 and not self.cuda
+            self.add(Item("model as built (fp32)", "host", built, "init",
+                          "the module's parameters before initialize moves them"
+                          + (" (the same memory the module trains with on a CPU device)" if same else ""),
+                          heap=True))
+            return
+        with true_shapes(self.spec.module):
+            sizes = rules.zero_init_shard_sizes(self.spec.module, self.world)
+        off = self.zero.offload_param
+        if off.device == "nvme":
+            self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "run",
+                          "infinity/zero/init.py: the init store's pool (kept while the init store lives)"))
+            self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block), off.nvme_path,
+                       "each parameter's fp32 shard as built, files grown on demand", "offload_param.nvme_path")
+        else:
+            self.add(Item(_ZINIT_CPU, "host", sum(sizes), "init",
+                          "infinity/zero/init.py: each parameter's shard as built, freed once initialize has it",
+                          heap=True))
+
+    def optimizer_state(self) -> None:
+        """partitioned_adam.py keys per shard; build.py _state_store's pool and swap reserve."""
+        S = _sum(self.units, "shard_numel")
+        keys = rules.state_keys(self.stage, self.dtype)
+        tier: Tier = "nvme" if self.zero.offload_optimizer.device == "nvme" else "host"
+        detail = "fp32, this rank's shards" + (" (swap files)" if tier == "nvme" else " (host tensors)")
+        key = "zero_optimization.offload_optimizer.device"
+        if "master" in keys:
+            self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
+        self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
+        self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
+                      detail + "; accumulated across micro-batches", key))
+        if tier != "nvme":
+            self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
+                          "unused (no NVMe)"))
+            return
+        reserved = rules.swap_nbytes(S * rules.STATE_NBYTES_PER_ELEMENT, self.block)
         slack = reserved - S * 4 * len(keys)
         if slack:
-            add(Item("optimizer swap reserve", "nvme", slack, "run",
-                     "build.py reserves 16 B per element (rounded to aio.block_size)"
-                     + (", also when the fp32 master is the parameter shard" if len(keys) == 3 else "")))
-        path = str(zero.offload_optimizer.nvme_path)
+            self.add(Item("optimizer swap reserve", "nvme", slack, "run",
+                          "build.py reserves 16 B per element (rounded to aio.block_size)"
+                          + (", also when the fp32 master is the parameter shard" if len(keys) == 3 else "")))
         meta = rules.swap_dir_overhead_nbytes(reserved)
-        add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
-        nvme_paths[path] = nvme_paths.get(path, 0) + reserved + meta
-        sub = rules.optimizer_pool_numel(units, zero)
-        pool = rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * rules.STATE_NBYTES_PER_ELEMENT)
-        add(Item("optimizer pool", "host", pool, "run",
-                 f"3 sub-groups × {sub:,} elements × 16 B (read ‖ update ‖ write), pinned, huge pages",
-                 "zero_optimization.sub_group_size"))
-    else:
-        add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run", "unused (no NVMe)"))
+        self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
+        path = str(self.zero.offload_optimizer.nvme_path)
+        self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
+        sub = rules.optimizer_pool_numel(self.units, self.zero)
+        self.add(Item("optimizer pool", "host",
+                      rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * rules.STATE_NBYTES_PER_ELEMENT), "run",
+                      f"3 sub-groups × {sub:,} elements × 16 B (read ‖ update ‖ write), pinned, huge pages",
+                      "zero_optimization.sub_group_size"))
+        # The step reads every array and writes all but g back.
+        self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
 
-    # -- parameters (stage 3: the parameter store; else resident in the module) ----------
-    nvme_traffic = 0
-    if stage == 3:
-        homes = rules.param_homes(units, zero)
+    def parameter_store(self) -> None:
+        """Stage 3: build.py _param_homes/_param_store, the budgets, what is gathered."""
+        units, b, dname, off = self.units, self.b, self.dname, self.zero.offload_param
+        homes = rules.param_homes(units, self.zero)
         nv = [u for u in units if homes[u.index] == "nvme"]
         in_host = _sum(units, "shard_nbytes", lambda u: homes[u.index] == "cpu")
         n_persist = _sum(units, "shard_nbytes", lambda u: u.persistent)
         why = []
         if n_persist:
             why.append(f"{format_nbytes(n_persist)} persistent (< stage3_param_persistence_threshold)")
-        if setting.offload_param == "nvme" and in_host > n_persist:
+        if off.device == "nvme" and in_host > n_persist:
             why.append(f"{format_nbytes(in_host - n_persist)} kept by offload_param.max_in_cpu")
-        add(Item(f"parameter shards in host memory ({dname})", "host", in_host, "run",
-                 "; ".join(why) or "offload_param.device " + setting.offload_param,
-                 "zero_optimization.offload_param.max_in_cpu" if setting.offload_param == "nvme" else
-                 "zero_optimization.offload_param.device"))
-        off = zero.offload_param
+        self.add(Item(f"parameter shards in host memory ({dname})", "host", in_host, "run",
+                      "; ".join(why) or "offload_param.device " + off.device,
+                      "zero_optimization.offload_param." + ("max_in_cpu" if off.device == "nvme" else "device")))
         if nv:
-            pool_capacity = off.buffer_count * _round4k(off.buffer_size * b)
-            add(Item("parameter pool", "host", rules.pool_nbytes(off.buffer_count, off.buffer_size * b), "run",
-                     f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, huge pages",
-                     "zero_optimization.offload_param.buffer_size"))
-            nvme_nbytes = _sum(nv, "shard_nbytes")
-            n = rules.swap_nbytes(nvme_nbytes, block)
-            add(Item(f"parameter swap files ({dname})", "nvme", n, "run", "this rank's shards",
-                     "zero_optimization.offload_param.nvme_path"))
-            meta = rules.swap_dir_overhead_nbytes(n)
-            add(Item("parameter swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
-            nvme_paths[str(off.nvme_path)] = nvme_paths.get(str(off.nvme_path), 0) + n + meta
-            reads = 3 if dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
-            nvme_traffic += nvme_nbytes * (reads + 1)
-            _check_param_pool(problems, units, nv, homes, zero, b, pool_capacity)
-            budget_where = "inside the parameter pool (host)"
+            self.add(Item("parameter pool", "host", rules.pool_nbytes(off.buffer_count, off.buffer_size * b), "run",
+                          f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
+                          "huge pages", "zero_optimization.offload_param.buffer_size"))
+            on_disk = _sum(nv, "shard_nbytes")
+            self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(on_disk, self.block), off.nvme_path,
+                       "this rank's shards", "zero_optimization.offload_param.nvme_path")
+            reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
+            self.nvme_traffic += on_disk * (reads + 1)
+            _check_param_pool(self.problems, units, nv, homes, self.zero, b,
+                              off.buffer_count * _round4k(off.buffer_size * b))
+            where = "inside the parameter pool (host)"
         else:
-            add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
-                     "unused (no parameter on NVMe)"))
-            budget_where = "on the device" if cuda else "in host memory"
-        total_p = _sum(units, "shard_nbytes", lambda u: not u.persistent)
+            self.add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
+                          "unused (no parameter on NVMe)"))
+            where = "on the device" if self.cuda else "in host memory"
+        total = _sum(units, "shard_nbytes", lambda u: not u.persistent)
         for label, key, numel in (
-            ("prefetch budget", "stage3_prefetch_bucket_size", zero.stage3_prefetch_bucket_size),
-            ("live-parameter budget", "stage3_max_live_parameters", zero.stage3_max_live_parameters),
+            ("prefetch budget", "stage3_prefetch_bucket_size", self.zero.stage3_prefetch_bucket_size),
+            ("live-parameter budget", "stage3_max_live_parameters", self.zero.stage3_max_live_parameters),
         ):
-            add(Item(label, "host" if nv else "device", min(numel * b, total_p), "train",
-                     f"{key} {numel:,} elements × {b} B; {budget_where}, not added (no prefetch scheduler is wired yet)",
-                     f"zero_optimization.{key}", counted=False))
-        if cuda or W > 1:
-            add(Item(f"persistent parameters, gathered ({dname})", "device",
-                     sum(u.full_nbytes for u in units if u.persistent), "train",
-                     "gathered once, kept for the whole run", "zero_optimization.stage3_param_persistence_threshold", heap=True))
-            add(Item(f"gathered parameters, working set ({dname})", "device", rules.gathered_working_set(units),
-                     "train", "the three largest units: tied embedding, unit in use, unit reducing its grads", heap=True))
-        add(_grad_in_flight(grad_numels, b))
-    else:
-        phase: Phase = "run" if cuda else "train"
-        add(Item(f"parameters in the module ({dname})", "device", sum(numels) * b, phase,
-                 "stages 0-2 keep every parameter resident", heap=True))
-        if stage <= 1:
-            add(Item(f"gradients p.grad ({dname})", "device", sum(grad_numels) * b, "train",
-                     "stages 0-1: autograd accumulates whole grads; reduced at the window's end",
-                     "zero_optimization.stage", heap=True))
+            self.add(Item(label, "host" if nv else "device", min(numel * b, total), "train",
+                          f"{key} {numel:,} elements × {b} B; {where}, not added (no prefetch scheduler is "
+                          "wired yet)", f"zero_optimization.{key}", counted=False))
+        if self.cuda or self.world > 1:
+            self.add(Item(f"persistent parameters, gathered ({dname})", "device",
+                          sum(u.full_nbytes for u in units if u.persistent), "train",
+                          "gathered once, kept for the whole run",
+                          "zero_optimization.stage3_param_persistence_threshold", heap=True))
+            self.add(Item(f"gathered parameters, working set ({dname})", "device",
+                          rules.gathered_working_set(units), "train",
+                          "the three largest units: tied embedding, unit in use, unit reducing its grads", heap=True))
+        self.add(_grad_in_flight(self.grad_numels, b))
+
+    def resident_parameters(self) -> None:
+        """Stages 0-2: parameters stay in the module; stages 0-1 keep whole grads in p.grad."""
+        phase: Phase = "run" if self.cuda else "train"  # on a CPU device they are the model as built
+        self.add(Item(f"parameters in the module ({self.dname})", "device", sum(self.numels) * self.b, phase,
+                      "stages 0-2 keep every parameter resident", heap=True))
+        if self.stage <= 1:
+            self.add(Item(f"gradients p.grad ({self.dname})", "device", sum(self.grad_numels) * self.b, "train",
+                          "stages 0-1: autograd accumulates whole grads; reduced at the window's end",
+                          "zero_optimization.stage", heap=True))
         else:
-            add(_grad_in_flight(grad_numels, b))
-    if opt_tier == "nvme":
-        nvme_traffic += S * 4 * len(keys) * 2 - (S * 4 if "g" in keys else 0)  # g is only read back
+            self.add(_grad_in_flight(self.grad_numels, self.b))
 
-    flat = rules.flat_buffers_nbytes(units, stage, W, dtype, caching=not cuda)
-    if flat:
-        add(Item("flat buffers (TensorCache)", "device", flat, "train",
-                 "fp32 flat grads / gathers, reused; cached up to 4 × the largest unit" if not cuda else
-                 "fp32 flat grads / gathers in use", heap=True))
+    def flat_buffers_and_init(self) -> None:
+        """The TensorCache's flat buffers; build.py's per-unit temporaries while moving the model home."""
+        flat = rules.flat_buffers_nbytes(self.units, self.stage, self.world, self.dtype, caching=not self.cuda)
+        if flat:
+            self.add(Item("flat buffers (TensorCache)", "device", flat, "train",
+                          "fp32 flat grads / gathers in use" if self.cuda else
+                          "fp32 flat grads / gathers, reused; cached up to 4 × the largest unit", heap=True))
+        largest = max((u.layout.padded_numel for u in self.units), default=0)
+        self.add(Item("initialisation transient", "host", largest * (rules.FP32_NBYTES + self.b), "init",
+                      "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
 
-    # -- initialisation transient (build.py: _full_values, shard conversion) ----------
-    largest = max((u.layout.padded_numel for u in units), default=0)
-    add(Item("initialisation transient", "host", largest * (rules.FP32_NBYTES + b), "init",
-             "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
+    def activations(self, a: Activations, checkpointing: bool) -> None:
+        saved, other = (a.saved_checkpointed, a.saved) if checkpointing else (a.saved, a.saved_checkpointed)
+        self.add(Item("activations saved for backward", "device", saved, "train",
+                      f"micro-batch {a.micro_batch} × seq {a.seq}, "
+                      + ("every block checkpointed" if checkpointing else "no checkpointing")
+                      + f" ({'without' if checkpointing else 'with'} checkpointing: {format_nbytes(other)})",
+                      "train_micro_batch_size_per_gpu", heap=True))
+        self.add(Item("backward working memory", "device", a.working, "train",
+                      "gradients of the logits and of one block's activations", heap=True))
 
-    if activations is not None:
-        act_tier: Tier = "device"
-        saved = activations.saved_checkpointed if checkpointing else activations.saved
-        other = activations.saved if checkpointing else activations.saved_checkpointed
-        add(Item("activations saved for backward", act_tier, saved, "train",
-                 f"micro-batch {activations.micro_batch} × seq {activations.seq}, "
-                 + ("every block checkpointed" if checkpointing else "no checkpointing")
-                 + f" ({'without' if checkpointing else 'with'} checkpointing: {format_nbytes(other)})",
-                 "train_micro_batch_size_per_gpu", heap=True))
-        add(Item("backward working memory", act_tier, activations.working, "train",
-                 "gradients of the logits and of one block's activations", heap=True))
-
-    add(Item("runtime overhead (initialize)", "host", rules.INIT_OVERHEAD_NBYTES, "init",
-             "aio engines, store records, hooks (measured)"))
-    add(Item("runtime overhead (first step)", "host", rules.first_step_overhead_nbytes(dtype), "train",
-             "kernel workspaces, autograd, thread arenas (measured)"))
-    for tier in ("host", "device"):
-        for ph in ("init", "train"):
-            base = sum(i.nbytes for i in items if i.heap and i.tier == tier and i.phase in (ph, "run"))
-            slack = -(-base * rules.SLACK_PERCENT // 100)
-            if slack:
-                add(Item("allocator slack", tier, slack, ph,  # type: ignore[arg-type]
-                         f"{rules.SLACK_PERCENT}% of the tensors torch allocates and frees in this phase: "
-                         "freed memory the heap keeps (measured)"))
-
-    return SettingPlan(
-        setting=setting,
-        dtype=dname,
-        items=tuple(items),
-        problems=tuple(problems),
-        device_type=device_type,
-        nvme_by_path=tuple(nvme_paths.items()),
-        nvme_traffic_nbytes=nvme_traffic,
-        changes=tuple(changes),
-    )
+    def overheads(self) -> None:
+        """Measured, not mirrored (rules.py says where each figure comes from)."""
+        self.add(Item("runtime overhead (initialize)", "host", rules.INIT_OVERHEAD_NBYTES, "init",
+                      "aio engines, store records, hooks (measured)"))
+        self.add(Item("runtime overhead (first step)", "host", rules.first_step_overhead_nbytes(self.dtype),
+                      "train", "kernel workspaces, autograd, thread arenas (measured)"))
+        for tier in ("host", "device"):
+            for ph in ("init", "train"):
+                base = sum(i.nbytes for i in self.items if i.heap and i.tier == tier and i.phase in (ph, "run"))
+                slack = -(-base * rules.SLACK_PERCENT // 100)
+                if slack:
+                    self.add(Item("allocator slack", tier, slack, ph,  # type: ignore[arg-type]
+                                  f"{rules.SLACK_PERCENT}% of the tensors torch allocates and frees in this "
+                                  "phase: freed memory the heap keeps (measured)"))
 
 
 def _grad_in_flight(grad_numels: list[int], b: int) -> Item:

@@ -112,12 +112,17 @@ def preflight(
             f"infinity.initialize: another rank's pre-flight check failed (see its error); rank {group.rank} "
             "stops too, before allocating", own, ())
     fixes = _fixes(spec, cfg, own, view, plan, ranks, held, group.world_size)
+    raise PreflightError(_refusal(own, fit.reasons, fixes, held, ranks, group.world_size, acts is not None),
+                         own, fit.reasons)
+
+
+def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int, world: int, acts: bool) -> str:
     lines = [
         f"infinity.initialize: this run does not fit (pre-flight check; nothing has been allocated). "
-        f"{own.setting.label()}, {own.dtype}, world size {group.world_size}"
+        f"{own.setting.label()}, {own.dtype}, world size {world}"
         + (f", {ranks} ranks on this node" if ranks > 1 else "") + ":",
     ]
-    lines += ["  " + r for r in fit.reasons]
+    lines += ["  " + r for r in reasons]
     lines.append(
         f"It would allocate per rank (this process holds {format_nbytes(held)} already: its baseline and the model"
         f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
@@ -128,7 +133,7 @@ def preflight(
     lines += ["  - " + f for f in fixes]
     lines.append('  - or skip this check with "preflight": false in the config (the run may then be killed '
                  "by the OOM killer or fail when the disk fills)")
-    raise PreflightError("\n".join(lines), own, fit.reasons)
+    return "\n".join(lines)
 
 
 def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
