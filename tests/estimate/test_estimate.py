@@ -226,3 +226,29 @@ def test_bad_arguments_say_what_is_wrong(kw, message):
 def test_a_bad_model_argument_is_refused():
     with pytest.raises(ValueError, match="parameter count >= 1"):
         _est(0)
+
+
+def test_a_cuda_plan_splits_device_and_host_and_checks_the_gpu(tmp_path):
+    """Planned for CUDA (no GPU needed): parameters, grads and activations on the device, optimizer state
+    on the host (this runtime's optimizer always steps on the CPU), the GPU's free memory checked."""
+    from infinity.estimate import GPUInfo
+    from infinity.estimate.estimate import check_fit
+
+    est = _est(1e9, device="cuda", micro_batch=1, seq=1024, zero_init=True)
+    s0 = est.setting(0).plan
+    dev = {i.name for i in s0.items if i.tier == "device"}
+    assert {"parameters in the module (bfloat16)", "gradients p.grad (bfloat16)",
+            "activations saved for backward"} <= dev
+    assert "Adam moments m, v" in {i.name for i in s0.items if i.tier == "host"}
+    assert s0.device_nbytes >= 4 * est.num_params  # bf16 params + grads
+    assert s0.host_nbytes >= 16 * est.num_params
+    # Stage 3 keeps only persistent and gathered units (and activations) on the device.
+    s3 = est.setting(3, "nvme", "nvme").plan
+    assert s3.device_nbytes < s0.device_nbytes - 3 * est.num_params  # no resident params or grads
+    view = dataclasses.replace(_machine(tmp_path, ram=1 << 50),
+                               gpus=(GPUInfo(0, "test GPU", 80 * GiB, s3.device_nbytes + 1),))
+    assert check_fit(s3, view, ranks_per_node=1).device_ok
+    f = check_fit(s0, view, ranks_per_node=1)
+    assert not f.device_ok and any("per GPU" in r for r in f.reasons)
+    no_gpu = check_fit(s3, _machine(tmp_path, ram=1 << 50), ranks_per_node=1)
+    assert not no_gpu.device_ok and any("no GPU is visible" in r for r in no_gpu.reasons)
