@@ -274,7 +274,7 @@ class _Planner:
             self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
                           "unused (no NVMe)"))
             return
-        reserved = rules.swap_nbytes(S * rules.STATE_NBYTES_PER_ELEMENT, self.block)
+        reserved = rules.optimizer_swap_nbytes(S, self.block)
         slack = reserved - S * 4 * len(keys)
         if slack:
             self.add(Item("optimizer swap reserve", "nvme", slack, "run",
@@ -317,7 +317,7 @@ class _Planner:
             reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
             self.nvme_traffic += on_disk * (reads + 1)
             _check_param_pool(self.problems, units, nv, homes, self.zero, b,
-                              off.buffer_count * _round4k(off.buffer_size * b))
+                              rules.pool_capacity(off.buffer_count, off.buffer_size * b))
             where = "inside the parameter pool (host)"
         else:
             self.add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
@@ -339,19 +339,27 @@ class _Planner:
             self.add(Item(f"gathered parameters, working set ({dname})", "device",
                           rules.gathered_working_set(units), "train",
                           "the three largest units: tied embedding, unit in use, unit reducing its grads", heap=True))
-        self.add(_grad_in_flight(self.grad_numels, b))
+        self.add(self._grad_in_flight())
 
     def resident_parameters(self) -> None:
         """Stages 0-2: parameters stay in the module; stages 0-1 keep whole grads in p.grad."""
         phase: Phase = "run" if self.cuda else "train"  # on a CPU device they are the model as built
-        self.add(Item(f"parameters in the module ({self.dname})", "device", sum(self.numels) * self.b, phase,
+        self.add(Item(f"parameters in the module ({self.dname})", "device",
+                      rules.resident_param_nbytes(self.numels, self.dtype, self.stage), phase,
                       "stages 0-2 keep every parameter resident", heap=True))
         if self.stage <= 1:
-            self.add(Item(f"gradients p.grad ({self.dname})", "device", sum(self.grad_numels) * self.b, "train",
+            self.add(Item(f"gradients p.grad ({self.dname})", "device",
+                          rules.resident_grad_nbytes(self.grad_numels, self.dtype, self.stage), "train",
                           "stages 0-1: autograd accumulates whole grads; reduced at the window's end",
                           "zero_optimization.stage", heap=True))
         else:
-            self.add(_grad_in_flight(self.grad_numels, self.b))
+            self.add(self._grad_in_flight())
+
+    def _grad_in_flight(self) -> Item:
+        return Item("gradient in flight (largest parameter)", "device",
+                    rules.grad_in_flight_nbytes(self.grad_numels, self.dtype), "train",
+                    "grad_hooks.py: each grad is taken as autograd makes it and added into its fp32 partition",
+                    heap=True)
 
     def flat_buffers_and_init(self) -> None:
         """The TensorCache's flat buffers; build.py's per-unit temporaries while moving the model home."""
@@ -360,8 +368,7 @@ class _Planner:
             self.add(Item("flat buffers (TensorCache)", "device", flat, "train",
                           "fp32 flat grads / gathers in use" if self.cuda else
                           "fp32 flat grads / gathers, reused; cached up to 4 × the largest unit", heap=True))
-        largest = max((u.layout.padded_numel for u in self.units), default=0)
-        self.add(Item("initialisation transient", "host", largest * (rules.FP32_NBYTES + self.b), "init",
+        self.add(Item("initialisation transient", "host", rules.init_transient_nbytes(self.units, self.dtype), "init",
                       "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
 
     def activations(self, a: Activations, checkpointing: bool) -> None:
@@ -388,19 +395,6 @@ class _Planner:
                     self.add(Item("allocator slack", tier, slack, ph,  # type: ignore[arg-type]
                                   f"{rules.SLACK_PERCENT}% of the tensors torch allocates and frees in this "
                                   "phase: freed memory the heap keeps (measured)"))
-
-
-def _grad_in_flight(grad_numels: list[int], b: int) -> Item:
-    """grad_hooks.py/grads.py: each grad is taken as autograd makes it and added into the fp32
-    gradient partition (a 16-bit grad is upcast on the way)."""
-    per = b + (rules.FP32_NBYTES if b < rules.FP32_NBYTES else 0)
-    return Item("gradient in flight (largest parameter)", "device", max(grad_numels, default=0) * per, "train",
-                "grad_hooks.py: each grad is taken as autograd makes it and added into its fp32 partition",
-                heap=True)
-
-
-def _round4k(n: int) -> int:
-    return -(-n // 4096) * 4096
 
 
 def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:

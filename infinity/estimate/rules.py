@@ -96,6 +96,37 @@ def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[Pa
     ).units
 
 
+def resident_param_nbytes(numels: Sequence[int], dtype: torch.dtype, stage: int) -> int:
+    """infinity/engine/build.py build_runtime, stages 0-2: ``p.data = p.data.to(device, dtype)`` —
+    every parameter stays whole in the module (unpadded); stage 3 keeps none there."""
+    return 0 if stage == 3 else sum(numels) * itemsize(dtype)
+
+
+def resident_grad_nbytes(grad_numels: Sequence[int], dtype: torch.dtype, stage: int) -> int:
+    """infinity/zero/grads.py reduce_resident_grads: at stages 0-1 autograd accumulates whole
+    grads in ``p.grad`` (parameter dtype) until the window's end; from stage 2 GradHooks takes them."""
+    return sum(grad_numels) * itemsize(dtype) if stage <= 1 else 0
+
+
+def grad_in_flight_nbytes(grad_numels: Sequence[int], dtype: torch.dtype) -> int:
+    """infinity/zero/grad_hooks.py + grads.py add, stages 2-3: one parameter's grad at a time, added
+    into its fp32 partition (a 16-bit grad is upcast on the way)."""
+    b = itemsize(dtype)
+    return max(grad_numels, default=0) * (b + (FP32_NBYTES if b < FP32_NBYTES else 0))
+
+
+def init_transient_nbytes(units: Sequence[ParamUnit], dtype: torch.dtype) -> int:
+    """infinity/engine/build.py _full_values and the loop after it: one unit's flat fp32 values
+    (padded) and its shard converted to the parameter dtype, at a time."""
+    largest = max((u.layout.padded_numel for u in units), default=0)
+    return largest * (FP32_NBYTES + itemsize(dtype))
+
+
+def optimizer_swap_nbytes(shard_numel: int, block_size: int) -> int:
+    """infinity/engine/build.py _state_store: ``store.reserve(total shard elements × 16)``."""
+    return swap_nbytes(shard_numel * STATE_NBYTES_PER_ELEMENT, block_size)
+
+
 def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
     """csrc/aio/aligned_buffer.cc AlignedBuffer: what an aligned_empty buffer maps (and prefaults).
 
@@ -109,10 +140,16 @@ def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
     return round_up(nbytes, DIRECT_ALIGNMENT)
 
 
+def pool_capacity(count: int, size: int) -> int:
+    """infinity/memory/pool.py BufferPool.capacity: ``count × round_up(size, 4 KiB)`` bytes (for the
+    parameter pool, build.py _param_store passes size = offload_param.buffer_size × itemsize)."""
+    return count * round_up(size, DIRECT_ALIGNMENT)
+
+
 def pool_nbytes(count: int, size: int) -> int:
-    """infinity/memory/pool.py BufferPool: one slab of ``count × round_up(size, 4 KiB)`` bytes,
-    allocated with huge pages (see mapped_nbytes)."""
-    return mapped_nbytes(count * round_up(size, DIRECT_ALIGNMENT), huge_pages=True)
+    """infinity/memory/pool.py BufferPool: its capacity in one slab, allocated with huge pages
+    (see mapped_nbytes)."""
+    return mapped_nbytes(pool_capacity(count, size), huge_pages=True)
 
 
 def swap_nbytes(total: int, block_size: int) -> int:
