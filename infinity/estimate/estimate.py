@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import ConfigError, InfinityConfig, load_config
+from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
+from infinity.config.auto import HIDDEN_SIZE_KEYS
 from infinity.estimate import rules
 from infinity.estimate.activations import Activations, gpt_activations
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
@@ -118,13 +119,27 @@ def speed_key(plan: SettingPlan) -> tuple:
     return (plan.nvme_traffic_nbytes, _TIER_RANK[s.offload_param], _TIER_RANK[s.offload_optimizer], s.stage, s.tuned)
 
 
-def _as_config(config: Any, world_size: int, precision: str | None) -> InfinityConfig:
+_NOT_MEMORY = ("optimizer", "scheduler")
+"""Config sections that change no allocation (the optimizer is Adam-family whatever its
+hyper-parameters): dropped before loading, so their "auto" values need no arguments here."""
+
+_HIDDEN_SIZE_KEYS = {k.rsplit(".", 1)[1] for k in HIDDEN_SIZE_KEYS} | {
+    "prefetch_bucket_size", "param_persistence_threshold"}
+
+
+def _as_config(config: Any, world_size: int, precision: str | None, hidden_size: int | None) -> InfinityConfig:
+    """The config every setting starts from: loaded as initialize loads it, less _NOT_MEMORY, with
+    the ZeRO sizes written "auto" derived from the model's hidden size (as HF's integration does)."""
     if isinstance(config, InfinityConfig):
-        cfg = config
-        if cfg.world_size != world_size:
-            cfg = load_config(cfg.to_dict(), world_size=world_size)
+        cfg = config if config.world_size == world_size else load_config(config.to_dict(), world_size=world_size)
     else:
-        cfg = load_config(config, world_size=world_size)
+        raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else dict(config or {})
+        raw = {k: v for k, v in raw.items() if k not in _NOT_MEMORY}
+        zero = raw.get("zero_optimization")
+        extra = {}
+        if hidden_size and isinstance(zero, dict) and any(zero.get(k) == "auto" for k in _HIDDEN_SIZE_KEYS):
+            extra["hidden_size"] = hidden_size
+        cfg = load_config(raw, world_size=world_size, **extra)
     if config is None and precision is None:
         precision = "bf16"  # what people train large models in; stated in the report
     if precision is not None:
@@ -233,7 +248,10 @@ def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate]
     else:
         parts.append(f"{format_nbytes(p.host_nbytes * ranks)} of host RAM")
         parts.append(f"{format_nbytes(p.device_nbytes)} per GPU")
-    return f"fits with {rec.setting.words()}; needs {', '.join(parts)} ({p.keys()})"
+    words = rec.setting.words()
+    if rec.setting.offload_param == "nvme" and not any(i.name.startswith("parameter swap files") for i in p.items):
+        words += " (offload_param.max_in_cpu keeps every parameter in host memory)"
+    return f"fits with {words}; needs {', '.join(parts)} ({p.keys()})"
 
 
 def _world(nodes: int, gpus_per_node: int | None, world_size: int | None) -> tuple[int, int]:
@@ -319,8 +337,8 @@ def estimate_memory(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
-    cfg = _as_config(config, world_size, precision)
     spec = describe_model(model_or_param_count, model_config=model_config, seq=seq)
+    cfg = _as_config(config, world_size, precision, spec.gpt.d_model if spec.gpt else None)
     if zero_init is None:  # a count is assumed built under zero.Init (the way to build a large model)
         is_module = isinstance(model_or_param_count, nn.Module)
         zero_init = not is_module or zero_init_mod.init_store_of(list(spec.module.parameters())) is not None

@@ -103,3 +103,16 @@ def test_the_command_runs_as_a_program():
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["settings"]
+
+
+@pytest.mark.parametrize("name", ["zero2_offload_cpu.json", "zero3_offload_cpu.json", "zero3_infinity_nvme.json"])
+def test_the_configs_users_bring_estimate_as_they_are(capsys, name):
+    """DeepSpeed/HF configs full of "auto" (lr, batch sizes, ZeRO sizes): the optimizer and scheduler
+    change no allocation, the ZeRO sizes follow the model's hidden size as HF derives them."""
+    path = ROOT / "tests" / "config" / "data" / name
+    code, out, err = _run(capsys, "--params", "1e9", "--config", str(path), "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    own = [s for s in d["settings"] if (s["stage"], s["offload_param"], s["offload_optimizer"])
+           == (d["selected"]["stage"], d["selected"]["offload_param"], d["selected"]["offload_optimizer"])]
+    assert own and d["selected"]["stage"] in (2, 3)
