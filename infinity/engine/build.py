@@ -121,7 +121,8 @@ def build_runtime(
         if stage < 3:
             model.to(device)
         unit_map = build_units(model, world_size=layout_world, persistence_threshold=threshold,
-                               device=device, dtype=dtype)
+                               device=device, dtype=dtype,
+                               shape_of=init_store.shape if init_store is not None else None)
     units = unit_map.units
     # Reused full-size buffers (gathers for world size > 1, flat fp32 grads):
     # at most a few of the largest unit's flat fp32 size stay cached.
@@ -184,9 +185,7 @@ def build_runtime(
             init_store.forget(p)
 
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
-    grad_hooks = None
-    if stage >= 2:
-        grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
+    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
     if stage == 3:

@@ -94,8 +94,8 @@ class Engine:
             rt.reducer.begin_micro(first=first, last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward()
-        if rt.reducer is not None and boundary and self.stage < 2:
-            rt.reducer.reduce_resident_grads()
+        if rt.reducer is not None and boundary and rt.reducer.deferred:
+            rt.reducer.reduce_window()
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
