@@ -6,7 +6,7 @@ pinned host buffers to the compute device just in time (ZeRO-Infinity).
 
 __version__ = "0.1.0"
 
-from infinity import zero
+from infinity import models, zero
 from infinity.engine import Engine, initialize
 
-__all__ = ["Engine", "__version__", "initialize", "zero"]
+__all__ = ["Engine", "__version__", "initialize", "models", "zero"]

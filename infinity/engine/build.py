@@ -82,9 +82,35 @@ def rank_path(path: Path | str | None, rank: int) -> str | None:
             f"nvme_path '{base}' does not exist or is not a directory; create it (mkdir -p {base}) "
             "or point nvme_path at a directory on a local NVMe drive"
         )
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"nvme_path '{base}' is not writable by this process; fix its permissions or point "
+            "nvme_path at a writable directory on a local NVMe drive"
+        )
     d = os.path.join(base, f"rank{rank}")
     os.makedirs(d, exist_ok=True)
     return d
+
+
+def check_nvme_space(needs: list[tuple[Path | str, int, str]]) -> None:
+    """Refuses a run whose swap files cannot fit: ``needs`` = (nvme_path, bytes, what) per store,
+    summed per file system, compared with the space free there — before anything is written."""
+    by_dev: dict[int, list[tuple[str, int, str]]] = {}
+    for path, nbytes, what in needs:
+        if nbytes:
+            by_dev.setdefault(os.stat(path).st_dev, []).append((os.fspath(path), nbytes, what))
+    for entries in by_dev.values():
+        path = entries[0][0]
+        st = os.statvfs(path)
+        free = st.f_bavail * st.f_frsize
+        total = sum(n for _, n, _ in entries)
+        if total > free:
+            parts = " + ".join(f"{what} {n}" for _, n, what in entries)
+            raise ConfigError(
+                f"not enough free space at nvme_path '{path}': this rank needs {total} bytes of swap "
+                f"files ({parts}) and {free} bytes are free; free space there, point nvme_path at a "
+                "larger drive, or keep less on NVMe (offload_param.max_in_cpu, offload_*.device)"
+            )
 
 
 def build_runtime(
@@ -132,15 +158,24 @@ def build_runtime(
     index_of = {id(p): i for i, p in enumerate(flat_params)}
     shard_rank = 0 if stage == 0 else group.rank
 
+    homes: dict[int, str] = _param_homes(units, cfg, dtype) if stage == 3 else {}
+    needs = []
+    if stage == 3 and zero.offload_param.device == "nvme":
+        needs.append((rank_path(zero.offload_param.nvme_path, group.rank),
+                      sum(u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), "parameters"))
+    if zero.offload_optimizer.device == "nvme":
+        needs.append((rank_path(zero.offload_optimizer.nvme_path, group.rank),
+                      sum(u.layout.shard_numel for u in units) * state_bytes_per_element(stage, dtype),
+                      "optimizer state"))
+    check_nvme_space(needs)
+
     param_store = None
-    homes: dict[int, str] = {}
     if stage == 3:
-        homes = _param_homes(units, cfg, dtype)
         param_store = _param_store(units, homes, cfg, dtype, group)
         for unit in units:
             param_store.register(unit.key, (unit.layout.shard_numel,), dtype, home=homes[unit.index])
 
-    state_store = _state_store(units, cfg, group)
+    state_store = _state_store(units, cfg, group, state_bytes_per_element(stage, dtype))
     shards = []
     for unit in units:
         segs = tuple(
@@ -257,20 +292,26 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
     return store
 
 
-def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup) -> TieredStore:
+def state_bytes_per_element(stage: int, dtype: torch.dtype) -> int:
+    """fp32 m, v and accumulated grad, plus an fp32 master unless the stage-3 fp32 parameter
+    shard is its own master (see PartitionedAdam)."""
+    return 12 if stage == 3 and dtype == FP32 else 16
+
+
+def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_element: int) -> TieredStore:
     zero = cfg.zero_optimization
     off = zero.offload_optimizer
     if off.device != "nvme":
         return TieredStore(None, pool=BufferPool(1, 4096), aio=cfg.aio, name="optimizer")
-    # A sub-group's arrays (master, m, v, g: 16 bytes per element) for the
+    # A sub-group's arrays (m, v, g and maybe master: 12-16 bytes per element) for the
     # update in progress, the next one being read and the last being written.
     largest = max((u.layout.shard_numel for u in units), default=0)
     sub = max(min(int(zero.sub_group_size), sum(u.layout.shard_numel for u in units)), largest)
-    buffer_nbytes = -(-sub * 16 // 4096) * 4096
+    buffer_nbytes = -(-sub * per_element // 4096) * 4096
     count = 3
     path = rank_path(off.nvme_path, group.rank)
     store = TieredStore(path, pool=BufferPool(count, buffer_nbytes), aio=cfg.aio, name="optimizer")
-    store.reserve(sum(u.layout.shard_numel for u in units) * 16)
+    store.reserve(sum(u.layout.shard_numel for u in units) * per_element)
     return store
 
 
