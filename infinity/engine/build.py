@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
-from infinity.memory import BufferPool
+from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.store import TieredStore
 from infinity.zero import init as zero_init
@@ -218,6 +218,7 @@ def build_runtime(
     if init_store is not None:
         for p in params:
             init_store.forget(p)
+    trim_heap()  # the starting values passed through host memory one unit at a time
 
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)

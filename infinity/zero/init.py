@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from infinity.aio import AioConfig
-from infinity.memory import BufferPool
+from infinity.memory import BufferPool, FreedMemory
 from infinity.store import TieredStore
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.layout import make_layout
@@ -67,6 +67,7 @@ class InitStore:
         if path:
             os.makedirs(path, exist_ok=True)
         self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
+        self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
         self._next = 0
 
@@ -87,6 +88,7 @@ class InitStore:
         self.records[p] = _Record(key, p.shape, p.dtype, layout.shard_numel, data.numel())
         _store_of[p] = self
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._freed.freed(data.numel() * data.element_size())
 
     def shape(self, p: nn.Parameter) -> torch.Size:
         """The parameter's true shape (its ``.data`` is a placeholder while it waits here)."""
@@ -112,6 +114,7 @@ class InitStore:
         part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
         shard[: part.numel()] = part
         self.store.write(rec.key, shard).result()
+        self._freed.freed(flat.numel() * flat.element_size())
 
     def forget(self, p: nn.Parameter) -> None:
         """Drops a parameter initialize() has moved home; closes the store after the last one."""
