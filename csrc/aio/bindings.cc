@@ -135,7 +135,7 @@ PYBIND11_MODULE(_aio, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](uint64_t block_size, unsigned queue_depth, unsigned thread_count,
-                       const std::string& backend, bool single_submit, bool overlap_events) {
+                       const std::string& backend, unsigned submit_batch, bool overlap_events) {
              EngineOptions o;
              o.block_size = block_size;
              o.queue_depth = queue_depth;
@@ -146,13 +146,13 @@ PYBIND11_MODULE(_aio, m) {
                o.backend = BackendKind::kThreads;
              else
                throw std::invalid_argument("backend must be 'io_uring' or 'threads', got '" + backend + "'");
-             o.single_submit = single_submit;
+             o.submit_batch = submit_batch;
              o.overlap_events = overlap_events;
              py::gil_scoped_release nogil;
              return new Engine(o);
            }),
            py::kw_only(), py::arg("block_size"), py::arg("queue_depth"), py::arg("thread_count"),
-           py::arg("backend"), py::arg("single_submit"), py::arg("overlap_events"))
+           py::arg("backend"), py::arg("submit_batch"), py::arg("overlap_events"))
       .def(
           "submit",
           [](Engine& e, bool write,
