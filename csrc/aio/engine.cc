@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 
 #include "aio/aligned_buffer.h"
 
@@ -133,7 +134,7 @@ std::shared_ptr<Request> Engine::submit(bool write, const std::vector<Segment>& 
   if (pieces.empty()) return req;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (shut_down_) throw std::runtime_error("the engine is shut down");
+    if (shut_down_) throw std::system_error(EBADF, std::generic_category(), "the engine is shut down");
     ++in_flight_;
   }
   req->set_on_complete(&Engine::request_finished, this);

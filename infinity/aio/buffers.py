@@ -47,7 +47,9 @@ def aligned_empty(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     if nbytes < 0 or nbytes % itemsize:
-        raise ValueError(f"nbytes={nbytes} is not a non-negative multiple of {dtype}'s size {itemsize}")
+        raise ValueError(
+            f"nbytes={nbytes} is not a non-negative multiple of {dtype}'s size {itemsize}"
+        )
     if pin and not torch.cuda.is_available():
         raise ValueError("pin=True needs CUDA, which is not available; use pin=None")
     if nbytes == 0:
