@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"page cache: {iobench.page_cache_note(direct)}")
     print(
-        "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through), 2 MiB pages"
+        "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through)"
     )
     if args.vs_fio:
         print(
@@ -119,6 +119,15 @@ def run(args: argparse.Namespace) -> int:
             test_file.remove()
     engines = sorted({sm.engine for sm in samples})
     print(f"engine: {', '.join(engines)}")
+    huge = min(sm.huge_fraction for sm in samples)
+    print(
+        f"2 MiB pages back {huge:.0%} of the buffers"
+        + (
+            ""
+            if huge > 0.99
+            else " (enable THP or vm.nr_hugepages: 4 KiB pages cap the request size)"
+        )
+    )
     print(iobench.format_table(samples))
     top, figures = iobench.best(samples)
     print(

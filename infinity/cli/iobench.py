@@ -1,8 +1,8 @@
 """Throughput of aio settings on one test file, measured the way fio measures it, and interleaved with fio.
 
 One *run* reads or writes the whole test file sequentially as one vectored request whose segments
-cycle through a ring buffer of ``queue_depth x block_size x thread_count`` bytes: the memory fio's
-job cycles through for the same setting, so the two tools move the same bytes through the same
+cycle through a ring buffer of ``queue_depth x block_size x thread_count`` bytes (at least one 2 MiB
+page): the memory fio's job cycles through for the same setting, so the two tools move the same bytes through the same
 amount of memory (on a VM's virtual disk the host copies that memory; a larger footprint measured
 slower for both). Slots are reused as soon as the engine may issue the next piece, so two reads
 can land in one slot; the data is discarded. The page cache is defeated with O_DIRECT, or, on a
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from infinity.aio import AioError, AioHandle, aligned_empty, huge_page_fraction
+from infinity.aio import HUGE_PAGE_SIZE, AioError, AioHandle, aligned_empty, huge_page_fraction
 from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
 
 Op = Literal["read", "write"]
@@ -97,7 +97,10 @@ class Setting:
         return f"{format_size(self.block_size)} qd{self.queue_depth} t{self.thread_count}{extra}"
 
     def ring_nbytes(self, file_nbytes: int) -> int:
-        ring = self.block_size * self.queue_depth * self.thread_count
+        """queue_depth x block_size x threads, at least one 2 MiB page (so huge pages can back it),
+        at most the file rounded up to a block."""
+        ring = max(self.block_size * self.queue_depth * self.thread_count, HUGE_PAGE_SIZE)
+        ring = -(-ring // self.block_size) * self.block_size
         return min(ring, -(-file_nbytes // self.block_size) * self.block_size)
 
     def handle(self) -> AioHandle:
@@ -136,6 +139,8 @@ class Sample:
     ours: list[float] = field(default_factory=list)
     fio: list[float] = field(default_factory=list)
     engine: str = ""
+    huge_fraction: float = 1.0
+    """Smallest fraction of the ring backed by 2 MiB pages over the runs."""
 
     @property
     def median(self) -> float:
@@ -156,6 +161,7 @@ class Sample:
             **dataclasses.asdict(self.setting),
             "engine": self.engine or self.setting.engine,
             "op": self.op,
+            "huge_page_fraction": round(self.huge_fraction, 3),
             "gbps": _stats(self.ours),
         }
         if self.fio:
@@ -317,7 +323,8 @@ def run_sweep(
                 sample = Sample(s, op)
                 for _ in range(repeat):
                     try:
-                        gbps, sample.engine, _ = measure(s, test_file, op)
+                        gbps, sample.engine, huge = measure(s, test_file, op)
+                        sample.huge_fraction = min(sample.huge_fraction, huge)
                     except AioError as e:
                         raise SystemExit(f"{s.label} {op}: {e}") from None
                     sample.ours.append(gbps)

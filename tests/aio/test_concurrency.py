@@ -155,3 +155,47 @@ def test_closing_a_file_with_requests_in_flight(engine, nvme_dir):
             assert fh.read() == data.numpy().tobytes()
         with pytest.raises(AioError, match="the file was closed"):
             h.pread(bytearray(10), f)
+
+
+def test_wait_with_timeout_on_a_request_in_flight(engine, nvme_dir):
+    path = nvme_dir / "t"
+    with open(path, "wb") as f:  # real blocks: reading a hole costs the device nothing
+        f.write(random_bytes(16 << 20).tobytes())
+        os.fsync(f.fileno())
+    with AioHandle(engine=engine, block_size=4096, queue_depth=1) as h:
+        req = h.pread(aligned_empty(16 << 20), path)  # 4096 device reads at depth 1
+        if req.done():
+            pytest.fail("4096 sequential reads finished within microseconds; the test proves nothing")
+        with pytest.raises(TimeoutError, match=r"pread of 16777216 bytes not done after 0\.0 s"):
+            req.wait(timeout=0.0)
+        assert req.wait(timeout=None) == 16 << 20
+        assert req.done()
+
+
+def test_no_descriptor_leaks(engine, nvme_dir):
+    """Handles, files, path requests, failures and fd requests all give their descriptors back."""
+    fd_dir = "/proc/self/fd"
+
+    def cycle() -> None:
+        with AioHandle(engine=engine, block_size=8192, queue_depth=4) as h:
+            data = torch.from_numpy(random_bytes(50_000))
+            h.sync_pwrite(data, nvme_dir / "a", 1)
+            with h.open(nvme_dir / "a", "r") as f:
+                h.sync_pread(torch.empty_like(data), f, 1)
+            with pytest.raises(AioError):
+                h.sync_pread(torch.empty(100_000, dtype=torch.uint8), nvme_dir / "a")
+            with pytest.raises(AioError):
+                h.pread(bytearray(1), nvme_dir / "missing")
+            fd = os.open(nvme_dir / "a", os.O_RDONLY)
+            try:
+                h.sync_pread(torch.empty_like(data), fd, 1)
+            finally:
+                os.close(fd)
+
+    cycle()  # first use may open lasting descriptors (e.g. the logging machinery)
+    gc.collect()
+    before = len(os.listdir(fd_dir))
+    for _ in range(5):
+        cycle()
+    gc.collect()
+    assert len(os.listdir(fd_dir)) == before
