@@ -2,7 +2,8 @@
 """infinity's aio engine vs fio (and DeepSpeed's aio where importable): sequential read and write.
 
 For each setting -- 1 MiB blocks at queue depth 32, and the best of an `infinity bench aio` sweep --
-and each direction, the contenders run back to back (A B C ... A B C ...) ``--repeat`` times:
+and each direction, the contenders run back to back ``--repeat`` times, the order rotated each
+repetition (A B C, B C A, C A B, ...):
 
   infinity io_uring / threads   one vectored request over the file through a ring of
                                 queue_depth x block_size bytes (the memory fio cycles through)
@@ -107,8 +108,11 @@ def measure_setting(
         results: dict[str, list[float]] = {name: [] for name in runs}
         for fn in runs.values():  # warm-up, not measured
             fn()
-        for _ in range(repeat):
-            for name, fn in runs.items():
+        names = list(runs)
+        for rep in range(repeat):
+            # Rotate who goes first, so no contender always follows the same neighbour.
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                fn = runs[name]
                 try:
                     results[name].append(fn())
                 except (FioError, RuntimeError, OSError) as e:

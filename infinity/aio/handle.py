@@ -356,6 +356,12 @@ class AioHandle:
 
         Buffers must stay alive while registered; pass ``[]`` to unregister. A no-op
         for the threads engine. Waits for requests in flight first.
+
+        Not done by default: with 1 MiB pieces in huge-page memory, pinning per I/O
+        costs little, and registration measured no faster here (read 2.76 vs 2.72,
+        write 3.80 vs 3.83 GB/s, interleaved); it also pins the memory for the
+        handle's lifetime (RLIMIT_MEMLOCK for non-root users) and caps each buffer
+        at 1 GiB. It may pay off for small pieces at high IOPS.
         """
         self._check("register_buffers", "", 0, 0)
         ranges = []
