@@ -102,6 +102,9 @@ class UringWorker final : public Worker {
 
   void register_buffers(const std::vector<RegisteredRange>& ranges) override {
     std::unique_lock<std::mutex> lk(mu_);
+    // A stopping worker may already have exited; one that has not will apply
+    // the registration before it does (its exit test requires none pending).
+    if (stopping_) throw std::system_error(EBADF, std::generic_category(), "the engine is shut down");
     control_ranges_ = ranges;
     control_pending_ = true;
     cv_.notify_one();

@@ -371,7 +371,20 @@ class AioHandle:
             for off in range(0, n, 1 << 30):
                 ranges.append((ptr + off, min(1 << 30, n - off)))
         if self.engine == "io_uring":
-            self._engine.register_buffers(ranges)
+            try:
+                self._engine.register_buffers(ranges)
+            except OSError as e:
+                self._check("register_buffers", "", 0, 0)  # closed meanwhile: say so
+                raise AioError(
+                    e.errno or errno.EIO,
+                    f"io_uring_register_buffers of {len(ranges)} range(s) failed: {os.strerror(e.errno or errno.EIO)}"
+                    + (
+                        "; the locked-memory limit (ulimit -l) is too low for these buffers"
+                        if e.errno == errno.ENOMEM
+                        else ""
+                    ),
+                    op="register_buffers",
+                ) from None
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Waits until every request submitted on this handle has completed (GIL released)."""

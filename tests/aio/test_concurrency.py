@@ -165,7 +165,9 @@ def test_wait_with_timeout_on_a_request_in_flight(engine, nvme_dir):
     with AioHandle(engine=engine, block_size=4096, queue_depth=1) as h:
         req = h.pread(aligned_empty(16 << 20), path)  # 4096 device reads at depth 1
         if req.done():
-            pytest.fail("4096 sequential reads finished within microseconds; the test proves nothing")
+            pytest.fail(
+                "4096 sequential reads finished within microseconds; the test proves nothing"
+            )
         with pytest.raises(TimeoutError, match=r"pread of 16777216 bytes not done after 0\.0 s"):
             req.wait(timeout=0.0)
         assert req.wait(timeout=None) == 16 << 20
@@ -199,3 +201,42 @@ def test_no_descriptor_leaks(engine, nvme_dir):
         cycle()
     gc.collect()
     assert len(os.listdir(fd_dir)) == before
+
+
+def _close_while_submitting(engine: str, path, data: torch.Tensor) -> None:
+    h = AioHandle(engine=engine, block_size=16 << 10, queue_depth=4, thread_count=2)
+    accepted: list = []
+    refused = threading.Event()
+    errors: list[BaseException] = []
+
+    def submit_until_refused(t: int) -> None:
+        try:
+            for i in range(10_000):
+                accepted.append(h.pwrite(data, path, (t * 64 + i % 64) * data.numel()))
+        except AioError as e:
+            if "AioHandle is closed" not in str(e):
+                errors.append(e)
+            refused.set()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=submit_until_refused, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    while len(accepted) < 20 and not errors:
+        threading.Event().wait(0.001)
+    h.close()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a submitting thread hung"
+    assert not errors, errors
+    assert refused.is_set()
+    for req in accepted:
+        assert req.wait(timeout=60) == data.numel()
+
+
+def test_close_racing_with_submissions_never_hangs(engine, nvme_dir):
+    """Threads keep submitting while another closes the handle: each submit is refused or completes."""
+    data = torch.from_numpy(random_bytes(256 << 10))
+    for _ in range(5):
+        _close_while_submitting(engine, nvme_dir / "race", data)
