@@ -163,6 +163,32 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(rows: list[dict]) -> str:
+    """The README's table: GB/s median, then the ratio to fio with huge pages: median (min–max).
+
+    The reference's cells (and all cells where fio is absent) give GB/s median (min–max)."""
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    lines = ["| setting | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for key in dict.fromkeys((r["setting"], r["op"]) for r in rows):
+        cells = []
+        for name in names:
+            r = next(
+                (r for r in rows if (r["setting"], r["op"]) == key and r["contender"] == name), None
+            )
+            if r is None:
+                cells.append("")
+                continue
+            g, q = r["gbps"], r.get("ratio_to_fio_hugepages")
+            if q is None or name == REFERENCE:
+                cells.append(f"{g['median']:.2f} ({g['min']:.2f}–{g['max']:.2f})")
+            else:
+                cells.append(
+                    f"{g['median']:.2f}: {q['median']:.2f}× ({q['min']:.2f}–{q['max']:.2f})"
+                )
+        lines.append(f"| {key[1]} {key[0]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -186,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         help="BS,QD,THREADS instead of sweeping for the best setting, e.g. 1M,8,1",
     )
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="also print the table as markdown (as in the README)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -237,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         test_file.remove()
     print(format_rows(rows))
+    if args.markdown:
+        print(format_markdown(rows))
     if not shmhuge_fits(1 << 20, 32, 1):
         print(
             "note: fio ran with malloc buffers where the hugetlb pool had no room; set vm.nr_hugepages (root) for the reference figures"
