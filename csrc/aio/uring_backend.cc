@@ -4,6 +4,9 @@
 // submit_batch per io_uring_enter (see [Note: submit batches]) and reaps
 // completions in batches. Pieces whose memory lies in a registered range use
 // READ_FIXED / WRITE_FIXED, sparing the kernel a page pin per request.
+// Pieces enqueued while the worker waits in the kernel for a completion are
+// taken at the next completion (within one I/O's latency); an idle worker
+// waits on a condition variable and starts at once.
 //
 // [Note: submit batches]
 // When one io_uring_enter submits more than two SQEs the kernel plugs the
