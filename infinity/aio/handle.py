@@ -13,6 +13,10 @@ written buffered.
 
 Fork: a handle belongs to the process that made it (its worker threads do not
 survive fork); in a child it raises instead of hanging.
+
+(Past the ~500-line soft cap on purpose: the handle, its requests and its files
+share one lifetime protocol -- who keeps buffers and descriptors alive until the
+kernel is done, and what close, exit and fork do -- best read in one place.)
 """
 
 from __future__ import annotations
