@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, doctor, tune
+from infinity.cli import bench, demo, doctor, tune
 
-COMMANDS = [bench, tune, doctor]
+COMMANDS = [demo, bench, tune, doctor]
 
 
 def build_parser() -> argparse.ArgumentParser:

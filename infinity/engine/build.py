@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.engine.optimizers import OptimizerChoice
+from infinity.engine.overlap import GatedShardSource, OverlappedStep
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.store import TieredStore
@@ -29,8 +31,6 @@ from infinity.zero.partitioner import Stage3Partitioner
 from infinity.zero.shard_source import StoreShardSource
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
-
-from infinity.engine.optimizers import OptimizerChoice
 
 log = logging.getLogger("infinity.engine")
 
@@ -51,13 +51,17 @@ class Runtime:
     state_store: TieredStore | None
     shard_source: StoreShardSource | None
     cache: TensorCache
+    overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
 
     def close(self) -> None:
+        self.overlap.synchronize()
         if self.partitioner is not None:
             self.partitioner.release_all()
             self.partitioner.remove()
         if self.grad_hooks is not None:
             self.grad_hooks.remove()
+        if self.optimizer is not None:
+            self.optimizer.close()
         for store in (self.param_store, self.state_store):
             if store is not None:
                 store.close()
@@ -224,21 +228,23 @@ def build_runtime(
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
+    overlap = OverlappedStep()
     if stage == 3:
         shard_source = StoreShardSource(param_store)
-        partitioner = Stage3Partitioner(model, unit_map, shards=shard_source, group=group,
+        gated = GatedShardSource(shard_source, overlap, {u.key: u.index for u in units})
+        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group,
                                         grad_hooks=grad_hooks, cache=cache)
         partitioner.install()
     if grad_hooks is not None:
         grad_hooks.install()
     return Runtime(unit_map, flat_params, optimizer, None, reducer, grad_hooks, partitioner,
-                   param_store, state_store, shard_source, cache)
+                   param_store, state_store, shard_source, cache, overlap)
 
 
 def _full_values(unit: ParamUnit, init_store) -> torch.Tensor:
     """The unit's whole flat buffer in fp32 (padded with zeros), from the module or zero.Init."""
     full = torch.zeros(unit.layout.padded_numel, dtype=FP32)
-    for p, s in zip(unit.params, unit.layout.slots):
+    for p, s in zip(unit.params, unit.layout.slots, strict=True):
         value = init_store.full(p) if init_store is not None and p in init_store else p.data
         full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
     return full
@@ -327,7 +333,7 @@ def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, sta
         else:
             full = cache.get(unit.layout.padded_numel, values.dtype)
             group.all_gather(full, values.contiguous())
-        for p, s in zip(unit.params, unit.layout.slots):
+        for p, s in zip(unit.params, unit.layout.slots, strict=True):
             p.data.view(-1).copy_(full[s.offset : s.offset + s.numel])
         if full is not values:
             cache.put(full)
