@@ -642,17 +642,23 @@ class TieredStore:
 
     def _check_fetchable(self, recs: list[KeyRecord], overwrite: bool) -> None:
         new = 0
+        largest: KeyRecord | None = None
         for rec in recs:
-            if rec.state is Residency.AT_REST and not overwrite and not rec.written:
+            if rec.state is not Residency.AT_REST:
+                continue
+            if not overwrite and not rec.written:
                 raise StoreStateError(
                     f"fetch of key {rec.key!r}, which was registered but never written: write() it "
                     "first, or fetch it with overwrite=True to fill it"
                 )
-            if rec.state is Residency.AT_REST and rec.home_tensor is None:
-                self.pool.check_servable(
-                    rec.extent.nbytes, f"key {rec.key!r} of store '{self.name}'"
-                )
+            if rec.home_tensor is None:
                 new += rec.extent.nbytes
+                if largest is None or rec.extent.nbytes > largest.extent.nbytes:
+                    largest = rec
+        if largest is not None:
+            self.pool.check_servable(
+                largest.extent.nbytes, f"key {largest.key!r} of store '{self.name}'"
+            )
         if new > self.pool.capacity:
             self.pool.check_servable(
                 new, f"fetch_many of {len(recs)} keys of store '{self.name}' (held at once)"
@@ -685,10 +691,7 @@ class TieredStore:
                 else:
                     abort = False
                     slot = Slot(region)
-                    off = 0
-                    for rec in group:
-                        self._join_slot(rec, slot, off)
-                        off += rec.extent.nbytes
+                    self._join_group(group, slot)
                     self._n["misses"] += len(group)
                     if overwrite:
                         for rec in group:
@@ -836,8 +839,10 @@ class TieredStore:
                     self._complete_copy_in(op, err, res)
                 self._feed_pool()
         finally:
-            op.finished.set()
-            self._resolve(res)
+            try:
+                self._resolve(res)  # before finished: whoever waits on it finds its future settled
+            finally:
+                op.finished.set()
 
     def _io_error(self, rec: KeyRecord, verb: str, err: BaseException) -> StoreIOError:
         where = self._swap.describe(rec.extent.offset, rec.extent.nbytes)
@@ -968,6 +973,28 @@ class TieredStore:
         rec.slot_offset = offset
         slot.members += 1
         rec.host = slot.region.bytes_at(offset, rec.nbytes).view(rec.dtype).view(rec.shape)
+
+    def _join_group(self, recs: list[KeyRecord], slot: Slot) -> None:
+        """_join_slot for keys back to back in ``slot``: one split makes all their views."""
+        dtype = recs[0].dtype
+        if len(recs) == 1 or any(r.dtype != dtype for r in recs):
+            off = 0
+            for rec in recs:
+                self._join_slot(rec, slot, off)
+                off += rec.extent.nbytes
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = sum(r.extent.nbytes for r in recs)
+        typed = slot.region.bytes_at(0, total).view(dtype)
+        parts = typed.split([r.extent.nbytes // itemsize for r in recs])
+        off = 0
+        for rec, part in zip(recs, parts, strict=True):
+            rec.slot = slot
+            rec.slot_offset = off
+            off += rec.extent.nbytes
+            numel = rec.nbytes // itemsize
+            rec.host = (part if part.numel() == numel else part[:numel]).view(rec.shape)
+        slot.members += len(recs)
 
     def _leave_slot(self, rec: KeyRecord) -> None:
         slot = rec.slot
