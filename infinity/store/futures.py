@@ -10,7 +10,7 @@ or keeps pool regions, so it must run exactly once, whoever notices first:
   few ms at a time and sweeps the rest), so regions return to the pool even
   when nobody ever waits.
 The first to take the op's claim (under the store lock) completes it; anyone
-else waits for ``op.finished``. Futures are resolved after the store lock is
+else waits for the op to be finished. Futures are resolved after the store lock is
 released, so callbacks may call the store.
 
 Threading: StoreFuture methods may be called from any thread. The reaper
@@ -32,38 +32,73 @@ log = logging.getLogger("infinity.store")
 REAPER_SLICE_S = 0.02
 
 
-class IoOp:
-    """One request in flight and the keys whose state its completion changes."""
+# Settling and slow-path waiting share one condition: settling is a few
+# attribute writes under it, and a notify only when someone waits without an
+# op to drive (rare); ops use it too. So a future costs far less than a concurrent.futures one
+# (whose per-future Condition dominated fetch_many of many small keys).
+_settle_cv = threading.Condition(threading.Lock())
+_slow_waiters = 0
 
-    __slots__ = (
-        "kind",
-        "req",
-        "recs",
-        "nbytes",
-        "background",
-        "claimed",
-        "finished",
-        "t0",
-        "__weakref__",
-    )
+
+def _wait_for(predicate: Callable[[], bool], timeout: float | None) -> bool:
+    global _slow_waiters
+    with _settle_cv:
+        _slow_waiters += 1
+        try:
+            return _settle_cv.wait_for(predicate, timeout)
+        finally:
+            _slow_waiters -= 1
+
+
+class _Failed:
+    """A request that could not even be submitted: it has ended, with ``exc``."""
+
+    def __init__(self, exc: BaseException):
+        self._exc = exc
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        raise self._exc
+
+
+class IoOp:
+    """One request in flight and the keys whose state its completion changes.
+
+    ``req`` may be attached after the op is registered (reads are submitted
+    after the store lock is released); until then the op has not ended.
+    """
+
+    __slots__ = ("kind", "req", "recs", "nbytes", "background", "claimed", "_finished", "t0", "__weakref__")
 
     def __init__(self, kind: str, req: Any, recs: list, nbytes: int, *, background: bool = False):
         self.kind = kind  # "read" | "write" | "h2d"
-        self.req = req  # AioRequest, or anything with wait(timeout) and done()
+        self.req = req  # AioRequest, or anything with wait(timeout) and done(); None until submitted
         self.recs = recs
         self.nbytes = nbytes
-        self.background = (
-            background  # a write-back nobody waits for (errors are kept on the record)
-        )
+        self.background = background  # a write-back nobody waits for (errors are kept on the record)
         self.claimed = False
-        self.finished = threading.Event()
+        self._finished = False
         self.t0 = time.monotonic()
 
+    def attach(self, req: Any) -> None:
+        with _settle_cv:
+            self.req = req
+            if _slow_waiters:
+                _settle_cv.notify_all()
+
+    def fail_submit(self, exc: BaseException) -> None:
+        self.attach(_Failed(exc))
+
     def io_done(self) -> bool:
-        return bool(self.req.done())
+        req = self.req
+        return req is not None and bool(req.done())
 
     def wait_io(self, timeout: float | None) -> bool:
         """Waits until the request has ended (successfully or not); False on timeout."""
+        if self.req is None and not _wait_for(lambda: self.req is not None, timeout):
+            return False
         try:
             self.req.wait(timeout)
         except TimeoutError:
@@ -82,13 +117,19 @@ class IoOp:
             return e
         return None
 
+    @property
+    def finished(self) -> bool:
+        """Completed: states changed and its futures settled."""
+        return self._finished
 
-# Settling and slow-path waiting share one condition: settling is a few
-# attribute writes under it, and a notify only when someone waits without an
-# op to drive (rare), so a future costs far less than a concurrent.futures one
-# (whose per-future Condition dominated fetch_many of many small keys).
-_settle_cv = threading.Condition(threading.Lock())
-_slow_waiters = 0
+    def set_finished(self) -> None:
+        with _settle_cv:
+            self._finished = True
+            if _slow_waiters:
+                _settle_cv.notify_all()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        return self._finished or _wait_for(lambda: self._finished, timeout)
 
 
 class StoreFuture:
@@ -181,7 +222,7 @@ class StoreFuture:
                 dep._drive(_remaining(deadline))
             while not self._done:
                 op = self._op
-                if op is not None and self._store is not None and not op.finished.is_set():
+                if op is not None and self._store is not None and not op.finished:
                     if not op.wait_io(_remaining(deadline)):
                         raise TimeoutError(self._timeout_message(timeout))
                     self._store._finish(op)  # settles the futures it resolves before returning
@@ -205,13 +246,7 @@ class StoreFuture:
 
 
 def _wait_settled(fut: StoreFuture, timeout: float) -> bool:
-    global _slow_waiters
-    with _settle_cv:
-        _slow_waiters += 1
-        try:
-            return _settle_cv.wait_for(lambda: fut._done, timeout)
-        finally:
-            _slow_waiters -= 1
+    return _wait_for(lambda: fut._done, timeout)
 
 
 def _remaining(deadline: float | None) -> float | None:

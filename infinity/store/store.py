@@ -107,6 +107,7 @@ class TieredStore:
         self._pool_timeout = pool_timeout
         self._device = DeviceTier(torch.device(device))
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # the two wait-time sums, updated outside self._lock
         self._records: dict[Hashable, KeyRecord] = {}
         self._lru: collections.OrderedDict[KeyRecord, None] = collections.OrderedDict()
         self._ops: set[IoOp] = set()
@@ -684,6 +685,7 @@ class TieredStore:
                     return
                 raise
             res: list = []
+            prepared = None
             with self._lock:
                 if self._closed or self._closing:
                     region.release()
@@ -700,7 +702,9 @@ class TieredStore:
                             self._serve_waiters(rec, res)
                             self._sync_lru(rec)
                     else:
-                        self._submit_read(group, slot)
+                        prepared = self._prepare_read(group, slot)
+            if prepared is not None:
+                self._submit_read(*prepared)
             if abort:
                 self._abort_loads([r for g in groups[i:] for r in g], self._closed_error())
                 return
@@ -743,7 +747,7 @@ class TieredStore:
             return self.pool.acquire(nbytes, timeout=self._pool_timeout, name=label)
         finally:
             dt = time.monotonic() - t0
-            with self._lock:
+            with self._stats_lock:
                 self._pool_wait_s += dt
 
     def _items(self, recs: list[KeyRecord], slot: Slot) -> list[tuple]:
@@ -768,16 +772,24 @@ class TieredStore:
                 )
         return items
 
-    def _submit_read(self, recs: list[KeyRecord], slot: Slot) -> None:
-        nbytes = sum(r.extent.nbytes for r in recs)
-        req = self._rio.pread_many(self._items(recs, slot))
-        op = IoOp("read", req, recs, nbytes)
+    def _prepare_read(self, recs: list[KeyRecord], slot: Slot) -> tuple[IoOp, list[tuple]]:
+        """Registers the read of ``recs`` into ``slot``; the caller submits it after unlocking."""
+        op = IoOp("read", None, recs, sum(r.extent.nbytes for r in recs))
         for rec in recs:
             rec.op = op
             for fut, _tier in rec.waiters:
                 fut._op = op
         self._read.start()
         self._ops.add(op)
+        return op, self._items(recs, slot)
+
+    def _submit_read(self, op: IoOp, items: list[tuple]) -> None:
+        """Submits a prepared read, outside the store lock (submission takes microseconds that
+        other threads, the reaper above all, should not spend waiting for the lock)."""
+        try:
+            op.attach(self._rio.pread_many(items))
+        except Exception as e:  # e.g. the handle was closed: the op fails like a failed read
+            op.fail_submit(e)
         self._reaper.add(op)
 
     def _submit_write(
@@ -817,7 +829,7 @@ class TieredStore:
             op.claimed = True
         if claimed:
             if wait:
-                op.finished.wait()
+                op.wait_finished()
             return
         op.wait_io(None)
         err = op.error()
@@ -842,7 +854,7 @@ class TieredStore:
             try:
                 self._resolve(res)  # before finished: whoever waits on it finds its future settled
             finally:
-                op.finished.set()
+                op.set_finished()
 
     def _io_error(self, rec: KeyRecord, verb: str, err: BaseException) -> StoreIOError:
         where = self._swap.describe(rec.extent.offset, rec.extent.nbytes)
@@ -1096,7 +1108,7 @@ class TieredStore:
                 fut.set_exception(exc)
 
     def _count_wait(self, seconds: float) -> None:
-        with self._lock:
+        with self._stats_lock:
             self._wait_s += seconds
 
     def _close_handles(self) -> None:
