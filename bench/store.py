@@ -7,9 +7,12 @@ key evicted first; O_DIRECT, so the page cache never serves them):
             and fetched in that order with fetch_many, --window-mib in flight
             (how the prefetch scheduler uses the store);
   per-key   the same small tensors, one fetch() each, the same window;
-and fio (io_uring, direct=1, the store's block size and queue depth, huge-page
-buffers like the store's pool) reading a file of the same size in the same
-directory. Rounds are interleaved (fio, large, small, per-key, fio, ...);
+and fio (io_uring, direct=1, the store's queue depth, huge-page buffers like
+the store's pool) reading a file of the same size in the same directory, in
+the store's block size (the reference for large and small, whose reads are
+split into blocks) and in the small tensors' size (the reference for per-key,
+which issues one request per tensor). Rounds are interleaved (fio, large,
+small, fio-small, per-key, fio, ...);
 the table gives the median GB/s with min–max and the ratios the issue sets
 targets for: small / large ≥ 0.8 and large, small / fio ≥ 0.9.
 
@@ -71,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def run_fio(path: Path, nbytes: int, a: argparse.Namespace) -> float | None:
-    """fio's read GB/s of a file of ``nbytes`` (None when fio is not installed)."""
+def run_fio(path: Path, nbytes: int, a: argparse.Namespace, bs: int) -> float | None:
+    """fio's read GB/s of a file of ``nbytes`` in ``bs`` blocks (None when fio is not installed)."""
     fio = shutil.which("fio")
     if fio is None:
         return None
@@ -81,7 +84,7 @@ def run_fio(path: Path, nbytes: int, a: argparse.Namespace) -> float | None:
         "--name=ref",
         f"--filename={path}",
         f"--size={nbytes}",
-        f"--bs={a.block_size}",
+        f"--bs={bs}",
         "--ioengine=io_uring",
         f"--iodepth={a.queue_depth}",
         "--direct=1",
@@ -167,7 +170,13 @@ def main(argv=None) -> int:
     )
     cfg = AioConfig(block_size=a.block_size, queue_depth=a.queue_depth, engine=a.engine)
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=root))
-    results: dict[str, list[float]] = {"fio": [], "large": [], "small": [], "per-key": []}
+    results: dict[str, list[float]] = {
+        "fio": [],
+        "large": [],
+        "small": [],
+        "fio-small": [],
+        "per-key": [],
+    }
     try:
         with TieredStore(work, pool=pool, aio=cfg, name="bench") as store:
             small = [("small", i) for i in range(a.small_count)]
@@ -183,7 +192,7 @@ def main(argv=None) -> int:
             del src
             engine = store._rio.engine
             for _ in range(a.rounds):
-                fio = run_fio(work / "fio.dat", large_nbytes, a)
+                fio = run_fio(work / "fio.dat", large_nbytes, a, a.block_size)
                 if fio is not None:
                     results["fio"].append(fio)
                 t = timed(lambda: fetch_large(store))
@@ -192,6 +201,9 @@ def main(argv=None) -> int:
                 t = timed(lambda: fetch_small(store, small, chunk, window, per_key=False))
                 evict_all(store, small)
                 results["small"].append(total_small / t / 1e9)
+                fio = run_fio(work / "fio.dat", total_small, a, small_nbytes)
+                if fio is not None:
+                    results["fio-small"].append(fio)
                 t = timed(lambda: fetch_small(store, small, chunk, window, per_key=True))
                 evict_all(store, small)
                 results["per-key"].append(total_small / t / 1e9)
@@ -209,6 +221,8 @@ def main(argv=None) -> int:
         ratios.update(
             {"large/fio": med["large"] / med["fio"], "small/fio": med["small"] / med["fio"]}
         )
+    if "fio-small" in med:
+        ratios["per-key/fio-small"] = med["per-key"] / med["fio-small"]
     targets = {"small/large": 0.8, "large/fio": 0.9, "small/fio": 0.9}
 
     print(
@@ -217,7 +231,8 @@ def main(argv=None) -> int:
     )
     print(f"{'what':<44} {'GB/s median':>12} {'min–max':>14}")
     labels = {
-        "fio": f"fio read {a.large_mib} MiB (io_uring, direct)",
+        "fio": f"fio read, {a.block_size // 1024} KiB blocks",
+        "fio-small": f"fio read, {a.small_kib} KiB blocks",
         "large": f"1 tensor of {a.large_mib} MiB",
         "small": f"{a.small_count} × {a.small_kib} KiB, fetch_many, trace order",
         "per-key": f"{a.small_count} × {a.small_kib} KiB, one fetch() each",
