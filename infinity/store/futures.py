@@ -70,14 +70,28 @@ class IoOp:
     after the store lock is released); until then the op has not ended.
     """
 
-    __slots__ = ("kind", "req", "recs", "nbytes", "background", "claimed", "_finished", "t0", "__weakref__")
+    __slots__ = (
+        "kind",
+        "req",
+        "recs",
+        "nbytes",
+        "background",
+        "claimed",
+        "_finished",
+        "t0",
+        "__weakref__",
+    )
 
     def __init__(self, kind: str, req: Any, recs: list, nbytes: int, *, background: bool = False):
         self.kind = kind  # "read" | "write" | "h2d"
-        self.req = req  # AioRequest, or anything with wait(timeout) and done(); None until submitted
+        self.req = (
+            req  # AioRequest, or anything with wait(timeout) and done(); None until submitted
+        )
         self.recs = recs
         self.nbytes = nbytes
-        self.background = background  # a write-back nobody waits for (errors are kept on the record)
+        self.background = (
+            background  # a write-back nobody waits for (errors are kept on the record)
+        )
         self.claimed = False
         self._finished = False
         self.t0 = time.monotonic()

@@ -128,6 +128,11 @@ class TieredStore:
         try:
             if roots:
                 block = self._rio.config.block_size
+                if stripe_nbytes is not None and (stripe_nbytes <= 0 or stripe_nbytes % block):
+                    raise ValueError(
+                        f"stripe_nbytes must be a positive multiple of aio.block_size ({block}), "
+                        f"got {stripe_nbytes}: a block-sized piece must lie on one drive"
+                    )
                 self._swap = SwapSpace(
                     roots,
                     store_id=self.id,
@@ -362,6 +367,9 @@ class TieredStore:
     def fetch(self, key: Hashable, tier: Tier = "host", *, overwrite: bool = False) -> StoreFuture:
         """Makes ``key`` resident and adds one hold; the future gives a view of the resident tensor.
 
+        Returns once the key has pool memory: when the pool is full it evicts
+        cache entries, and if none can go it waits (FIFO, up to pool_timeout;
+        a timeout fails the future). The read itself is asynchronous.
         ``overwrite=True``: the caller will overwrite every byte, so nothing is
         read and the key becomes dirty.
         """

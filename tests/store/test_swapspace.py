@@ -252,3 +252,10 @@ def test_foreign_directories_are_never_touched(nvme_dir):
     with TieredStore(nvme_dir, pool=_pool()):
         pass
     assert (mine / "data").exists() and other.exists()
+
+
+def test_stripe_unit_must_be_a_multiple_of_the_block_size(nvme_dir):
+    with pytest.raises(
+        ValueError, match=r"stripe_nbytes must be a positive multiple of aio.block_size \(1048576\)"
+    ):
+        TieredStore(nvme_dir, pool=_pool(), stripe_nbytes=3 * 4096)
