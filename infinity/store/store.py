@@ -299,33 +299,31 @@ class TieredStore:
         a clean cache entry). A write of a key being written waits for that
         write first; writing a held key or one being read is refused.
         """
+        label = f"write of key {key!r}"
         while True:
             with self._lock:
                 self._check_open()
                 rec = self._rec(key)
                 self._check_tensor(rec, tensor)
                 if rec.state is Residency.WRITING and rec.holds == 0:
-                    pending = rec.write_future
+                    pending = rec.write_future  # writes to one key are ordered: wait, then retry
                 else:
-                    pending = None
                     self._refuse_if_busy(rec, "write")
+                    self._n["writes"] += 1
+                    if rec.home_tensor is not None:
+                        rec.home_tensor.copy_(tensor.reshape(rec.shape))
+                        rec.written = True
+                        return done_future(None, label)
+                    need_region = rec.state is Residency.AT_REST
+                    rec.to_writing()
+                    self._lru.pop(rec, None)
+                    fut = StoreFuture(self, None, label)
+                    rec.write_future = fut
                     break
             try:
                 pending.result()
             except Exception:
                 pass  # a failed write left the key dirty; this write replaces its data
-        label = f"write of key {key!r}"
-        with self._lock:
-            self._n["writes"] += 1
-            if rec.home_tensor is not None:
-                rec.home_tensor.copy_(tensor.reshape(rec.shape))
-                rec.written = True
-                return done_future(None, label)
-            need_region = rec.state is Residency.AT_REST
-            rec.to_writing()
-            self._lru.pop(rec, None)
-            fut = StoreFuture(self, None, label)
-            rec.write_future = fut
         try:
             if need_region:
                 region = self._acquire(rec.extent.nbytes, label)
@@ -356,6 +354,8 @@ class TieredStore:
             if need_region:
                 if self._closed or self._closing:
                     region.release()
+                    rec.to_at_rest()
+                    rec.write_future = None
                     fut.set_exception(self._closed_error())
                     return fut
                 self._join_slot(rec, Slot(region), 0)
