@@ -642,6 +642,10 @@ class TieredStore:
                     self._n["hits"] += 1
                     if overwrite and st is Residency.IN_HOST:
                         rec.to_dirty()
+                    elif overwrite and st is Residency.ON_DEVICE:
+                        # the copy the caller overwrites is the one it fetched
+                        rec.device_dirty |= tier == "device"
+                        rec.dirty = True
                     self._serve(rec, fut, tier, res)
                 self._sync_lru(rec)
         self._resolve(res)
