@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import os
 import threading
@@ -137,7 +138,8 @@ class TieredStore:
                     roots,
                     store_id=self.id,
                     store_name=name,
-                    open_file=lambda p: self._rio.open(p, "rw", create=False),
+                    # bound to the handle, not the store: SwapSpace outlives it in the finalizer
+                    open_file=functools.partial(_open_existing, self._rio),
                     stripe_nbytes=stripe_nbytes or block,
                     file_nbytes=file_nbytes,
                 )
@@ -1127,6 +1129,10 @@ class TieredStore:
         if self._own_aio:
             self._rio.close()
             self._wio.close()
+
+
+def _open_existing(handle: Any, path: str) -> Any:
+    return handle.open(path, "rw", create=False)
 
 
 def _finalize(records, ops, swap, reaper, own_aio, rio, wio) -> None:
