@@ -249,7 +249,8 @@ def main(argv=None) -> int:
         else HERE
         / "results"
         / (
-            f"store-{'quick' if a.quick else 'full'}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+            f"store-{'quick' if a.quick else 'full'}-{engine}-"
+            f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
         )
     )
     out.parent.mkdir(parents=True, exist_ok=True)
