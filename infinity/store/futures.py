@@ -121,6 +121,16 @@ class IoOp:
             pass  # a failed request has ended; its error is raised when the op completes
         return True
 
+    def wait_error(self) -> BaseException | None:
+        """Waits until the request has ended; its exception, or None if it succeeded."""
+        if self.req is None:
+            _wait_for(lambda: self.req is not None, None)
+        try:
+            self.req.wait(None)
+        except Exception as e:
+            return e
+        return None
+
     def error(self) -> BaseException | None:
         """The request's exception, once it has ended."""
         try:
@@ -166,7 +176,7 @@ class StoreFuture:
         "__weakref__",
     )
 
-    def __init__(self, store: Any = None, op: IoOp | None = None, label: str = ""):
+    def __init__(self, store: Any = None, op: IoOp | None = None, label: str | tuple = ""):
         self._store = store
         self._op = op
         self._label = label
@@ -252,11 +262,19 @@ class StoreFuture:
             if self._store is not None:
                 self._store._count_wait(time.monotonic() - t0)
 
+    @property
+    def label(self) -> str:
+        """What the future is for, e.g. "fetch of key 'w'" (formatted only when asked)."""
+        if isinstance(self._label, tuple):
+            verb, key = self._label
+            return f"{verb} {key!r}"
+        return self._label or "store operation"
+
     def _timeout_message(self, timeout: float | None) -> str:
-        return f"{self._label or 'store operation'} not complete after {timeout} s"
+        return f"{self.label} not complete after {timeout} s"
 
     def __repr__(self) -> str:
-        return f"<StoreFuture {self._label} {'done' if self._done else 'pending'}>"
+        return f"<StoreFuture {self.label} {'done' if self._done else 'pending'}>"
 
 
 def _wait_settled(fut: StoreFuture, timeout: float) -> bool:

@@ -386,25 +386,39 @@ class TieredStore:
 
     def release(self, key: Hashable) -> None:
         """Drops one hold. An unheld resident key stays cached until the pool needs its room."""
-        self.release_many([key])
+        with self._lock:
+            self._check_open()
+            rec = self._rec(key)
+            if rec.holds == 0:
+                raise self._not_held(rec)
+            self._unhold(rec)
+            self._feed_pool()
 
     def release_many(self, keys: Iterable[Hashable]) -> None:
+        """release() for several keys (a key listed n times drops n holds); all or nothing."""
         with self._lock:
             self._check_open()
             recs = [self._rec(k) for k in keys]
             counts = collections.Counter(id(r) for r in recs)
             for rec in recs:
                 if rec.holds < counts[id(rec)]:
-                    raise StoreStateError(
-                        f"release of key {rec.key!r}, which is not held (state {rec.state.value}): "
-                        "every release must follow a fetch"
-                    )
+                    raise self._not_held(rec)
             for rec in recs:
-                rec.holds -= 1
-                if rec.holds == 0 and rec.device is not None and rec.state is Residency.ON_DEVICE:
-                    self._drop_device(rec)
-                self._sync_lru(rec)
+                self._unhold(rec)
             self._feed_pool()
+
+    def _unhold(self, rec: KeyRecord) -> None:
+        rec.holds -= 1
+        if rec.holds == 0 and rec.device is not None and rec.state is Residency.ON_DEVICE:
+            self._drop_device(rec)
+        self._sync_lru(rec)
+
+    @staticmethod
+    def _not_held(rec: KeyRecord) -> StoreStateError:
+        return StoreStateError(
+            f"release of key {rec.key!r}, which is not held (state {rec.state.value}): "
+            "every release must follow a fetch"
+        )
 
     def mark_dirty(self, key: Hashable) -> None:
         """Declares that a holder changed the resident data: it is written home before being dropped."""
@@ -616,13 +630,14 @@ class TieredStore:
         res: list = []
         futs: list[StoreFuture] = []
         to_load: list[KeyRecord] = []
+        prepared = None
         with self._lock:
             self._check_open()
             recs = [self._rec(k) for k in keys]
             self._check_fetchable(recs, overwrite)
             self._n["fetches"] += len(recs)
             for rec in recs:
-                fut = StoreFuture(self, rec.op, f"fetch of key {rec.key!r}")
+                fut = StoreFuture(self, rec.op, ("fetch of key", rec.key))
                 futs.append(fut)
                 rec.holds += 1
                 st = rec.state
@@ -650,10 +665,41 @@ class TieredStore:
                         rec.dirty = True
                     self._serve(rec, fut, tier, res)
                 self._sync_lru(rec)
+            prepared = self._load_now(to_load, overwrite, res) if to_load else None
+            if prepared is not None:
+                to_load = []
+        if prepared is not None and prepared is not True:
+            self._submit_read(*prepared)
         self._resolve(res)
         if to_load:
             self._load(to_load, overwrite)
         return futs
+
+    def _load_now(self, recs: list[KeyRecord], overwrite: bool, res: list):
+        """The fast path of _load, under the lock: when one region serves every key and the pool
+        has it free now, take it here. Returns the read to submit, True when nothing needs
+        reading, or None to go the slow way (_load, outside the lock)."""
+        total = sum(r.extent.nbytes for r in recs)
+        if len(recs) > 1 and total > self.pool.buffer_size:
+            return None
+        name = f"store '{self.name}': fetch of {_key_label(recs)}"
+        region = self.pool.try_acquire(total, name=name)
+        if region is None and not self.pool.waiting_nbytes():
+            self._evict_until(total)  # a full cache is the steady state: make room here
+            region = self.pool.try_acquire(total, name=name)
+        if region is None:
+            return None
+        slot = Slot(region)
+        self._join_group(recs, slot)
+        self._n["misses"] += len(recs)
+        if not overwrite:
+            return self._prepare_read(recs, slot)
+        for rec in recs:
+            rec.to_dirty()
+            rec.pending_dirty = False
+            self._serve_waiters(rec, res)
+            self._sync_lru(rec)
+        return True
 
     def _check_fetchable(self, recs: list[KeyRecord], overwrite: bool) -> None:
         new = 0
@@ -845,8 +891,7 @@ class TieredStore:
             if wait:
                 op.wait_finished()
             return
-        op.wait_io(None)
-        err = op.error()
+        err = op.wait_error()
         crcs = None
         if self.integrity and err is None and op.kind in ("read", "write"):
             crcs = [crc32c(r.slot.region.bytes_at(r.slot_offset, r.nbytes)) for r in op.recs]
