@@ -1,7 +1,9 @@
 """Fetch throughput of the tiered store from NVMe (O_DIRECT), against fio in the same run.
 
 Three ways to read the same number of bytes, each from a cold cache (every
-key evicted first; O_DIRECT, so the page cache never serves them):
+key evicted first; O_DIRECT, so the page cache never serves them), plus a
+bare AioHandle read of the large tensor's bytes into pool memory (what the
+store costs on top of its engine):
   large     one tensor of --large-mib MiB, one fetch;
   small     --small-count tensors of --small-kib KiB, registered in trace order
             and fetched in that order with fetch_many, --window-mib in flight
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.aio import AioConfig
+from infinity.aio import AioConfig, AioHandle
 from infinity.memory import BufferPool
 from infinity.store import TieredStore
 
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=root))
     results: dict[str, list[float]] = {
         "fio": [],
+        "aio": [],
         "large": [],
         "small": [],
         "fio-small": [],
@@ -190,11 +193,24 @@ def main(argv=None) -> int:
             store.flush_all().result()
             evict_all(store, ["large", *small])
             del src
-            engine = store._rio.engine
+            aio = AioHandle.from_config(cfg)
+            if aio.engine == "io_uring":
+                aio.register_buffers([pool.slab])  # as the store does
+            engine = aio.engine
+            runs = store.locate("large")
+            files = {path: aio.open(path, "r", create=False) for path, _o, _n in runs}
             for _ in range(a.rounds):
                 fio = run_fio(work / "fio.dat", large_nbytes, a, a.block_size)
                 if fio is not None:
                     results["fio"].append(fio)
+                region = pool.acquire(large_nbytes)
+                items, pos = [], 0
+                for path, off, n in runs:
+                    items.append((region.bytes_at(pos, n), files[path], off))
+                    pos += n
+                t = timed(lambda items=items: aio.pread_many(items).wait())
+                region.release()
+                results["aio"].append(large_nbytes / t / 1e9)
                 t = timed(lambda: fetch_large(store))
                 store.evict("large").result()
                 results["large"].append(large_nbytes / t / 1e9)
@@ -208,6 +224,9 @@ def main(argv=None) -> int:
                 evict_all(store, small)
                 results["per-key"].append(total_small / t / 1e9)
             stats = store.stats().as_dict()
+            for f in files.values():
+                f.close()
+            aio.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -221,6 +240,8 @@ def main(argv=None) -> int:
         ratios.update(
             {"large/fio": med["large"] / med["fio"], "small/fio": med["small"] / med["fio"]}
         )
+    if "aio" in med:
+        ratios["large/aio"] = med["large"] / med["aio"]
     if "fio-small" in med:
         ratios["per-key/fio-small"] = med["per-key"] / med["fio-small"]
     targets = {"small/large": 0.8, "large/fio": 0.9, "small/fio": 0.9}
@@ -233,6 +254,7 @@ def main(argv=None) -> int:
     labels = {
         "fio": f"fio read, {a.block_size // 1024} KiB blocks",
         "fio-small": f"fio read, {a.small_kib} KiB blocks",
+        "aio": "AioHandle read of the same bytes",
         "large": f"1 tensor of {a.large_mib} MiB",
         "small": f"{a.small_count} × {a.small_kib} KiB, fetch_many, trace order",
         "per-key": f"{a.small_count} × {a.small_kib} KiB, one fetch() each",

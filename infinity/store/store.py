@@ -280,6 +280,16 @@ class TieredStore:
         with self._lock:
             return self._rec(key).spec()
 
+    def locate(self, key: Hashable) -> list[tuple[str, int, int]]:
+        """Where a home "nvme" key lies: (file path, file offset, nbytes) per physical run, in order
+        (nbytes rounded up to 4 KiB); [] for keys that live in host memory."""
+        with self._lock:
+            rec = self._rec(key)
+            if rec.extent is None:
+                return []
+            runs = self._swap.runs(rec.extent.offset, rec.extent.nbytes)
+            return [(r.file.path, r.file_offset, r.nbytes) for r in runs]
+
     def keys(self) -> list[Hashable]:
         with self._lock:
             return list(self._records)

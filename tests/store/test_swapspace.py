@@ -146,6 +146,7 @@ def test_striping_over_drives_is_one_vectored_request(nvme_dir):
         assert torch.equal(store.fetch("x").result(10), x)
         store.release("x")
         (read,) = aio.reads()
+        assert store.locate("x") == read.segments
         paths = [p for p, _o, _n in read.segments]
         assert len(read.segments) == 3 and paths[0] != paths[1] and paths[0] == paths[2]
         assert {Path(p).parent.parent for p in paths} == set(drives)
