@@ -57,7 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--dir", default=None, help="directory on the drive to test (default: ./infinity_nvme)"
     )
     p.add_argument(
-        "--out", default=None, help="JSON output (default: bench/results/store-<mode>-<time>.json)"
+        "--out",
+        default=None,
+        help="JSON output (default: $INFINITY_BENCH_RESULTS or bench/results, "
+        "store-<mode>-<engine>-<time>.json)",
     )
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--large-mib", type=int, default=None)
@@ -265,16 +268,10 @@ def main(argv=None) -> int:
         goal = f"   (target ≥ {targets[k]})" if k in targets else ""
         print(f"ratio {k:<38} {r:>12.2f}{goal}")
 
-    out = (
-        Path(a.out)
-        if a.out
-        else HERE
-        / "results"
-        / (
-            f"store-{'quick' if a.quick else 'full'}-{engine}-"
-            f"{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-        )
-    )
+    results_dir = Path(os.environ.get("INFINITY_BENCH_RESULTS", HERE / "results"))
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"store-{'quick' if a.quick else 'full'}-{engine}-{stamp}.json"
+    out = Path(a.out) if a.out else results_dir / name
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "bench": "store",

@@ -23,7 +23,9 @@ def test_layers_import_only_downward():
 
 
 def test_ruff_clean():
-    r = subprocess.run([_tool("ruff"), "check", "infinity", "tests", "bench"], cwd=ROOT, capture_output=True, text=True)
+    # bench/ is checked once it exists (ruff fails with E902 on a missing path)
+    paths = [p for p in ("infinity", "tests", "bench") if (ROOT / p).exists()]
+    r = subprocess.run([_tool("ruff"), "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

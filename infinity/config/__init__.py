@@ -1,0 +1,52 @@
+"""The run configuration: DeepSpeed's JSON schema read into typed, frozen, validated sections.
+
+``load_config(path_or_dict, world_size=..., optimizer=..., **auto_values)``
+is the one entry point; it returns an ``InfinityConfig`` composed of
+``ZeroConfig`` (with ``OffloadParamConfig`` / ``OffloadOptimizerConfig``),
+``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig`` and
+``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
+``infinity.config.support.NOT_ACTED_ON``.
+"""
+
+from infinity.aio.config import AioConfig
+from infinity.config.errors import ConfigError, InfinityConfigWarning
+from infinity.config.loader import load_config, read_config_file
+from infinity.config.optim import (
+    SUPPORTED_OPTIMIZERS,
+    SUPPORTED_SCHEDULERS,
+    AdamParams,
+    OptimizerConfig,
+    SchedulerConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRParams,
+    WarmupLRParams,
+)
+from infinity.config.precision import BF16Config, FP16Config
+from infinity.config.root import InfinityConfig
+from infinity.config.support import NOT_ACTED_ON, OPAQUE, acted_on
+from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "NOT_ACTED_ON",
+    "OPAQUE",
+    "SUPPORTED_OPTIMIZERS",
+    "SUPPORTED_SCHEDULERS",
+    "AdamParams",
+    "AioConfig",
+    "BF16Config",
+    "ConfigError",
+    "FP16Config",
+    "InfinityConfig",
+    "InfinityConfigWarning",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRParams",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "acted_on",
+    "load_config",
+    "read_config_file",
+]

@@ -1,0 +1,183 @@
+"""InfinityConfig: the whole run's configuration, composed of the typed sections.
+
+Built by ``load_config`` from a DeepSpeed-style file or dict (every "auto"
+resolved, batch sizes completed), or directly in code. Frozen; validated in
+``__post_init__`` so that no invalid combination can exist: fp16 with bf16,
+batch sizes that do not multiply out, offload rules (see ZeroConfig).
+``to_dict()`` gives back a DeepSpeed-shaped dict of the resolved values
+(for checkpoint manifests); ``summary()`` a few readable lines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, ClassVar, Literal
+
+from infinity.aio.config import AioConfig
+from infinity.config.errors import ConfigError
+from infinity.config.optim import OptimizerConfig, SchedulerConfig
+from infinity.config.precision import BF16Config, FP16Config
+from infinity.config.summary import render
+from infinity.config.support import NOT_ACTED_ON, OPAQUE
+from infinity.config.values import (
+    check_section,
+    hints,
+    internal,
+    is_internal,
+    knob,
+    section_type,
+)
+from infinity.config.zero import ZeroConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class InfinityConfig:
+    """A validated run configuration (DeepSpeed's schema plus infinity's own keys)."""
+
+    PATH: ClassVar[str] = ""
+
+    train_batch_size: int = knob(1, ge=1)
+    """Samples per optimizer step across all ranks: micro x accumulation x world size."""
+    train_micro_batch_size_per_gpu: int = knob(1, ge=1)
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int = knob(1, ge=1)
+    """Micro-batches per optimizer step."""
+    gradient_clipping: float = knob(0.0, ge=0.0)
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    steps_per_print: int | None = knob(None, ge=1)
+    """Log progress every this many optimizer steps (DeepSpeed's code default is unset)."""
+    preflight: bool = knob(True)
+    """infinity: check memory and disk against the run before allocating anything."""
+    fp16: FP16Config = knob(FP16Config())
+    """fp16 training and loss scaling."""
+    bf16: BF16Config = knob(BF16Config(), aliases=("bfloat16",))
+    """bf16 training (section alias: bfloat16)."""
+    zero_optimization: ZeroConfig = knob(ZeroConfig())
+    """Partitioning and offload."""
+    optimizer: OptimizerConfig | None = knob(None)
+    """The optimizer to build, if the user passes none."""
+    scheduler: SchedulerConfig | None = knob(None)
+    """The lr schedule to build, if the user passes none."""
+    aio: AioConfig = knob(AioConfig())
+    """NVMe I/O engine settings (aio.intra_op_parallelism is an alias of aio.thread_count)."""
+    wall_clock_breakdown: bool = knob(False)
+    """DeepSpeed: time forward/backward/step."""
+    dump_state: bool = knob(False)
+    """DeepSpeed: print the engine's state after initialization."""
+    prescale_gradients: bool = knob(False)
+    """DeepSpeed: scale gradients before the all-reduce."""
+    gradient_predivide_factor: float = knob(1.0, gt=0.0)
+    """DeepSpeed: divide gradients by this before the all-reduce."""
+    sparse_gradients: bool = knob(False)
+    """DeepSpeed: CSR gradients for sparse embeddings."""
+    communication_data_type: Literal["fp16", "bf16", "fp32"] | None = knob(None, casefold=True)
+    """DeepSpeed: dtype of gradient communication."""
+    zero_allow_untested_optimizer: bool = knob(False)
+    """DeepSpeed: allow client optimizers it has not tested with ZeRO."""
+    zero_force_ds_cpu_optimizer: bool = knob(True)
+    """DeepSpeed: insist on its CPU Adam under optimizer offload."""
+    memory_breakdown: bool = knob(False)
+    """DeepSpeed: log memory use."""
+    dataloader_drop_last: bool = knob(False)
+    """DeepSpeed: drop the last incomplete batch of its data loader."""
+    disable_allgather: bool = knob(False)
+    """DeepSpeed: broadcast instead of all-gather."""
+
+    world_size: int = internal(1, compare=True)
+    """Data-parallel ranks the batch sizes were resolved for (not a DeepSpeed key)."""
+    opaque: dict[str, Any] = internal(default_factory=dict)
+    """Known DeepSpeed sections infinity does not read, verbatim, by key path (see support.OPAQUE)."""
+    auto_filled: tuple[tuple[str, str], ...] = internal(())
+    """(key path, where its value came from) for every "auto" that load_config filled."""
+    user_keys: frozenset[str] = internal(frozenset())
+    """Key paths present in the user's config (canonical names)."""
+    unknown_keys: tuple[str, ...] = internal(())
+    """Key paths load_config did not recognise (warned about, ignored)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+        if (
+            isinstance(self.world_size, bool)
+            or not isinstance(self.world_size, int)
+            or self.world_size < 1
+        ):
+            raise ConfigError(f"world_size must be an integer >= 1; got {self.world_size!r}")
+        t, m, a, w = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            self.world_size,
+        )
+        if t != m * a * w:
+            raise ConfigError(
+                f"train_batch_size ({t}) must equal train_micro_batch_size_per_gpu x "
+                f"gradient_accumulation_steps x world_size = {m} x {a} x {w} = {m * a * w}"
+            )
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError(
+                "fp16.enabled and bf16.enabled are both true; enable one of them (or neither, for fp32)"
+            )
+        stage = self.zero_optimization.stage
+        for path, on in (
+            ("fp16.fp16_master_weights_and_grads", self.fp16.fp16_master_weights_and_grads),
+            ("bf16.bf16_master_weights_and_grads", self.bf16.bf16_master_weights_and_grads),
+            ("bf16.bf16_optimizer_states", self.bf16.bf16_optimizer_states),
+        ):
+            if on and stage == 0:
+                raise ConfigError(
+                    f"{path} is true but zero_optimization.stage is 0; it needs stage 1, 2 or 3 "
+                    "(as in DeepSpeed)"
+                )
+        if self.bf16.bf16_optimizer_states and not self.bf16.bf16_master_weights_and_grads:
+            raise ConfigError(
+                "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true "
+                "(as in DeepSpeed)"
+            )
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """The training precision the config selects."""
+        return "fp16" if self.fp16.enabled else "bf16" if self.bf16.enabled else "fp32"
+
+    def ignored_keys(self) -> list[str]:
+        """Key paths in the user's config that this runtime accepts without acting on."""
+        return sorted(k for k in self.user_keys if k in NOT_ACTED_ON or k in OPAQUE)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A DeepSpeed-shaped dict of the resolved values; load_config(to_dict()) gives this config back."""
+        out = _section_dict(self)
+        for path, value in self.opaque.items():
+            node = out
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = copy.deepcopy(value)
+        return out
+
+    def summary(self) -> str:
+        """A few readable lines: what will run, what "auto" became, what has no effect here."""
+        return render(self)
+
+
+def _section_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, AioConfig):
+        return obj.to_dict()
+    out: dict[str, Any] = {}
+    types = hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if is_internal(f):
+            continue
+        value = getattr(obj, f.name)
+        if value is None and section_type(types[f.name]) is not None:
+            continue  # no optimizer / scheduler section
+        out[f.name] = _value(value)
+    return out
+
+
+def _value(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _section_dict(value)
+    if isinstance(value, tuple):
+        return [_value(v) for v in value]
+    return value

@@ -1,0 +1,198 @@
+"""The ``zero_optimization`` section: stage, offload targets, partitioner and prefetch knobs.
+
+Defaults are DeepSpeed's code defaults (``deepspeed/runtime/zero/config.py``,
+``offload_config.py``); where its docs say otherwise the code wins and the
+field says so. Sizes named ``*_size``, ``stage3_*``, ``sub_group_size`` and
+``max_in_cpu`` count *elements*, as in DeepSpeed; the engine converts to
+bytes with the dtype it stores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import ClassVar, Literal
+
+from infinity.config.errors import ConfigError
+from infinity.config.values import check_section, knob
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+ZeroStage = Literal[0, 1, 2, 3]
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param``: where stage-3 parameter partitions live at rest."""
+
+    PATH: ClassVar[str] = "zero_optimization.offload_param"
+
+    device: OffloadDevice = knob("none")
+    """none | cpu | nvme. DeepSpeed's docs say the default is cpu; its code says none."""
+    nvme_path: str | None = knob(None)
+    """Folder for the swap files (required with device nvme; each rank uses ``rank<N>/`` below it)."""
+    buffer_count: int = knob(5, ge=1)
+    """Pinned swap-in buffers in the parameter pool."""
+    buffer_size: int = knob(100_000_000, ge=1)
+    """Elements per pool buffer; must hold the largest parameter partition."""
+    max_in_cpu: int = knob(1_000_000_000, ge=0)
+    """Parameter elements kept in CPU memory when device is nvme."""
+    pin_memory: bool = knob(True)
+    """Page-locked host buffers. DeepSpeed's default became true in #8207 (it was false)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer``: where fp32 master weights and moments live."""
+
+    PATH: ClassVar[str] = "zero_optimization.offload_optimizer"
+
+    device: OffloadDevice = knob("none")
+    """none | cpu | nvme. The optimizer step runs on the CPU for cpu and nvme."""
+    nvme_path: str | None = knob(None)
+    """Folder for the swap files (required with device nvme)."""
+    buffer_count: int = knob(4, ge=1)
+    """Pinned buffers for optimizer-state swapping (Adam streams 4 states: param, grad, m, v)."""
+    pin_memory: bool = knob(True)
+    """Page-locked host buffers (DeepSpeed's default since #8207)."""
+    pipeline_read: bool = knob(False)
+    """Read sub-group i+1 while sub-group i is updated."""
+    pipeline_write: bool = knob(False)
+    """Write sub-group i-1 while sub-group i is updated."""
+    fast_init: bool = knob(False)
+    """DeepSpeed: build the fp32 state from the swapped 16-bit params."""
+    ratio: float = knob(1.0, ge=0.0, le=1.0)
+    """DeepSpeed Twin-Flow: the share of the optimizer step run on the CPU."""
+    super_offload: bool = knob(False)
+    """DeepSpeed SuperOffload for GH200-class machines."""
+    convert_grad_on_cpu: bool = knob(True)
+    """DeepSpeed SuperOffload: convert gradients on the CPU rather than the GPU."""
+    cpuadam_cores_perc: float = knob(0.8, ge=0.0, le=1.0)
+    """DeepSpeed SuperOffload: share of CPU cores given to CPU Adam."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: how training state is partitioned across ranks and tiers."""
+
+    PATH: ClassVar[str] = "zero_optimization"
+
+    stage: ZeroStage = knob(0)
+    """0 none; 1 optimizer state; 2 + gradients; 3 + parameters partitioned across ranks."""
+    offload_param: OffloadParamConfig = knob(OffloadParamConfig())
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig = knob(OffloadOptimizerConfig())
+    """Optimizer-state offload (stages 1-3; nvme is accepted at stages 1 and 2 too, unlike DeepSpeed)."""
+    sub_group_size: int = knob(1_000_000_000, ge=1)
+    """Elements per optimizer-step tile; with nvme, the unit streamed NVMe <-> CPU."""
+    stage3_prefetch_bucket_size: int = knob(50_000_000, ge=0, aliases=("prefetch_bucket_size",))
+    """Most parameter elements fetched ahead of use (DeepSpeed code 5e7; its docs table says 5e8)."""
+    stage3_param_persistence_threshold: int = knob(
+        100_000, ge=0, aliases=("param_persistence_threshold",)
+    )
+    """Parameters with fewer elements stay resident, never partitioned."""
+    stage3_max_live_parameters: int = knob(1_000_000_000, ge=0, aliases=("max_live_parameters",))
+    """Most parameter elements resident before releases are forced."""
+    stage3_max_reuse_distance: int = knob(1_000_000_000, ge=0, aliases=("max_reuse_distance",))
+    """Keep a parameter that is used again within this many elements of the trace."""
+    stage3_gather_16bit_weights_on_model_save: bool = knob(
+        False,
+        aliases=("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"),
+    )
+    """Gather full 16-bit weights when the model is saved."""
+    stage3_model_persistence_threshold: int = knob(
+        sys.maxsize, ge=0, aliases=("model_persistence_threshold",)
+    )
+    """DeepSpeed: cap on the total elements kept resident by the persistence threshold."""
+    stage3_module_granularity_threshold: int = knob(0, aliases=("module_granularity_threshold",))
+    """DeepSpeed: fetch fine-grained modules as one unit."""
+    stage3_use_all_reduce_for_fetch_params: bool = knob(
+        False, aliases=("use_all_reduce_for_fetch_params",)
+    )
+    """DeepSpeed: fetch parameters with all-reduce instead of all-gather."""
+    stage3_allgather_sequential: bool = knob(False, aliases=("allgather_sequential",))
+    """DeepSpeed: all-gather parameters one by one, without bucketing."""
+    stage3_partition_stream_chunk_size: int = knob(
+        0, ge=0, aliases=("partition_stream_chunk_size",)
+    )
+    """DeepSpeed: stream very large parameters through chunks of this size in zero.Init."""
+    overlap_comm: bool | None = knob(None)
+    """DeepSpeed: overlap gradient reduction with backward; unset means true at stage 3."""
+    contiguous_gradients: bool = knob(True)
+    """DeepSpeed: copy gradients into one contiguous buffer as they are produced."""
+    reduce_scatter: bool = knob(True)
+    """DeepSpeed: reduce-scatter instead of all-reduce to average gradients."""
+    reduce_bucket_size: int = knob(500_000_000, ge=0)
+    """DeepSpeed: elements reduced at a time."""
+    use_multi_rank_bucket_allreduce: bool = knob(True)
+    """DeepSpeed: merge the ranks' reduce buckets into one all-reduce."""
+    allgather_partitions: bool = knob(True)
+    """DeepSpeed: all-gather updated partitions (instead of broadcasts) after the step."""
+    allgather_bucket_size: int = knob(500_000_000, ge=0)
+    """DeepSpeed: elements all-gathered at a time."""
+    load_from_fp32_weights: bool = knob(True)
+    """DeepSpeed: restore fp32 master weights from the checkpoint's fp32 copy."""
+    elastic_checkpoint: bool = knob(False)
+    """DeepSpeed: legacy elastic checkpoints."""
+    ignore_unused_parameters: bool = knob(True)
+    """DeepSpeed (stage 2): tolerate parameters that get no gradient."""
+    legacy_stage1: bool = knob(False)
+    """DeepSpeed: the old stage-1 implementation."""
+    round_robin_gradients: bool = knob(False)
+    """DeepSpeed (stages 1-2): spread gradient copies to the CPU across ranks."""
+    zero_hpz_partition_size: int = knob(1, ge=0)
+    """DeepSpeed ZeRO++: ranks in the secondary (hierarchical) parameter partition."""
+    zero_quantized_weights: bool = knob(False)
+    """DeepSpeed ZeRO++: quantize weights for all-gather."""
+    zero_quantized_nontrainable_weights: bool = knob(False)
+    """DeepSpeed ZeRO++: store frozen weights quantized."""
+    zero_quantized_gradients: bool = knob(False)
+    """DeepSpeed ZeRO++: quantize gradients for reduction."""
+    mics_shard_size: int = knob(-1, ge=-1)
+    """DeepSpeed MiCS: shard group size (-1 off)."""
+    mics_hierarchical_params_gather: bool = knob(False)
+    """DeepSpeed MiCS: hierarchical all-gather."""
+    memory_efficient_linear: bool = knob(True)
+    """DeepSpeed (stage 3): its memory-efficient linear layer."""
+    pipeline_loading_checkpoint: bool = knob(False)
+    """DeepSpeed (stage 3): load checkpoints in pipeline mode."""
+    override_module_apply: bool = knob(True)
+    """DeepSpeed (stage 3): patch nn.Module.apply to gather parameters."""
+    log_trace_cache_warnings: bool = knob(False)
+    """DeepSpeed: log prefetch-trace invalidations."""
+    enable_sanity_checks: bool = knob(False)
+    """DeepSpeed: internal consistency checks."""
+    save_muon_momentum_buffer_in_memory: bool = knob(False)
+    """DeepSpeed: keep Muon's momentum in memory under NVMe offload."""
+    cpu_offload_use_pin_memory: bool | None = knob(None)
+    """DeepSpeed, deprecated: read by nothing there either (use offload_*.pin_memory)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        p, o = self.offload_param, self.offload_optimizer
+        if p.device != "none" and self.stage != 3:
+            raise ConfigError(
+                f'zero_optimization.offload_param.device is "{p.device}" but '
+                f"zero_optimization.stage is {self.stage}; parameter offload needs stage 3 "
+                '(as in DeepSpeed): set "stage": 3, or "offload_param": {"device": "none"}'
+            )
+        if o.device != "none" and self.stage == 0:
+            raise ConfigError(
+                f'zero_optimization.offload_optimizer.device is "{o.device}" but '
+                "zero_optimization.stage is 0, which neither partitions nor offloads the "
+                'optimizer: set "stage" to 1, 2 or 3, or "offload_optimizer": {"device": "none"}'
+            )
+        for section in (p, o):
+            if section.device == "nvme" and section.nvme_path is None:
+                raise ConfigError(
+                    f'{section.PATH}.nvme_path is required when {section.PATH}.device is "nvme": '
+                    "a folder on a fast local disk for the swap files; set it in the config, "
+                    "or pass nvme_path= to initialize()/load_config()"
+                )
