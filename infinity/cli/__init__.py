@@ -1,1 +1,1 @@
-"""The ``infinity`` command: one module per subcommand, each with ``add_parser(subparsers)`` and ``run(args)``."""
+"""The ``infinity`` command: one module per subcommand, registered in ``infinity.cli.main.COMMANDS``."""

@@ -5,6 +5,7 @@
 
 Prints the table (or, with --json, the whole estimate as JSON) from
 infinity.estimate.estimate_memory. Exit status 0, or 2 for bad arguments.
+Registered in infinity.cli.main.COMMANDS (NAME, HELP, add_arguments, run).
 """
 
 from __future__ import annotations
@@ -76,12 +77,11 @@ def read_model_config(path: str) -> tuple[GPTConfig, list[str]]:
         raise ValueError(f"--model-config {path!r}: {e}") from None
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "estimate",
-        help="memory and NVMe each setting needs, and the fastest that fits this machine",
-        description=__doc__.split("\n\n")[0],
-    )
+NAME = "estimate"
+HELP = "memory and NVMe each ZeRO stage × offload setting needs, and the fastest that fits this machine"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=parse_count, help="parameter count (13e9, 13B, 150M): a GPT-shaped model")
     p.add_argument("--model-config", metavar="JSON", help="the GPT's shape (GPTConfig fields or a config.json)")
     p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
@@ -97,8 +97,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="count activations as with every transformer block checkpointed")
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
-    p.set_defaults(run=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
