@@ -5,14 +5,13 @@ A count alone stands for a GPT-shaped model of that size
 the engine cuts the model into fetch units, the largest unit that sizes the
 pools) is then the engine's own, from infinity.zero.units, and nothing is
 allocated. A live module is never modified; for one built under zero.Init,
-whose parameters are empty placeholders, the shapes come from its init store.
+whose parameters are empty placeholders, the shapes come from its init store
+(as the engine's build_units takes them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -103,19 +102,4 @@ def _placeholder_shapes(module: nn.Module) -> dict[nn.Parameter, torch.Size]:
     store = zero_init.init_store_of(params)
     if store is None:
         return {}
-    return {p: store.records[p].shape for p in params if p in store}
-
-
-@contextlib.contextmanager
-def true_shapes(module: nn.Module) -> Iterator[None]:
-    """Inside, zero.Init placeholders have their true shapes (zero-stride views: no memory),
-    so that infinity.zero.units sees the model the engine will train; restored after."""
-    shapes = _placeholder_shapes(module)
-    saved = {p: p.data for p in shapes}
-    try:
-        for p, shape in shapes.items():
-            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
-        yield
-    finally:
-        for p, data in saved.items():
-            p.data = data
+    return {p: store.shape(p) for p in params if p in store}

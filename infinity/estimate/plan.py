@@ -21,7 +21,7 @@ import torch
 from infinity.config import InfinityConfig
 from infinity.estimate import rules
 from infinity.estimate.activations import Activations
-from infinity.estimate.model import ModelSpec, true_shapes
+from infinity.estimate.model import ModelSpec
 from infinity.memory import format_nbytes
 from infinity.zero.unit import ParamUnit
 
@@ -211,11 +211,11 @@ class _Planner:
         self.dtype = rules.param_dtype(cfg)
         self.b = rules.itemsize(self.dtype)
         self.dname = str(self.dtype).removeprefix("torch.")
-        with true_shapes(spec.module):
-            self.units = rules.units_for(spec.module, cfg, world_size)
-            params = [p for u in self.units for p in u.params]
-            self.numels = [p.numel() for p in params]
-            self.grad_numels = [p.numel() for p in params if p.requires_grad]
+        self.units = rules.units_for(spec.module, cfg, world_size)
+        numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
+        params = [p for u in self.units for p in u.params]
+        self.numels = [numels[id(p)] for p in params]
+        self.grad_numels = [numels[id(p)] for p in params if p.requires_grad]
         self.cuda = device_type == "cuda"
         self.world = world_size
         self.block = cfg.aio.block_size
@@ -245,8 +245,7 @@ class _Planner:
                           + (" (the same memory the module trains with on a CPU device)" if same else ""),
                           heap=True))
             return
-        with true_shapes(self.spec.module):
-            sizes = rules.zero_init_shard_sizes(self.spec.module, self.world)
+        sizes = rules.zero_init_shard_sizes(self.spec.module, self.world)
         off = self.zero.offload_param
         if off.device == "nvme":
             self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "run",
@@ -274,20 +273,20 @@ class _Planner:
             self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
                           "unused (no NVMe)"))
             return
-        reserved = rules.optimizer_swap_nbytes(S, self.block)
+        reserved = rules.optimizer_swap_nbytes(S, self.stage, self.dtype, self.block)
         slack = reserved - S * 4 * len(keys)
         if slack:
             self.add(Item("optimizer swap reserve", "nvme", slack, "run",
-                          "build.py reserves 16 B per element (rounded to aio.block_size)"
-                          + (", also when the fp32 master is the parameter shard" if len(keys) == 3 else "")))
+                          "rounding of the reserve to 4 KiB and aio.block_size"))
         meta = rules.swap_dir_overhead_nbytes(reserved)
         self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
         path = str(self.zero.offload_optimizer.nvme_path)
         self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
         sub = rules.optimizer_pool_numel(self.units, self.zero)
+        per = rules.state_nbytes_per_element(self.stage, self.dtype)
         self.add(Item("optimizer pool", "host",
-                      rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * rules.STATE_NBYTES_PER_ELEMENT), "run",
-                      f"3 sub-groups × {sub:,} elements × 16 B (read ‖ update ‖ write), pinned, huge pages",
+                      rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * per), "run",
+                      f"3 sub-groups × {sub:,} elements × {per} B (read ‖ update ‖ write), pinned, huge pages",
                       "zero_optimization.sub_group_size"))
         # The step reads every array and writes all but g back.
         self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
@@ -348,12 +347,11 @@ class _Planner:
                       rules.resident_param_nbytes(self.numels, self.dtype, self.stage), phase,
                       "stages 0-2 keep every parameter resident", heap=True))
         if self.stage <= 1:
-            self.add(Item(f"gradients p.grad ({self.dname})", "device",
-                          rules.resident_grad_nbytes(self.grad_numels, self.dtype, self.stage), "train",
-                          "stages 0-1: autograd accumulates whole grads; reduced at the window's end",
+            self.add(Item("gradient accumulators (fp32)", "device",
+                          rules.grad_accumulator_nbytes(self.units, self.stage), "train",
+                          "stages 0-1: every unit's whole grads, accumulated in fp32 until the window's end",
                           "zero_optimization.stage", heap=True))
-        else:
-            self.add(self._grad_in_flight())
+        self.add(self._grad_in_flight())
 
     def _grad_in_flight(self) -> Item:
         return Item("gradient in flight (largest parameter)", "device",
@@ -398,8 +396,8 @@ class _Planner:
 
 
 def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
-    """The parameter pool must hold the largest NVMe shard (build.py refuses otherwise) and what
-    the optimizer step holds at once (else it waits for pool space until its timeout)."""
+    """The parameter pool must hold the largest NVMe shard (build.py refuses otherwise) and a whole
+    sub-group of NVMe shards (the step's read of it waits for pool space until its timeout)."""
     off = zero.offload_param
     largest = max(nv, key=lambda u: u.layout.shard_nbytes)
     if largest.layout.shard_nbytes > capacity:
@@ -414,14 +412,10 @@ def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
     if need > capacity:
         sub = max(u.layout.shard_numel for u in nv)
         problems.append(Problem(
-            f"the optimizer step holds {format_nbytes(need)} of parameter shards at once (two sub-groups of "
+            f"the optimizer step holds {format_nbytes(need)} of parameter shards at once (a sub-group of "
             f"sub_group_size {int(zero.sub_group_size):,}), more than the parameter pool's "
             f"{format_nbytes(capacity)}: it would wait for pool space until it times out",
             f"raise zero_optimization.offload_param.buffer_size to at least "
             f"{math.ceil(need / b / off.buffer_count):,}, or lower zero_optimization.sub_group_size "
-            f"(to {sub:,}, the largest shard, it needs {format_nbytes(_pair_need(units, homes, sub))})",
+            f"(to {sub:,}, the largest shard, it needs {format_nbytes(rules.step_param_pool_need(units, homes, sub))})",
         ))
-
-
-def _pair_need(units, homes, sub: int) -> int:
-    return rules.step_param_pool_need(units, homes, sub)

@@ -13,7 +13,7 @@ part of a unit (infinity.zero.layout), padded to a multiple of 4 KiB.
 
 from __future__ import annotations
 
-import collections
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +22,8 @@ from torch import nn
 from infinity.aio import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE
 from infinity.config import InfinityConfig, ZeroConfig
 from infinity.memory import round_up
+from infinity.zero.init import init_store_of
+from infinity.zero.layout import make_layout
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import build_units
 
@@ -36,8 +38,7 @@ OPTIMIZER_POOL_BUFFERS = 3
 (the one being read, the one being updated, the one being written)."""
 
 STATE_NBYTES_PER_ELEMENT = 16
-"""infinity/engine/build.py _state_store: master, m, v, g in fp32 — both the pool's
-buffer size and the swap space reserved (also when the master lives in the parameter store)."""
+"""The most optimizer-state bytes per element: fp32 master, m, v, g (see state_nbytes_per_element)."""
 
 EMPTY_POOL_NBYTES = DIRECT_ALIGNMENT
 """infinity/engine/build.py: a store without NVMe still gets ``BufferPool(1, 4096)``."""
@@ -83,16 +84,18 @@ def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[Pa
     """infinity/engine/build.py build_runtime: the units the engine cuts the model into.
 
     Calls the engine's own infinity.zero.units.build_units (layout world 1 at
-    stage 0, the persistence threshold only at stage 3) with the meta device, so
-    nothing is allocated and the model is not touched.
+    stage 0, the persistence threshold only at stage 3, zero.Init's true shapes)
+    with the meta device, so nothing is allocated and the model is not touched.
     """
     zero = cfg.zero_optimization
+    store = init_store_of(list(model.parameters()))
     return build_units(
         model,
         world_size=1 if zero.stage == 0 else world_size,
         persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
         device=torch.device("meta"),
         dtype=param_dtype(cfg),
+        shape_of=store.shape if store is not None else None,
     ).units
 
 
@@ -102,15 +105,16 @@ def resident_param_nbytes(numels: Sequence[int], dtype: torch.dtype, stage: int)
     return 0 if stage == 3 else sum(numels) * itemsize(dtype)
 
 
-def resident_grad_nbytes(grad_numels: Sequence[int], dtype: torch.dtype, stage: int) -> int:
-    """infinity/zero/grads.py reduce_resident_grads: at stages 0-1 autograd accumulates whole
-    grads in ``p.grad`` (parameter dtype) until the window's end; from stage 2 GradHooks takes them."""
-    return sum(grad_numels) * itemsize(dtype) if stage <= 1 else 0
+def grad_accumulator_nbytes(units: Sequence[ParamUnit], stage: int) -> int:
+    """infinity/zero/grads.py GradReducer (``deferred``), stages 0-1: every unit's whole gradient
+    accumulates in a flat fp32 buffer (padded, from the TensorCache) until the window's end,
+    when reduce_window reduces and returns them; from stage 2 grads go straight to the partitions."""
+    return sum(u.layout.padded_numel for u in units) * FP32_NBYTES if stage <= 1 else 0
 
 
 def grad_in_flight_nbytes(grad_numels: Sequence[int], dtype: torch.dtype) -> int:
-    """infinity/zero/grad_hooks.py + grads.py add, stages 2-3: one parameter's grad at a time, added
-    into its fp32 partition (a 16-bit grad is upcast on the way)."""
+    """infinity/zero/grad_hooks.py + grads.py add, every stage: one parameter's grad at a time
+    (``p.grad`` is taken in its post-accumulate hook), added into fp32 (a 16-bit grad is upcast)."""
     b = itemsize(dtype)
     return max(grad_numels, default=0) * (b + (FP32_NBYTES if b < FP32_NBYTES else 0))
 
@@ -122,9 +126,9 @@ def init_transient_nbytes(units: Sequence[ParamUnit], dtype: torch.dtype) -> int
     return largest * (FP32_NBYTES + itemsize(dtype))
 
 
-def optimizer_swap_nbytes(shard_numel: int, block_size: int) -> int:
-    """infinity/engine/build.py _state_store: ``store.reserve(total shard elements × 16)``."""
-    return swap_nbytes(shard_numel * STATE_NBYTES_PER_ELEMENT, block_size)
+def optimizer_swap_nbytes(shard_numel: int, stage: int, dtype: torch.dtype, block_size: int) -> int:
+    """infinity/engine/build.py _state_store: ``store.reserve(total shard elements × per element)``."""
+    return swap_nbytes(shard_numel * state_nbytes_per_element(stage, dtype), block_size)
 
 
 def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
@@ -197,6 +201,12 @@ def state_keys(stage: int, dtype: torch.dtype) -> tuple[str, ...]:
     return ("master", "m", "v", "g")
 
 
+def state_nbytes_per_element(stage: int, dtype: torch.dtype) -> int:
+    """infinity/engine/build.py state_bytes_per_element: 12 or 16 — the optimizer pool's buffer
+    size per element and the swap space reserved per element."""
+    return FP32_NBYTES * len(state_keys(stage, dtype))
+
+
 def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> dict[int, str]:
     """infinity/engine/build.py _param_homes: stage-3 shards at rest in "cpu" or "nvme".
 
@@ -240,16 +250,25 @@ def sub_groups(units: Sequence[ParamUnit], sub_group_numel: int) -> list[list[Pa
     return groups
 
 
-def step_param_pool_need(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
-    """infinity/optim/partitioned_adam.py step/_fetch: the parameter-pool bytes held at once
-    by the optimizer step — sub-group i+1's NVMe shards are fetched while sub-group i's
-    are still held. A pool smaller than this waits forever (until its timeout)."""
-    per_group = [
+def _group_nvme_nbytes(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> list[int]:
+    return [
         sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in g if homes.get(u.index) == "nvme")
         for g in sub_groups(units, sub_group_numel)
     ]
-    pairs = [a + b for a, b in zip(per_group, per_group[1:], strict=False)]
-    return max(pairs + per_group, default=0)
+
+
+def step_param_pool_need(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
+    """infinity/optim/partitioned_adam.py step/_fetch: the parameter-pool bytes one sub-group's
+    NVMe shards take. The read-issuing thread fetches a whole sub-group before the step uses any of
+    it, so a sub-group the pool cannot hold at once waits for room forever (until its timeout)."""
+    return max(_group_nvme_nbytes(units, homes, sub_group_numel), default=0)
+
+
+def step_param_pool_overlap(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
+    """partitioned_adam.py step: with room for two consecutive sub-groups, the read of i+1 runs
+    while i is updated (less, and the step's reads and updates take turns)."""
+    per = _group_nvme_nbytes(units, homes, sub_group_numel)
+    return max([a + b for a, b in zip(per, per[1:], strict=False)] + per, default=0)
 
 
 def tensor_cache_cap(units: Sequence[ParamUnit]) -> int:
@@ -261,44 +280,38 @@ def tensor_cache_cap(units: Sequence[ParamUnit]) -> int:
 def flat_buffers_nbytes(
     units: Sequence[ParamUnit], stage: int, world_size: int, dtype: torch.dtype, *, caching: bool
 ) -> int:
-    """Peak bytes of the flat buffers infinity.zero takes from the TensorCache (zero/buffers.py).
+    """Peak bytes of the TensorCache's flat buffers (zero/buffers.py) beyond those counted as
+    their own items (stages 0-1's gradient accumulators, stage 3's gathered units):
 
-    - stages 0, 1 (grads.py reduce_resident_grads) and 2, 3 with world size > 1
-      (grads.py add): a flat fp32 buffer of the unit; from stage 1 on
-      (_reduce_into_shard) also an fp32 shard buffer — the same size, so a second
-      buffer, when the world size is 1;
-    - stages 1, 2 with world size > 1 (build.py _resident_param_writer): a full buffer
-      of the parameter dtype to all-gather updated shards into;
-    - stage 3 with world size > 1 (partitioner.py _gather): every gathered unit, held
-      while in use (persistent units for good).
-    Buffers are reused by (numel, dtype) and the free lists hold at most the cap, so
-    the peak is min(cap + in use, every buffer that could exist). With ``caching``
-    False (CUDA: TensorCache.put keeps nothing) only what is in use counts.
+    - stage 1 (grads.py _reduce_into_shard at the window's end) and stages 2-3 with world
+      size > 1 (grads.py add/finish): an fp32 shard buffer, and for 2-3 the micro-batch's
+      flat fp32 grads of the unit being reduced;
+    - stages 1-2 with world size > 1 (build.py _resident_param_writer): a full buffer of the
+      parameter dtype to all-gather updated shards into;
+    - stage 3 with world size > 1 (partitioner.py _ungather): released gathers, kept for reuse.
+    In use: one of each at a time. Cached: buffers put back, reused by (numel, dtype), at most
+    the cap (CACHED_FLAT_BUFFERS × the largest unit's fp32 size) — on CUDA none
+    (TensorCache.put keeps nothing there: ``caching`` False).
     """
     b = itemsize(dtype)
-    keys: collections.Counter[tuple[int, int]] = collections.Counter()
-    in_use = 0
     largest_flat = max((u.layout.padded_numel for u in units), default=0)
     largest_shard = max((u.layout.shard_numel for u in units), default=0)
-    if stage <= 1 or world_size > 1:
-        for size in {u.layout.padded_numel for u in units}:
-            keys[(size, FP32_NBYTES)] = 1
-        if stage >= 1:
-            for size in {u.layout.shard_numel for u in units}:
-                keys[(size, FP32_NBYTES)] += 1
-            in_use = FP32_NBYTES * (largest_flat + largest_shard)
-        else:
-            in_use = FP32_NBYTES * largest_flat
-    every = sum(n * s * count for (n, s), count in keys.items())
+    in_use = 0
+    cacheable = 0
+    if stage == 1 or (stage >= 2 and world_size > 1):
+        in_use += FP32_NBYTES * largest_shard
+        cacheable += FP32_NBYTES * sum({u.layout.shard_numel for u in units})
+    if stage >= 2 and world_size > 1:
+        in_use += FP32_NBYTES * largest_flat
+        cacheable += FP32_NBYTES * sum({u.layout.padded_numel for u in units})
     if world_size > 1 and stage in (1, 2):
-        every += sum(b * n for n in {u.layout.padded_numel for u in units})
         in_use = max(in_use, b * largest_flat)
+        cacheable += b * sum({u.layout.padded_numel for u in units})
     if world_size > 1 and stage == 3:
-        every += sum(u.full_nbytes for u in units)
-        in_use += sum(u.full_nbytes for u in units if u.persistent) + gathered_working_set(units)
+        cacheable += sum(u.full_nbytes for u in units if not u.persistent)
     if not caching:
         return in_use
-    return min(tensor_cache_cap(units) + in_use, every)
+    return in_use + min(tensor_cache_cap(units), cacheable)
 
 
 def gathered_working_set(units: Sequence[ParamUnit]) -> int:
@@ -313,12 +326,12 @@ def gathered_working_set(units: Sequence[ParamUnit]) -> int:
 def zero_init_shard_sizes(model: nn.Module, world_size: int) -> list[int]:
     """infinity/zero/init.py InitStore.partition: each parameter's own padded shard, in its dtype
     as built (fp32), in construction order."""
-    from infinity.zero.layout import make_layout
-
+    params = list(dict.fromkeys(model.parameters()))
+    store = init_store_of(params)
     out = []
-    for p in dict.fromkeys(model.parameters()):
-        if p.numel() == 0:
+    for p in params:
+        shape = store.shape(p) if store is not None and p in store else p.shape
+        if math.prod(shape) == 0:
             continue
-        layout = make_layout(["p"], [p.shape], p.dtype, world_size)
-        out.append(layout.shard_nbytes)
+        out.append(make_layout(["p"], [shape], p.dtype, world_size).shard_nbytes)
     return out

@@ -12,11 +12,12 @@ big or too small for the largest layer. The rules here:
   3/16 of what it streams), but never below the largest shard (a sub-group
   never splits one); rounded up to 1 Mi elements; only ever lowered.
 - ``offload_param.max_in_cpu``: 0 — every partitioned parameter on NVMe.
-- ``offload_param.buffer_size``: what the parameter pool must hold, with the
-  buffer count kept: two sub-groups of shards (the optimizer step holds
-  them at once, rules.step_param_pool_need) and at least three of the
-  largest shards (the gathered working set, rules.gathered_working_set);
-  rounded up to 1 Mi elements.
+- ``offload_param.buffer_size``: what the parameter pool should hold, with
+  the buffer count kept: two consecutive sub-groups of shards (the step then
+  reads one while it updates the other, rules.step_param_pool_overlap), and
+  one sub-group plus three of the largest shards (the stage-3 step runs
+  behind the next forward, which holds its gathered working set meanwhile,
+  rules.gathered_working_set); rounded up to 1 Mi elements.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import math
 
 from infinity.config import InfinityConfig
 from infinity.estimate import rules
-from infinity.estimate.model import ModelSpec, true_shapes
+from infinity.estimate.model import ModelSpec
 from infinity.memory import round_up
 
 SUB_GROUP_TARGET = (1 << 30) // (rules.OPTIMIZER_POOL_BUFFERS * rules.STATE_NBYTES_PER_ELEMENT)
@@ -39,8 +40,7 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     """``cfg`` with its NVMe sizing keys set by the rules above, and the (key, old, new) changes."""
     zero = cfg.zero_optimization
     off = zero.offload_param
-    with true_shapes(spec.module):
-        units = rules.units_for(spec.module, cfg, world_size)
+    units = rules.units_for(spec.module, cfg, world_size)
     changes: list[tuple[str, int, int]] = []
     sub = int(zero.sub_group_size)
     largest = max((u.layout.shard_numel for u in units), default=0)
@@ -58,7 +58,9 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
         homes = rules.param_homes(units, dataclasses.replace(zero, offload_param=new_off))
         nv = sorted((u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), reverse=True)
         if nv:
-            need = max(rules.step_param_pool_need(units, homes, sub), sum(round_up(n, 4096) for n in nv[:3]))
+            working = sum(round_up(n, 4096) for n in nv[:3])
+            need = max(rules.step_param_pool_overlap(units, homes, sub),
+                       rules.step_param_pool_need(units, homes, sub) + working)
             itemsize = rules.itemsize(rules.param_dtype(cfg))
             size = round_up(math.ceil(need / off.buffer_count / itemsize), _ROUND)
             if size != off.buffer_size:

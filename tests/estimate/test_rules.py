@@ -99,7 +99,8 @@ def test_plan_matches_a_built_runtime(case, nvme_dir):
 
 
 def test_flat_buffer_peak_matches_the_cache_after_training(nvme_dir):
-    """Stage 1 at world size 1 cycles a flat and a shard buffer of every unit size through the cache."""
+    """Stage 1 accumulates every unit's grads in fp32 buffers from the cache and puts them back
+    (with the shard buffers of the reduce) at the window's end."""
     torch.manual_seed(0)
     model = GPT(MODEL)
     cfg = _config(1, o="cpu")
@@ -113,18 +114,23 @@ def test_flat_buffer_peak_matches_the_cache_after_training(nvme_dir):
             engine.step()
         cache = engine.runtime.cache
         cached = sum(t.numel() * t.element_size() for b in cache._free.values() for t in b)
-        assert 0 < cached <= _items(est.settings[0].plan, "flat buffers")
+        plan = est.settings[0].plan
+        assert 0 < cached <= _items(plan, "flat buffers") + _items(plan, "gradient accumulators")
+        assert _items(plan, "gradient accumulators") == 4 * sum(u.layout.padded_numel
+                                                                 for u in engine.runtime.unit_map.units)
     finally:
         engine.close()
 
 
 def test_step_pool_need_is_what_the_optimizer_step_holds():
-    """rules.step_param_pool_need mirrors PartitionedAdam.step: sub-group i and i+1 held at once."""
+    """rules.step_param_pool_need mirrors PartitionedAdam.step: a whole sub-group is fetched before
+    it is used (and with room for two, the next one's read overlaps the update)."""
     units = rules.units_for(GPT(MODEL), _loaded(_config(3, "nvme", "nvme", nvme="/x", sub_group_size=5000)), 1)
     homes = {u.index: ("cpu" if u.persistent else "nvme") for u in units}
     groups = rules.sub_groups(units, 5000)
     per = [sum(round_up(u.layout.shard_nbytes, 4096) for u in g if homes[u.index] == "nvme") for g in groups]
-    assert rules.step_param_pool_need(units, homes, 5000) == max(a + b for a, b in zip(per, per[1:], strict=False))
+    assert rules.step_param_pool_need(units, homes, 5000) == max(per)
+    assert rules.step_param_pool_overlap(units, homes, 5000) == max(a + b for a, b in zip(per, per[1:], strict=False))
     # A group never splits a shard: each shard larger than the limit is a group of its own.
     assert all(len(g) == 1 for g in rules.sub_groups(units, 1))
 
