@@ -116,3 +116,13 @@ def test_the_configs_users_bring_estimate_as_they_are(capsys, name):
     own = [s for s in d["settings"] if (s["stage"], s["offload_param"], s["offload_optimizer"])
            == (d["selected"]["stage"], d["selected"]["offload_param"], d["selected"]["offload_optimizer"])]
     assert own and d["selected"]["stage"] in (2, 3)
+
+
+def test_doctor_prints_the_estimators_view_of_the_machine(capsys, tmp_path):
+    assert main(["doctor", "--path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "as `infinity estimate` and the pre-flight check see it" in out
+    assert f"nvme_path    {tmp_path}" in out and "host memory" in out
+    assert main(["doctor", "--path", str(tmp_path), "--json"]) == 0
+    view = json.loads(capsys.readouterr().out)["machine_view"]
+    assert view["mem_available_nbytes"] > 0 and view["disks"][0]["path"] == str(tmp_path)
