@@ -173,13 +173,22 @@ def config_for(cfg: InfinityConfig, setting: Setting, nvme_path: str) -> Infinit
     return dataclasses.replace(cfg, zero_optimization=new_zero)
 
 
-def check_fit(plan: SettingPlan, machine: MachineView, *, ranks_per_node: int, held_nbytes: int = 0) -> Fit:
+def check_fit(
+    plan: SettingPlan,
+    machine: MachineView,
+    *,
+    ranks_per_node: int,
+    held_nbytes: int = 0,
+    engine_checks: bool = False,
+) -> Fit:
     """Does ``plan`` (per rank) × ``ranks_per_node`` fit ``machine``?
 
     ``held_nbytes``: host memory the run already holds (pre-flight runs inside the
     training process: its baseline and model are allocated, not to be found again).
     Pinned pools of 2 MiB or more may come from free hugetlb pages, which
-    MemAvailable does not count.
+    MemAvailable does not count. ``engine_checks``: leave out what initialize refuses
+    by itself before allocating (Problem.engine_refuses; with one rank per node and no
+    zero.Init files, the swap space — build.py check_nvme_space sees exactly that).
     """
     reasons = []
     cpu = plan.device_type == "cpu"
@@ -212,7 +221,8 @@ def check_fit(plan: SettingPlan, machine: MachineView, *, ranks_per_node: int, h
                 )
     nvme_ok = True
     by_fs: dict[int, tuple[int, int, list[str]]] = {}
-    for path, n in plan.nvme_by_path:
+    engine_sees_it = ranks_per_node == 1 and not any(i.name.startswith("zero.Init") for i in plan.items)
+    for path, n in ([] if engine_checks and engine_sees_it else plan.nvme_by_path):
         d = machine.disk(path)
         if d is None:
             continue
@@ -222,9 +232,10 @@ def check_fit(plan: SettingPlan, machine: MachineView, *, ranks_per_node: int, h
         if need_fs > free:
             nvme_ok = False
             reasons.append(f"NVMe space at {', '.join(paths)}: needs {format_nbytes(need_fs)}, {format_nbytes(free)} free")
-    for pr in plan.problems:
+    problems = [pr for pr in plan.problems if not (engine_checks and pr.engine_refuses)]
+    for pr in problems:
         reasons.append(f"config: {pr.message}; {pr.fix}")
-    ok = host_ok and device_ok and nvme_ok and not plan.problems
+    ok = host_ok and device_ok and nvme_ok and not problems
     return Fit(ok, host_ok, device_ok, nvme_ok, tuple(reasons))
 
 

@@ -106,7 +106,12 @@ def runtime_baseline_nbytes() -> int:
     CUDA the context (several hundred MiB of host memory), which is created here.
     Call it before building the model to get the baseline of a run.
     """
-    torch.optim.Optimizer([torch.empty(0)], {})
+    try:
+        torch.optim.Optimizer([torch.empty(0)], {})
+    except ImportError:
+        # A process that can no longer read torch's files (privileges dropped after import):
+        # it cannot load more of torch now, and nothing of it counts yet.
+        pass
     if torch.cuda.is_available():
         torch.cuda.init()
     return process_rss_nbytes()

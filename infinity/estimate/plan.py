@@ -102,6 +102,9 @@ class Problem:
 
     message: str
     fix: str
+    engine_refuses: bool = False
+    """True where initialize itself refuses it, clearly and before allocating (build.py checks it):
+    the pre-flight check then leaves it to the engine's own message."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,6 +409,7 @@ def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
             f"{largest.module_name!r}, whose shard is {largest.layout.shard_numel:,} elements; initialize refuses it",
             f"raise zero_optimization.offload_param.buffer_size to at least "
             f"{math.ceil(largest.layout.shard_numel / off.buffer_count):,}",
+            engine_refuses=True,
         ))
         return
     need = rules.step_param_pool_need(units, homes, int(zero.sub_group_size))

@@ -47,8 +47,9 @@ from infinity.zero.collectives import DataParallelGroup
 log = logging.getLogger("infinity.estimate")
 
 
-class PreflightError(RuntimeError):
-    """The run cannot fit this machine (or its config would stall); nothing was allocated."""
+class PreflightError(ConfigError):
+    """The run cannot fit this machine (or its config would stall); nothing was allocated.
+    A ConfigError (a ValueError): the fix is a config change, and callers catching those keep working."""
 
     def __init__(self, message: str, plan: SettingPlan, reasons: tuple[str, ...]):
         super().__init__(message)
@@ -102,7 +103,7 @@ def preflight(
 
     own = plan(cfg)
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
-    fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks)
+    fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
     failed = torch.tensor([0 if fit.ok else 1], dtype=torch.int32)
     group.all_reduce_max(failed)
     if fit.ok and not int(failed):
@@ -141,10 +142,11 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
     tuned, then the fastest other setting (tuned if need be) that fits."""
     out: list[str] = []
     for pr in own.problems:
-        out.append(pr.fix)
+        if not pr.engine_refuses:
+            out.append(pr.fix)
 
     def fits(p: SettingPlan) -> bool:
-        return check_fit(p, view, ranks_per_node=ranks, held_nbytes=held * ranks).ok
+        return check_fit(p, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True).ok
 
     def need(p: SettingPlan) -> str:
         mem = f"RAM {format_nbytes(p.ram_nbytes)}" if p.device_type == "cpu" else (

@@ -83,13 +83,25 @@ def test_the_fix_names_a_setting_that_fits(nvme_dir, small_machine):
     assert "fits" in fix
 
 
-def test_too_little_nvme_space_names_the_path_and_the_bytes(nvme_dir, small_machine):
-    small_machine(disk=1 << 20)
+def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, small_machine, monkeypatch):
+    """Four ranks on this node need four times this rank's swap files: a drive with room for
+    two is refused, naming the path and the bytes (the engine sees only its own rank's need)."""
+    cfg = load_config(_config(nvme_dir))
+    model = GPT(MODEL)
+    need = preflight(model, cfg).plan.nvme_nbytes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    small_machine(disk=2 * need)
     with pytest.raises(PreflightError) as e:
-        infinity.initialize(GPT(MODEL), _config(nvme_dir))
+        preflight(model, cfg)
     msg = str(e.value)
-    assert f"NVMe space at {nvme_dir}" in msg and "1.0 MiB free" in msg
+    assert f"NVMe space at {nvme_dir}" in msg and "4 ranks on this node" in msg
     assert not (nvme_dir / "rank0").exists()
+
+
+def test_one_ranks_swap_space_is_left_to_the_engines_own_check(nvme_dir, small_machine):
+    """With one rank per node build.py's check_nvme_space refuses exactly this, before writing."""
+    small_machine(disk=1 << 20)
+    assert preflight(GPT(MODEL), load_config(_config(nvme_dir))) is not None
 
 
 def test_a_parameter_pool_the_optimizer_step_would_stall_on_is_refused(nvme_dir):
