@@ -45,7 +45,8 @@ class ScheduleBudget:
     """Byte budgets (see [Note: budgets] in scheduler.py for exactly what each bounds)."""
 
     prefetch_bucket_nbytes: int
-    """Bytes fetched ahead of use and not yet used (DeepSpeed: stage3_prefetch_bucket_size). 0 turns prefetch off."""
+    """Bytes moved ahead of use (read from NVMe or copied to the device) and not yet used
+    (DeepSpeed: stage3_prefetch_bucket_size). 0 turns prefetch off."""
     max_live_nbytes: int
     """Bytes the scheduler holds at once: in use, prefetched, in flight, kept for reuse
     (DeepSpeed: stage3_max_live_parameters)."""

@@ -4,10 +4,11 @@
 Everything the scheduler holds on its own judgement is chosen by *when it is
 needed next* (Belady's rule), within the budgets:
 - prefetch walks the trace from the cursor in order and fetches each unit
-  not yet held while the bytes fetched ahead (``ahead``) stay within the
-  bucket and the bytes held (``live``) within max_live; it stops at the first
-  unit that does not fit, so reads are issued in the order of use and never
-  skip ahead past a unit that would then be late;
+  not yet held while the bytes it moves ahead of use (``ahead``: reads and
+  copies, not cache hits) stay within the bucket and the bytes held
+  (``live``) within max_live; it stops at the first unit that does not fit,
+  so reads are issued in the order of use and never skip ahead past a unit
+  that would then be late;
 - at a unit's last release, it is *kept* (its hold not given back) when the
   trace uses it again within ``max_reuse_distance_nbytes`` bytes of uses from
   the cursor, as DeepSpeed's stage3_max_reuse_distance does;
@@ -85,6 +86,10 @@ def keep_for_reuse(
     return d is not None and d <= max_reuse_distance_nbytes
 
 
-def fits(nbytes: int, *, ahead: int, live: int, bucket: int, max_live: int) -> tuple[bool, int]:
-    """(within the bucket, bytes of max_live lacking): may a prefetch of ``nbytes`` start?"""
-    return ahead + nbytes <= bucket, max(0, live + nbytes - max_live)
+def fits(
+    nbytes: int, *, moves: bool, ahead: int, live: int, bucket: int, max_live: int
+) -> tuple[bool, int]:
+    """(within the bucket, bytes of max_live lacking): may a prefetch of ``nbytes`` start?
+
+    ``moves``: the fetch transfers data; one that does not (a cache hit) is outside the bucket."""
+    return (not moves or ahead + nbytes <= bucket), max(0, live + nbytes - max_live)

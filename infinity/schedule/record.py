@@ -64,6 +64,7 @@ class UnitRecord:
         "gen",
         "read_step",
         "read_used",
+        "moves",
     )
 
     def __init__(self, key: Hashable, nbytes: int):
@@ -76,6 +77,7 @@ class UnitRecord:
         self.gen = 0  # bumped whenever it becomes live or is dropped
         self.read_step = -1  # the step in which our fetch last caused a read from NVMe
         self.read_used = True  # that read's data has been handed to a caller
+        self.moves = False  # its prefetch moved data (counts against the bucket while PREFETCHED)
 
     def _move(self, to: UnitState, allowed: tuple[UnitState, ...]) -> None:
         if self.state not in allowed:

@@ -12,8 +12,12 @@ scheduler issues store fetches for the units after it, within the budgets
 [Note: budgets]
 All in bytes of the keys' data (DeepSpeed's element counts × itemsize; the
 pool rounds each region up to 4 KiB, which the budgets do not count).
-- ``ahead`` = bytes of PREFETCHED units (fetched for a use not yet reached,
-  read in flight or done) ≤ prefetch_bucket_nbytes, always.
+- ``ahead`` = bytes of PREFETCHED units (fetched for a use not yet reached)
+  whose data had to move — read from NVMe, or copied to a separate device —
+  in flight or arrived, ≤ prefetch_bucket_nbytes, always. As in DeepSpeed,
+  where only parameters that are not available count against the bucket, a
+  unit already resident where it is needed (a cache hit on the CPU) costs no
+  transfer: it is held ahead within max_live but not counted here.
 - ``live`` = bytes of every unit the scheduler holds a store hold for (in use
   by callers, prefetched, kept) ≤ max_live_nbytes, except in one case: the
   units callers hold (``in_use``) are not the scheduler's to give back, so
@@ -136,6 +140,8 @@ class PrefetchScheduler:
         self.tier: Tier = tier
         self.name = name
         self._pool = store.pool
+        # On a separate device every prefetch moves data (at least the copy to the device).
+        self._copies_to_device = tier == "device" and store.device.type != "cpu"
         self._lock = threading.Condition(threading.Lock())
         self._fetch_lock = threading.Lock()
         self._records: dict[Hashable, UnitRecord] = {}
@@ -415,7 +421,7 @@ class PrefetchScheduler:
             self._live += rec.nbytes
             self._held[rec.key] = rec
             self._cached.pop(rec.key, None)
-        elif was is UnitState.PREFETCHED:
+        elif was is UnitState.PREFETCHED and rec.moves:
             self._ahead -= rec.nbytes
         if was is not UnitState.IN_USE:
             self._in_use += rec.nbytes
@@ -445,7 +451,8 @@ class PrefetchScheduler:
         c = self._counters()
         state, fut, submitting = rec.state, rec.future, rec.submitting
         if state is UnitState.PREFETCHED:
-            self._ahead -= rec.nbytes
+            if rec.moves:
+                self._ahead -= rec.nbytes
             c.add("dropped_prefetches")
             c.add("dropped_nbytes", rec.nbytes)
         elif state is UnitState.KEPT and why == "displaced":
@@ -647,8 +654,11 @@ class PrefetchScheduler:
             if rec.state is not UnitState.IDLE:
                 j += 1
                 continue
+            reads = self._reads_from_disk(rec.key)
+            moves = reads or self._copies_to_device
             within_bucket, lacking = lookahead.fits(
                 rec.nbytes,
+                moves=moves,
                 ahead=self._ahead,
                 live=self._live,
                 bucket=b.prefetch_bucket_nbytes,
@@ -663,16 +673,17 @@ class PrefetchScheduler:
                     break
                 for v in victims:
                     self._drop(v, "displaced")
-            reads = self._reads_from_disk(rec.key)
             if reads and not self._pool_room_for_prefetch(rec, trace, pos, j):
                 c.add("pool_deferrals")
                 break
             rec.to_prefetched()
             rec.submitting = True
+            rec.moves = moves
             self._held[rec.key] = rec
             self._cached.pop(rec.key, None)
             self._live += rec.nbytes
-            self._ahead += rec.nbytes
+            if moves:
+                self._ahead += rec.nbytes
             c.add("prefetches")
             self._peaks()
             batch.append((rec, rec.gen, reads))

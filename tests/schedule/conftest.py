@@ -5,8 +5,9 @@ CheckedStore is a TieredStore whose fetch / release / evict also log the call
 asserts the scheduler's budgets from what the *store* sees, not from the
 scheduler's own counters:
 - live  = bytes of keys the store counts holds on,
-- ahead = bytes of keys fetched (hold 0 → 1) while no thread was acquiring
-  them, whose use has not begun since (no acquire of them has started),
+- ahead = bytes of keys read from NVMe (fetched at rest, hold 0 → 1) while no
+  thread was acquiring them, whose use has not begun since (no acquire of
+  them has started): on the CPU a fetch of a resident key moves nothing,
 - in_use = bytes of keys the consumer holds or is acquiring;
 and at every event: ahead ≤ bucket and live ≤ max(max_live, in_use).
 Violations are collected (an assertion inside the scheduler's lock would only
@@ -64,7 +65,11 @@ class Checker:
     def on_fetch(self, key, before: Residency) -> None:
         with self.lock:
             self.log.append(("fetch", key, before))
-            if self._holds(key) == 1 and not self.acquiring_now[key]:
+            if (
+                self._holds(key) == 1
+                and not self.acquiring_now[key]
+                and before is Residency.AT_REST
+            ):
                 self.ahead.add(key)
             self._check(f"fetch of {key!r}")
 

@@ -27,8 +27,10 @@ def test_divergence_mid_forward(make_env, engine):
     a = chain(env.keys[:8])
     con.step(a)
     con.step(a)
-    # A different branch from the 4th use on: u8 instead of u3 (u3, u4, u5 were prefetched).
+    # A different branch from the 4th use on: u8 instead of u3. From a cold store, u3, u4 and
+    # u5 are being read ahead (the bucket's 3 units) when the model takes it.
     b = chain(["u0", "u1", "u2", "u8", "u9", "u5", "u6", "u7"])
+    env.cold()
     held = holds_when_acquiring(env, con, b, 3)
     assert held == {"u8": 1}, "speculative fetches were not given back at the mismatch"
     s = sched.stats().last

@@ -126,8 +126,9 @@ def test_lookahead_decisions():
     assert la.displace([a], tr, 4, 4, 0) == []
     assert la.keep_for_reuse(tr, 4, "b", 10) and not la.keep_for_reuse(tr, 4, "b", 9)
     assert not la.keep_for_reuse(tr, 4, "d", 10**9) and not la.keep_for_reuse(None, 4, "b", 10**9)
-    assert la.fits(10, ahead=20, live=50, bucket=30, max_live=55) == (True, 5)
-    assert la.fits(11, ahead=20, live=0, bucket=30, max_live=55) == (False, 0)
+    assert la.fits(10, moves=True, ahead=20, live=50, bucket=30, max_live=55) == (True, 5)
+    assert la.fits(11, moves=True, ahead=20, live=0, bucket=30, max_live=55) == (False, 0)
+    assert la.fits(11, moves=False, ahead=20, live=0, bucket=30, max_live=55) == (True, 0)
 
 
 def test_cursor_rejects_no_traces():
