@@ -1,7 +1,15 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Test directories are packages (test file names repeat across them); the
+# helper modules beside the tests (aio_util, adam_helpers, ...) are imported
+# by their bare names, so each test directory is also on sys.path.
+for _d in sorted(Path(__file__).resolve().parent.iterdir()):
+    if (_d / "__init__.py").exists() and str(_d) not in sys.path:
+        sys.path.append(str(_d))
 
 
 @pytest.fixture

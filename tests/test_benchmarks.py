@@ -1,31 +1,35 @@
-"""Every benchmark's --quick run still works (it is a smoke test: no figure is asserted)."""
+"""Every bench/*.py runs in --quick mode, so no benchmark can rot (KvikIO's test_benchmarks.py).
 
-import json
+Each runs in a fresh interpreter with the on-disk test directory as its working directory (so its
+default ./infinity_nvme is on a disk, not tmpfs) and INFINITY_BENCH_RESULTS pointing at a
+temporary directory, so that smoke runs never overwrite the results checked in under bench/results.
+Nothing asserts on a figure: CI does not fail on a number.
+"""
+
+from __future__ import annotations
+
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-# (script, what its JSON must contain)
-BENCHMARKS = [
-    ("bench/adam.py", ("machine", "cases", "pieces")),
-]
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+SCRIPTS = sorted(BENCH.glob("*.py"))
 
 
-@pytest.mark.parametrize("script,keys", BENCHMARKS, ids=[b[0] for b in BENCHMARKS])
-def test_quick_run(script, keys, tmp_path):
-    out = tmp_path / "result.json"
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_quick_run(script, nvme_dir, tmp_path):
+    env = {**os.environ, "INFINITY_BENCH_RESULTS": str(tmp_path)}
     r = subprocess.run(
-        [sys.executable, str(ROOT / script), "--quick", "--out", str(out)],
-        cwd=ROOT,
+        [sys.executable, str(script), "--quick"],
+        cwd=nvme_dir,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = json.loads(out.read_text())
-    for key in keys:
-        assert result[key], f"{script} wrote no {key!r}"
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    written = list(tmp_path.glob("*.json"))
+    assert written, f"{script.name} --quick wrote no JSON under INFINITY_BENCH_RESULTS"

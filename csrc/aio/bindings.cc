@@ -6,7 +6,9 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <exception>
 #include <system_error>
+#include <type_traits>
 
 #include "aio/aligned_buffer.h"
 #include "aio/checksum.h"
@@ -52,6 +54,40 @@ class PyAlignedBuffer {
   std::unique_ptr<AlignedBuffer> buf_;
   py::object finalizer_;
 };
+
+// [Note: releasing the GIL at interpreter exit]
+// Runs f() with the GIL released. pybind11's gil_scoped_release re-takes the
+// GIL in a (noexcept) destructor; at interpreter exit CPython ends a daemon
+// thread that re-takes the GIL with pthread_exit, whose forced unwind through
+// a noexcept frame calls std::terminate ("terminate called without an active
+// exception"). A daemon thread blocked in wait() when the interpreter exits
+// hit exactly that. Here the GIL is re-taken in a plain frame, so the forced
+// unwind passes through (pybind11 rethrows it) and the thread ends cleanly.
+template <class F>
+auto without_gil(F&& f) -> decltype(f()) {
+  using R = decltype(f());
+  PyThreadState* state = PyEval_SaveThread();
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<R>) {
+    try {
+      f();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    PyEval_RestoreThread(state);  // may end this thread at interpreter exit
+    if (error) std::rethrow_exception(error);
+  } else {
+    R result{};
+    try {
+      result = f();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    PyEval_RestoreThread(state);  // may end this thread at interpreter exit
+    if (error) std::rethrow_exception(error);
+    return result;
+  }
+}
 
 OpenMode parse_mode(const std::string& m) {
   if (m == "r") return OpenMode::kRead;
@@ -110,7 +146,7 @@ PYBIND11_MODULE(_aio, m) {
       .def_property_readonly("path", &File::path)
       .def_property_readonly("direct", &File::direct)
       .def_property_readonly("direct_refused", &File::direct_refused)
-      .def_property_readonly("closed", [](File& f) { return f.buffered_fd() < 0; })
+      .def_property_readonly("closed", &File::closed)
       .def_property_readonly("fileno", &File::buffered_fd)
       .def("size", &File::size)
       .def("close", &File::close);
@@ -119,8 +155,7 @@ PYBIND11_MODULE(_aio, m) {
       "open_file",
       [](const std::string& path, const std::string& mode, bool create, bool direct) {
         OpenMode om = parse_mode(mode);
-        py::gil_scoped_release nogil;
-        return File::open(path, om, create, direct);
+        return without_gil([&] { return File::open(path, om, create, direct); });
       },
       py::arg("path"), py::arg("mode"), py::arg("create"), py::arg("direct"));
   m.def("file_from_fd", &File::from_fd, py::arg("fd"));
@@ -128,14 +163,15 @@ PYBIND11_MODULE(_aio, m) {
   py::class_<Request, std::shared_ptr<Request>>(m, "Request")
       .def_property_readonly("nbytes", &Request::nbytes)
       .def_property_readonly("write", &Request::write)
-      .def("done", &Request::done, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Request::wait, py::arg("timeout") = -1.0,
-           py::call_guard<py::gil_scoped_release>())
+      .def("done", &Request::done)  // a mutex held for a few instructions: keep the GIL
+      .def(
+          "wait", [](Request& r, double t) { return without_gil([&] { return r.wait(t); }); },
+          py::arg("timeout") = -1.0)
       .def("error", [](Request& r) { return error_dict(r.error()); });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](uint64_t block_size, unsigned queue_depth, unsigned thread_count,
-                       const std::string& backend, bool single_submit, bool overlap_events) {
+                       const std::string& backend, unsigned submit_batch, bool overlap_events) {
              EngineOptions o;
              o.block_size = block_size;
              o.queue_depth = queue_depth;
@@ -146,13 +182,12 @@ PYBIND11_MODULE(_aio, m) {
                o.backend = BackendKind::kThreads;
              else
                throw std::invalid_argument("backend must be 'io_uring' or 'threads', got '" + backend + "'");
-             o.single_submit = single_submit;
+             o.submit_batch = submit_batch;
              o.overlap_events = overlap_events;
-             py::gil_scoped_release nogil;
-             return new Engine(o);
+             return without_gil([&] { return new Engine(o); });
            }),
            py::kw_only(), py::arg("block_size"), py::arg("queue_depth"), py::arg("thread_count"),
-           py::arg("backend"), py::arg("single_submit"), py::arg("overlap_events"))
+           py::arg("backend"), py::arg("submit_batch"), py::arg("overlap_events"))
       .def(
           "submit",
           [](Engine& e, bool write,
@@ -160,36 +195,35 @@ PYBIND11_MODULE(_aio, m) {
             std::vector<Segment> v;
             v.reserve(segs.size());
             for (auto& [ptr, n, off, f] : segs) {
-              if (!f || f->buffered_fd() < 0) throw std::invalid_argument("the file is closed");
+              if (!f) throw std::invalid_argument("segment without a file");
+              if (f->closed()) throw std::system_error(EBADF, std::generic_category(), f->path());
               v.push_back(Segment{reinterpret_cast<char*>(ptr), n, off, f});
             }
-            py::gil_scoped_release nogil;
-            return e.submit(write, v);
+            return without_gil([&] { return e.submit(write, v); });
           },
           py::arg("write"), py::arg("segments"))
-      .def("wait_all", &Engine::wait_all, py::arg("timeout") = -1.0,
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "wait_all", [](Engine& e, double t) { return without_gil([&] { return e.wait_all(t); }); },
+          py::arg("timeout") = -1.0)
       .def("in_flight", &Engine::in_flight)
       .def(
           "register_buffers",
           [](Engine& e, const std::vector<std::pair<uintptr_t, uint64_t>>& ranges) {
             std::vector<RegisteredRange> v;
             for (auto& [p, n] : ranges) v.push_back(RegisteredRange{reinterpret_cast<char*>(p), n});
-            py::gil_scoped_release nogil;
-            e.register_buffers(v);
+            without_gil([&] { e.register_buffers(v); });
           },
           py::arg("ranges"))
-      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
+      .def("shutdown", [](Engine& e) { without_gil([&] { e.shutdown(); }); });
 
   m.def(
       "crc32c",
       [](uintptr_t ptr, size_t nbytes, uint32_t value) {
-        py::gil_scoped_release nogil;
-        return crc32c(reinterpret_cast<const void*>(ptr), nbytes, value);
+        return without_gil([&] { return crc32c(reinterpret_cast<const void*>(ptr), nbytes, value); });
       },
       py::arg("ptr"), py::arg("nbytes"), py::arg("value") = 0);
   m.def("crc32c_is_hardware", &crc32c_is_hardware);
-  m.def("probe_io_uring", &probe_io_uring, py::call_guard<py::gil_scoped_release>());
+  m.def("probe_io_uring", [] { return without_gil([] { return probe_io_uring(); }); });
   m.def("built_with_io_uring", &built_with_io_uring);
   m.attr("DIRECT_ALIGNMENT") = kDirectAlignment;
   m.attr("HUGE_PAGE_SIZE") = kHugePageSize;

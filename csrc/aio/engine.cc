@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
+#include <system_error>
 
 #include "aio/aligned_buffer.h"
 
@@ -131,11 +132,6 @@ std::shared_ptr<Request> Engine::submit(bool write, const std::vector<Segment>& 
   }
   auto req = std::make_shared<Request>(write, total, static_cast<int64_t>(pieces.size()));
   if (pieces.empty()) return req;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (shut_down_) throw std::runtime_error("the engine is shut down");
-    ++in_flight_;
-  }
   req->set_on_complete(&Engine::request_finished, this);
   // Spread pieces round-robin from a rotating start, so that many one-piece
   // requests still use every worker.
@@ -146,6 +142,12 @@ std::shared_ptr<Request> Engine::submit(bool write, const std::vector<Segment>& 
     pieces[i].req = req;
     per_worker[(start + i) % nw].push_back(std::move(pieces[i]));
   }
+  // Enqueue under mu_: shutdown() sets shut_down_ under it, so every request
+  // accepted here reaches the workers before they are told to stop (and they
+  // drain what they hold). Enqueueing is a push under each worker's lock.
+  std::lock_guard<std::mutex> lk(mu_);
+  if (shut_down_) throw std::system_error(EBADF, std::generic_category(), "the engine is shut down");
+  ++in_flight_;
   for (size_t w = 0; w < nw; ++w)
     if (!per_worker[w].empty()) workers_[w]->enqueue(std::move(per_worker[w]));
   return req;
@@ -173,6 +175,11 @@ int64_t Engine::in_flight() {
 }
 
 void Engine::register_buffers(const std::vector<RegisteredRange>& ranges) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (shut_down_) throw std::system_error(EBADF, std::generic_category(), "the engine is shut down");
+  }
+  // A shutdown racing with this makes the worker refuse (EBADF), never hang.
   for (auto& w : workers_) w->register_buffers(ranges);
 }
 
@@ -183,8 +190,9 @@ void Engine::shutdown() {
     shut_down_ = true;
   }
   // Workers drain their queues before exiting: nothing in flight is dropped.
+  // They are freed with the engine, not here: a register_buffers() racing
+  // with this call may still be talking to them.
   for (auto& w : workers_) w->stop_and_join();
-  workers_.clear();
 }
 
 }  // namespace infinity::aio

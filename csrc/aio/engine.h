@@ -34,7 +34,9 @@ struct EngineOptions {
   unsigned queue_depth = 32;
   unsigned thread_count = 1;
   BackendKind backend = BackendKind::kIoUring;
-  bool single_submit = false;   // one io_uring_submit per SQE instead of per batch
+  // io_uring: most SQEs handed to the kernel per io_uring_enter; 0 = all
+  // that are prepared (see [Note: submit batches] in uring_backend.cc).
+  unsigned submit_batch = 2;
   bool overlap_events = true;   // refill the queue as completions arrive
 };
 

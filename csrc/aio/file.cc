@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <system_error>
 
 namespace infinity::aio {
@@ -23,6 +25,12 @@ int open_flags(OpenMode mode) {
   throw std::system_error(err, std::generic_category(), path);
 }
 
+// See File::open: pretend the file system refuses O_DIRECT.
+bool simulated_direct_refusal() {
+  const char* v = std::getenv("INFINITY_AIO_O_DIRECT_REFUSE");
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
 }  // namespace
 
 std::shared_ptr<File> File::open(const std::string& path, OpenMode mode, bool create,
@@ -35,7 +43,12 @@ std::shared_ptr<File> File::open(const std::string& path, OpenMode mode, bool cr
   f->buffered_fd_ = ::open(path.c_str(), flags | create_flags, 0600);
   if (f->buffered_fd_ < 0) throw_open_error(errno, path);
   if (want_direct) {
-    f->direct_fd_ = ::open(path.c_str(), flags | O_DIRECT);
+    if (simulated_direct_refusal()) {
+      f->direct_fd_ = -1;
+      errno = EINVAL;
+    } else {
+      f->direct_fd_ = ::open(path.c_str(), flags | O_DIRECT);
+    }
     if (f->direct_fd_ < 0) {
       int err = errno;
       if (err != EINVAL) {
@@ -83,13 +96,9 @@ int64_t File::size() const {
   return st.st_size;
 }
 
-void File::close() {
+File::~File() {
   if (direct_fd_ >= 0 && owns_direct_) ::close(direct_fd_);
   if (buffered_fd_ >= 0) ::close(buffered_fd_);
-  direct_fd_ = -1;
-  buffered_fd_ = -1;
 }
-
-File::~File() { close(); }
 
 }  // namespace infinity::aio

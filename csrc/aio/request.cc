@@ -12,7 +12,10 @@ void Request::piece_done(const RequestError* error) {
   void* arg = nullptr;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (error != nullptr && error_.err == 0 && !error_.eof) error_ = *error;
+    // Of several failing pieces, report the one at the lowest offset (the
+    // first the caller would hit), whatever order they completed in.
+    bool have = error_.err != 0 || error_.eof;
+    if (error != nullptr && (!have || error->offset < error_.offset)) error_ = *error;
     if (--pending_ == 0) {
       fn = on_complete_;
       arg = on_complete_arg_;

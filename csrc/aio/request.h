@@ -1,6 +1,6 @@
 // One submitted request (possibly vectored: many buffer/offset segments) and
 // the pieces it is split into. A request completes when its last piece does;
-// the first failing piece decides its error.
+// the failing piece at the lowest offset decides its error.
 //
 // Threading: pieces complete on worker threads; wait()/done()/error() may be
 // called from any thread. Lifetime: every piece holds the request and the

@@ -1,7 +1,13 @@
 """Python face of the C++ async I/O engine (csrc/aio): AioHandle, AioConfig, buffers, errors."""
 
 from infinity import _aio
-from infinity.aio.buffers import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE, aligned_empty, buffer_span
+from infinity.aio.buffers import (
+    DIRECT_ALIGNMENT,
+    HUGE_PAGE_SIZE,
+    aligned_empty,
+    buffer_span,
+    huge_page_fraction,
+)
 from infinity.aio.checksum import crc32c, crc32c_is_hardware
 from infinity.aio.config import AioConfig
 from infinity.aio.errors import AioEOFError, AioError
@@ -26,6 +32,7 @@ __all__ = [
     "buffer_span",
     "crc32c",
     "crc32c_is_hardware",
+    "huge_page_fraction",
     "built_with_io_uring",
     "io_uring_status",
     "open_file",

@@ -47,7 +47,9 @@ def aligned_empty(
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     if nbytes < 0 or nbytes % itemsize:
-        raise ValueError(f"nbytes={nbytes} is not a non-negative multiple of {dtype}'s size {itemsize}")
+        raise ValueError(
+            f"nbytes={nbytes} is not a non-negative multiple of {dtype}'s size {itemsize}"
+        )
     if pin and not torch.cuda.is_available():
         raise ValueError("pin=True needs CUDA, which is not available; use pin=None")
     if nbytes == 0:
@@ -92,3 +94,45 @@ def buffer_span(buffer: Any, *, writable: bool) -> tuple[int, int, Any]:
         return 0, 0, buffer
     arr = np.frombuffer(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv, dtype=np.uint8)
     return int(arr.ctypes.data), mv.nbytes, (buffer, arr)
+
+
+def huge_page_fraction(buffer: Any) -> float:
+    """Fraction of ``buffer``'s bytes backed by 2 MiB pages (hugetlb or transparent), from /proc/self/smaps.
+
+    Says whether huge pages really back a buffer (THP can be off or fragmented;
+    the hugetlb pool can be empty). Transparent huge pages are counted per
+    mapping and prorated over the part ``buffer`` covers. 0.0 where smaps is
+    unreadable or the buffer is empty.
+    """
+    ptr, nbytes, _keep = buffer_span(buffer, writable=False)
+    if nbytes == 0:
+        return 0.0
+    end = ptr + nbytes
+    huge = 0.0
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0.0
+    i = 0
+    while i < len(lines):
+        head = lines[i].split(maxsplit=1)[0]
+        i += 1
+        if "-" not in head or ":" in head:
+            continue
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        fields: dict[str, int] = {}
+        while i < len(lines) and ":" in lines[i].split(maxsplit=1)[0]:
+            key, _, rest = lines[i].partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                fields[key] = int(parts[0]) * 1024
+            i += 1
+        overlap = min(hi, end) - max(lo, ptr)
+        if overlap <= 0:
+            continue
+        if fields.get("KernelPageSize", 0) >= HUGE_PAGE_SIZE:
+            huge += overlap
+        elif fields.get("AnonHugePages"):
+            huge += overlap * min(1.0, fields["AnonHugePages"] / (hi - lo))
+    return min(1.0, huge / nbytes)

@@ -19,12 +19,22 @@ ENGINES: tuple[str, ...] = ("auto", "io_uring", "threads")
 DEFAULT_QUEUE_DEPTH = 32
 
 
+# Inclusive ranges. A block_size below 4 KiB cannot be O_DIRECT; above 1 GiB a
+# piece gains nothing (and io_uring caps a fixed buffer there).
+_LIMITS = {"block_size": (4096, 1 << 30), "queue_depth": (1, 4096), "thread_count": (1, 256)}
+
+
 def _as_int(key: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"aio.{key} must be an integer in [{lo}, {hi}], got {value!r}")
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"aio.{key} must be an integer in [{lo}, {hi}], got {value!r}")
     v = int(value)
+    if key == "block_size" and 0 < v <= hi and v % 4096:
+        # Say the useful thing: a small block_size is fine as long as it is aligned.
+        raise ValueError(
+            f"aio.block_size must be a multiple of 4096 bytes (O_DIRECT alignment), got {v}"
+        )
     if not lo <= v <= hi:
         raise ValueError(f"aio.{key} must be in [{lo}, {hi}], got {v}")
     return v
@@ -61,13 +71,9 @@ class AioConfig:
     """GPUDirect Storage (DeepSpeed key). Not supported: reads bounce through host memory."""
 
     def __post_init__(self) -> None:
-        _as_int("block_size", self.block_size, 4096, 1 << 30)
-        if self.block_size % 4096:
-            raise ValueError(
-                f"aio.block_size must be a multiple of 4096 bytes (O_DIRECT alignment), got {self.block_size}"
-            )
-        _as_int("queue_depth", self.queue_depth, 1, 4096)
-        _as_int("thread_count", self.thread_count, 1, 256)
+        _as_int("block_size", self.block_size, *_LIMITS["block_size"])
+        _as_int("queue_depth", self.queue_depth, *_LIMITS["queue_depth"])
+        _as_int("thread_count", self.thread_count, *_LIMITS["thread_count"])
         if self.engine not in ENGINES:
             raise ValueError(f"aio.engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
 
@@ -102,10 +108,10 @@ class AioConfig:
         kw: dict[str, Any] = {}
         for key in ("block_size", "queue_depth"):
             if key in section:
-                kw[key] = _as_int(key, section[key], 1, 1 << 30)
+                kw[key] = _as_int(key, section[key], *_LIMITS[key])
         tc = section.get("intra_op_parallelism", section.get("thread_count"))
         if tc is not None:
-            kw["thread_count"] = _as_int("thread_count", tc, 1, 256)
+            kw["thread_count"] = _as_int("thread_count", tc, *_LIMITS["thread_count"])
         for key in ("single_submit", "overlap_events", "o_direct", "use_gds"):
             if key in section:
                 kw[key] = _as_bool(key, section[key])

@@ -36,9 +36,8 @@ def request_error(info: dict, total_nbytes: int) -> AioError:
     """Builds the exception for a failed request from the engine's error record."""
     op = "pwrite" if info["write"] else "pread"
     prep = "to" if info["write"] else "from"
-    where = (
-        f"{op} of {info['nbytes']} bytes at offset {info['offset']} {prep} '{info['path']}'"
-        + (f" (part of a {total_nbytes}-byte request)" if total_nbytes != info["nbytes"] else "")
+    where = f"{op} of {info['nbytes']} bytes at offset {info['offset']} {prep} '{info['path']}'" + (
+        f" (part of a {total_nbytes}-byte request)" if total_nbytes != info["nbytes"] else ""
     )
     if info["eof"]:
         return AioEOFError(

@@ -58,6 +58,8 @@ class Engine:
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.last_grad_norm: float | None = None
+        # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
+        self.overlap_step = self.stage == 3
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if lr_scheduler is not None:
@@ -87,6 +89,7 @@ class Engine:
         self._check_open()
         if loss.dim() != 0:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self.synchronize()
         boundary = self.is_gradient_accumulation_boundary()
         first = self.micro_steps % self.gradient_accumulation_steps == 0
         rt = self.runtime
@@ -94,12 +97,13 @@ class Engine:
             rt.reducer.begin_micro(first=first, last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         (loss * scale if scale != 1.0 else loss).backward()
-        if rt.reducer is not None and boundary and self.stage < 2:
-            rt.reducer.reduce_resident_grads()
+        if rt.reducer is not None and boundary and rt.reducer.deferred:
+            rt.reducer.reduce_window()
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
         self._check_open()
+        self.synchronize()
         if self.is_gradient_accumulation_boundary():
             if self.runtime.passthrough is not None:
                 self._passthrough_step()
@@ -129,9 +133,20 @@ class Engine:
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, applied to the global norm.
             coef *= min(1.0, clip / (norm + 1e-6))
-        rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
-        if rt.partitioner is not None:
+        if rt.partitioner is not None and self.overlap_step:
+            # [engine/overlap.py] persistent units first, in this thread (forward reads
+            # them without fetching); the rest in the background, gated per unit.
+            persistent = {u.index for u in rt.unit_map.units if u.persistent}
+            rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=persistent)
             rt.partitioner.refresh_persistent()
+            rest = {u.index for u in rt.unit_map.units if not u.persistent}
+            hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
+            rt.overlap.start(lambda done: rt.optimizer.step(
+                grad_scale=coef, has_grad=has_grad, only=rest, hyper=hyper, on_shard_done=done))
+        else:
+            rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
+            if rt.partitioner is not None:
+                rt.partitioner.refresh_persistent()
         self.loss_scaler.update(overflow=False)
 
     def _passthrough_step(self) -> None:
@@ -148,6 +163,10 @@ class Engine:
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 
+    def synchronize(self) -> None:
+        """Waits until an optimizer step running in the background has finished (re-raising its error)."""
+        self.runtime.overlap.synchronize()
+
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
@@ -158,6 +177,26 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def io_stats(self) -> dict[str, float]:
+        """Bytes read and written by the parameter and optimizer stores so far, and the
+        seconds callers spent waiting for them."""
+        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0}
+        for store in (self.runtime.param_store, self.runtime.state_store):
+            if store is None or store.closed:
+                continue
+            st = store.stats()
+            out["read_nbytes"] += st.read.nbytes
+            out["write_nbytes"] += st.write.nbytes
+            out["wait_s"] += st.wait_s
+        return out
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements of the model's parameters (under stage 3 their tensors are empty placeholders)."""
+        return sum(u.layout.numel for u in self.runtime.unit_map.units) or sum(
+            p.numel() for p in self.runtime.params
+        )
 
     @property
     def loss_scale(self) -> float:

@@ -6,9 +6,11 @@ Imports only infinity.aio (and torch). See DESIGN.md (memory).
 from infinity.aio import aligned_empty
 from infinity.memory.pool import BufferPool, PoolRegion, PoolStats, PoolTooSmallError, format_nbytes
 from infinity.memory.ranges import RangeAllocator, round_up
+from infinity.memory.trim import FreedMemory, trim_heap
 
 __all__ = [
     "BufferPool",
+    "FreedMemory",
     "PoolRegion",
     "PoolStats",
     "PoolTooSmallError",
@@ -16,4 +18,5 @@ __all__ = [
     "aligned_empty",
     "format_nbytes",
     "round_up",
+    "trim_heap",
 ]

@@ -5,9 +5,10 @@ post-accumulate hook, placed in its unit's flat buffer, and once the unit's
 last grad has arrived the buffer is reduce-scattered (mean over ranks) and
 added into the unit's gradient shard, which lives with the optimizer state
 (host memory or NVMe) — so no full-model gradient ever exists. Stages 0 and 1
-let autograd accumulate ``p.grad`` across the micro-batches of a window and
-reduce once at its end (all-reduce for 0, reduce-scatter for 1), as DeepSpeed
-does.
+accumulate each unit's full gradient locally, in fp32 (as DeepSpeed's bf16 and
+fp16 modes do; 16-bit ``p.grad`` accumulation would round), across the
+micro-batches of a window and reduce once at its end (all-reduce for 0,
+reduce-scatter for 1).
 
 The shards are reached through a GradSink (implemented by the optimizer):
 ``open(unit, first=)`` returns the fp32 shard (zeroed when ``first``: the
@@ -55,6 +56,8 @@ class GradReducer:
         # Stage 0 keeps the whole optimizer state on every rank: its "shard" is the unit.
         self.shard_world = 1 if stage == 0 else group.world_size
         self.shard_rank = 0 if stage == 0 else group.rank
+        self.deferred = stage < 2  # reduce once per window, from local fp32 accumulators
+        self._local: dict[int, torch.Tensor] = {}  # unit -> full fp32 grads of the window (stages 0, 1)
         self._flat: dict[int, torch.Tensor] = {}  # unit -> flat fp32 grads of this micro-batch (W > 1)
         self._open: dict[int, torch.Tensor] = {}  # unit -> opened shard (W == 1)
         self._touched: set[int] = set()  # units with a contribution in this window
@@ -87,6 +90,12 @@ class GradReducer:
     def add(self, unit: ParamUnit, slot: int, grad: torch.Tensor) -> None:
         s = unit.layout.slots[slot]
         self._has_grad[unit.index][slot] = True
+        if self.deferred:
+            local = self._local.get(unit.index)
+            if local is None:
+                local = self._local[unit.index] = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
+            local[s.offset : s.offset + s.numel].add_(grad.reshape(-1))
+            return
         if self.shard_world == 1:
             view = self._open.get(unit.index)
             if view is None:
@@ -101,6 +110,8 @@ class GradReducer:
 
     def finish(self, unit: ParamUnit) -> None:
         """The unit's grads for this micro-batch are complete: reduce them into its shard."""
+        if self.deferred:
+            return
         if self.shard_world == 1:
             if unit.index in self._open:
                 del self._open[unit.index]
@@ -114,34 +125,31 @@ class GradReducer:
 
     def finish_all(self) -> None:
         """End of a backward: reduce every unit still pending (parameters without a grad count as zero)."""
+        if self.deferred:
+            return
         for idx in sorted(set(self._open) | set(self._flat)):
             self.finish(self.units[idx])
 
-    # -- stages 0 and 1: reduce the accumulated p.grad at the window's end ---
+    # -- stages 0 and 1: reduce the window's local accumulators at its end ------
 
-    def reduce_resident_grads(self) -> None:
+    def reduce_window(self) -> None:
+        """Stages 0 and 1, at the accumulation boundary: every unit in order (every rank takes
+        part in every collective, with zeros where it has no gradient)."""
         for unit in self.units:
-            grads = [p.grad for p in unit.params]
-            if all(g is None for g in grads):
-                # Every rank must take part in the collective all the same.
+            local = self._local.pop(unit.index, None)
+            if local is None:
                 if self.group.world_size == 1:
                     continue
-            flat = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
-            for slot, (s, g) in enumerate(zip(unit.layout.slots, grads)):
-                if g is not None:
-                    flat[s.offset : s.offset + s.numel].copy_(g.reshape(-1))
-                    self._has_grad[unit.index][slot] = True
+                local = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
             if self.stage == 0:
-                self.group.all_reduce_mean(flat)
+                self.group.all_reduce_mean(local)
                 view = self.sink.open(unit.index, first=True)
-                view.copy_(flat[: view.numel()])
+                view.copy_(local[: view.numel()])
                 self.sink.close(unit.index, final=True)
             else:
-                self._reduce_into_shard(unit, flat, first=True)
+                self._reduce_into_shard(unit, local, first=True)
             self._touched.add(unit.index)
-            self.cache.put(flat)
-            for p in unit.params:
-                p.grad = None
+            self.cache.put(local)
 
     def _reduce_into_shard(self, unit: ParamUnit, flat: torch.Tensor, *, first: bool) -> None:
         shard = self.cache.get(unit.layout.shard_numel, torch.float32)

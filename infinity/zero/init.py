@@ -26,18 +26,18 @@ import dataclasses
 import logging
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio import AioConfig
-from infinity.memory import BufferPool
+from infinity.memory import BufferPool, FreedMemory
 from infinity.store import TieredStore
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.layout import make_layout
@@ -67,6 +67,7 @@ class InitStore:
         if path:
             os.makedirs(path, exist_ok=True)
         self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
+        self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
         self._next = 0
 
@@ -85,7 +86,14 @@ class InitStore:
         self.store.register(key, (layout.shard_numel,), p.dtype, home=self.home)
         self.store.write(key, shard).result()
         self.records[p] = _Record(key, p.shape, p.dtype, layout.shard_numel, data.numel())
+        _store_of[p] = self
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._freed.freed(data.numel() * data.element_size())
+
+    def shape(self, p: nn.Parameter) -> torch.Size:
+        """The parameter's true shape (its ``.data`` is a placeholder while it waits here)."""
+        rec = self.records.get(p)
+        return rec.shape if rec is not None else p.shape
 
     def full(self, p: nn.Parameter) -> torch.Tensor:
         """The whole parameter (all ranks' slices gathered); every rank must call in the same order."""
@@ -106,26 +114,34 @@ class InitStore:
         part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
         shard[: part.numel()] = part
         self.store.write(rec.key, shard).result()
+        self._freed.freed(flat.numel() * flat.element_size())
 
     def forget(self, p: nn.Parameter) -> None:
+        """Drops a parameter initialize() has moved home; closes the store after the last one."""
         rec = self.records.pop(p, None)
+        _store_of.pop(p, None)
         if rec is not None:
             self.store.unregister(rec.key)
+        if not len(self.records):
+            self.close()
 
     def close(self) -> None:
-        self.store.close()
+        if not self.store.closed:
+            self.store.close()
 
 
-_active: list[_InitMode] = []
+# Each partitioned parameter keeps its InitStore alive (weakly keyed by the
+# parameter, strongly holding the store) until initialize() takes it over.
+_store_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def init_store_of(params: Iterator[nn.Parameter]) -> InitStore | None:
+def init_store_of(params: Iterable[nn.Parameter]) -> InitStore | None:
     """The InitStore holding any of ``params`` (a model built under zero.Init), if one does."""
-    stores = {id(s): s for s in _live_stores if any(p in s for p in params)}
-    return next(iter(stores.values()), None) if stores else None
-
-
-_live_stores: weakref.WeakSet[InitStore] = weakref.WeakSet()
+    for p in params:
+        store = _store_of.get(p)
+        if store is not None:
+            return store
+    return None
 
 
 class _InitMode(TorchFunctionMode):
@@ -211,14 +227,13 @@ class Init:
         home = "nvme" if offload.device == "nvme" else "cpu"
         self.store = InitStore(home=home, nvme_path=str(offload.nvme_path) if home == "nvme" else None,
                                aio=cfg.aio, group=group)
-        _live_stores.add(self.store)
         self._mode = _InitMode(self.store)
         self._handles = [
             module_hooks.register_module_module_registration_hook(self._mode.on_module_registered),
             module_hooks.register_module_parameter_registration_hook(self._mode.on_param_registered),
         ]
         self._mode.__enter__()
-        _active.append(self._mode)
+
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -226,7 +241,7 @@ class Init:
             return
         mode = self._mode
         self._mode = None
-        _active.remove(mode)
+
         mode.__exit__(*exc)
         for h in self._handles:
             h.remove()

@@ -32,8 +32,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from infinity.zero.buffers import TensorCache
 from infinity.zero import gathered
+from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.unit import ParamUnit, UnitState

@@ -11,6 +11,8 @@ the others *use* its unit, so their forward fetches it too.
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,8 +38,11 @@ def build_units(
     persistence_threshold: int,
     device: torch.device,
     dtype: torch.dtype | None = None,
+    shape_of: Callable[[nn.Parameter], torch.Size] | None = None,
 ) -> UnitMap:
-    """``dtype``: the precision floating-point parameters train in (default: their own)."""
+    """``dtype``: the precision floating-point parameters train in (default: their own).
+    ``shape_of``: a parameter's true shape (zero.Init leaves placeholders in ``.data``)."""
+    shape_of = shape_of or (lambda p: p.shape)
     units: list[ParamUnit] = []
     unit_of: dict[nn.Parameter, tuple[ParamUnit, int]] = {}
     uses: dict[nn.Module, list[ParamUnit]] = {}
@@ -49,11 +54,12 @@ def build_units(
         groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in new:
             pdt = dtype if dtype is not None and p.is_floating_point() else p.dtype
-            groups.setdefault((pdt, p.numel() < persistence_threshold), []).append((name, p))
+            numel = math.prod(shape_of(p))
+            groups.setdefault((pdt, numel < persistence_threshold), []).append((name, p))
         for (dtype, small), members in groups.items():
             names = [n for n, _ in members]
             params = [p for _, p in members]
-            layout = make_layout(names, [p.shape for p in params], dtype, world_size)
+            layout = make_layout(names, [shape_of(p) for p in params], dtype, world_size)
             label = mod_name or "<root>"
             if len(groups) > 1:
                 label += f"[{str(dtype).removeprefix('torch.')}{', persistent' if small else ''}]"

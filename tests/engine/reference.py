@@ -89,3 +89,36 @@ def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int
     finally:
         engine.close()
     return losses, weights
+
+
+def reference_mixed_run(model_name: str, dtype: torch.dtype, *, steps: int, gas: int, loss_scale: float = 1.0, seed: int = 0):
+    """Mixed precision by hand in plain PyTorch: a 16-bit model for forward/backward, fp32 master
+    weights stepped by torch AdamW, grads accumulated in fp32 — what DeepSpeed's bf16/fp16 modes do."""
+    torch.manual_seed(seed)
+    model = MODELS[model_name]()
+    masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
+    model.to(dtype)
+    opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    losses = {}
+    for step in range(steps):
+        if hasattr(model, "step"):
+            model.step = step
+        acc = [torch.zeros_like(m) for m in masters]
+        for micro in range(gas):
+            x, y = batch(step, micro, 0)
+            loss = model(x, y)
+            (loss * (loss_scale / gas)).backward()
+            for a, p in zip(acc, model.parameters(), strict=True):
+                if p.grad is not None:
+                    a.add_(p.grad.float())
+                p.grad = None
+            losses[(step, micro, 0)] = loss.item()
+        for m, a in zip(masters, acc, strict=True):
+            m.grad = a / loss_scale
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters, strict=True):
+                p.copy_(m)
+    names = [n for n, _ in model.named_parameters()]
+    return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}

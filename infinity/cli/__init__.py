@@ -1,0 +1,1 @@
+"""The ``infinity`` command: one module per subcommand, registered in ``infinity.cli.main.COMMANDS``."""

@@ -1,0 +1,159 @@
+"""``infinity bench aio``: the aio throughput sweep (DeepSpeed's ds_io / aio_bench_perf_sweep).
+
+A table of GB/s per setting (block size x queue depth x threads), progress while it runs, the page
+cache defeated and said so, and with ``--vs-fio`` the same setting run by fio right after each of
+ours, with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+from infinity.cli import iobench
+from infinity.cli.fio import fio_path, hugetlb_free_nbytes
+
+NAME = "bench"
+HELP = "measure: `infinity bench aio` sweeps the NVMe I/O engine's settings"
+
+DEFAULT_PATH = Path("infinity_nvme")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    p = sub.add_parser(
+        "aio", help="read/write GB/s of the async I/O engine per setting, optionally vs fio"
+    )
+    add_aio_arguments(p)
+
+
+def add_aio_arguments(p: argparse.ArgumentParser, *, size: str = "2G") -> None:
+    p.add_argument(
+        "--path",
+        type=Path,
+        default=DEFAULT_PATH,
+        help="directory on the drive to measure (default ./infinity_nvme)",
+    )
+    p.add_argument(
+        "--size",
+        type=iobench.size_arg,
+        default=iobench.parse_size(size),
+        help=f"test file size (default {size})",
+    )
+    p.add_argument(
+        "--block-sizes", type=iobench.sizes_arg, default="128K,1M,8M", help="default 128K,1M,8M"
+    )
+    p.add_argument(
+        "--queue-depths", type=iobench.ints_arg, default="8,32,64", help="default 8,32,64"
+    )
+    p.add_argument(
+        "--threads",
+        type=iobench.ints_arg,
+        default="1,2",
+        help="workers per handle (intra_op_parallelism), default 1,2",
+    )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--read", action="store_true", help="reads only")
+    which.add_argument("--write", action="store_true", help="writes only")
+    p.add_argument("--engine", choices=["auto", "io_uring", "threads"], default="auto")
+    p.add_argument(
+        "--repeat", type=int, default=None, help="runs per setting (default 1, or 3 with --vs-fio)"
+    )
+    p.add_argument(
+        "--vs-fio",
+        action="store_true",
+        help="run fio (io_uring, direct, huge-page buffers) after each of our runs",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        metavar="OUT.json",
+        help="write the results (with machine and versions) here",
+    )
+    p.add_argument("--plot", type=Path, metavar="OUT.png", help="bar chart of the results")
+    p.add_argument(
+        "--keep", action="store_true", help="keep the test file (default: delete it at the end)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    ops: list[iobench.Op] = (
+        ["read"] if args.read else ["write"] if args.write else ["read", "write"]
+    )
+    settings = [
+        iobench.Setting(bs, qd, tc, args.engine)
+        for bs, qd, tc in itertools.product(args.block_sizes, args.queue_depths, args.threads)
+    ]
+    repeat = args.repeat or (3 if args.vs_fio else 1)
+    if args.vs_fio and fio_path() is None:
+        raise SystemExit("--vs-fio needs fio, which is not installed (Debian: apt-get install fio)")
+    iobench.check_settings(settings)
+    test_file = iobench.TestFile(args.path, args.size)
+    test_file.prepare()
+    direct = test_file.direct_io_works()
+    print(
+        f"infinity bench aio: {test_file.path} ({iobench.format_size(args.size)}), {len(settings)} settings x {', '.join(ops)}, {repeat} run(s) each"
+    )
+    print(f"page cache: {iobench.page_cache_note(direct)}")
+    print(
+        "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through)"
+    )
+    if args.vs_fio:
+        print(
+            f"fio: io_uring, direct={int(direct)}, --iomem=shmhuge where the hugetlb pool has room ({hugetlb_free_nbytes() >> 20} MiB free), else malloc; run right after each of ours"
+        )
+    try:
+        samples = iobench.run_sweep(
+            settings,
+            ops,
+            test_file,
+            repeat=repeat,
+            fio_iomem="shmhuge" if args.vs_fio else None,
+            progress=not args.quiet,
+        )
+    finally:
+        if not args.keep:
+            test_file.remove()
+    engines = sorted({sm.engine for sm in samples})
+    print(f"engine: {', '.join(engines)}")
+    huge = min(sm.huge_fraction for sm in samples)
+    print(
+        f"2 MiB pages back {huge:.0%} of the buffers"
+        + (
+            ""
+            if huge > 0.99
+            else " (enable THP or vm.nr_hugepages: 4 KiB pages cap the request size)"
+        )
+    )
+    print(iobench.format_table(samples))
+    top, figures = iobench.best(samples)
+    print(
+        "best: "
+        + top.label
+        + " ("
+        + ", ".join(f"{op} {v:.2f} GB/s" for op, v in figures.items())
+        + ")"
+    )
+    if args.json:
+        record = {
+            "command": "infinity bench aio",
+            "machine": iobench.machine_info(args.path),
+            "file_nbytes": args.size,
+            "page_cache": iobench.page_cache_note(direct),
+            "repeat": repeat,
+            "results": [sm.to_dict() for sm in samples],
+            "best": {**top.__dict__, **figures},
+        }
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        iobench.plot(
+            samples,
+            args.plot,
+            f"infinity bench aio: {test_file.path.parent} ({', '.join(engines)})",
+        )
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,259 @@
+"""``infinity doctor``: what this machine offers the runtime, and what to do where it falls short.
+
+Checks io_uring (and why not), the back ends this build has, O_DIRECT and free space at a path,
+huge pages, the locked-memory limit, CPU SIMD flags, torch and CUDA. Nothing here changes the
+machine; a probe file is created and removed under ``--path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+NAME = "doctor"
+HELP = "check: io_uring, O_DIRECT and space at a path, huge pages, SIMD, torch, CUDA"
+
+SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "asimd",
+    "sve",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--path",
+        type=Path,
+        default=Path("infinity_nvme"),
+        help="where swap files would go (default ./infinity_nvme)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the findings as JSON")
+
+
+def io_uring_report() -> dict[str, Any]:
+    from infinity.aio import built_with_io_uring, io_uring_status
+
+    built = built_with_io_uring()
+    why = io_uring_status()
+    report: dict[str, Any] = {"built": built, "usable": built and not why, "why_not": why}
+    try:
+        report["io_uring_disabled_sysctl"] = int(
+            Path("/proc/sys/kernel/io_uring_disabled").read_text()
+        )
+    except (OSError, ValueError):
+        report["io_uring_disabled_sysctl"] = None
+    if why:
+        hints = []
+        if not built:
+            hints.append(
+                "install liburing-dev and reinstall infinity (pip install -e .) to build the io_uring back end"
+            )
+        if report["io_uring_disabled_sysctl"]:
+            hints.append(
+                "kernel.io_uring_disabled is set: `sysctl kernel.io_uring_disabled=0` (root) enables it"
+            )
+        if "Operation not permitted" in why:
+            hints.append(
+                "in Docker, io_uring is blocked by the default seccomp profile: run with a profile that allows io_uring_setup/enter/register"
+            )
+        report["fix"] = hints
+    return report
+
+
+def path_report(path: Path) -> dict[str, Any]:
+    """O_DIRECT support and free space where swap files would go (the nearest existing parent if absent)."""
+    from infinity.aio import AioError, open_file
+    from infinity.cli.iobench import mount_of
+
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    report: dict[str, Any] = {
+        "path": str(path.resolve()),
+        "checked_at": str(where.resolve()),
+        "filesystem": mount_of(where),
+    }
+    usage = shutil.disk_usage(where)
+    report["free_bytes"] = usage.free
+    report["total_bytes"] = usage.total
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".infinity-doctor-", dir=where)
+        os.close(fd)
+    except OSError as e:
+        report["writable"] = False
+        report["o_direct"] = None
+        report["why"] = f"cannot create a file there: {e.strerror}"
+        return report
+    report["writable"] = True
+    try:
+        # Ask the engine itself, so the answer is the one requests there will get.
+        with open_file(probe, "rw", create=False, o_direct=True) as f:
+            report["o_direct"] = f.direct
+        if not report["o_direct"]:
+            report["why"] = (
+                "the file system refuses O_DIRECT; I/O there is buffered (slower, and reads may come "
+                "from the page cache)"
+            )
+    except AioError as e:
+        report["o_direct"] = False
+        report["why"] = f"open with O_DIRECT failed: {e}"
+    finally:
+        os.unlink(probe)
+    return report
+
+
+def memory_report() -> dict[str, Any]:
+    meminfo = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            meminfo[key] = int(rest.split()[0]) if rest.split() else 0
+    except OSError:
+        pass
+    thp = ""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        thp = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        pass
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return {
+        "total_bytes": meminfo.get("MemTotal", 0) * 1024,
+        "available_bytes": meminfo.get("MemAvailable", 0) * 1024,
+        "transparent_huge_pages": thp,
+        "hugetlb_pages_total": meminfo.get("HugePages_Total", 0),
+        "hugetlb_pages_free": meminfo.get("HugePages_Free", 0),
+        "memlock_limit_bytes": None if soft == resource.RLIM_INFINITY else soft,
+    }
+
+
+def cpu_report() -> dict[str, Any]:
+    from infinity.aio import crc32c_is_hardware
+
+    flags: set[str] = set()
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+            elif key == "model name" and not model:
+                model = value.strip()
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "cpus": os.cpu_count(),
+        "simd": [f for f in SIMD_FLAGS if f in flags],
+        "crc32c_hardware": crc32c_is_hardware(),
+    }
+
+
+def torch_report() -> dict[str, Any]:
+    import torch
+
+    report: dict[str, Any] = {
+        "version": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if report["cuda_available"]:
+        report["cuda_version"] = torch.version.cuda
+        report["devices"] = [
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        ]
+    else:
+        report["cuda_build"] = torch.version.cuda is not None
+    return report
+
+
+def collect(path: Path) -> dict[str, Any]:
+    import platform
+
+    return {
+        "kernel": platform.release(),
+        "io_uring": io_uring_report(),
+        "engines_built": ["io_uring", "threads"] if io_uring_report()["built"] else ["threads"],
+        "path": path_report(path),
+        "memory": memory_report(),
+        "cpu": cpu_report(),
+        "torch": torch_report(),
+        "fio": shutil.which("fio") or "",
+    }
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / (1 << 20):.0f} MiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    u, p, m, c, t = r["io_uring"], r["path"], r["memory"], r["cpu"], r["torch"]
+    ok, no = "ok  ", "NO  "
+    lines = [f"infinity doctor (Linux {r['kernel']})"]
+    lines.append(
+        f"{ok if u['usable'] else no}io_uring: "
+        + ("usable" if u["usable"] else f"not usable: {u['why_not']}")
+    )
+    for hint in u.get("fix", []):
+        lines.append(f"      fix: {hint}")
+    lines.append(
+        f"{ok}engines built: {', '.join(r['engines_built'])}"
+        + ("" if u["built"] else " (liburing was not found at build time)")
+    )
+    fs = p["filesystem"]
+    lines.append(
+        f"{ok if p['writable'] else no}path: {p['path']} ({fs['type'] or '?'} on {fs['device'] or '?'}), {_gb(p['free_bytes'])} free of {_gb(p['total_bytes'])}"
+    )
+    if fs["type"] in ("tmpfs", "ramfs"):
+        lines.append(f"{no}   {fs['type']} is memory, not a drive: offloading there saves no RAM")
+    if p["o_direct"]:
+        lines.append(f"{ok}O_DIRECT: supported at {p['checked_at']}")
+    else:
+        lines.append(f"{no}O_DIRECT: {p.get('why', 'unknown')}")
+    huge = f"THP {m['transparent_huge_pages'] or '?'}, hugetlb {m['hugetlb_pages_free']}/{m['hugetlb_pages_total']} pages free"
+    good_huge = m["transparent_huge_pages"] in ("always", "madvise") or m["hugetlb_pages_free"] > 0
+    lines.append(
+        f"{ok if good_huge else no}huge pages: {huge}"
+        + ("" if good_huge else " (I/O buffers fall back to 4 KiB pages: slower reads)")
+    )
+    lock = "unlimited" if m["memlock_limit_bytes"] is None else _gb(m["memlock_limit_bytes"])
+    if os.geteuid() == 0:
+        lock += " (root: not enforced)"
+    lines.append(
+        f"{ok}memory: {_gb(m['available_bytes'])} available of {_gb(m['total_bytes'])}; locked-memory limit {lock}"
+    )
+    lines.append(
+        f"{ok}cpu: {c['model'] or '?'} x {c['cpus']}; SIMD {' '.join(c['simd']) or 'none found'}; crc32c in hardware: {'yes' if c['crc32c_hardware'] else 'no'}"
+    )
+    cuda = (
+        f"CUDA {t.get('cuda_version')} ({', '.join(t.get('devices', []))})"
+        if t["cuda_available"]
+        else "no CUDA device (CPU-only run)"
+    )
+    lines.append(f"{ok}torch {t['version']}: {cuda}")
+    lines.append(
+        f"{ok if r['fio'] else no}fio: {r['fio'] or 'not installed (only needed by --vs-fio; apt-get install fio)'}"
+    )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect(args.path)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

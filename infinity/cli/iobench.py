@@ -1,0 +1,466 @@
+"""Throughput of aio settings on one test file, measured the way fio measures it, and interleaved with fio.
+
+One *run* reads or writes the whole test file sequentially as one vectored request whose segments
+cycle through a ring buffer of ``queue_depth x block_size x thread_count`` bytes (at least one 2 MiB
+page): the memory fio's job cycles through for the same setting, so the two tools move the same bytes through the same
+amount of memory (on a VM's virtual disk the host copies that memory; a larger footprint measured
+slower for both). Slots are reused as soon as the engine may issue the next piece, so two reads
+can land in one slot; the data is discarded. The page cache is defeated with O_DIRECT, or, on a
+file system that refuses it, by dropping caches before each read (root) and fsyncing writes.
+
+Used by ``infinity bench aio``, ``infinity tune nvme`` and ``bench/aio_vs_fio.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from infinity.aio import HUGE_PAGE_SIZE, AioError, AioHandle, aligned_empty, huge_page_fraction
+from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
+
+Op = Literal["read", "write"]
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'128K', '1M', '2G', '1.5G', '4096' -> bytes (binary units; a trailing 'B' or 'iB' is allowed)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    number = t[: len(t) - len(unit)]
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 128K, 1M, 2G)") from None
+    if value <= 0 or value != int(value):
+        raise ValueError(f"not a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+def parse_list(text: str, parse=int) -> list[Any]:
+    try:
+        return [parse(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"not a comma-separated list: {text!r} ({e})") from None
+
+
+def _arg(parse):
+    """Wraps a parser for argparse, which shows an ArgumentTypeError's own words."""
+    import argparse
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+size_arg = _arg(parse_size)
+sizes_arg = _arg(lambda t: parse_list(t, parse_size))
+ints_arg = _arg(parse_list)
+names_arg = _arg(lambda t: parse_list(t, str))
+
+
+def format_size(n: int) -> str:
+    for unit in ("T", "G", "M", "K"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of a sweep: the AioHandle keyword arguments that matter for throughput."""
+
+    block_size: int
+    queue_depth: int
+    thread_count: int = 1
+    engine: str = "auto"
+    single_submit: bool = False
+
+    @property
+    def label(self) -> str:
+        extra = " single" if self.single_submit else ""
+        return f"{format_size(self.block_size)} qd{self.queue_depth} t{self.thread_count}{extra}"
+
+    def ring_nbytes(self, file_nbytes: int) -> int:
+        """queue_depth x block_size x threads, at least one 2 MiB page (so huge pages can back it),
+        at most the file rounded up to a block."""
+        ring = max(self.block_size * self.queue_depth * self.thread_count, HUGE_PAGE_SIZE)
+        ring = -(-ring // self.block_size) * self.block_size
+        return min(ring, -(-file_nbytes // self.block_size) * self.block_size)
+
+    def handle(self) -> AioHandle:
+        return AioHandle(
+            block_size=self.block_size,
+            queue_depth=self.queue_depth,
+            thread_count=self.thread_count,
+            engine=self.engine,  # type: ignore[arg-type]
+            single_submit=self.single_submit,
+        )
+
+
+def check_settings(settings: Sequence[Setting]) -> None:
+    """Refuses (naming the value) a setting the engine would refuse, before any file is written."""
+    from infinity.aio import AioConfig
+
+    for s in settings:
+        try:
+            AioConfig(
+                block_size=s.block_size,
+                queue_depth=s.queue_depth,
+                thread_count=s.thread_count,
+                engine=s.engine,  # type: ignore[arg-type]
+                single_submit=s.single_submit,
+            )
+        except ValueError as e:
+            raise SystemExit(f"{s.label}: {e}") from None
+
+
+@dataclass
+class Sample:
+    """Repeated runs of one setting and one direction: ours and, when compared, fio's (GB/s)."""
+
+    setting: Setting
+    op: Op
+    ours: list[float] = field(default_factory=list)
+    fio: list[float] = field(default_factory=list)
+    engine: str = ""
+    huge_fraction: float = 1.0
+    """Smallest fraction of the ring backed by 2 MiB pages over the runs."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ours) if self.ours else 0.0
+
+    @property
+    def fio_median(self) -> float:
+        return statistics.median(self.fio) if self.fio else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Median of the per-repetition ratios ours/fio (each pair measured back to back)."""
+        pairs = [a / b for a, b in zip(self.ours, self.fio, strict=False) if b > 0]
+        return statistics.median(pairs) if pairs else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            **dataclasses.asdict(self.setting),
+            "engine": self.engine or self.setting.engine,
+            "op": self.op,
+            "huge_page_fraction": round(self.huge_fraction, 3),
+            "gbps": _stats(self.ours),
+        }
+        if self.fio:
+            d["fio_gbps"] = _stats(self.fio)
+            d["ratio"] = round(self.ratio, 3)
+        return d
+
+
+def _stats(xs: Sequence[float]) -> dict[str, Any]:
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+        "runs": [round(x, 3) for x in xs],
+    }
+
+
+class TestFile:
+    """The file the runs read and write: ``nbytes`` of real data on the file system under test."""
+
+    def __init__(self, directory: Path, nbytes: int, name: str = "infinity-bench-aio.dat"):
+        self.directory = Path(directory)
+        self.nbytes = nbytes
+        self.path = self.directory / name
+
+    def prepare(self) -> None:
+        """Creates the directory and writes the file once (a read of unwritten blocks measures nothing)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(
+                f"cannot create {self.directory}: {e.strerror}; pass --path to a writable directory"
+            ) from None
+        have = self.path.stat().st_size if self.path.exists() else 0
+        if have == self.nbytes:
+            return
+        free = os.statvfs(self.directory)
+        free_nbytes = free.f_bavail * free.f_frsize + have
+        if free_nbytes < self.nbytes:
+            raise SystemExit(
+                f"{self.directory} has {free_nbytes / 1e9:.1f} GB free, the test file needs "
+                f"{self.nbytes / 1e9:.1f} GB; pass a smaller --size or another --path"
+            )
+        self.path.unlink(missing_ok=True)
+        chunk = min(self.nbytes, 64 << 20)
+        data = aligned_empty(chunk)
+        data.numpy()[:] = np.resize(np.frombuffer(os.urandom(1 << 20), np.uint8), chunk)
+        with AioHandle() as h, h.open(self.path, "w") as f:
+            h.pwrite_many(
+                [
+                    (data[: min(chunk, self.nbytes - off)], off)
+                    for off in range(0, self.nbytes, chunk)
+                ],
+                f,
+            ).wait()
+            os.fsync(f.fileno())
+
+    def direct_io_works(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return False
+            raise
+        os.close(fd)
+        return True
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def can_drop_caches() -> bool:
+    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
+
+
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def page_cache_note(direct: bool) -> str:
+    if direct:
+        return "bypassed: every run uses O_DIRECT (ours and fio's direct=1)"
+    if can_drop_caches():
+        return "the file system refuses O_DIRECT: caches dropped before each read, writes fsynced"
+    return (
+        "NOT defeated: the file system refuses O_DIRECT and /proc/sys/vm/drop_caches is not writable "
+        "(not root); reads may measure memory copies"
+    )
+
+
+def measure(
+    setting: Setting, test_file: TestFile, op: Op, *, ring_nbytes: int | None = None
+) -> tuple[float, str, float]:
+    """One run: (GB/s, engine used, fraction of the ring in 2 MiB pages)."""
+    n = test_file.nbytes
+    ring_n = ring_nbytes or setting.ring_nbytes(n)
+    ring = aligned_empty(ring_n)
+    items = [(ring[: min(ring_n, n - off)], off) for off in range(0, n, ring_n)]
+    huge = huge_page_fraction(ring)
+    with setting.handle() as h, h.open(test_file.path, "rw", create=False) as f:
+        if not f.direct and op == "read" and can_drop_caches():
+            drop_caches()
+        t0 = time.perf_counter()
+        (h.pwrite_many if op == "write" else h.pread_many)(items, f).wait()
+        if not f.direct and op == "write":
+            os.fsync(f.fileno())
+        seconds = time.perf_counter() - t0
+        engine = h.engine
+    del items, ring
+    gc.collect()  # hand the ring's huge pages back before fio wants them
+    return n / seconds / 1e9, engine, huge
+
+
+def fio_job(setting: Setting, test_file: TestFile, op: Op, iomem: IoMem, direct: bool) -> FioJob:
+    if iomem == "shmhuge" and not shmhuge_fits(
+        setting.block_size, setting.queue_depth, setting.thread_count
+    ):
+        iomem = "malloc"
+    return FioJob(
+        path=test_file.path,
+        nbytes=test_file.nbytes,
+        op=op,
+        block_size=setting.block_size,
+        queue_depth=setting.queue_depth,
+        jobs=setting.thread_count,
+        iomem=iomem,
+        direct=direct,
+    )
+
+
+def run_sweep(
+    settings: Sequence[Setting],
+    ops: Sequence[Op],
+    test_file: TestFile,
+    *,
+    repeat: int = 1,
+    fio_iomem: IoMem | None = None,
+    progress: bool = True,
+    desc: str = "bench aio",
+) -> list[Sample]:
+    """Every setting x direction, ``repeat`` times; with ``fio_iomem`` each of our runs is followed by fio's."""
+    from tqdm import tqdm
+
+    direct = test_file.direct_io_works()
+    per = 2 if fio_iomem else 1
+    samples = []
+    total = len(settings) * len(ops) * repeat * per
+    with tqdm(
+        total=total, desc=desc, unit="run", file=sys.stderr, disable=not progress, leave=False
+    ) as bar:
+        # Warm-up, not measured: the first pass over a fresh file runs slow (allocation, caches).
+        bar.set_postfix_str("warm-up")
+        for op in ops:
+            measure(settings[0], test_file, op)
+        for s in settings:
+            for op in ops:
+                sample = Sample(s, op)
+                for _ in range(repeat):
+                    try:
+                        gbps, sample.engine, huge = measure(s, test_file, op)
+                        sample.huge_fraction = min(sample.huge_fraction, huge)
+                    except AioError as e:
+                        raise SystemExit(f"{s.label} {op}: {e}") from None
+                    sample.ours.append(gbps)
+                    bar.update()
+                    bar.set_postfix_str(f"{s.label} {op} {gbps:.2f} GB/s")
+                    if fio_iomem:
+                        if not direct and op == "read" and can_drop_caches():
+                            drop_caches()
+                        try:
+                            fio = fio_job(s, test_file, op, fio_iomem, direct).run()
+                        except FioError as e:
+                            raise SystemExit(str(e)) from None
+                        sample.fio.append(fio)
+                        bar.update()
+                        bar.set_postfix_str(f"{s.label} {op} fio {fio:.2f} GB/s")
+                samples.append(sample)
+    return samples
+
+
+def best(samples: Sequence[Sample]) -> tuple[Setting, dict[str, float]]:
+    """The setting with the highest read + write median (or the one direction measured)."""
+    by_setting: dict[Setting, dict[str, float]] = {}
+    for sm in samples:
+        by_setting.setdefault(sm.setting, {})[sm.op] = sm.median
+    setting = max(by_setting, key=lambda s: sum(by_setting[s].values()))
+    return setting, by_setting[setting]
+
+
+def format_table(samples: Sequence[Sample]) -> str:
+    """One row per setting: read and write GB/s (median, with min-max when repeated), fio and ratio."""
+    rows: dict[Setting, dict[str, Sample]] = {}
+    for sm in samples:
+        rows.setdefault(sm.setting, {})[sm.op] = sm
+    ops = [op for op in ("read", "write") if any(op in r for r in rows.values())]
+    with_fio = any(sm.fio for sm in samples)
+    header = ["setting".ljust(18)]
+    for op in ops:
+        header.append(f"{op} GB/s".rjust(18))
+        if with_fio:
+            header += [f"fio {op}".rjust(9), "ratio".rjust(6)]
+    lines = ["  ".join(header)]
+    for setting, by_op in rows.items():
+        cells = [setting.label.ljust(18)]
+        for op in ops:
+            sm = by_op.get(op)
+            if sm is None:
+                cells.append("-".rjust(18))
+                if with_fio:
+                    cells += ["-".rjust(9), "-".rjust(6)]
+                continue
+            spread = f" ({min(sm.ours):.2f}-{max(sm.ours):.2f})" if len(sm.ours) > 1 else ""
+            cells.append(f"{sm.median:.2f}{spread}".rjust(18))
+            if with_fio:
+                cells += [f"{sm.fio_median:.2f}".rjust(9), f"{sm.ratio:.2f}".rjust(6)]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
+    """Grouped bars, GB/s per setting: ours (and fio) for each direction. PNG via matplotlib's Agg."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(sm.setting.label for sm in samples))
+    series: dict[str, list[float]] = {}
+    for op in ("read", "write"):
+        mine = {sm.setting.label: sm for sm in samples if sm.op == op}
+        if not mine:
+            continue
+        series[f"{op} (infinity)"] = [mine[k].median if k in mine else 0.0 for k in labels]
+        if any(sm.fio for sm in mine.values()):
+            series[f"{op} (fio)"] = [mine[k].fio_median if k in mine else 0.0 for k in labels]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=45, ha="right"
+    )
+    ax.set_ylabel("GB/s")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def machine_info(path: Path) -> dict[str, Any]:
+    """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``."""
+    import platform
+
+    import torch
+
+    import infinity
+    from infinity.cli.fio import fio_version
+
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "kernel": platform.release(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gib": round(
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1
+        ),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "infinity": infinity.__version__,
+        "fio": fio_version(),
+        "path": str(path.resolve()),
+        "filesystem": mount_of(path),
+    }
+
+
+def mount_of(path: Path) -> dict[str, str]:
+    """The /proc/mounts entry (device, mount point, type) holding ``path``."""
+    target = os.path.realpath(path if path.exists() else path.parent)
+    found = {"device": "", "mountpoint": "", "type": ""}
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fstype = line.split()[:3]
+            mnt = mnt.replace("\\040", " ")
+            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                found["mountpoint"]
+            ):
+                found = {"device": dev, "mountpoint": mnt, "type": fstype}
+    except OSError:
+        pass
+    return found

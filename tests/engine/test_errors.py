@@ -1,0 +1,115 @@
+"""Bad input is refused before training starts, with a message naming what is wrong and the fix."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import infinity
+from infinity.config import ConfigError
+from tests.engine.models import tiny_gpt
+from tests.engine.reference import engine_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_missing_nvme_path_is_named(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir"
+    cfg = engine_config(3, "nvme", "nvme", missing, gas=1)
+    with pytest.raises(ConfigError, match=f"nvme_path '{missing}' does not exist"):
+        infinity.initialize(tiny_gpt(), cfg)
+
+
+def test_non_writable_nvme_path_is_named():
+    d = Path(tempfile.mkdtemp(prefix="infinity-ro-"))
+    try:
+        d.chmod(0o555)
+        script = textwrap.dedent(f"""
+            import os, sys
+            sys.path.insert(0, {str(ROOT)!r})
+            import infinity
+            from infinity.config import ConfigError
+            from tests.engine.models import tiny_gpt
+            from tests.engine.reference import engine_config
+            model = tiny_gpt()
+            if os.geteuid() == 0:  # root ignores file modes: become nobody
+                os.setgid(65534); os.setuid(65534)
+            try:
+                infinity.initialize(model, engine_config(3, "nvme", "nvme", {str(d)!r}, gas=1))
+            except ConfigError as e:
+                print(e); sys.exit(0)
+            sys.exit("no error")
+        """)
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"nvme_path '{d}' is not writable by this process" in r.stdout
+    finally:
+        d.chmod(0o755)
+        d.rmdir()
+
+
+@pytest.fixture
+def small_fs():
+    """A 2 MiB file system (tmpfs mounted here; needs root and mount permission)."""
+    d = Path(tempfile.mkdtemp(prefix="infinity-small-"))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        d.rmdir()
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or 'mount failed'}): needs root")
+    yield d
+    subprocess.run(["umount", str(d)], check=False)
+    d.rmdir()
+
+
+def test_nvme_path_without_room_names_bytes_needed_and_free(small_fs):
+    cfg = engine_config(3, "nvme", "nvme", small_fs, gas=1)
+    torch.manual_seed(0)
+    model = infinity.models.GPT(infinity.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=128))
+    with pytest.raises(ConfigError) as e:
+        infinity.initialize(model, cfg)
+    msg = str(e.value)
+    assert f"not enough free space at nvme_path '{small_fs / 'rank0'}'" in msg
+    assert "bytes of swap files (parameters" in msg and "optimizer state" in msg and "bytes are free" in msg
+    assert os.listdir(small_fs / "rank0") == []  # nothing was written
+
+
+def test_unresolvable_auto_is_named():
+    cfg = engine_config(2, "none", "cpu", "/unused", gas=1)
+    cfg["optimizer"]["params"]["lr"] = "auto"
+    with pytest.raises(ValueError, match=r"optimizer\.params\.lr"):
+        infinity.initialize(tiny_gpt(), cfg)
+
+
+def test_pool_too_small_for_the_largest_layer_names_it(nvme_dir):
+    cfg = engine_config(3, "nvme", "cpu", nvme_dir, gas=1)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=512)
+    with pytest.raises(ConfigError) as e:
+        infinity.initialize(tiny_gpt(), cfg)
+    msg = str(e.value)
+    # the largest unit: an MLP Linear, 32 x 128 fp32 elements (the first of the equal ones)
+    assert "cannot hold layer 'blocks.0.mlp.fc', whose shard is 16384 bytes (4096 elements)" in msg
+    assert "offload_param.buffer_count=2 x buffer_size=512" in msg
+    assert "raise zero_optimization.offload_param.buffer_count or buffer_size" in msg
+
+
+def test_stage3_model_without_parameters():
+    class Empty(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="stage=3 partitions parameters, but Empty has none"):
+        infinity.initialize(Empty(), engine_config(3, "none", "none", "/unused", gas=1))
+
+
+def test_unsupported_optimizer_is_refused_with_the_reason(nvme_dir):
+    model = tiny_gpt()
+    cfg = engine_config(3, "none", "cpu", nvme_dir, gas=1)
+    del cfg["optimizer"]
+    with pytest.raises(ValueError, match="SGD cannot run partitioned or offloaded"):
+        infinity.initialize(model, cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
