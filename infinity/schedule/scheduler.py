@@ -47,7 +47,13 @@ it is deferred to the next event (``pool_deferrals``). An on-demand fetch
 that finds no room evicts idle cache entries, then gives up the scheduler's
 own holds (furthest next use first, ``pressure_drops``) until the pool can
 serve it, and only then lets the store wait — for write-backs in flight or
-for memory held by others, never for the scheduler.
+for memory held by others, never for the scheduler. The same holds for
+everyone else on the pool: the scheduler is one of its reclaimers, so a
+fetch that waits for room (the engine's overlapped optimizer step, a write)
+takes the idle cache entries the scheduler knows, then what it holds on its
+own judgement, furthest next use first (``reclaimed``) — even while the
+model's thread is blocked elsewhere (at the optimizer's gate) and makes no
+scheduler calls.
 
 Threading: every method may be called from any thread (forward and backward
 run on different threads on CUDA). ``_lock`` (a Condition) guards all
@@ -108,7 +114,11 @@ class PrefetchScheduler:
     Budgets in bytes (see [Note: budgets]). ``tier``: where acquire returns
     the unit ("device": on the store's compute device). ``max_traces``: traces
     remembered for models that alternate between paths. ``history``: ended
-    steps kept in ``stats().history``.
+    steps kept in ``stats().history``. ``ready(key)``: whether ``key`` may be
+    prefetched now (e.g. the engine's overlapped optimizer step has updated
+    it); the walk stops at the first key that is not, until ``poke()`` or the
+    next acquire/release. It is called under the scheduler's lock: it must
+    not block or call the scheduler.
     """
 
     def __init__(
@@ -123,6 +133,7 @@ class PrefetchScheduler:
         history: int = 64,
         name: str = "prefetch",
         budget_itemsize: int = 1,
+        ready: Callable[[Hashable], bool] | None = None,
     ):
         if not isinstance(store, TieredStore):
             raise TypeError(
@@ -160,6 +171,8 @@ class PrefetchScheduler:
         self._history: deque[StepStats] = deque(maxlen=max(1, history))
         self._totals: StepStats | None = None
         self._closed = False
+        self._ready = ready
+        store.pool.add_reclaimer(self._reclaim)  # held weakly by the pool
 
     @classmethod
     def for_engine(
@@ -285,6 +298,12 @@ class PrefetchScheduler:
                 return None
             return self._end(completed=False)
 
+    def poke(self) -> None:
+        """Plans again now: call it when ``ready`` may have changed (it never waits)."""
+        with self._lock:
+            self._check_open()
+        self._under_fetch_lock(None, block=False)
+
     # -- queries --------------------------------------------------------------------
 
     @property
@@ -338,6 +357,7 @@ class PrefetchScheduler:
                 self._drop(rec, "close")
             self._closed = True
             self._lock.notify_all()
+        self._pool.remove_reclaimer(self._reclaim)
 
     def __enter__(self) -> PrefetchScheduler:
         return self
@@ -459,6 +479,8 @@ class PrefetchScheduler:
             c.add("displaced")
         if why == "pressure":
             c.add("pressure_drops")
+        elif why == "reclaimed":
+            c.add("reclaimed")
         self._live -= rec.nbytes
         rec.to_idle()
         del self._held[rec.key]
@@ -654,6 +676,9 @@ class PrefetchScheduler:
             if rec.state is not UnitState.IDLE:
                 j += 1
                 continue
+            if self._ready is not None and not self._ready(rec.key):
+                c.add("not_ready")
+                break
             reads = self._reads_from_disk(rec.key)
             moves = reads or self._copies_to_device
             within_bucket, lacking = lookahead.fits(
@@ -755,3 +780,27 @@ class PrefetchScheduler:
         self._cached.pop(rec.key, None)
         self._counters().add("pool_evictions")
         return True
+
+    def _reclaim(self, nbytes: int) -> None:
+        """The pool's reclaimer: someone waits for ``nbytes`` of pool memory (see [Note: pool room]).
+
+        Called by the waiting thread with no pool or store lock held. Idle cache
+        entries the scheduler knows go first, then what it holds on its own
+        judgement, furthest next use first, until the pool can serve the request.
+        The units callers hold are theirs: they stay.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            need = round_up(nbytes, ALIGN)
+            trace = self._cursor.trace if self._cursor.replaying else None
+            pos = self._cursor.pos
+            for idle in lookahead.furthest_first(list(self._cached.values()), trace, pos):
+                if self._pool.can_serve(need):
+                    return
+                self._evict_idle(idle)
+            for victim in lookahead.furthest_first(self._discretionary(), trace, pos):
+                if self._pool.can_serve(need):
+                    return
+                self._drop(victim, "reclaimed")
+                self._evict_idle(victim)

@@ -17,7 +17,8 @@ them (cheap enough to leave on):
 - ``pool_deferrals``: prefetches postponed because the pool had no room even
   after evicting idle cache entries (the scheduler retries at the next event,
   it never waits in the pool for speculative work); ``pressure_drops``: holds
-  given up so that an on-demand fetch could get pool memory.
+  given up so that an on-demand fetch could get pool memory; ``reclaimed``:
+  holds given up because someone else waited for pool memory.
 
 Threading: StepCounters is mutated under the scheduler lock; the snapshots
 are immutable.
@@ -63,6 +64,10 @@ class StepStats:
     pool_evictions: int
     """Idle cache entries the scheduler evicted to make pool room for a prefetch."""
     pressure_drops: int
+    reclaimed: int
+    """Holds given up because another pool user (the optimizer, a write) waited for memory."""
+    not_ready: int
+    """Times the lookahead stopped at a unit ``ready`` did not allow yet."""
     prefetch_errors: int
     """Prefetch fetches the store refused at once (the error is raised at the key's acquire)."""
     divergence_pos: int | None
