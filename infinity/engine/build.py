@@ -61,7 +61,7 @@ class Runtime:
         if self.grad_hooks is not None:
             self.grad_hooks.remove()
         if self.optimizer is not None:
-            self.optimizer.close()
+            self.optimizer.shutdown()
         for store in (self.param_store, self.state_store):
             if store is not None:
                 store.close()

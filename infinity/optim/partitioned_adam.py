@@ -225,7 +225,8 @@ class PartitionedAdam(torch.optim.Optimizer):
             self._issue_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="infinity-optim-reads")
         return self._issue_pool
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Stops the read-issuing thread (the GradSink's ``close`` is another thing)."""
         if self._issue_pool is not None:
             self._issue_pool.shutdown(wait=True)
             self._issue_pool = None
