@@ -90,6 +90,7 @@ class ScheduleBudget:
         largest_unit_nbytes: int,
         working_set_nbytes: int | None = None,
         pool_capacity: int | None = None,
+        pool_working_set_nbytes: int | None = None,
         largest_unit: str = "the largest unit",
     ) -> None:
         """Refuses budgets under which the scheduler could not keep its promises (engine-facing).
@@ -97,8 +98,9 @@ class ScheduleBudget:
         ``working_set_nbytes``: the most bytes the consumer holds at once (the
         partitioner: the units of the modules nested along the deepest path of
         the model, at least the largest unit). ``pool_capacity``: the store's
-        pool, which must hold that working set, or a fetch waits for memory
-        that only the waiting caller could release.
+        pool, which must hold what of that working set lives on NVMe
+        (``pool_working_set_nbytes``, default all of it; 0 when no unit does),
+        or a fetch waits for memory that only the waiting caller could release.
         """
         working = max(largest_unit_nbytes, working_set_nbytes or 0)
         if self.max_live_nbytes < working:
@@ -113,12 +115,13 @@ class ScheduleBudget:
                 f"is smaller than {what}: the scheduler would have to exceed it to make progress. "
                 f"Raise {LIVE_KEY} to at least {self._elements(working)}"
             )
-        if pool_capacity is not None:
-            need = round_up(working, ALIGN)
+        pool_working = working if pool_working_set_nbytes is None else pool_working_set_nbytes
+        if pool_capacity is not None and pool_working > 0:
+            need = round_up(pool_working, ALIGN)
             if pool_capacity < need:
                 raise ScheduleConfigError(
                     f"the parameter buffer pool ({format_nbytes(pool_capacity)}) cannot hold "
-                    f"{'the units the model holds at once' if working > largest_unit_nbytes else largest_unit} "
+                    f"{'the units the model holds at once' if pool_working > largest_unit_nbytes else largest_unit} "
                     f"({format_nbytes(need)}): a fetch would wait for pool memory that only the waiting "
                     f"caller could release. Raise {POOL_KEY} so that buffer_count x buffer_size >= "
                     f"{self._elements(need)}"

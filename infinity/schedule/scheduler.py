@@ -185,13 +185,18 @@ class PrefetchScheduler:
         itemsize: int,
         largest_unit_nbytes: int,
         working_set_nbytes: int | None = None,
+        pool_working_set_nbytes: int | None = None,
         largest_unit: str = "the largest unit",
         tier: Tier = "device",
         **kw: Any,
     ) -> PrefetchScheduler:
         """From DeepSpeed's element counts (stage3_prefetch_bucket_size, stage3_max_live_parameters,
         stage3_max_reuse_distance) and the parameters' itemsize; refuses budgets it could not keep
-        (ScheduleConfigError naming the key to raise, see ScheduleBudget.check_serves)."""
+        (ScheduleConfigError naming the key to raise, see ScheduleBudget.check_serves).
+
+        ``working_set_nbytes``: the most unit bytes the partitioner holds at once;
+        ``pool_working_set_nbytes``: the part of it on NVMe, which needs the store's pool
+        (default: all of it if the store has swap directories, else none)."""
         budget = ScheduleBudget.from_deepspeed(
             prefetch_bucket_size=prefetch_bucket_size,
             max_live_parameters=max_live_parameters,
@@ -202,6 +207,11 @@ class PrefetchScheduler:
             largest_unit_nbytes=largest_unit_nbytes,
             working_set_nbytes=working_set_nbytes,
             pool_capacity=store.pool.capacity,
+            pool_working_set_nbytes=(
+                pool_working_set_nbytes
+                if pool_working_set_nbytes is not None
+                else (None if store.directories else 0)
+            ),
             largest_unit=largest_unit,
         )
         return cls(

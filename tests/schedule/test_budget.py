@@ -50,6 +50,15 @@ def test_check_serves_names_the_key_and_the_value_that_works():
     ) as e:
         b.check_serves(largest_unit_nbytes=2000, pool_capacity=2048)
     assert "only the waiting caller could release" in str(e.value)
+    # Units at home in host memory take no pool memory: only those on NVMe count.
+    b.check_serves(largest_unit_nbytes=2000, pool_capacity=2048, pool_working_set_nbytes=0)
+    with pytest.raises(ScheduleConfigError, match=r">= 4096 elements"):
+        b.check_serves(
+            largest_unit_nbytes=2000,
+            working_set_nbytes=2000,
+            pool_capacity=4096,
+            pool_working_set_nbytes=8000,
+        )
 
 
 def test_for_engine_checks_against_the_store_pool(nvme_dir):
@@ -76,6 +85,20 @@ def test_for_engine_checks_against_the_store_pool(nvme_dir):
                 largest_unit_nbytes=MiB,
                 working_set_nbytes=3 * MiB,
             )
+
+
+def test_for_engine_skips_the_pool_check_for_a_store_without_nvme():
+    with TieredStore(None, pool=BufferPool(1, 4096)) as store:  # every unit at home in host memory
+        s = PrefetchScheduler.for_engine(
+            store,
+            prefetch_bucket_size=0,
+            max_live_parameters=1e6,
+            max_reuse_distance=0,
+            itemsize=4,
+            largest_unit_nbytes=MiB,
+            working_set_nbytes=2 * MiB,
+        )
+        s.close()
 
 
 def test_constructor_refuses_a_non_store_and_a_bad_tier(nvme_dir):
