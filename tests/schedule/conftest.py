@@ -57,6 +57,16 @@ class Checker:
             tuple
         ] = []  # ("fetch"|"release"|"evict"|"acquire"|"acquired"|"release_unit", key, extra)
 
+    def reset(self) -> None:
+        """Forgets everything seen (a new scenario on the same store)."""
+        with self.lock:
+            self.ahead.clear()
+            self.in_use.clear()
+            self.acquiring_now.clear()
+            self.violations.clear()
+            self.log.clear()
+            self.events = self.peak_live = self.peak_ahead = 0
+
     def bind(self, sched: PrefetchScheduler) -> None:
         self.bucket = sched.budget.prefetch_bucket_nbytes
         self.max_live = sched.budget.max_live_nbytes
@@ -156,6 +166,11 @@ class CheckedStore(TieredStore):
             self.checker.on_fetch(key, before)
         return fut
 
+    def release(self, key) -> None:
+        super().release(key)
+        if self.checker is not None:
+            self.checker.on_release([key])
+
     def release_many(self, keys) -> None:
         keys = list(keys)
         super().release_many(keys)
@@ -197,10 +212,23 @@ class Env:
         return s
 
     def cold(self) -> None:
-        """Evicts every unheld key, so the next step reads from NVMe."""
-        for k in self.keys:
-            if self.store.spec(k).holds == 0:
+        """Evicts every unheld key, so the next step reads from NVMe.
+
+        A read still in flight (a prefetch given up at the end of a step) is
+        waited for first: the store refuses to evict a key mid-read.
+        """
+        checker, self.store.checker = self.store.checker, None
+        try:
+            for k in self.keys:
+                spec = self.store.spec(k)
+                if spec.holds:
+                    continue
+                if spec.state in (Residency.READING, Residency.WRITING, Residency.COPYING):
+                    self.store.fetch(k).result(30)
+                    self.store.release(k)
                 self.store.evict(k).result(30)
+        finally:
+            self.store.checker = checker
 
     def fetch_outside(self, key: str) -> torch.Tensor:
         """A hold taken on the store directly, not through the scheduler (an optimizer, a user)."""

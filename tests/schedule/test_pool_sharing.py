@@ -93,7 +93,9 @@ def test_forward_overlapped_with_an_optimizer_step_on_the_same_pool(make_env, ga
         con.run(env.keys[::-1])  # backward
         sched.end_step()
     st = sched.stats()
-    assert all(s.duplicate_reads == 0 for s in st.history)
+    # A prefetched unit given up to the optimizer is read again when used: at most one
+    # wasted read per unit given up.
+    assert all(s.duplicate_reads <= s.reclaimed for s in st.history)
     if gate_prefetch:
         assert st.total.not_ready > 0
     assert env.checker.violations == [] and env.holds() == {}

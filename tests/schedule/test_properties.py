@@ -51,6 +51,8 @@ def env(make_env):
 )
 @given(sc=scenarios())
 def test_invariants_hold_whatever_the_model_does(env, sc):
+    env.cold()
+    env.checker.reset()
     sched = env.scheduler(bucket=sc["bucket"], live=sc["live"], reuse=sc["reuse"])
     con = Consumer(env, sched)
     try:
@@ -86,8 +88,9 @@ def test_invariants_hold_whatever_the_model_does(env, sc):
             )
         for s in stats.history:
             assert s.on_demand + s.prefetch_hits + s.late_prefetches + s.reuse_hits == s.uses
-            if s.kind == "replayed":
-                assert s.duplicate_reads == 0
+            # A read is wasted only when a unit read ahead is given up unused (a switch, pool
+            # pressure, someone else's need for the pool, the step ending early).
+            assert s.duplicate_reads <= s.dropped_prefetches
     finally:
         sched.close()
         env.scheds.remove(sched)
