@@ -604,7 +604,7 @@ class PrefetchScheduler:
             rec.submitting = True
             gen = rec.gen
         t = time.monotonic()
-        fut: concurrent.futures.Future
+        fut: Any  # a StoreFuture, or a failed concurrent Future when the store refused at once
         try:
             fut = self.store.fetch(rec.key, self.tier)
         except Exception as e:
