@@ -55,6 +55,11 @@ own judgement, furthest next use first (``reclaimed``) — even while the
 model's thread is blocked elsewhere (at the optimizer's gate) and makes no
 scheduler calls.
 
+This file is over the ~500-line soft cap: one lock guards one state (the
+records, the byte totals, the cursor), and the step, hold, fetch and pool
+rules all change it together; the pure decisions live in lookahead.py,
+cursor.py and trace.py.
+
 Threading: every method may be called from any thread (forward and backward
 run on different threads on CUDA). ``_lock`` (a Condition) guards all
 records, the cursor, the counters and the byte totals; it is never held
@@ -671,46 +676,21 @@ class PrefetchScheduler:
         pool, ending at the first that needs pool memory (the next room check must see it taken)."""
         if self._closed or self._step is None or not self._cursor.replaying:
             return []
-        b = self.budget
-        if b.prefetch_bucket_nbytes == 0 or self._in_use > b.max_live_nbytes:
+        if self.budget.prefetch_bucket_nbytes == 0 or self._in_use > self.budget.max_live_nbytes:
             return []
-        trace, pos = self._cursor.trace, self._cursor.pos
+        trace = self._cursor.trace
         assert trace is not None
-        c = self._step
         batch: list[tuple[UnitRecord, int, bool]] = []
-        j = max(self._frontier, pos)
+        j = max(self._frontier, self._cursor.pos)
         while j < len(trace):
-            rec = self._records.get(trace.keys[j])
-            if rec is None:  # a trace holds only keys acquired before
-                rec = self._record(trace.keys[j])
+            rec = self._records.get(trace.keys[j]) or self._record(trace.keys[j])
             if rec.state is not UnitState.IDLE:
                 j += 1
                 continue
-            if self._ready is not None and not self._ready(rec.key):
-                c.add("not_ready")
+            admitted = self._admit(rec, trace, j)
+            if admitted is None:
                 break
-            reads = self._reads_from_disk(rec.key)
-            moves = reads or self._copies_to_device
-            within_bucket, lacking = lookahead.fits(
-                rec.nbytes,
-                moves=moves,
-                ahead=self._ahead,
-                live=self._live,
-                bucket=b.prefetch_bucket_nbytes,
-                max_live=b.max_live_nbytes,
-            )
-            if not within_bucket:
-                break
-            if lacking:
-                kept = [r for r in self._held.values() if r.state is UnitState.KEPT]
-                victims = lookahead.displace(kept, trace, pos, j, lacking)
-                if victims is None:
-                    break
-                for v in victims:
-                    self._drop(v, "displaced")
-            if reads and not self._pool_room_for_prefetch(rec, trace, pos, j):
-                c.add("pool_deferrals")
-                break
+            reads, moves = admitted
             rec.to_prefetched()
             rec.submitting = True
             rec.moves = moves
@@ -719,7 +699,7 @@ class PrefetchScheduler:
             self._live += rec.nbytes
             if moves:
                 self._ahead += rec.nbytes
-            c.add("prefetches")
+            self._step.add("prefetches")
             self._peaks()
             batch.append((rec, rec.gen, reads))
             j += 1
@@ -727,6 +707,39 @@ class PrefetchScheduler:
                 break
         self._frontier = j
         return batch
+
+    def _admit(self, rec: UnitRecord, trace: Trace, at: int) -> tuple[bool, bool] | None:
+        """(reads, moves) if ``rec``, used at trace position ``at``, may be prefetched now (giving up
+        kept units needed later if max_live asks it); None if the walk must stop here."""
+        c = self._counters()
+        b = self.budget
+        if self._ready is not None and not self._ready(rec.key):
+            c.add("not_ready")
+            return None
+        reads = self._reads_from_disk(rec.key)
+        moves = reads or self._copies_to_device
+        within_bucket, lacking = lookahead.fits(
+            rec.nbytes,
+            moves=moves,
+            ahead=self._ahead,
+            live=self._live,
+            bucket=b.prefetch_bucket_nbytes,
+            max_live=b.max_live_nbytes,
+        )
+        if not within_bucket:
+            return None
+        pos = self._cursor.pos
+        if lacking:
+            kept = [r for r in self._held.values() if r.state is UnitState.KEPT]
+            victims = lookahead.displace(kept, trace, pos, at, lacking)
+            if victims is None:
+                return None
+            for v in victims:
+                self._drop(v, "displaced")
+        if reads and not self._pool_room_for_prefetch(rec, trace, pos, at):
+            c.add("pool_deferrals")
+            return None
+        return reads, moves
 
     def _attach(self, rec: UnitRecord, gen: int, fut: Any, reads: bool) -> None:
         """Records the future of a fetch that just returned (under ``_lock``)."""
