@@ -1,6 +1,6 @@
 """Prefetch scheduler: stall time with and without read-ahead, on a chain of units read from NVMe (O_DIRECT).
 
-    python bench/prefetch.py            # 32 units x 32 MiB (1 GiB), loads 0.25 0.5 0.8 1.25, 3 rounds
+    python bench/prefetch.py            # 32 units x 32 MiB (1 GiB), loads 0.25 0.5 0.8 1.25 2, 3 rounds
     python bench/prefetch.py --quick    # seconds: 8 units x 2 MiB, load 0.5, 2 rounds (the CI smoke run)
 
 A step is the partitioner's pattern over a chain of units: a forward over
@@ -13,7 +13,10 @@ run, i.e. t = unit bytes / (load x bandwidth). Load < 1: the disk delivers
 faster than compute consumes, and read-ahead should hide the reads (target:
 stall <= 5% of step time); load > 1: the disk is the bottleneck and stall
 cannot vanish. The compute's real duration is measured in every step and
-the load it amounts to is reported next to the one asked for.
+the load it amounts to is reported next to the one asked for, and so is the
+*average read load*: Belady's minimum of bytes a step must read, per second
+of the step's compute, relative to the disk (units still cached from the
+previous step's backward need no read, so it is below the forward's load).
 
 Contenders, interleaved in every round (the order alternating): "on demand"
 (StoreShardSource, what the partitioner uses without a scheduler: fetch,
@@ -276,6 +279,7 @@ def run_load(b: Bench, load: float, disk_gbps: float, rounds: int, steps: int) -
     }
     measured = [f for rs in runs.values() for r in rs for f in r["forward_s_per_unit"]]
     result["measured_load"] = _spread([b.unit_nbytes / f / (disk_gbps * 1e9) for f in measured])
+    result["average_read_load"] = min_bytes / (sum(compute_s) * disk_gbps * 1e9)
     for mode, rs in runs.items():
         walls = [w for r in rs for w in r["step_s"]]
         fracs = [s / w for r in rs for w, s in zip(r["step_s"], r["stall_s"], strict=True)]
@@ -354,7 +358,7 @@ def print_table(result: dict) -> None:
         )
     )
     print(
-        f"  {'load':>5s} {'(real)':>6s} {'fwd ms/unit':>11s} | {'stall % on demand':>22s} | {'stall % prefetch':>22s} | "
+        f"  {'load':>5s} {'(real)':>6s} {'avg read':>8s} {'fwd ms/unit':>11s} | {'stall % on demand':>22s} | {'stall % prefetch':>22s} | "
         f"{'step prefetch/demand':>20s} | {'read/min':>9s} | {'dup':>3s}"
     )
     for r in result["loads"]:
@@ -365,7 +369,7 @@ def print_table(result: dict) -> None:
 
         ratio = r["step_time_prefetch_vs_on_demand"]
         print(
-            f"  {r['load']:5.2f} {r['measured_load']['median']:6.2f} {r['forward_compute_ms_per_unit']:11.1f} | {pct(d['stall_fraction']):>22s} | "
+            f"  {r['load']:5.2f} {r['measured_load']['median']:6.2f} {r['average_read_load']:8.2f} {r['forward_compute_ms_per_unit']:11.1f} | {pct(d['stall_fraction']):>22s} | "
             f"{pct(p['stall_fraction']):>22s} | {ratio['median']:8.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) | "
             f"{d['read_vs_min']:.2f}/{p['read_vs_min']:.2f} | {p['scheduler']['duplicate_reads']:3d}"
         )
@@ -411,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         nargs="+",
         default=None,
-        help="default 0.25 0.5 0.8 1.25; --quick 0.5",
+        help="default 0.25 0.5 0.8 1.25 2; --quick 0.5",
     )
     ap.add_argument(
         "--rounds", type=int, default=None, help="interleaved rounds (default 3; --quick 2)"
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     args.bucket_units = args.bucket_units if args.bucket_units is not None else (2 if q else 4)
     args.live_units = args.live_units if args.live_units is not None else (4 if q else 8)
     args.reuse_units = args.reuse_units if args.reuse_units is not None else (2 if q else 4)
-    args.loads = args.loads or ([0.5] if q else [0.25, 0.5, 0.8, 1.25])
+    args.loads = args.loads or ([0.5] if q else [0.25, 0.5, 0.8, 1.25, 2.0])
     args.rounds = args.rounds or (2 if q else 3)
     args.steps = args.steps or (1 if q else 2)
     if args.live_units > args.pool_units:
