@@ -294,7 +294,8 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
             f"{math.ceil(largest.layout.shard_numel / offload.buffer_count)} elements"
         )
     path = rank_path(offload.nvme_path, group.rank)
-    store = TieredStore(path, pool=BufferPool(int(offload.buffer_count), buffer_nbytes), aio=cfg.aio, name="params")
+    pool = BufferPool(int(offload.buffer_count), buffer_nbytes, pin=_pin(offload.pin_memory), name="params")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="params")
     store.reserve(sum(u.layout.shard_nbytes for u in nvme_units))
     return store
 
@@ -317,9 +318,15 @@ def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_eleme
     buffer_nbytes = -(-sub * per_element // 4096) * 4096
     count = 3
     path = rank_path(off.nvme_path, group.rank)
-    store = TieredStore(path, pool=BufferPool(count, buffer_nbytes), aio=cfg.aio, name="optimizer")
+    pool = BufferPool(count, buffer_nbytes, pin=_pin(off.pin_memory), name="optimizer")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer")
     store.reserve(sum(u.layout.shard_numel for u in units) * per_element)
     return store
+
+
+def _pin(pin_memory: bool) -> bool | None:
+    """pin_memory: true pins the pool when CUDA is present (None = where it can); false never pins."""
+    return None if pin_memory else False
 
 
 def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, stage: int, cache: TensorCache):

@@ -112,6 +112,10 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
+            every = self.config.steps_per_print
+            if every and self.global_steps % every == 0 and self.group.rank == 0:
+                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%g", self.global_steps,
+                         self.skipped_steps, self.get_lr(), self.last_grad_norm, self.loss_scale)
         self.micro_steps += 1
 
     def _partitioned_step(self) -> None:
@@ -125,8 +129,9 @@ class Engine:
         self.last_grad_norm = norm
         if self.config.fp16.enabled and not math.isfinite(norm):
             self.skipped_steps += 1
-            log.warning("fp16 gradients overflowed; step skipped, loss scale %g -> ", scale)
             self.loss_scaler.update(overflow=True)
+            log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
+                        self.global_steps, scale, self.loss_scaler.scale)
             return
         coef = 1.0 / scale
         clip = self.config.gradient_clipping
