@@ -165,16 +165,19 @@ class Engine:
             # [engine/overlap.py] persistent units first, in this thread (forward reads
             # them without fetching); the rest in the background, gated per unit.
             persistent = {u.index for u in rt.unit_map.units if u.persistent}
+            rt.partitioner.release_persistent()
             rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=persistent)
-            rt.partitioner.refresh_persistent()
+            rt.partitioner.gather_persistent()
             rest = {u.index for u in rt.unit_map.units if not u.persistent}
             hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
             rt.overlap.start(lambda done: rt.optimizer.step(
                 grad_scale=coef, has_grad=has_grad, only=rest, hyper=hyper, on_shard_done=done))
         else:
+            if rt.partitioner is not None:
+                rt.partitioner.release_persistent()
             rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
             if rt.partitioner is not None:
-                rt.partitioner.refresh_persistent()
+                rt.partitioner.gather_persistent()
         self.loss_scaler.update(overflow=False)
 
     def _passthrough_step(self) -> None:
