@@ -4,7 +4,7 @@
 The same GPT (~150M parameters by default), data and seed, trained by plain
 PyTorch (torch AdamW, everything in RAM) and by infinity (stage 3, offload_param
 and offload_optimizer on NVMe, O_DIRECT). Each run is a fresh subprocess (so its
-peak RSS is its own, from VmHWM); the two kinds are interleaved A B A B and the
+peak memory is its own: VmHWM plus hugetlb pages); the two kinds are interleaved A B A B and the
 headline is the median ratio of their median step times after warm-up. Also
 reported: bytes read and written per step and the GB/s they imply, the time
 steps spent waiting for I/O, and peak RSS of both. DeepSpeed runs too where it
@@ -74,7 +74,8 @@ for i in range(warmup + steps):
         io.append({k: after[k] - before[k] for k in after})
 if kind != "plain":
     engine.synchronize()
-hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+from infinity.memory import peak_host_nbytes
+hwm = peak_host_nbytes()  # VmHWM + hugetlb pages (pools may live there)
 print(json.dumps({"times": times, "io": io, "hwm": hwm, "params": gpt.num_params, "losses": losses}))
 """
 

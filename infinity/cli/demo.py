@@ -56,21 +56,13 @@ def demo_config(nvme_path: str, *, lr: float, steps: int, micro_batch: int, bf16
                                                            "warmup_num_steps": max(1, steps // 10)}},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 6,
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 16,
                               "buffer_size": buffer, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
             "sub_group_size": 2 * buffer,
             "stage3_param_persistence_threshold": 1e5,
         },
     }
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _gib(n: float) -> str:
@@ -83,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     import infinity
     from infinity.config import read_config_file
+    from infinity.memory import peak_host_nbytes
     from infinity.models import GPT, GPTConfig, TextCorpus
 
     os.makedirs(args.nvme_path, exist_ok=True)
@@ -120,12 +113,14 @@ def run(args: argparse.Namespace) -> int:
             losses.append(loss.item())
             times.append(dt)
             bar.set_postfix_str(f"loss {losses[-1]:.3f} | {dt:.2f} s/step | read {rd / dt / 1e9:.2f} GB/s "
-                                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(_peak_rss())}")
+                                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(peak_host_nbytes())}")
     finally:
         bar.close()
+        engine.synchronize()
         io = engine.io_stats()
+        prefetch = engine.prefetch_stats()
         engine.close()
-    rss = _peak_rss()
+    rss = peak_host_nbytes()
     median = sorted(times)[len(times) // 2] if times else 0.0
     summary = {
         "params": gpt.num_params,
@@ -137,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         "read_nbytes": io["read_nbytes"],
         "write_nbytes": io["write_nbytes"],
         "io_wait_s": io["wait_s"],
+        "prefetch_hits": prefetch.total.prefetch_hits if prefetch else None,
+        "on_demand_fetches": prefetch.total.on_demand if prefetch else None,
+        "fetch_stall_s": prefetch.total.stall_s if prefetch else None,
+        "duplicate_reads": prefetch.total.duplicate_reads if prefetch else None,
         "training_state_nbytes": state_nbytes,
         "peak_rss_nbytes": rss,
         "losses": losses,
@@ -145,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
           f"median {median:.2f} s/step (setup {setup_s:.1f} s)")
     print(f"read {io['read_nbytes'] / 1e9:.1f} GB, wrote {io['write_nbytes'] / 1e9:.1f} GB "
           f"({io['read_nbytes'] / max(1, len(losses)) / 1e9:.2f} / {io['write_nbytes'] / max(1, len(losses)) / 1e9:.2f} GB per step)")
+    if prefetch:
+        t = prefetch.total
+        print(f"prefetch: {t.prefetch_hits} fetches served ahead, {t.on_demand} on demand, {t.stall_s:.1f} s "
+              f"waiting for parameters, {t.duplicate_reads} duplicate reads")
     print(f"training state {_gib(state_nbytes)} on NVMe, peak RSS {_gib(rss)} "
           f"({state_nbytes / max(rss, 1):.1f}x the state in memory)")
     png = Path(f"{args.out}_loss.png")

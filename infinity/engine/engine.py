@@ -56,6 +56,8 @@ class Engine:
         choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
         self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
+        # The prefetch scheduler (stage 3) learns one trace step per forward + backward.
+        self._trace = self.runtime.shard_source if hasattr(self.runtime.shard_source, "step_open") else None
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.last_grad_norm: float | None = None
         # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
@@ -78,8 +80,21 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward. Under stage 3 a forward with its backward is one step of the
+        prefetch trace; a forward without grad (evaluation) is a step of its own."""
         self._check_open()
-        return self.module(*args, **kwargs)
+        trace = self._trace
+        if trace is not None and not trace.step_open:
+            trace.begin_step()
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            if trace is not None:
+                trace.abort_step()
+            raise
+        if trace is not None and not torch.is_grad_enabled():
+            trace.end_step()
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -96,9 +111,17 @@ class Engine:
         if rt.reducer is not None:
             rt.reducer.begin_micro(first=first, last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward()
-        if rt.reducer is not None and boundary and rt.reducer.deferred:
-            rt.reducer.reduce_window()
+        trace = self._trace
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+            if rt.reducer is not None and boundary and rt.reducer.deferred:
+                rt.reducer.reduce_window()
+        except BaseException:
+            if trace is not None:
+                trace.abort_step()
+            raise
+        if trace is not None and trace.step_open:
+            trace.end_step()
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
@@ -142,16 +165,19 @@ class Engine:
             # [engine/overlap.py] persistent units first, in this thread (forward reads
             # them without fetching); the rest in the background, gated per unit.
             persistent = {u.index for u in rt.unit_map.units if u.persistent}
+            rt.partitioner.release_persistent()
             rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=persistent)
-            rt.partitioner.refresh_persistent()
+            rt.partitioner.gather_persistent()
             rest = {u.index for u in rt.unit_map.units if not u.persistent}
             hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
             rt.overlap.start(lambda done: rt.optimizer.step(
                 grad_scale=coef, has_grad=has_grad, only=rest, hyper=hyper, on_shard_done=done))
         else:
+            if rt.partitioner is not None:
+                rt.partitioner.release_persistent()
             rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
             if rt.partitioner is not None:
-                rt.partitioner.refresh_persistent()
+                rt.partitioner.gather_persistent()
         self.loss_scaler.update(overflow=False)
 
     def _passthrough_step(self) -> None:
@@ -182,6 +208,10 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def prefetch_stats(self):
+        """The prefetch scheduler's statistics (stage 3), or None."""
+        return self._trace.stats() if self._trace is not None else None
 
     def io_stats(self) -> dict[str, float]:
         """Bytes read and written by the parameter and optimizer stores so far, and the

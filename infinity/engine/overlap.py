@@ -30,6 +30,7 @@ class OverlappedStep:
         self._running = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.on_unit_done: Callable[[], None] | None = None
 
     @property
     def running(self) -> bool:
@@ -60,6 +61,13 @@ class OverlappedStep:
         with self._cv:
             self._done.add(index)
             self._cv.notify_all()
+        if self.on_unit_done is not None:
+            self.on_unit_done()  # e.g. the prefetch scheduler re-plans: the unit may now be read
+
+    def is_done(self, index: int) -> bool:
+        """Whether unit ``index`` may be read: no step in flight, or its update is in place."""
+        with self._cv:
+            return not self._running or index in self._done
 
     def wait_unit(self, index: int) -> None:
         with self._cv:

@@ -282,9 +282,10 @@ class PartitionedAdam(torch.optim.Optimizer):
             self.state_store.release(key)
             _evict_unheld(self.state_store, key)  # write i-1 starts now, behind the next update
         if s.param_key is not None:
+            # The new parameter values stay cached (dirty): the next forward reads them
+            # first; the store writes them home when it needs the room.
             self.param_store.mark_dirty(s.param_key)
             self.param_store.release(s.param_key)
-            _evict_unheld(self.param_store, s.param_key)
 
 
 def _evict_unheld(store: TieredStore, key: Hashable) -> None:

@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent("""
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+    from infinity.memory import peak_host_nbytes
+    hwm = peak_host_nbytes()  # VmHWM + hugetlb pages, where the pools may live
     engine.close()
     print(json.dumps({"params": gpt.num_params, "hwm": hwm, "swap": swap, "losses": losses}))
 """)
