@@ -22,7 +22,7 @@ from infinity.config import InfinityConfig
 from infinity.estimate import rules
 from infinity.estimate.activations import Activations
 from infinity.estimate.model import ModelSpec
-from infinity.memory import format_nbytes
+from infinity.memory import format_nbytes, round_up
 from infinity.zero.unit import ParamUnit
 
 Tier = Literal["device", "host", "nvme"]
@@ -214,7 +214,8 @@ class _Planner:
         self.dtype = rules.param_dtype(cfg)
         self.b = rules.itemsize(self.dtype)
         self.dname = str(self.dtype).removeprefix("torch.")
-        self.units = rules.units_for(spec.module, cfg, world_size)
+        self.unit_map = rules.unit_map_for(spec.module, cfg, world_size)
+        self.units = self.unit_map.units
         numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
         params = [p for u in self.units for p in u.params]
         self.numels = [numels[id(p)] for p in params]
@@ -325,23 +326,44 @@ class _Planner:
             self.add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
                           "unused (no parameter on NVMe)"))
             where = "on the device" if self.cuda else "in host memory"
+        self._scheduler(homes, nv, where)
+        self.add(self._grad_in_flight())
+
+    def _scheduler(self, homes: dict[int, str], nv: list[ParamUnit], where: str) -> None:
+        """build.py _prefetch_scheduler: DeepSpeed's budgets per rank, the partitioner's working set
+        (schedule/budget.py check_serves refuses a live budget or a pool below it), what is gathered."""
+        units, b, dname, zero, off = self.units, self.b, self.dname, self.zero, self.zero.offload_param
         total = _sum(units, "shard_nbytes", lambda u: not u.persistent)
+        budgets = {}
         for label, key, numel in (
-            ("prefetch budget", "stage3_prefetch_bucket_size", self.zero.stage3_prefetch_bucket_size),
-            ("live-parameter budget", "stage3_max_live_parameters", self.zero.stage3_max_live_parameters),
+            ("prefetch budget", "stage3_prefetch_bucket_size", zero.stage3_prefetch_bucket_size),
+            ("live-parameter budget", "stage3_max_live_parameters", zero.stage3_max_live_parameters),
         ):
-            self.add(Item(label, "host" if nv else "device", min(numel * b, total), "train",
-                          f"{key} {numel:,} elements × {b} B; {where}, not added (no prefetch scheduler is "
-                          "wired yet)", f"zero_optimization.{key}", counted=False))
+            budgets[key] = rules.schedule_budget_nbytes(numel, self.world, self.dtype)
+            self.add(Item(label, "host" if nv else "device", min(budgets[key], total), "train",
+                          f"{key} {numel:,} elements / {self.world} rank(s) × {b} B, the prefetch scheduler's; "
+                          f"{where}, not added", f"zero_optimization.{key}", counted=False))
+        model = self.spec.module
+        working = rules.partitioner_working_set(model, self.unit_map, lambda u: True)
+        largest = max((u.layout.shard_nbytes for u in units if not u.persistent), default=0)
+        _check_scheduler(self.problems, zero, self.world, b, budgets["stage3_max_live_parameters"],
+                         max(working, largest),
+                         rules.pool_capacity(off.buffer_count, off.buffer_size * b) if nv else None,
+                         rules.partitioner_working_set(model, self.unit_map, lambda u: homes[u.index] == "nvme"))
         if self.cuda or self.world > 1:
             self.add(Item(f"persistent parameters, gathered ({dname})", "device",
                           sum(u.full_nbytes for u in units if u.persistent), "train",
                           "gathered once, kept for the whole run",
                           "zero_optimization.stage3_param_persistence_threshold", heap=True))
-            self.add(Item(f"gathered parameters, working set ({dname})", "device",
-                          rules.gathered_working_set(units), "train",
-                          "the three largest units: tied embedding, unit in use, unit reducing its grads", heap=True))
-        self.add(self._grad_in_flight())
+            if self.world > 1:
+                held = rules.partitioner_working_set(model, self.unit_map, lambda u: True, full=True)
+                detail = "the units the partitioner holds at once, gathered from every rank"
+            else:  # the scheduler keeps up to its live budget on the device (tier "device")
+                held = max(working, min(budgets["stage3_max_live_parameters"], total))
+                detail = "what the prefetch scheduler keeps on the device: its live budget, at least the working set"
+            self.add(Item(f"gathered parameters ({dname})", "device", held, "train", detail,
+                          "zero_optimization.stage3_max_live_parameters", heap=True))
+
 
     def resident_parameters(self) -> None:
         """Stages 0-2: parameters stay in the module; stages 0-1 keep whole grads in p.grad."""
@@ -423,3 +445,27 @@ def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
             f"{math.ceil(need / b / off.buffer_count):,}, or lower zero_optimization.sub_group_size "
             f"(to {sub:,}, the largest shard, it needs {format_nbytes(rules.step_param_pool_need(units, homes, sub))})",
         ))
+
+
+def _check_scheduler(problems, zero, world: int, b: int, live_nbytes: int, working: int,
+                     pool_capacity: int | None, pool_working: int) -> None:
+    """schedule/budget.py ScheduleBudget.check_serves, which initialize runs after moving the model
+    home (so the pre-flight check refuses it first): the live budget must hold the partitioner's
+    working set, and the parameter pool its NVMe part."""
+    if live_nbytes < working:
+        need = -(-working // b) * world
+        problems.append(Problem(
+            f"stage3_max_live_parameters ({int(zero.stage3_max_live_parameters):,} elements) is smaller than the "
+            f"units the model holds at once ({format_nbytes(working)} per rank): the prefetch scheduler refuses it",
+            f"raise zero_optimization.stage3_max_live_parameters to at least {need:,}",
+        ))
+    if pool_capacity is not None and pool_working > 0:
+        need = round_up(pool_working, 4096)
+        if pool_capacity < need:
+            off = zero.offload_param
+            problems.append(Problem(
+                f"the parameter pool ({format_nbytes(pool_capacity)}) cannot hold the units the model holds at "
+                f"once ({format_nbytes(need)}): the prefetch scheduler refuses it",
+                f"raise zero_optimization.offload_param.buffer_size to at least "
+                f"{math.ceil(need / b / off.buffer_count):,}",
+            ))

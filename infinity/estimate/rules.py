@@ -14,7 +14,7 @@ part of a unit (infinity.zero.layout), padded to a multiple of 4 KiB.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from infinity.memory import round_up
 from infinity.zero.init import init_store_of
 from infinity.zero.layout import make_layout
 from infinity.zero.unit import ParamUnit
-from infinity.zero.units import build_units
+from infinity.zero.units import UnitMap, build_units
 
 FP32_NBYTES = 4
 
@@ -80,7 +80,7 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[ParamUnit]:
+def unit_map_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> UnitMap:
     """infinity/engine/build.py build_runtime: the units the engine cuts the model into.
 
     Calls the engine's own infinity.zero.units.build_units (layout world 1 at
@@ -96,7 +96,36 @@ def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[Pa
         device=torch.device("meta"),
         dtype=param_dtype(cfg),
         shape_of=store.shape if store is not None else None,
-    ).units
+    )
+
+
+def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[ParamUnit]:
+    return unit_map_for(model, cfg, world_size).units
+
+
+def partitioner_working_set(
+    model: nn.Module, unit_map: UnitMap, counts: Callable[[ParamUnit], bool], *, full: bool = False
+) -> int:
+    """infinity/engine/build.py _working_set: the most (non-persistent) unit bytes the stage-3
+    partitioner holds at once — the heaviest root-to-leaf chain of modules' units (a frame holds its
+    module's units while its children run) plus the largest unit again (a tied weight held across
+    backward). ``full``: gathered units (world size > 1) instead of this rank's shards."""
+
+    def size(u: ParamUnit) -> int:
+        return u.full_nbytes if full else u.layout.shard_nbytes
+
+    def chain(m: nn.Module) -> int:
+        own = sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
+        return own + max((chain(c) for c in m.children()), default=0)
+
+    largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
+    return chain(model) + largest
+
+
+def schedule_budget_nbytes(numel: float, world_size: int, dtype: torch.dtype) -> int:
+    """infinity/engine/build.py _prefetch_scheduler + schedule/budget.py from_deepspeed: a DeepSpeed
+    budget (elements, gathered) as this rank's bytes — ``numel / world_size × itemsize``."""
+    return int(numel / world_size) * itemsize(dtype)
 
 
 def resident_param_nbytes(numels: Sequence[int], dtype: torch.dtype, stage: int) -> int:
@@ -312,15 +341,6 @@ def flat_buffers_nbytes(
     if not caching:
         return in_use
     return in_use + min(tensor_cache_cap(units), cacheable)
-
-
-def gathered_working_set(units: Sequence[ParamUnit]) -> int:
-    """infinity/zero/partitioner.py without a prefetch scheduler: the non-persistent units
-    gathered at once — the unit read outside its owner's forward (a tied embedding, held by
-    the outermost frame), the unit in use, and one whose grads are being reduced in backward:
-    the three largest units' full (padded) sizes at most."""
-    sizes = sorted((u.full_nbytes for u in units if not u.persistent), reverse=True)
-    return sum(sizes[:3])
 
 
 def zero_init_shard_sizes(model: nn.Module, world_size: int) -> list[int]:

@@ -15,9 +15,11 @@ big or too small for the largest layer. The rules here:
 - ``offload_param.buffer_size``: what the parameter pool should hold, with
   the buffer count kept: two consecutive sub-groups of shards (the step then
   reads one while it updates the other, rules.step_param_pool_overlap), and
-  one sub-group plus three of the largest shards (the stage-3 step runs
-  behind the next forward, which holds its gathered working set meanwhile,
-  rules.gathered_working_set); rounded up to 1 Mi elements.
+  one sub-group plus the partitioner's working set of NVMe units (the
+  stage-3 step runs behind the next forward, which holds those meanwhile;
+  rules.partitioner_working_set); rounded up to 1 Mi elements.
+- ``stage3_max_live_parameters``: raised to the partitioner's working set
+  where it is below it (the prefetch scheduler refuses it otherwise).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     """``cfg`` with its NVMe sizing keys set by the rules above, and the (key, old, new) changes."""
     zero = cfg.zero_optimization
     off = zero.offload_param
-    units = rules.units_for(spec.module, cfg, world_size)
+    unit_map = rules.unit_map_for(spec.module, cfg, world_size)
+    units = unit_map.units
     changes: list[tuple[str, int, int]] = []
     sub = int(zero.sub_group_size)
     largest = max((u.layout.shard_numel for u in units), default=0)
@@ -51,6 +54,14 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
             changes.append(("zero_optimization.sub_group_size", sub, target))
             sub = target
     new_off = off
+    live = zero.stage3_max_live_parameters
+    if zero.stage == 3:
+        working = rules.partitioner_working_set(spec.module, unit_map, lambda u: True)
+        itemsize = rules.itemsize(rules.param_dtype(cfg))
+        if rules.schedule_budget_nbytes(live, world_size, rules.param_dtype(cfg)) < working:
+            new_live = round_up(-(-working // itemsize) * world_size, _ROUND)
+            changes.append(("zero_optimization.stage3_max_live_parameters", live, new_live))
+            live = new_live
     if off.device == "nvme" and zero.stage == 3:
         if off.max_in_cpu:
             changes.append(("zero_optimization.offload_param.max_in_cpu", off.max_in_cpu, 0))
@@ -58,15 +69,15 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
         homes = rules.param_homes(units, dataclasses.replace(zero, offload_param=new_off))
         nv = sorted((u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), reverse=True)
         if nv:
-            working = sum(round_up(n, 4096) for n in nv[:3])
+            held = round_up(rules.partitioner_working_set(spec.module, unit_map, lambda u: homes[u.index] == "nvme"),
+                            4096)
             need = max(rules.step_param_pool_overlap(units, homes, sub),
-                       rules.step_param_pool_need(units, homes, sub) + working)
-            itemsize = rules.itemsize(rules.param_dtype(cfg))
+                       rules.step_param_pool_need(units, homes, sub) + held)
             size = round_up(math.ceil(need / off.buffer_count / itemsize), _ROUND)
             if size != off.buffer_size:
                 changes.append(("zero_optimization.offload_param.buffer_size", off.buffer_size, size))
                 new_off = dataclasses.replace(new_off, buffer_size=size)
     if not changes:
         return cfg, []
-    new_zero = dataclasses.replace(zero, sub_group_size=sub, offload_param=new_off)
+    new_zero = dataclasses.replace(zero, sub_group_size=sub, offload_param=new_off, stage3_max_live_parameters=live)
     return dataclasses.replace(cfg, zero_optimization=new_zero), changes

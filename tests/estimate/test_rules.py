@@ -165,3 +165,33 @@ def test_param_homes_keep_max_in_cpu_elements_in_host_memory():
     assert kept == budget  # greedy: the first two fit exactly
     assert any(homes[u.index] == "nvme" for u in big)
     assert all(homes[u.index] == "cpu" for u in units if u.persistent)
+
+
+@pytest.mark.parametrize("what", ["live budget", "pool"])
+def test_the_schedulers_refusals_are_foreseen_exactly(nvme_dir, what):
+    """ScheduleBudget.check_serves refuses (after initialize moved the model home) a live budget or a
+    parameter pool below the partitioner's working set: the plan flags exactly those configs."""
+    torch.manual_seed(0)
+    cfg = _loaded(_config(3, "nvme", "nvme", nvme=nvme_dir, stage3_param_persistence_threshold=200))
+    model = GPT(MODEL)
+    unit_map = rules.unit_map_for(model, cfg, 1)
+    homes = rules.param_homes(unit_map.units, cfg.zero_optimization)
+    everything = rules.partitioner_working_set(model, unit_map, lambda u: True)
+    on_nvme = rules.partitioner_working_set(model, unit_map, lambda u: homes[u.index] == "nvme")
+    assert everything > max(u.layout.shard_nbytes for u in unit_map.units)  # a chain, not one unit
+    for delta, refused in ((-1024, True), (0, False)):  # 4 KiB of fp32: pool buffers are 4 KiB-granular
+        raw = _config(3, "nvme", "nvme", nvme=nvme_dir, stage3_param_persistence_threshold=200, sub_group_size=20_000)
+        if what == "live budget":
+            raw["zero_optimization"]["stage3_max_live_parameters"] = everything // 4 + delta
+        else:
+            raw["zero_optimization"]["offload_param"].update(buffer_count=1, buffer_size=on_nvme // 4 + delta)
+        raw["preflight"] = False
+        est = estimate_memory(GPT(MODEL), config=raw, device="cpu", machine=False, baseline_nbytes=0,
+                              settings=[Setting(3, "nvme", "nvme")])
+        flagged = any("prefetch scheduler refuses" in p.message for p in est.settings[0].plan.problems)
+        assert flagged == refused, (what, delta, est.settings[0].plan.problems)
+        if refused:
+            with pytest.raises(ValueError, match="stage3_max_live_parameters" if what == "live budget" else "pool"):
+                infinity.initialize(GPT(MODEL), raw)
+        else:
+            infinity.initialize(GPT(MODEL), raw).close()
