@@ -231,11 +231,12 @@ class _Planner:
     def add(self, item: Item) -> None:
         self.items.append(item)
 
-    def _swap(self, label: str, nbytes: int, path, detail: str, key: str | None = None) -> None:
+    def _swap(self, label: str, nbytes: int, path, detail: str, key: str | None = None,
+              phase: Phase = "run") -> None:
         """A store's swap files at ``path``, plus its directory's lock file and extent blocks."""
         meta = rules.swap_dir_overhead_nbytes(nbytes)
-        self.add(Item(label, "nvme", nbytes, "run", detail, key))
-        self.add(Item(label.split(" swap")[0] + " swap directory", "nvme", meta, "run",
+        self.add(Item(label, "nvme", nbytes, phase, detail, key))
+        self.add(Item(label.split(" swap")[0] + " swap directory", "nvme", meta, phase,
                       "lock file and file-system extent blocks"))
         self.nvme_paths[str(path)] = self.nvme_paths.get(str(path), 0) + nbytes + meta
 
@@ -250,12 +251,17 @@ class _Planner:
                           heap=True))
             return
         sizes = rules.zero_init_shard_sizes(self.spec.module, self.world)
+        self.add(Item("zero.Init construction heap", "host",
+                      rules.zero_init_heap_nbytes(rules.zero_init_param_nbytes(self.spec.module)), "init",
+                      "parameters freed as they were partitioned, kept by the heap until initialize trims it "
+                      "(memory/trim.py)"))
         off = self.zero.offload_param
         if off.device == "nvme":
-            self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "run",
-                          "infinity/zero/init.py: the init store's pool (kept while the init store lives)"))
+            self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "init",
+                          "infinity/zero/init.py: the init store's pool (closed once initialize has every parameter)"))
             self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block), off.nvme_path,
-                       "each parameter's fp32 shard as built, files grown on demand", "offload_param.nvme_path")
+                       "each parameter's fp32 shard as built, files grown on demand; removed after initialize",
+                       "offload_param.nvme_path", phase="init")
         else:
             self.add(Item(_ZINIT_CPU, "host", sum(sizes), "init",
                           "infinity/zero/init.py: each parameter's shard as built, freed once initialize has it",

@@ -208,6 +208,20 @@ def swap_dir_overhead_nbytes(swap_nbytes: int) -> int:
     return LOCK_FILE_NBYTES + DIRECT_ALIGNMENT * -(-swap_nbytes // EXTENT_SPAN_NBYTES)
 
 
+TRIM_THRESHOLD_NBYTES = 256 << 20
+"""infinity/memory/trim.py FreedMemory: zero.Init trims the heap each time it has freed this many
+bytes of parameters as built."""
+
+
+def zero_init_heap_nbytes(param_nbytes: Sequence[int]) -> int:
+    """infinity/zero/init.py + memory/trim.py, measured on infinity.models.GPT (25M and 108M
+    parameters, CPU, glibc): what building under zero.Init leaves on the heap until initialize
+    trims it. Each parameter's full values and its shard are freed as it is partitioned and kept
+    by the heap (2 × the model) until FreedMemory trims at its threshold; the parameters being
+    initialised (full values, a clone, a shard) add up to 8 × the largest one."""
+    return min(2 * sum(param_nbytes), TRIM_THRESHOLD_NBYTES) + 8 * max(param_nbytes, default=0)
+
+
 def swap_growth_nbytes(sizes: Sequence[int], block_size: int) -> int:
     """infinity/store/swapspace.py SwapSpace.alloc without a reserve (zero.Init's store): the
     files grow to max(need, capacity + min(capacity, 1 GiB)) at each allocation that does not fit."""
@@ -341,6 +355,17 @@ def flat_buffers_nbytes(
     if not caching:
         return in_use
     return in_use + min(tensor_cache_cap(units), cacheable)
+
+
+def zero_init_param_nbytes(model: nn.Module) -> list[int]:
+    """Each parameter's full bytes as built (fp32), from zero.Init's store where it holds them."""
+    params = list(dict.fromkeys(model.parameters()))
+    store = init_store_of(params)
+    out = []
+    for p in params:
+        shape = store.shape(p) if store is not None and p in store else p.shape
+        out.append(math.prod(shape) * p.element_size())
+    return out
 
 
 def zero_init_shard_sizes(model: nn.Module, world_size: int) -> list[int]:

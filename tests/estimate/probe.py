@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 
 def status() -> dict[str, int]:
@@ -33,6 +34,31 @@ def disk_nbytes(root: str) -> int:
     return total
 
 
+class Sampler(threading.Thread):
+    """The largest HugetlbPages and swap-file bytes seen, every few milliseconds."""
+
+    def __init__(self, nvme: str | None):
+        super().__init__(daemon=True)
+        self.nvme = nvme
+        self.hugetlb = 0
+        self.swap = 0
+        self.stopped = threading.Event()
+
+    def sample(self) -> None:
+        self.hugetlb = max(self.hugetlb, status().get("HugetlbPages", 0))
+        if self.nvme:
+            self.swap = max(self.swap, disk_nbytes(self.nvme))
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.002):
+            self.sample()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.sample()
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     import torch
@@ -43,10 +69,16 @@ def main() -> None:
 
     torch.set_num_threads(1)
     baseline = runtime_baseline_nbytes()
+    sampler = Sampler(spec.get("nvme_path"))
+    sampler.start()
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(0)
-    model = GPT(cfg)
-    num_params = sum(p.numel() for p in model.parameters())
+    if spec.get("zero_init"):
+        with infinity.zero.Init(config=spec["config"]):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    num_params = cfg.num_params
     phases = {"built": status()}
     engine = infinity.initialize(model, spec["config"])
     phases["initialized"] = status()
@@ -63,13 +95,14 @@ def main() -> None:
         phases[f"step{len(losses)}"] = status()
         if nvme:
             swap = max(swap, disk_nbytes(nvme))
+    sampler.stop()
     end = status()
     engine.close()
     print(json.dumps({
         "baseline": baseline,
-        "peak": end["VmHWM"] + end.get("HugetlbPages", 0),
-        "hugetlb": end.get("HugetlbPages", 0),
-        "swap": swap,
+        "peak": end["VmHWM"] + sampler.hugetlb,
+        "hugetlb": sampler.hugetlb,
+        "swap": max(swap, sampler.swap),
         "losses": losses,
         "phases": phases,
         "num_params": num_params,

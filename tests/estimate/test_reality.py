@@ -63,28 +63,37 @@ CASES = {
 SLOW_CASES = {
     "110M-stage3-fp32-cpu-cpu": ("110M", 2, 128, dict(stage=3, p="cpu", o="cpu")),
 }
+# Built under zero.Init: the heap's keeping of what construction freed is measured, not mirrored,
+# and the estimate is conservative there (1.1-1.3 × for these sizes): never below is what is
+# asserted for host memory; the swap files (zero.Init's own, during initialize) must match.
+ZERO_INIT_CASES = {
+    "25M-zero.Init-stage3-bf16-nvme-nvme": ("25M", 1, 64, dict(stage=3, p="nvme", o="nvme", dtype="bf16",
+                                                               sub_group_size=1_000_000)),
+    "110M-zero.Init-stage3-fp32-cpu-cpu": ("110M", 1, 64, dict(stage=3, p="cpu", o="cpu")),
+}
 
 
-def _run(case: tuple, nvme: Path) -> tuple[dict, dict]:
+def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dict]:
     size, mb, seq, kw = case
     kw = dict(kw)
     stage = kw.pop("stage")
     cfg = _config(stage, kw.pop("p", "none"), kw.pop("o", "none"), dtype=kw.pop("dtype", "fp32"),
                   micro_batch=mb, nvme=str(nvme), **kw)
-    spec = {"model": SIZES[size], "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3, "nvme_path": str(nvme)}
+    spec = {"model": SIZES[size], "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3, "nvme_path": str(nvme),
+            "zero_init": zero_init}
     r = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return cfg, json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _estimate(case: tuple, cfg: dict, measured: dict):
+def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False):
     size, mb, seq, _ = case
     z = cfg["zero_optimization"]
     setting = Setting(z["stage"], z.get("offload_param", {}).get("device", "none"),
                       z.get("offload_optimizer", {}).get("device", "none"))
     est = estimate_memory(GPTConfig(**SIZES[size]), config=cfg, micro_batch=mb, seq=seq, device="cpu",
-                          zero_init=False, baseline_nbytes=measured["baseline"], machine=False, settings=[setting])
+                          zero_init=zero_init, baseline_nbytes=measured["baseline"], machine=False, settings=[setting])
     return est.settings[0].plan
 
 
@@ -112,15 +121,15 @@ def measured(tmp_path_factory):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _check(name: str, case: tuple, cfg: dict, m: dict) -> None:
-    plan = _estimate(case, cfg, m)
+def _check(name: str, case: tuple, cfg: dict, m: dict, *, zero_init: bool = False) -> None:
+    plan = _estimate(case, cfg, m, zero_init=zero_init)
     ram, peak = plan.ram_nbytes, m["peak"]
     line = (f"{name}: {m['num_params'] / 1e6:.1f}M params, peak RSS {peak / MiB:.1f} MiB, estimate "
             f"{ram / MiB:.1f} MiB ({ram / peak:.3f}); swap {m['swap'] / MiB:.1f} MiB, estimate "
             f"{plan.nvme_nbytes / MiB:.1f} MiB")
     print(line)
     assert ram >= peak, "estimate below the measured peak RSS: " + line
-    assert ram <= (1 + TOLERANCE) * peak, "estimate more than 15% above the measured peak RSS: " + line
+    assert zero_init or ram <= (1 + TOLERANCE) * peak, "estimate more than 15% above the measured peak RSS: " + line
     assert plan.nvme_nbytes >= m["swap"], "estimate below the swap-file bytes: " + line
     assert plan.nvme_nbytes <= (1 + TOLERANCE) * m["swap"], "estimate more than 15% above the swap files: " + line
     assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"
@@ -142,3 +151,10 @@ def test_cases_span_three_model_sizes_and_nvme():
 def test_estimate_holds_for_a_larger_model(name, nvme_dir):
     cfg, m = _run(SLOW_CASES[name], nvme_dir)
     _check(name, SLOW_CASES[name], cfg, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZERO_INIT_CASES))
+def test_estimate_holds_a_model_built_under_zero_init(name, nvme_dir):
+    cfg, m = _run(ZERO_INIT_CASES[name], nvme_dir, zero_init=True)
+    _check(name, ZERO_INIT_CASES[name], cfg, m, zero_init=True)
