@@ -465,7 +465,9 @@ def _check_scheduler(problems, zero, world: int, b: int, live_nbytes: int, worki
             f"units the model holds at once ({format_nbytes(working)} per rank): the prefetch scheduler refuses it",
             f"raise zero_optimization.stage3_max_live_parameters to at least {need:,}",
         ))
-    if pool_capacity is not None and pool_working > 0:
+    # A pool that cannot hold even the largest layer is initialize's to refuse, with the layer's name.
+    pool_refused = any(p.engine_refuses for p in problems)
+    if pool_capacity is not None and pool_working > 0 and not pool_refused:
         need = round_up(pool_working, 4096)
         if pool_capacity < need:
             off = zero.offload_param
