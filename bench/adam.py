@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.optim import CPUAdam, foreach_adam_step, get_isa, stream_bound_step
+from infinity import _adam
+from infinity.optim import CPUAdam, foreach_adam_step, get_isa, has_overflow, stream_bound_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
@@ -209,6 +210,30 @@ def run_pieces(threads: int, rounds: int, piece: int) -> dict:
     }
 
 
+def run_overflow(numel: int, threads: int, rounds: int) -> dict:
+    """has_overflow (one read-only pass) vs torch's check, over finite fp32 and fp16 gradients (the worst case)."""
+    grads = {"fp32": torch.randn(numel), "fp16": torch.randn(numel).half()}
+    fns: dict[str, Callable[[], bool]] = {}
+    for name, g in grads.items():
+        fns[f"ours has_overflow {name}"] = lambda g=g: has_overflow(g, num_threads=threads)
+        fns[f"torch not isfinite().all() {name}"] = lambda g=g: not bool(torch.isfinite(g).all())
+    for fn in fns.values():
+        assert fn() is False
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    out = {"numel": numel, "threads": threads, "ms": {}, "speedup": {}}
+    for name, ts in times.items():
+        out["ms"][name] = {"median": statistics.median(ts) * 1e3, "min": min(ts) * 1e3, "max": max(ts) * 1e3}
+    for name in grads:
+        ours, theirs = times[f"ours has_overflow {name}"], times[f"torch not isfinite().all() {name}"]
+        out["speedup"][name] = _ratio_stats([t / o for t, o in zip(theirs, ours, strict=True)])
+    return out
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -228,6 +253,8 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "memory_GiB": round(mem / 2**30, 1),
         "isa": get_isa(),
+        "threading": _adam.threading_backend(),
+        "stream_min_bytes": _adam.stream_min_bytes(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "infinity": infinity.__version__,
@@ -285,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:30s} {us['median']:9.1f} us ({us['min']:.1f}-{us['max']:.1f})")
     s = pieces["ours vs torch fused (speedup)"]
     print(f"  ours vs torch fused (speedup)  {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
+    overflow = run_overflow(int(max(sizes) * 1e6) if args.quick else 50_000_000, args.threads, rounds)
+    result["overflow"] = overflow
+    print(f"\nOverflow check over {overflow['numel'] / 1e6:g}M finite gradients, {args.threads} threads:")
+    for name, ms in overflow["ms"].items():
+        print(f"  {name:36s} {ms['median']:8.2f} ms ({ms['min']:.2f}-{ms['max']:.2f})")
+    for name, sp in overflow["speedup"].items():
+        print(f"  ours vs torch, {name} (speedup)     {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (script, what its JSON must contain)
 BENCHMARKS = [
-    ("bench/adam.py", ("machine", "cases", "pieces")),
+    ("bench/adam.py", ("machine", "cases", "pieces", "overflow")),
 ]
 
 
