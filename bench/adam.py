@@ -277,6 +277,30 @@ def print_case(r: dict) -> None:
         print(f"  {name:50s} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
 
 
+def markdown(result: dict) -> str:
+    """The README's table: medians (min-max) over the rounds, ratios taken inside each round."""
+
+    def cell(d: dict, fmt: str = "{:.1f}") -> str:
+        return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
+
+    lines = [
+        "| params | tensors | bound ms | ours fp32 ms | torch fused ms | torch foreach ms "
+        "| ours / bound | ours vs fused | ours bf16+copy ms | fused + copy_ ms | bf16+copy vs fused+copy_ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cases"]:
+        r, q = c["rows"], c["ratios"]
+        lines.append(
+            f"| {c['numel'] / 1e6:g}M | {c['tensors']} "
+            f"| {cell(r['bound (4 read, 3 write)']['ms'])} | {cell(r['ours fp32 (CPUAdam)']['ms'])} "
+            f"| {cell(r['torch fused']['ms'])} | {cell(r['torch foreach']['ms'])} "
+            f"| {cell(q['ours fp32 / bound (speed)'], '{:.2f}')} | {cell(q['ours fp32 vs torch fused (speedup)'], '{:.2f}')}x "
+            f"| {cell(r['ours bf16 grad + bf16 copy']['ms'])} | {cell(r['torch fused + copy_ to bf16']['ms'])} "
+            f"| {cell(q['ours bf16+copy vs torch fused + copy_ (speedup)'], '{:.2f}')}x |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: seconds (CI)")
@@ -319,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:36s} {ms['median']:8.2f} ms ({ms['min']:.2f}-{ms['max']:.2f})")
     for name, sp in overflow["speedup"].items():
         print(f"  ours vs torch, {name} (speedup)     {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
+    print("\n" + markdown(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
