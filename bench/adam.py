@@ -128,8 +128,14 @@ def _ratio_stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _load() -> float:
+    """The 1-minute load average: other processes on a shared machine show up here (and in min-max)."""
+    return os.getloadavg()[0]
+
+
 def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed: bool) -> dict:
     case = Case(numel, tensors, threads, with_deepspeed)
+    load_before = _load()
     fns = case.contenders()
     for fn in fns.values():  # warm-up: allocates optimizer state, touches every page
         fn()
@@ -167,7 +173,15 @@ def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed
         ratios["ours fp32 vs DeepSpeedCPUAdam (speedup)"] = speedup("DeepSpeedCPUAdam", "ours fp32 (CPUAdam)")
     del case, fns
     gc.collect()
-    return {"numel": numel, "tensors": tensors, "threads": threads, "rounds": rounds, "rows": rows, "ratios": ratios}
+    return {
+        "numel": numel,
+        "tensors": tensors,
+        "threads": threads,
+        "rounds": rounds,
+        "loadavg_1min": [load_before, _load()],
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def run_pieces(threads: int, rounds: int, piece: int) -> dict:
@@ -265,7 +279,11 @@ def machine() -> dict:
 
 
 def print_case(r: dict) -> None:
-    print(f"\n{r['numel'] / 1e6:g}M params in {r['tensors']} tensor(s), {r['threads']} threads, {r['rounds']} rounds")
+    load = "-".join(f"{x:.1f}" for x in r["loadavg_1min"])
+    print(
+        f"\n{r['numel'] / 1e6:g}M params in {r['tensors']} tensor(s), {r['threads']} threads, "
+        f"{r['rounds']} rounds (load average {load})"
+    )
     print(f"  {'':30s} {'ms median':>10s} {'(min-max)':>17s} {'Mparams/s':>10s} {'of bound':>9s}")
     for name, row in r["rows"].items():
         ms = row["ms"]
