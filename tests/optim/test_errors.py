@@ -121,6 +121,9 @@ def test_cpu_adam_refuses_what_it_cannot_update():
         CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True}])
     w = torch.nn.Parameter(torch.zeros(3))
     opt = CPUAdam([w])
+    with pytest.raises(ValueError, match=r"param 0 of group 1 is a contiguous torch.float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1, "a refused group is not kept"
     w.grad = torch.zeros(3).to_sparse()
     with pytest.raises(RuntimeError, match=r"CPUAdam does not support sparse gradients"):
         opt.step()
