@@ -10,8 +10,10 @@ and min-max over the rounds.
 
 The bound is a kernel that reads param, grad, exp_avg, exp_avg_sq and writes
 the three in place with the same loads, stores and threads as ours, but no
-Adam math (infinity.optim.stream_bound_step): 28 bytes per parameter, the
-traffic of every fp32 Adam step. Ours with bf16 gradients and the bf16 weight
+Adam math (infinity.optim.stream_bound_step), run over CPUAdam's own buffers:
+28 bytes per parameter, the traffic of every fp32 Adam step. (It adds the
+gradient to CPUAdam's moments; they stay finite, and the timings do not
+depend on the values.) Ours with bf16 gradients and the bf16 weight
 copy moves 28 bytes too (2 fewer read, 2 more written); torch has to run its
 step (28) and then convert the weights (4 read + 2 written).
 
@@ -37,7 +39,8 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.optim import CPUAdam, foreach_adam_step, get_isa, stream_bound_step
+from infinity import _adam
+from infinity.optim import CPUAdam, foreach_adam_step, get_isa, has_overflow, stream_bound_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
@@ -72,18 +75,14 @@ class Case:
         self.foreach = torch.optim.AdamW(self.params, **HYPER, foreach=True)
         ds = _deepspeed_adam() if with_deepspeed else None
         self.deepspeed = ds(self.params, **HYPER, adamw_mode=True) if ds is not None else None
-        # Moments of the bf16 runs (CPUAdam keeps its own). The bandwidth probe
-        # adds the gradient to these as well: values stay finite, and it saves
-        # 8 bytes per parameter of memory at 200M.
-        self.m16_flat, self.v16_flat = torch.zeros(numel), torch.zeros(numel)
-        self.m16, self.v16 = list(self.m16_flat.split(sizes)), list(self.v16_flat.split(sizes))
+        # Moments of the bf16 runs (CPUAdam keeps its own, laid out as torch's).
+        self.m16 = list(torch.zeros(numel).split(sizes))
+        self.v16 = list(torch.zeros(numel).split(sizes))
         self.step16 = 0
 
     def contenders(self) -> dict[str, Callable[[], None]]:
         c: dict[str, Callable[[], None]] = {
-            "bound (4 read, 3 write)": lambda: stream_bound_step(
-                self.flat, self.grad_flat, self.m16_flat, self.v16_flat, num_threads=self.threads
-            ),
+            "bound (4 read, 3 write)": self._bound,
             "ours fp32 (CPUAdam)": self.ours.step,
             "torch fused": self.fused.step,
             "torch foreach": self.foreach.step,
@@ -94,6 +93,19 @@ class Case:
         c["torch fused + copy_ to bf16"] = self._fused_copy
         c["torch fused + .to(bf16)"] = self._fused_to
         return c
+
+    def _bound(self) -> None:
+        """Over the very buffers CPUAdam steps (its own exp_avg/exp_avg_sq): the same memory layout."""
+        if not self.ours.state:
+            self.ours.step()  # creates the state
+        states = [self.ours.state[p] for p in self.params]
+        stream_bound_step(
+            self.params,
+            [p.grad for p in self.params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            num_threads=self.threads,
+        )
 
     def _ours_bf16(self) -> None:
         self.step16 += 1
@@ -127,8 +139,14 @@ def _ratio_stats(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def _load() -> float:
+    """The 1-minute load average: other processes on a shared machine show up here (and in min-max)."""
+    return os.getloadavg()[0]
+
+
 def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed: bool) -> dict:
     case = Case(numel, tensors, threads, with_deepspeed)
+    load_before = _load()
     fns = case.contenders()
     for fn in fns.values():  # warm-up: allocates optimizer state, touches every page
         fn()
@@ -166,7 +184,15 @@ def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed
         ratios["ours fp32 vs DeepSpeedCPUAdam (speedup)"] = speedup("DeepSpeedCPUAdam", "ours fp32 (CPUAdam)")
     del case, fns
     gc.collect()
-    return {"numel": numel, "tensors": tensors, "threads": threads, "rounds": rounds, "rows": rows, "ratios": ratios}
+    return {
+        "numel": numel,
+        "tensors": tensors,
+        "threads": threads,
+        "rounds": rounds,
+        "loadavg_1min": [load_before, _load()],
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 def run_pieces(threads: int, rounds: int, piece: int) -> dict:
@@ -209,6 +235,30 @@ def run_pieces(threads: int, rounds: int, piece: int) -> dict:
     }
 
 
+def run_overflow(numel: int, threads: int, rounds: int) -> dict:
+    """has_overflow (one read-only pass) vs torch's check, over finite fp32 and fp16 gradients (the worst case)."""
+    grads = {"fp32": torch.randn(numel), "fp16": torch.randn(numel).half()}
+    fns: dict[str, Callable[[], bool]] = {}
+    for name, g in grads.items():
+        fns[f"ours has_overflow {name}"] = lambda g=g: has_overflow(g, num_threads=threads)
+        fns[f"torch not isfinite().all() {name}"] = lambda g=g: not bool(torch.isfinite(g).all())
+    for fn in fns.values():
+        assert fn() is False
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    out = {"numel": numel, "threads": threads, "ms": {}, "speedup": {}}
+    for name, ts in times.items():
+        out["ms"][name] = {"median": statistics.median(ts) * 1e3, "min": min(ts) * 1e3, "max": max(ts) * 1e3}
+    for name in grads:
+        ours, theirs = times[f"ours has_overflow {name}"], times[f"torch not isfinite().all() {name}"]
+        out["speedup"][name] = _ratio_stats([t / o for t, o in zip(theirs, ours, strict=True)])
+    return out
+
+
 def machine() -> dict:
     cpu = platform.processor()
     try:
@@ -228,6 +278,8 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "memory_GiB": round(mem / 2**30, 1),
         "isa": get_isa(),
+        "threading": _adam.threading_backend(),
+        "stream_min_bytes": _adam.stream_min_bytes(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "infinity": infinity.__version__,
@@ -238,7 +290,11 @@ def machine() -> dict:
 
 
 def print_case(r: dict) -> None:
-    print(f"\n{r['numel'] / 1e6:g}M params in {r['tensors']} tensor(s), {r['threads']} threads, {r['rounds']} rounds")
+    load = "-".join(f"{x:.1f}" for x in r["loadavg_1min"])
+    print(
+        f"\n{r['numel'] / 1e6:g}M params in {r['tensors']} tensor(s), {r['threads']} threads, "
+        f"{r['rounds']} rounds (load average {load})"
+    )
     print(f"  {'':30s} {'ms median':>10s} {'(min-max)':>17s} {'Mparams/s':>10s} {'of bound':>9s}")
     for name, row in r["rows"].items():
         ms = row["ms"]
@@ -248,6 +304,30 @@ def print_case(r: dict) -> None:
         )
     for name, s in r["ratios"].items():
         print(f"  {name:50s} {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
+
+
+def markdown(result: dict) -> str:
+    """The README's table: medians (min-max) over the rounds, ratios taken inside each round."""
+
+    def cell(d: dict, fmt: str = "{:.1f}") -> str:
+        return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"
+
+    lines = [
+        "| params | tensors | bound ms | ours fp32 ms | torch fused ms | torch foreach ms "
+        "| ours / bound | ours vs fused | ours bf16+copy ms | fused + copy_ ms | bf16+copy vs fused+copy_ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in result["cases"]:
+        r, q = c["rows"], c["ratios"]
+        lines.append(
+            f"| {c['numel'] / 1e6:g}M | {c['tensors']} "
+            f"| {cell(r['bound (4 read, 3 write)']['ms'])} | {cell(r['ours fp32 (CPUAdam)']['ms'])} "
+            f"| {cell(r['torch fused']['ms'])} | {cell(r['torch foreach']['ms'])} "
+            f"| {cell(q['ours fp32 / bound (speed)'], '{:.2f}')} | {cell(q['ours fp32 vs torch fused (speedup)'], '{:.2f}')}x "
+            f"| {cell(r['ours bf16 grad + bf16 copy']['ms'])} | {cell(r['torch fused + copy_ to bf16']['ms'])} "
+            f"| {cell(q['ours bf16+copy vs torch fused + copy_ (speedup)'], '{:.2f}')}x |"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:30s} {us['median']:9.1f} us ({us['min']:.1f}-{us['max']:.1f})")
     s = pieces["ours vs torch fused (speedup)"]
     print(f"  ours vs torch fused (speedup)  {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
+    overflow = run_overflow(int(max(sizes) * 1e6) if args.quick else 50_000_000, args.threads, rounds)
+    result["overflow"] = overflow
+    print(f"\nOverflow check over {overflow['numel'] / 1e6:g}M finite gradients, {args.threads} threads:")
+    for name, ms in overflow["ms"].items():
+        print(f"  {name:36s} {ms['median']:8.2f} ms ({ms['min']:.2f}-{ms['max']:.2f})")
+    for name, sp in overflow["speedup"].items():
+        print(f"  ours vs torch, {name} (speedup)     {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
+    print("\n" + markdown(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")

@@ -111,9 +111,16 @@ class CPUAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        super().add_param_group(param_group)
+        super().add_param_group(param_group)  # fills the defaults; refuses duplicate params
         index = len(self.param_groups) - 1
-        group = self.param_groups[index]
+        try:
+            self._check_group(self.param_groups[index], index)
+        except ValueError:
+            self.param_groups.pop()  # a refused group leaves the optimizer as it was
+            raise
+
+    @staticmethod
+    def _check_group(group: dict[str, Any], index: int) -> None:
         _check_hyper(group, f"param group {index}")
         for j, p in enumerate(group["params"]):
             if not (p.is_cpu and p.dtype is torch.float32 and p.layout is torch.strided and p.is_contiguous()):

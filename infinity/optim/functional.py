@@ -265,10 +265,10 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads:
 
 
 def stream_bound_step(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    param: torch.Tensor | Sequence[torch.Tensor],
+    grad: torch.Tensor | Sequence[torch.Tensor],
+    exp_avg: torch.Tensor | Sequence[torch.Tensor],
+    exp_avg_sq: torch.Tensor | Sequence[torch.Tensor],
     *,
     num_threads: int | None = None,
 ) -> None:
@@ -277,9 +277,14 @@ def stream_bound_step(
     Reads the four fp32 arrays and writes three in place (param += grad,
     exp_avg += grad, exp_avg_sq += grad) with the kernels' loads, stores,
     threads and partitioning but no Adam math: no step over these buffers can
-    be faster. bench/adam.py reports the Adam step's speed as a fraction of it.
+    be faster. Takes one tensor per argument, or sequences of them (a
+    foreach step's buffers, so that the bound sees the same memory layout).
+    bench/adam.py reports the Adam step's speed as a fraction of it.
     """
-    p, g, m, v, _h, numels, g_codes, _hc = _gather((param,), (grad,), (exp_avg,), (exp_avg_sq,), None, True)
-    if g_codes[0] != _adam.FLOAT32:
-        raise _explain("grad", grad, (_F32,), numels[0])
+    single = isinstance(param, torch.Tensor)
+    seqs = [(t,) if single else t for t in (param, grad, exp_avg, exp_avg_sq)]
+    p, g, m, v, _h, numels, g_codes, _hc = _gather(*seqs, None, single)
+    for i, code in enumerate(g_codes):
+        if code != _adam.FLOAT32:
+            raise _explain("grad" if single else f"grad[{i}]", seqs[1][i], (_F32,), numels[i])
     _adam.stream_bound(p, g, m, v, numels, kernel.isa_code, _threads(num_threads))

@@ -1,5 +1,9 @@
 """Clear errors: each names the argument, what is wrong, and the fix."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -99,8 +103,6 @@ def test_thread_count():
 def test_isa_names():
     with pytest.raises(ValueError, match=r"isa must be one of scalar, avx2, avx512, got 'sse9'"):
         set_isa("sse9")
-    with pytest.raises(ValueError, match=r"INFINITY_ADAM_ISA must be one of scalar, avx2, avx512, got 'neon'"):
-        kernel._resolve("neon", kernel.ENV_VAR)
     missing = [name for name in kernel.ISAS if name not in kernel.supported_isas()]
     for name in missing:
         with pytest.raises(ValueError, match=rf"isa='{name}', but this CPU supports only"):
@@ -119,6 +121,21 @@ def test_cpu_adam_refuses_what_it_cannot_update():
         CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True}])
     w = torch.nn.Parameter(torch.zeros(3))
     opt = CPUAdam([w])
+    with pytest.raises(ValueError, match=r"param 0 of group 1 is a contiguous torch.float64"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1, "a refused group is not kept"
     w.grad = torch.zeros(3).to_sparse()
     with pytest.raises(RuntimeError, match=r"CPUAdam does not support sparse gradients"):
         opt.step()
+
+
+def test_isa_from_the_environment():
+    """INFINITY_ADAM_ISA picks the kernel set at import; a bad value fails the import with the fix named."""
+    code = "import infinity.optim as o; print(o.get_isa())"
+    env = {**os.environ, kernel.ENV_VAR: "scalar"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "scalar", r.stderr
+    env[kernel.ENV_VAR] = "avx9000"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "INFINITY_ADAM_ISA must be one of scalar, avx2, avx512, got 'avx9000'" in r.stderr
