@@ -282,10 +282,12 @@ class PartitionedAdam(torch.optim.Optimizer):
             self.state_store.release(key)
             _evict_unheld(self.state_store, key)  # write i-1 starts now, behind the next update
         if s.param_key is not None:
-            # The new parameter values stay cached (dirty): the next forward reads them
-            # first; the store writes them home when it needs the room.
+            # The new parameter values are written home now but stay cached (clean): the
+            # next forward reads them first, and the pool can drop them without waiting
+            # for a write when it needs the room.
             self.param_store.mark_dirty(s.param_key)
             self.param_store.release(s.param_key)
+            _flush_unheld(self.param_store, s.param_key)
 
 
 def _evict_unheld(store: TieredStore, key: Hashable) -> None:
@@ -293,6 +295,13 @@ def _evict_unheld(store: TieredStore, key: Hashable) -> None:
     spec = store.spec(key)
     if spec.home == "nvme" and spec.holds == 0:
         store.evict(key)
+
+
+def _flush_unheld(store: TieredStore, key: Hashable) -> None:
+    """Starts writing ``key`` home now, keeping it resident, unless someone else still holds it."""
+    spec = store.spec(key)
+    if spec.home == "nvme" and spec.holds == 0:
+        store.flush(key)
 
 
 def _split(shards: Sequence[ShardSpec], limit: int) -> list[list[ShardSpec]]:
