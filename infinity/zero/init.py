@@ -45,11 +45,14 @@ from infinity.zero.layout import make_layout
 log = logging.getLogger("infinity.zero")
 
 _INIT_POOL_NBYTES = 64 << 20
+# A shard is stored as keys of at most this many bytes (contiguous on disk), so a
+# layer of any size passes through the fixed pool.
+_INIT_CHUNK_NBYTES = 32 << 20
 
 
 @dataclasses.dataclass
 class _Record:
-    key: str
+    keys: list[tuple[str, int, int]]  # (store key, lo, hi) over the flat shard
     shape: torch.Size
     dtype: torch.dtype
     shard_numel: int
@@ -81,14 +84,27 @@ class InitStore:
         shard = torch.zeros(layout.shard_numel, dtype=p.dtype)
         part = data[lo:min(hi, data.numel())]
         shard[: part.numel()] = part
-        key = f"init{self._next}"
-        self._next += 1
-        self.store.register(key, (layout.shard_numel,), p.dtype, home=self.home)
-        self.store.write(key, shard).result()
-        self.records[p] = _Record(key, p.shape, p.dtype, layout.shard_numel, data.numel())
+        keys = self._register(layout.shard_numel, p.dtype)
+        self._write(keys, shard)
+        self.records[p] = _Record(keys, p.shape, p.dtype, layout.shard_numel, data.numel())
         _store_of[p] = self
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
+
+    def _register(self, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
+        step = max(1, _INIT_CHUNK_NBYTES // dtype.itemsize)
+        keys = []
+        for lo in range(0, numel, step):
+            key = f"init{self._next}"
+            self._next += 1
+            hi = min(lo + step, numel)
+            self.store.register(key, (hi - lo,), dtype, home=self.home)
+            keys.append((key, lo, hi))
+        return keys
+
+    def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
+        for key, lo, hi in keys:
+            self.store.write(key, shard[lo:hi]).result()
 
     def shape(self, p: nn.Parameter) -> torch.Size:
         """The parameter's true shape (its ``.data`` is a placeholder while it waits here)."""
@@ -98,12 +114,21 @@ class InitStore:
     def full(self, p: nn.Parameter) -> torch.Tensor:
         """The whole parameter (all ranks' slices gathered); every rank must call in the same order."""
         rec = self.records[p]
-        shard = self.store.fetch(rec.key).result()
-        try:
-            full = torch.empty(rec.shard_numel * self.group.world_size, dtype=rec.dtype)
-            self.group.all_gather(full, shard)
-        finally:
-            self.store.release(rec.key)
+        full = torch.empty(rec.shard_numel * self.group.world_size, dtype=rec.dtype)
+        if len(rec.keys) == 1:  # gathered straight from the pool's buffer
+            key = rec.keys[0][0]
+            try:
+                self.group.all_gather(full, self.store.fetch(key).result())
+            finally:
+                self.store.release(key)
+            return full[: rec.numel].view(rec.shape)
+        shard = torch.empty(rec.shard_numel, dtype=rec.dtype)
+        for key, lo, hi in rec.keys:
+            try:
+                shard[lo:hi].copy_(self.store.fetch(key).result())
+            finally:
+                self.store.release(key)
+        self.group.all_gather(full, shard)
         return full[: rec.numel].view(rec.shape)
 
     def rewrite(self, p: nn.Parameter, value: torch.Tensor) -> None:
@@ -113,7 +138,7 @@ class InitStore:
         shard = torch.zeros(rec.shard_numel, dtype=rec.dtype)
         part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
         shard[: part.numel()] = part
-        self.store.write(rec.key, shard).result()
+        self._write(rec.keys, shard)
         self._freed.freed(flat.numel() * flat.element_size())
 
     def forget(self, p: nn.Parameter) -> None:
@@ -121,7 +146,8 @@ class InitStore:
         rec = self.records.pop(p, None)
         _store_of.pop(p, None)
         if rec is not None:
-            self.store.unregister(rec.key)
+            for key, _, _ in rec.keys:
+                self.store.unregister(key)
         if not len(self.records):
             self.close()
 

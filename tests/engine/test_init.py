@@ -40,6 +40,15 @@ def test_same_weights_as_without_init(name, offload_param, nvme_dir):
         assert torch.equal(weights[n], ref), n
 
 
+def test_shards_larger_than_the_init_pool_are_stored_in_pieces(monkeypatch, nvme_dir):
+    # 4 KiB pieces: every MLP layer of the models spans several keys (a 2B model's do at 32 MiB)
+    monkeypatch.setattr(infinity.zero.init, "_INIT_CHUNK_NBYTES", 4096)
+    placeholders, weights = _build_and_gather(0, "gpt", "nvme", str(nvme_dir))
+    assert placeholders
+    for n, ref in _plain("gpt").items():
+        assert torch.equal(weights[n], ref), n
+
+
 def test_init_with_stage_below_3_does_nothing(caplog):
     with infinity.zero.Init({"zero_optimization": {"stage": 2}}):
         model = MODELS["twice"]()
