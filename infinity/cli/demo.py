@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefetch: {t.prefetch_hits} fetches served ahead, {t.on_demand} on demand, {t.stall_s:.1f} s "
               f"waiting for parameters, {t.duplicate_reads} duplicate reads")
     print(f"training state {_gib(state_nbytes)} on NVMe, peak RSS {_gib(rss)} "
-          f"({state_nbytes / max(rss, 1):.1f}x the state in memory)")
+          f"(the state is {state_nbytes / max(rss, 1):.1f}x the memory used)")
     png = Path(f"{args.out}_loss.png")
     _plot(losses, png, title=f"GPT {gpt.num_params / 1e6:.0f}M, params + optimizer on NVMe")
     Path(f"{args.out}.json").write_text(json.dumps(summary, indent=2))
