@@ -1,0 +1,302 @@
+"""save_checkpoint: every rank streams its shards from the stores to the checkpoint, then rank 0 publishes it.
+
+Phases (each ends in ``agree``, see collective.py):
+1. Capture the small state in memory (RNG, counters, client state, ...): a
+   client_state that a checkpoint cannot hold fails here, before any file.
+2. Rank 0 creates the hidden directory (see [Note: publishing a checkpoint]).
+3. Each rank < partitions writes its part file (units in order, a unit's
+   master / exp_avg / exp_avg_sq fetched from the stores and written with the
+   aio engine, never the full model in memory); every rank writes its rank
+   file. Each file is fsynced.
+4. Rank 0 checks every rank's file is there, writes manifest.json, renames
+   the directory into place, then points ``latest`` at it.
+On an exception in any phase every rank raises, and rank 0 removes the
+hidden directory; a killed process leaves it for loaders to skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from infinity.aio import AioHandle, crc32c
+from infinity.engine.checkpoint import atomic
+from infinity.engine.checkpoint.collective import agree, shared_nonce
+from infinity.engine.checkpoint.format import (
+    ALIGN,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    build_header,
+    dtype_name,
+    part_name,
+    rank_name,
+)
+from infinity.engine.checkpoint.model import describe_units, state_dict_names
+from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.state import (
+    capture_hyperparameters,
+    capture_rng,
+    capture_scheduler,
+    param_group_of,
+)
+from infinity.engine.checkpoint.stream import SaveItem, StoreRef, write_part
+from infinity.engine.checkpoint.values import TensorSink, encode
+
+log = logging.getLogger("infinity.checkpoint")
+
+FP32 = torch.float32
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One tensor of the part file before offsets are known."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ref: StoreRef | None = None
+    tensor: torch.Tensor | None = None
+
+
+def unit_state_refs(engine: Any, unit: Any) -> list[tuple[str, StoreRef]]:
+    """(role, where it lives) of a unit shard's fp32 state: the master (in the parameter store when the
+    fp32 stage-3 shard is its own master), exp_avg and exp_avg_sq."""
+    rt = engine.runtime
+    ss = rt.state_store
+    i = unit.index
+    master = StoreRef(ss, (i, "master")) if (i, "master") in ss else StoreRef(rt.param_store, unit.key)
+    return [("master", master), ("exp_avg", StoreRef(ss, (i, "m"))), ("exp_avg_sq", StoreRef(ss, (i, "v")))]
+
+
+def partitions_of(engine: Any) -> int:
+    units = engine.runtime.unit_map.units
+    return units[0].layout.world_size if units else 1
+
+
+def _plan_units(engine: Any) -> list[list[_Planned]]:
+    groups = []
+    for u in engine.runtime.unit_map.units:
+        shape = (u.layout.shard_numel,)
+        groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref) for role, ref in unit_state_refs(engine, u)])
+    return groups
+
+
+def _plan_passthrough(engine: Any, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
+    """Stage 0 with a torch optimizer of the user's: the parameters whole, and the optimizer's tensors."""
+    groups = [[_Planned(f"param.{n}", p.dtype, tuple(p.shape), tensor=p.data)] for n, p in
+              zip(param_names, engine.runtime.params, strict=True)]
+    sink = TensorSink("optim.", copy=False)
+    skeleton = encode(engine.runtime.passthrough.state_dict(), sink, "optimizer.state_dict()")
+    groups += [[_Planned(n, t.dtype, tuple(t.shape), tensor=t)] for n, t in sink.tensors.items()]
+    return groups, skeleton
+
+
+def _param_names(engine: Any) -> list[str]:
+    names, _ = state_dict_names(engine.module)
+    return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(engine.runtime.params)]
+
+
+def _rank_file(engine: Any, client_state: Any, part_crcs: dict[str, int] | None, part_file: str | None,
+               param_names: list[str], extra: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """This rank's small state as a safetensors blob (JSON in __metadata__), and rank 0's manifest extras."""
+    sink = TensorSink("t.")
+    rt = engine.runtime
+    state: dict[str, Any] = {
+        "rank": engine.group.rank,
+        "rng": capture_rng(sink),
+        "client_state": encode(client_state, sink, "client_state"),
+        "param_steps": list(rt.optimizer.param_steps) if rt.optimizer is not None else None,
+        "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs},
+    }
+    tensors = dict(sink.tensors)
+    manifest_extra: dict[str, Any] = {}
+    if engine.group.rank == 0:
+        _, buffers = state_dict_names(engine.module)
+        for name, b in buffers.items():
+            tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
+        manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
+        if rt.passthrough is not None:
+            aliases, _ = state_dict_names(engine.module)
+            manifest_extra["params"] = [
+                {"name": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape),
+                 "aliases": [n] + [a for a in aliases.get(id(p), []) if a != n]}
+                for n, p in zip(param_names, rt.params, strict=True)
+            ]
+        opt = engine.optimizer
+        state["engine"] = {
+            "loss_scaler": engine.loss_scaler.state_dict(),
+            "lr_scheduler": capture_scheduler(engine.lr_scheduler, sink),
+            "lr_scheduler_type": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__qualname__,
+            "param_groups": capture_hyperparameters(opt.param_groups),
+            "param_group_of": param_group_of(opt.param_groups, rt.params),
+            "param_names": param_names,
+            **extra,
+        }
+        tensors.update(sink.tensors)
+    meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
+    return safetensors.torch.save(tensors, metadata=meta), manifest_extra
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    client_state: Any = None,
+    *,
+    progress: bool | None = None,
+) -> Path:
+    """Saves the engine's full training state under ``save_dir/tag`` (default tag: ``global_step<N>``) and
+    points ``save_dir/latest`` at it. Every rank must call it. Returns the checkpoint's directory."""
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"save_checkpoint() was called in the middle of a gradient accumulation window (micro step "
+            f"{engine.micro_steps % engine.gradient_accumulation_steps} of {engine.gradient_accumulation_steps}); "
+            "the gradients accumulated so far are not part of a checkpoint, so call it after engine.step() at "
+            "an accumulation boundary"
+        )
+    tag = atomic.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    group = engine.group
+    rank = group.rank
+    root = Path(save_dir)
+    t0 = time.perf_counter()
+
+    # Phase 1: the small state, in memory.
+    err = None
+    try:
+        param_names = _param_names(engine)
+        partitions = partitions_of(engine)
+        writes_part = rank < partitions
+        if engine.runtime.passthrough is not None:
+            groups, skeleton = _plan_passthrough(engine, param_names) if writes_part else ([], None)
+            extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
+        else:
+            groups, extra = (_plan_units(engine) if writes_part else []), {}
+        flat = [p for g in groups for p in g]
+        header, layout = build_header([(p.name, p.dtype, p.shape) for p in flat],
+                                      {"format": FORMAT, "version": str(VERSION), "kind": "part",
+                                       "partition": str(rank), "partitions": str(partitions)}, align=ALIGN)
+    except Exception as e:
+        err = e
+    agree(group, err, "preparing the checkpoint")
+
+    nonce = shared_nonce(group)
+    tmp = atomic.partial_dir(root, tag, nonce)
+    err = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in atomic.leftovers(root):
+                if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
+                    log.info("removing '%s', left by an interrupted save of the same tag", stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+            atomic.fsync_path(root, directory=True)
+        except Exception as e:
+            err = e
+    agree(group, err, f"creating '{tmp}'")
+
+    # Phase 3: the files.
+    err = None
+    info = [0, 0, 0]
+    manifest_extra: dict[str, Any] = {}
+    try:
+        crcs = None
+        part_file = None
+        if writes_part:
+            part_file = part_name(rank, partitions)
+            with Progress(layout.file_nbytes, f"save {tag}", progress if rank == 0 else False) as bar, \
+                    AioHandle.from_config(engine.config.aio) as handle:
+                crcs = write_part(
+                    handle, tmp / part_file, header,
+                    ([SaveItem(layout.entries[p.name], p.ref, p.tensor) for p in g] for g in groups),
+                    file_nbytes=layout.file_nbytes, progress=bar,
+                )
+        blob, manifest_extra = _rank_file(engine, client_state, crcs, part_file, param_names, extra)
+        atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
+        info = [layout.file_nbytes if writes_part else 0, len(blob), crc32c(blob)]
+    except Exception as e:
+        err = e
+    try:
+        sizes = agree(group, err, f"writing checkpoint '{tag}'", info)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # Phase 4: rank 0 publishes.
+    final = root / tag
+    err = None
+    if rank == 0:
+        try:
+            files = {}
+            for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
+                if r < partitions:
+                    files[part_name(r, partitions)] = {"nbytes": part_nbytes}
+                files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
+            _check_files_present(tmp, files)
+            manifest = _manifest(engine, tag, partitions, files, manifest_extra)
+            atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
+            atomic.fsync_path(tmp, directory=True)
+            atomic.publish(tmp, final, nonce)
+            atomic.write_latest(root, tag, nonce)
+        except Exception as e:
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    agree(group, err, f"publishing checkpoint '{tag}'")
+    total = sum(a + b for a, b, _ in sizes)
+    dt = time.perf_counter() - t0
+    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", final, total / 1e9, dt, total / 1e9 / max(dt, 1e-9))
+    return final
+
+
+def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
+    for name, f in files.items():
+        p = tmp / name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"'{p}' is missing although its rank reported writing it: the checkpoint directory must be one "
+                "directory shared by every rank (a shared file system), as in DeepSpeed"
+            ) from None
+        if size != f["nbytes"]:
+            raise OSError(f"'{p}' has {size} bytes; its rank wrote {f['nbytes']}")
+
+
+def _manifest(engine: Any, tag: str, partitions: int, files: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    from infinity import __version__
+
+    rt = engine.runtime
+    zero = engine.config.zero_optimization
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "created_unix": time.time(),
+        "infinity_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": engine.group.world_size,
+        "stage": engine.stage,
+        "partitions": partitions,
+        "train_dtype": dtype_name(engine.dtype),
+        "persistence_threshold": int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0,
+        "optimizer": "partitioned_adam" if rt.optimizer is not None else "passthrough",
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "units": [u.to_json() for u in describe_units(engine.module, rt.unit_map.units)],
+        "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
+        "buffers": extra.get("buffers", {}),
+        "files": files,
+        "config": json.loads(json.dumps(engine.config.to_dict(), default=str)),
+    }
