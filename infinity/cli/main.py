@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, doctor, tune
+from infinity.cli import bench, doctor, export, tune
 
-COMMANDS = [bench, tune, doctor]
+COMMANDS = [bench, tune, doctor, export]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -167,6 +167,14 @@ class Engine:
         self._check_open()
         return checkpoint.load_checkpoint(self, load_dir, tag, verify_checksums=verify, progress=progress)
 
+    def save_16bit_model(
+        self, save_dir: Any, save_filename: str = "model.safetensors", *, progress: bool | None = None
+    ) -> Any:
+        """Writes the full parameters (in the training dtype) and buffers to one safetensors file that
+        ``model.load_state_dict(safetensors.torch.load_file(path))`` takes. Every rank must call it."""
+        self._check_open()
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
+
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 
     def train(self, mode: bool = True) -> Engine:

@@ -115,3 +115,12 @@ def assert_same(a, b, where: str = "") -> None:
             assert_same(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def flip_byte(path, offset: int) -> None:
+    """Inverts one byte of a file in place (a bit flip the checksums must catch)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

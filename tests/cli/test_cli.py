@@ -26,7 +26,7 @@ def test_commands_are_registered_in_one_list():
     parser = cli_main.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     assert (
-        list(sub.choices) == [cmd.NAME for cmd in cli_main.COMMANDS] == ["bench", "tune", "doctor"]
+        list(sub.choices) == [cmd.NAME for cmd in cli_main.COMMANDS] == ["bench", "tune", "doctor", "export"]
     )
     for cmd in cli_main.COMMANDS:
         assert callable(cmd.add_arguments) and callable(cmd.run) and cmd.HELP

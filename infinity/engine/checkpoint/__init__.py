@@ -15,6 +15,7 @@ from infinity.engine.checkpoint.errors import (
     CheckpointPeerError,
     CheckpointSpaceError,
 )
+from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_model
 from infinity.engine.checkpoint.load import load_checkpoint
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import save_checkpoint
@@ -28,6 +29,8 @@ __all__ = [
     "CheckpointPeerError",
     "CheckpointReader",
     "CheckpointSpaceError",
+    "export_checkpoint",
     "load_checkpoint",
+    "save_16bit_model",
     "save_checkpoint",
 ]
