@@ -11,7 +11,15 @@ from safetensors.torch import load_file
 from infinity.cli import main as cli_main
 from infinity.engine.checkpoint import CheckpointCorruptError, export_checkpoint
 from infinity.engine.checkpoint.format import read_header
-from tests.checkpoint.helpers import MODELS, N_STEPS, config, eval_logits, flip_byte, make_engine, train
+from tests.checkpoint.helpers import (
+    MODELS,
+    N_STEPS,
+    config,
+    eval_logits,
+    flip_byte,
+    make_engine,
+    train,
+)
 
 
 @pytest.fixture(scope="module")

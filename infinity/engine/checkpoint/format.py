@@ -13,9 +13,9 @@ A checkpoint is a directory ``<root>/<tag>/`` holding
   data starts on a 4 KiB boundary, and every shard is a multiple of 4 KiB:
   each tensor can be read or written with O_DIRECT straight into pool memory.
 - ``rank-RRRRR.safetensors``, one per rank: that rank's small state (RNG,
-  step counts per parameter, client state, the CRC32C of each tensor of its
-  part file; rank 0's also the module buffers, scheduler and loss scaler) as
-  JSON in ``__metadata__`` plus small tensors.
+  step counts per parameter, client state, module buffers, the CRC32C of each
+  tensor of its part file; rank 0's also the scheduler, loss scaler and
+  hyperparameters) as JSON in ``__metadata__`` plus small tensors.
 
 Only JSON and safetensors are ever parsed: loading executes nothing from a
 checkpoint (no pickle). Headers are parsed here rather than by the

@@ -164,7 +164,7 @@ def _plan(engine: Any, reader: CheckpointReader, handle: AioHandle) -> _Plan:
         "client_state": decode(state["client_state"], tensors, "client_state"),
         "rng": (state["rng"], tensors) if own else None,
         "param_steps": None if passthrough else _param_steps(engine, reader, own),
-        "buffers": {n: rank0_tensors[f"buffer.{n}"] for n in live_buffers},
+        "buffers": {n: tensors[f"buffer.{n}"] for n in live_buffers},  # this rank's, else rank 0's
         "lr_scheduler": decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler"),
         "engine": es,
         "optimizer_state": optimizer_state,

@@ -120,10 +120,11 @@ def _rank_file(engine: Any, client_state: Any, part_crcs: dict[str, int] | None,
     }
     tensors = dict(sink.tensors)
     manifest_extra: dict[str, Any] = {}
+    # Every rank's buffers: nothing keeps them equal across ranks (BatchNorm statistics of each rank's data).
+    _, buffers = state_dict_names(engine.module)
+    for name, b in buffers.items():
+        tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
     if engine.group.rank == 0:
-        _, buffers = state_dict_names(engine.module)
-        for name, b in buffers.items():
-            tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
         manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
         if rt.passthrough is not None:
             aliases, _ = state_dict_names(engine.module)
