@@ -18,12 +18,17 @@ import torch
 from safetensors.torch import load_file
 
 from infinity.cli import main as cli_main
+from infinity.engine.checkpoint import CheckpointCorruptError, CheckpointPeerError
+from infinity.engine.checkpoint.format import read_header
 from tests.checkpoint.helpers import (
     M_STEPS,
     N_STEPS,
+    assert_same,
     config,
     eval_logits,
+    flip_byte,
     make_engine,
+    snapshot,
     train,
     weights,
 )
@@ -61,12 +66,19 @@ def _continue(rank, roots):
     return out
 
 
-def _resume(rank, roots, ckpt_name):
+def _resume(rank, roots, ckpt_name, corrupt_name=None):
     out = {}
     for case, root in roots.items():
         stage, param, optim, model = CASES[case]
         engine, _ = make_engine(model, config(stage, param, optim, Path(root) / "swap"), seed=1)
         try:
+            if corrupt_name is not None:
+                # Rank 1's shard is corrupt: both ranks refuse, and neither changes anything.
+                before = snapshot(engine)
+                with pytest.raises(CheckpointCorruptError if rank == 1 else CheckpointPeerError,
+                                   match="part-00001-of-00002" if rank == 1 else "rank.s. 1"):
+                    engine.load_checkpoint(Path(root) / corrupt_name)
+                assert_same(before, snapshot(engine), f"rank {rank} after a failed load")
             client = engine.load_checkpoint(Path(root) / ckpt_name)
             out[case] = {**_state(engine, train(engine, N_STEPS, M_STEPS, rank=rank)), "client": client}
         finally:
@@ -99,7 +111,13 @@ def _assert_equal_runs(a, b, *, buffers=True):
 
 def test_resume_equals_continue_world_size_2(saved):
     roots, cont = saved
-    resumed = run_distributed(_resume, roots, "ckpt", world_size=2)
+    for root in roots.values():
+        good = next((Path(root) / "ckpt").glob("global_step*"))
+        bad = Path(root) / "corrupt" / good.name
+        shutil.copytree(good, bad)
+        part = bad / "part-00001-of-00002.safetensors"
+        flip_byte(part, read_header(str(part)).entries["u0.exp_avg"].begin + 8)
+    resumed = run_distributed(_resume, roots, "ckpt", str(Path("corrupt") / good.name), world_size=2)
     for case in CASES:
         for rank in range(2):
             _assert_equal_runs(cont[rank][case], resumed[rank][case])

@@ -142,6 +142,11 @@ def _plan(engine: Any, reader: CheckpointReader, handle: AioHandle) -> _Plan:
             "load_checkpoint() was called while parameters are gathered (inside GatheredParameters or a forward "
             "pass); call it between training steps"
         )
+    if not passthrough:  # parameters first: the most telling difference
+        zero = engine.config.zero_optimization
+        check_units_match(reader.units, describe_units(engine.module, rt.unit_map.units),
+                          saved_threshold=m.get("persistence_threshold"),
+                          live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0)
     es = reader.engine_state()
     names, live_buffers = state_dict_names(engine.module)
     check_buffers_match({n: (parse_dtype_name(b["dtype"], n), tuple(b["shape"])) for n, b in m["buffers"].items()},
@@ -220,10 +225,6 @@ def _param_steps(engine: Any, reader: CheckpointReader, own: bool) -> list[int]:
 def _plan_units(engine: Any, reader: CheckpointReader,
                 handle: AioHandle) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
     rt = engine.runtime
-    live = describe_units(engine.module, rt.unit_map.units)
-    zero = engine.config.zero_optimization
-    check_units_match(reader.units, live, saved_threshold=reader.manifest.get("persistence_threshold"),
-                      live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0)
     rank = 0 if engine.stage == 0 else engine.group.rank
     p_old = reader.partitions
     groups, checks, nbytes, writes = [], {}, 0, []

@@ -106,9 +106,10 @@ def _param_names(engine: Any) -> list[str]:
     return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(engine.runtime.params)]
 
 
-def _rank_file(engine: Any, client_state: Any, part_crcs: dict[str, int] | None, part_file: str | None,
-               param_names: list[str], extra: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """This rank's small state as a safetensors blob (JSON in __metadata__), and rank 0's manifest extras."""
+def _capture_small(engine: Any, client_state: Any, param_names: list[str],
+                   extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's small state (JSON, tensors) and rank 0's additions to the manifest. Raises TypeError
+    for a client_state a checkpoint cannot hold, before anything is written."""
     sink = TensorSink("t.")
     rt = engine.runtime
     state: dict[str, Any] = {
@@ -116,14 +117,9 @@ def _rank_file(engine: Any, client_state: Any, part_crcs: dict[str, int] | None,
         "rng": capture_rng(sink),
         "client_state": encode(client_state, sink, "client_state"),
         "param_steps": list(rt.optimizer.param_steps) if rt.optimizer is not None else None,
-        "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs},
     }
-    tensors = dict(sink.tensors)
     manifest_extra: dict[str, Any] = {}
-    # Every rank's buffers: nothing keeps them equal across ranks (BatchNorm statistics of each rank's data).
     _, buffers = state_dict_names(engine.module)
-    for name, b in buffers.items():
-        tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
     if engine.group.rank == 0:
         manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
         if rt.passthrough is not None:
@@ -143,9 +139,19 @@ def _rank_file(engine: Any, client_state: Any, part_crcs: dict[str, int] | None,
             "param_names": param_names,
             **extra,
         }
-        tensors.update(sink.tensors)
+    tensors = dict(sink.tensors)
+    # Every rank's buffers: nothing keeps them equal across ranks (BatchNorm statistics of each rank's data).
+    for name, b in buffers.items():
+        tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
+    return state, tensors, manifest_extra
+
+
+def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_file: str | None,
+               part_crcs: dict[str, int] | None) -> bytes:
+    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors."""
+    state = {**state, "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs}}
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
-    return safetensors.torch.save(tensors, metadata=meta), manifest_extra
+    return safetensors.torch.save(tensors, metadata=meta)
 
 
 def save_checkpoint(
@@ -182,6 +188,7 @@ def save_checkpoint(
             extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
         else:
             groups, extra = (_plan_units(engine) if writes_part else []), {}
+        small = _capture_small(engine, client_state, param_names, extra)
         flat = [p for g in groups for p in g]
         header, layout = build_header([(p.name, p.dtype, p.shape) for p in flat],
                                       {"format": FORMAT, "version": str(VERSION), "kind": "part",
@@ -209,7 +216,6 @@ def save_checkpoint(
     # Phase 3: the files.
     err = None
     info = [0, 0, 0]
-    manifest_extra: dict[str, Any] = {}
     try:
         crcs = None
         part_file = None
@@ -222,7 +228,7 @@ def save_checkpoint(
                     ([SaveItem(layout.entries[p.name], p.ref, p.tensor) for p in g] for g in groups),
                     file_nbytes=layout.file_nbytes, progress=bar,
                 )
-        blob, manifest_extra = _rank_file(engine, client_state, crcs, part_file, param_names, extra)
+        blob = _rank_file(small[0], small[1], part_file, crcs)
         atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
         info = [layout.file_nbytes if writes_part else 0, len(blob), crc32c(blob)]
     except Exception as e:
@@ -245,7 +251,7 @@ def save_checkpoint(
                     files[part_name(r, partitions)] = {"nbytes": part_nbytes}
                 files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
             _check_files_present(tmp, files)
-            manifest = _manifest(engine, tag, partitions, files, manifest_extra)
+            manifest = _manifest(engine, tag, partitions, files, small[2])
             atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
             atomic.fsync_path(tmp, directory=True)
             atomic.publish(tmp, final, nonce)

@@ -1,14 +1,15 @@
 """Python values to JSON and back, with tensors set aside for a safetensors file: never pickle.
 
 Accepted: None, bool, int, float (inf and nan too), str, lists, tuples, dicts
-with str keys, and torch tensors (stored in the rank's safetensors file and
+(keys of those scalar types or tuples of them), and torch tensors (stored in the rank's safetensors file and
 returned on CPU). numpy scalars and arrays become Python numbers and tensors.
 Anything else is refused, naming where it sits, so a checkpoint never holds
 something that only code could rebuild.
 
 Encoding: tuples become ``{"__tuple__": [...]}``, tensors ``{"__tensor__":
-name}``, and a user dict that happens to have one of those keys alone is
-wrapped as ``{"__dict__": {...}}``, so decoding is unambiguous.
+name}``, dicts with other than str keys ``{"__items__": [[key, value], ...]}``,
+and a user dict that happens to have one of those keys alone is wrapped as
+``{"__dict__": {...}}``, so decoding is unambiguous.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-_MARKERS = ("__tuple__", "__tensor__", "__dict__")
+_MARKERS = ("__tuple__", "__tensor__", "__dict__", "__items__")
 
 
 class TensorSink:
@@ -60,14 +61,10 @@ def encode(value: Any, sink: TensorSink | None, where: str) -> Any:
     if isinstance(value, list):
         return [encode(v, sink, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TypeError(
-                    f"{where} has the key {k!r} of type {type(k).__name__}; checkpoints store dicts with "
-                    "str keys only (JSON), so convert the key, e.g. str(key)"
-                )
-            out[k] = encode(v, sink, f"{where}[{k!r}]")
+        if not all(isinstance(k, str) for k in value):  # e.g. torch optimizers' {param index: state}
+            return {"__items__": [[encode(k, None, f"a key of {where}"), encode(v, sink, f"{where}[{k!r}]")]
+                                  for k, v in value.items()]}
+        out = {k: encode(v, sink, f"{where}[{k!r}]") for k, v in value.items()}
         if len(out) == 1 and next(iter(out)) in _MARKERS:
             return {"__dict__": out}
         return out
@@ -92,6 +89,8 @@ def decode(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
                 return tensors[v]
             if k == "__dict__":
                 return {kk: decode(vv, tensors, where) for kk, vv in v.items()}
+            if k == "__items__":
+                return {decode(kk, tensors, where): decode(vv, tensors, where) for kk, vv in v}
         return {k: decode(v, tensors, where) for k, v in data.items()}
     return data
 
