@@ -35,6 +35,7 @@ import torch
 
 from infinity.aio import AioError, AioFile, AioHandle, AioRequest, aligned_empty, crc32c
 from infinity.engine.checkpoint.atomic import space_error
+from infinity.engine.checkpoint.crc import Checksummer, PendingCrc, crc32c_combine
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
 from infinity.engine.checkpoint.format import ALIGN, Entry, round_up
 from infinity.engine.checkpoint.progress import Progress
@@ -266,6 +267,7 @@ def write_part(
     crcs: dict[str, int] = {}
     f = handle.open(path, "w", create=False)
     window = _Window(max_inflight_nbytes)
+    checksummer = Checksummer()
     try:
         head = aligned_empty(round_up(len(header), ALIGN))
         head[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -277,6 +279,7 @@ def write_part(
             holding = _Holding(refs, overwrite=False) if refs else None
             views = iter(holding.views()) if holding is not None else iter(())
             items = []
+            pending = {}
             try:
                 for it in group:
                     t = next(views) if it.ref is not None else it.tensor.detach().cpu().contiguous()
@@ -285,24 +288,36 @@ def write_part(
                         raise RuntimeError(
                             f"{it.entry.name}: {b.numel()} bytes in memory, {it.entry.nbytes} planned"
                         )
-                    crcs[it.entry.name] = crc32c(b)
+                    # Checksummed beside the write (both only read the memory), off this thread.
+                    pending[it.entry.name] = checksummer.submit(b)
                     items.append((b, it.entry.begin))
                 req = handle.pwrite_many(items, f)
             except BaseException:
+                for p in pending.values():
+                    p.result()
                 if holding is not None:
                     holding.release(window.evictions)
                 raise
-            window.add(_Job(req, holding, nbytes, lambda n=nbytes: progress.update(n), group[0].entry.name))
+
+            def on_done(n=nbytes, pending=pending) -> None:
+                for name, p in pending.items():
+                    crcs[name] = p.result()  # before the holding is released
+                progress.update(n)
+
+            window.add(_Job(req, holding, nbytes, on_done, group[0].entry.name))
             window.retire_done()
         window.drain()
         os.fsync(f.fileno())
     except AioError as e:
+        checksummer.close()  # checksums still running read memory that abort() releases
         window.abort()
         raise _io_error(e, path, file_nbytes, what) from e
     except BaseException:
+        checksummer.close()
         window.abort()
         raise
     finally:
+        checksummer.close()
         f.close()
     return crcs
 
@@ -430,16 +445,31 @@ def read_tensors(
     depth: int = RING_DEPTH,
 ) -> None:
     """Reads each checked tensor whole, in the order given, ``depth`` chunks in flight through a ring of
-    aligned buffers, and compares its CRC32C. ``on_chunk(check index, byte offset in the tensor, bytes)``
-    sees every chunk in order (the bytes are valid during the call only). Raises CheckpointCorruptError
-    naming the first tensor and file that differ, before ``on_chunk`` sees that tensor's last chunk."""
+    aligned buffers, and compares its CRC32C (chunks are checksummed beside the reads and combined).
+    ``on_chunk(check index, byte offset in the tensor, bytes)`` sees every chunk in order (the bytes are
+    valid during the call only). Raises CheckpointCorruptError naming the first tensor and file that differ."""
     chunks = [(i, off, min(chunk_nbytes, c.entry.nbytes - off))
               for i, c in enumerate(checks) for off in range(0, c.entry.nbytes, chunk_nbytes)]
     if not chunks:
         return
     ring = [aligned_empty(round_up(max(n for _, _, n in chunks))) for _ in range(min(depth, len(chunks)))]
-    running = [0] * len(checks)
+    busy: list[PendingCrc | None] = [None] * len(ring)  # a slot's checksum still reading it
+    running: list[int | None] = [None] * len(checks)
     pending: collections.deque[tuple[AioRequest, int, tuple[int, int, int]]] = collections.deque()
+    parts: collections.deque[tuple[PendingCrc, int, int, bool]] = collections.deque()  # (crc, check, nbytes, last)
+
+    def combine(block: bool) -> None:
+        while parts and (block or parts[0][0].done()):
+            crc, i, n, last = parts.popleft()
+            running[i] = crc.result() if running[i] is None else crc32c_combine(running[i], crc.result(), n)
+            c = checks[i]
+            if last and running[i] != c.crc:
+                raise CheckpointCorruptError(
+                    f"checkpoint file '{c.path}' is corrupt: tensor {c.entry.name!r} (bytes {c.entry.begin}.."
+                    f"{c.entry.end}) has CRC32C {running[i]:#010x}, but {c.crc:#010x} was saved; restore the "
+                    "file from a copy or load another checkpoint",
+                    path=c.path,
+                )
 
     def finish() -> None:
         req, slot, (i, off, n) = pending.popleft()
@@ -451,33 +481,33 @@ def read_tensors(
                 f"reading tensor {c.entry.name!r} from '{c.path}' failed: {e}", path=c.path
             ) from e
         data = ring[slot][:n]
-        running[i] = crc32c(data, running[i])
-        if off + n == c.entry.nbytes and running[i] != c.crc:
-            raise CheckpointCorruptError(
-                f"checkpoint file '{c.path}' is corrupt: tensor {c.entry.name!r} (bytes {c.entry.begin}.."
-                f"{c.entry.end}) has CRC32C {running[i]:#010x}, but {c.crc:#010x} was saved; restore the file "
-                "from a copy or load another checkpoint",
-                path=c.path,
-            )
+        busy[slot] = checksummer.submit(data)
+        parts.append((busy[slot], i, n, off + n == c.entry.nbytes))
         if on_chunk is not None:
             on_chunk(i, off, data)
         progress.update(n)
+        combine(block=False)
 
+    checksummer = Checksummer()
     try:
         for k, (i, off, n) in enumerate(chunks):
             if len(pending) == len(ring):
                 finish()
             slot = k % len(ring)
+            if busy[slot] is not None:
+                busy[slot].result()  # its last chunk's checksum is done with the buffer
             c = checks[i]
             pending.append((handle.pread(ring[slot][:n], c.file, c.entry.begin + off), slot, (i, off, n)))
         while pending:
             finish()
+        combine(block=True)
     finally:
         for req, _, _ in pending:
             try:
                 req.wait()
             except Exception:
                 pass
+        checksummer.close()
 
 
 def verify(handle: AioHandle, checks: Sequence[Check], *, progress: Progress) -> None:
