@@ -13,6 +13,7 @@ import secrets
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from infinity.engine.checkpoint.errors import CheckpointPeerError
 from infinity.zero.collectives import DataParallelGroup
@@ -23,8 +24,8 @@ def agree(group: DataParallelGroup, error: BaseException | None, what: str,
     """All ranks' ``values`` (by rank) if no rank failed ``what``; raises otherwise."""
     n = len(values)
     row = [0, *values] if error is None else [1] + [0] * n
-    mine = torch.tensor(row, dtype=torch.int64)
-    full = torch.zeros(group.world_size * (n + 1), dtype=torch.int64)
+    mine = torch.tensor(row, dtype=torch.int64, device=collective_device(group))
+    full = torch.zeros(group.world_size * (n + 1), dtype=torch.int64, device=mine.device)
     group.all_gather(full, mine)
     rows = full.view(group.world_size, n + 1).tolist()
     if error is not None:
@@ -40,6 +41,14 @@ def agree(group: DataParallelGroup, error: BaseException | None, what: str,
 
 def shared_nonce(group: DataParallelGroup) -> str:
     """A random name part chosen by rank 0 and known to every rank."""
-    t = torch.tensor([secrets.randbits(62) if group.rank == 0 else 0], dtype=torch.int64)
+    t = torch.tensor([secrets.randbits(62) if group.rank == 0 else 0], dtype=torch.int64,
+                     device=collective_device(group))
     group.broadcast(t, src=0)
     return f"{int(t.item()):016x}"
+
+
+def collective_device(group: DataParallelGroup) -> torch.device:
+    """Where tensors for the group's collectives must live: the current GPU under NCCL, else the CPU."""
+    if group.distributed and dist.get_backend(group.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -26,7 +26,7 @@ import torch
 
 from infinity.aio import AioConfig, AioHandle
 from infinity.engine.checkpoint import atomic
-from infinity.engine.checkpoint.collective import agree
+from infinity.engine.checkpoint.collective import agree, collective_device
 from infinity.engine.checkpoint.format import build_header, parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
@@ -317,10 +317,11 @@ def _live_values(engine: Any, slots: list[tuple[Any, Any]]) -> Iterator[torch.Te
 
 def _gather_unit(engine: Any, unit: Any) -> torch.Tensor:
     store = engine.runtime.param_store
+    device = collective_device(engine.group)
     shard = store.fetch(unit.key).result()
     try:
-        full = torch.empty(unit.layout.padded_numel, dtype=unit.layout.dtype)
-        engine.group.all_gather(full, shard.cpu())
+        full = torch.empty(unit.layout.padded_numel, dtype=unit.layout.dtype, device=device)
+        engine.group.all_gather(full, shard.to(device))
     finally:
         store.release(unit.key)
-    return full
+    return full.cpu()
