@@ -30,10 +30,11 @@ import errno
 import os
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
-from infinity.aio import AioError, AioFile, AioHandle, AioRequest, aligned_empty, crc32c
+from infinity.aio import AioError, AioFile, AioHandle, AioRequest, aligned_empty
 from infinity.engine.checkpoint.atomic import space_error
 from infinity.engine.checkpoint.crc import Checksummer, PendingCrc, crc32c_combine
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
@@ -131,36 +132,59 @@ class _Holding:
                 evictions.append(r.store.evict(r.key))
 
 
+class FollowUp(Protocol):
+    """Work a job still has after its I/O, running off this thread (a checksum); ``complete`` finishes it
+    on this thread (compare, derive) once ``done``."""
+
+    def done(self) -> bool: ...
+
+    def complete(self) -> None: ...
+
+    def wait_quietly(self) -> None:
+        """Waits until nothing runs over the job's memory any more (after a failure elsewhere)."""
+        ...
+
+
 @dataclasses.dataclass
 class _Job:
     request: AioRequest | None
     holding: _Holding | None
     nbytes: int
-    on_done: Callable[[], None] | None
+    on_done: Callable[[], FollowUp | None] | None  # after the I/O; may hand back a follow-up
     what: str
+    follow: FollowUp | None = None
 
     def done(self) -> bool:
         return self.request is None or self.request.done()
 
 
 class _Window:
-    """Jobs in flight, completed in order (see [Note: pool room])."""
+    """Jobs in flight, completed in order (see [Note: pool room]). A job whose ``on_done`` hands back a
+    FollowUp waits in ``checking``, keeping its keys, until that is done; follow-ups complete in order."""
 
     def __init__(self, max_nbytes: int):
         self.max_nbytes = max_nbytes
         self.jobs: collections.deque[_Job] = collections.deque()
+        self.checking: collections.deque[_Job] = collections.deque()
         self.nbytes = 0
         self.holding_in: collections.Counter[int] = collections.Counter()
         self.evictions: list[StoreFuture] = []
 
     def make_room(self, refs: Sequence[StoreRef], nbytes: int) -> None:
-        while self.jobs:
+        while self.jobs or self.checking:
             fits = self.nbytes + nbytes <= self.max_nbytes and all(
                 not self.holding_in[id(store)] or store.pool.can_serve(_room_needed(store, keys))
                 for store, keys in _by_store(refs)
             )
             if fits:
                 return
+            self._step()
+
+    def _step(self) -> None:
+        """Finishes the oldest follow-up if the oldest job has none to wait for, else retires that job."""
+        if self.checking and (not self.jobs or self.checking[0].follow.done()):
+            self._complete(self.checking.popleft())
+        else:
             self.retire_oldest()
 
     def add(self, job: _Job) -> None:
@@ -175,26 +199,42 @@ class _Window:
         if job.holding is not None:
             for store, _ in _by_store(job.holding.refs):
                 self.holding_in[id(store)] -= 1
+            job.holding.release(self.evictions)
 
     def retire_oldest(self) -> None:
         job = self.jobs.popleft()
         try:
             if job.request is not None:
                 job.request.wait()
-            if job.on_done is not None:
-                job.on_done()
+            job.follow = job.on_done() if job.on_done is not None else None
+        except BaseException:
+            self._forget(job)
+            raise
+        if job.follow is not None:
+            self.checking.append(job)
+        else:
+            self._forget(job)
+
+    def _complete(self, job: _Job) -> None:
+        try:
+            job.follow.complete()
         finally:
             self._forget(job)
-            if job.holding is not None:
-                job.holding.release(self.evictions)
 
     def retire_done(self) -> None:
-        while self.jobs and self.jobs[0].done():
-            self.retire_oldest()
+        while True:
+            if self.jobs and self.jobs[0].done():
+                self.retire_oldest()
+            elif self.checking and self.checking[0].follow.done():
+                self._complete(self.checking.popleft())
+            else:
+                return
 
     def drain(self) -> None:
         while self.jobs:
             self.retire_oldest()
+        while self.checking:
+            self._complete(self.checking.popleft())
         for fut in self.evictions:
             fut.result()
         self.evictions.clear()
@@ -208,9 +248,12 @@ class _Window:
                     job.request.wait()
                 except Exception:
                     pass
+            self.checking.append(job)
+        while self.checking:
+            job = self.checking.popleft()
+            if job.follow is not None:
+                job.follow.wait_quietly()
             self._forget(job)
-            if job.holding is not None:
-                job.holding.release(self.evictions)
         for fut in self.evictions:
             try:
                 fut.result()
@@ -367,6 +410,39 @@ def _zero_gaps(b: torch.Tensor, pieces: Sequence[Piece]) -> None:
         b[pos:].zero_()
 
 
+class _Landed:
+    """A group read in: its checksums run beside the next reads; then it is compared and derived from."""
+
+    def __init__(self, sums: list[tuple[LoadItem, PendingCrc]], dests: list[torch.Tensor],
+                 after: Callable[[list[torch.Tensor]], None] | None, count: Callable[[], None]):
+        self.sums, self.dests, self.after, self.count = sums, dests, after, count
+
+    def done(self) -> bool:
+        return all(p.done() for _, p in self.sums)
+
+    def complete(self) -> None:
+        for it, p in self.sums:
+            got = p.result()
+            if got != it.crc:
+                raise CheckpointCorruptError(
+                    f"tensor {it.name!r} in '{it.path}' read back with CRC32C {got:#010x}, but "
+                    f"{it.crc:#010x} was saved: the file changed after it was verified, or the "
+                    "drive returned bad data. The engine's state is now partly loaded: load a "
+                    "checkpoint again before training on",
+                    path=it.path,
+                )
+        if self.after is not None:
+            self.after(self.dests)
+        self.count()
+
+    def wait_quietly(self) -> None:
+        for _, p in self.sums:
+            try:
+                p.result()
+            except Exception:
+                pass
+
+
 def read_into(
     handle: AioHandle,
     groups: Iterable[LoadGroup],
@@ -376,6 +452,7 @@ def read_into(
 ) -> None:
     """Fills every group's destinations from the files, then writes store keys home (waits for it)."""
     window = _Window(max_inflight_nbytes)
+    checksummer = Checksummer()
     try:
         for group in groups:
             refs = [it.ref for it in group.items if it.ref is not None]
@@ -398,21 +475,10 @@ def read_into(
                     holding.release(window.evictions)
                 raise
 
-            def on_done(items=group.items, dests=dests, after=group.after, n=nbytes) -> None:
-                for it, d in zip(items, dests, strict=True):
-                    if it.crc is not None:
-                        got = crc32c(as_bytes(d))
-                        if got != it.crc:
-                            raise CheckpointCorruptError(
-                                f"tensor {it.name!r} in '{it.path}' read back with CRC32C {got:#010x}, but "
-                                f"{it.crc:#010x} was saved: the file changed after it was verified, or the "
-                                "drive returned bad data. The engine's state is now partly loaded: load a "
-                                "checkpoint again before training on",
-                                path=it.path,
-                            )
-                if after is not None:
-                    after(dests)
-                progress.update(n)
+            def on_done(items=group.items, dests=dests, after=group.after, n=nbytes) -> FollowUp:
+                sums = [(it, checksummer.submit(as_bytes(d))) for it, d in zip(items, dests, strict=True)
+                        if it.crc is not None]
+                return _Landed(sums, dests, after, lambda: progress.update(n))
 
             window.add(_Job(req, holding, nbytes, on_done, group.items[0].name if group.items else ""))
             window.retire_done()
@@ -420,6 +486,8 @@ def read_into(
     except BaseException:
         window.abort()
         raise
+    finally:
+        checksummer.close()
 
 
 # -- verify -------------------------------------------------------------------
