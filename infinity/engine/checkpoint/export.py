@@ -31,7 +31,13 @@ from infinity.engine.checkpoint.format import build_header, parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
-from infinity.engine.checkpoint.stream import CHUNK_NBYTES, Check, StreamWriter, read_tensors
+from infinity.engine.checkpoint.stream import (
+    CHUNK_NBYTES,
+    Check,
+    StreamWriter,
+    read_tensors,
+    torch_threads,
+)
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -113,7 +119,7 @@ def export_checkpoint(
         layout, units, alias_of = _layout_from_checkpoint(reader, dtype)
         output = _Output(out, handle, layout)
         try:
-            with Progress(output.header.file_nbytes, f"export {reader.tag}", progress) as bar:
+            with Progress(output.header.file_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
                 if reader.manifest.get("optimizer") == "passthrough":
                     _stream_passthrough(reader, handle, output.writer, dtype, bar)
                 else:
@@ -247,7 +253,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     err = None
     try:
         bar = Progress(output.header.file_nbytes if output else 0, f"save {out.name}", progress if output else False)
-        with bar:
+        with bar, torch_threads(1):
             append = output.writer.append if output is not None else (lambda t: None)
             for full in _live_values(engine, slots):
                 append(full)

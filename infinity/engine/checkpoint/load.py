@@ -62,6 +62,7 @@ from infinity.engine.checkpoint.stream import (
     LoadItem,
     Piece,
     read_into,
+    torch_threads,
     verify,
 )
 from infinity.engine.checkpoint.values import decode
@@ -329,7 +330,7 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
 
 def _apply(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
     rt = engine.runtime
-    with torch.no_grad():
+    with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in stream.py
         read_into(handle, plan.groups, progress=bar)
     for fut in plan.writes:
         fut.result()
