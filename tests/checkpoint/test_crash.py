@@ -29,7 +29,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from safetensors.torch import save_file
     import infinity.engine.checkpoint.atomic as atomic
-    import infinity.engine.checkpoint.stream as stream
+    import infinity.engine.checkpoint.window as window
     from tests.checkpoint.helpers import config, make_engine, train, weights
 
     swap, ckpt, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -54,7 +54,7 @@ CHILD = textwrap.dedent("""
         def counted(*args):
             calls[0] += 1
             return calls[0] == 4
-        stream._Window.add = kill_when(stream._Window.add, counted)
+        window.Window.add = kill_when(window.Window.add, counted)
     elif point == "before-rank-file":
         atomic.write_durably = kill_when(atomic.write_durably, lambda path, *a: path.name.startswith("rank-"))
     elif point == "before-manifest":

@@ -27,17 +27,12 @@ import torch
 from infinity.aio import AioConfig, AioHandle
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, collective_device
+from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, StreamWriter, read_tensors
 from infinity.engine.checkpoint.format import build_header, parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
-from infinity.engine.checkpoint.stream import (
-    CHUNK_NBYTES,
-    Check,
-    StreamWriter,
-    read_tensors,
-    torch_threads,
-)
+from infinity.engine.checkpoint.threads import torch_threads
 
 log = logging.getLogger("infinity.checkpoint")
 

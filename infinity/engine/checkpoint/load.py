@@ -39,6 +39,7 @@ import torch
 from infinity.aio import AioHandle
 from infinity.engine.checkpoint.collective import agree
 from infinity.engine.checkpoint.errors import CheckpointMismatchError
+from infinity.engine.checkpoint.files import Check, verify
 from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import (
     check_buffers_match,
@@ -56,15 +57,8 @@ from infinity.engine.checkpoint.state import (
     restore_rng,
     restore_scheduler,
 )
-from infinity.engine.checkpoint.stream import (
-    Check,
-    LoadGroup,
-    LoadItem,
-    Piece,
-    read_into,
-    torch_threads,
-    verify,
-)
+from infinity.engine.checkpoint.stream import LoadGroup, LoadItem, Piece, read_into
+from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.values import decode
 from infinity.store import StoreFuture
 
@@ -330,7 +324,7 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
 
 def _apply(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
     rt = engine.runtime
-    with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in stream.py
+    with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in threads.py
         read_into(handle, plan.groups, progress=bar)
     for fut in plan.writes:
         fut.result()

@@ -49,8 +49,9 @@ from infinity.engine.checkpoint.state import (
     capture_scheduler,
     param_group_of,
 )
-from infinity.engine.checkpoint.stream import SaveItem, StoreRef, write_part
+from infinity.engine.checkpoint.stream import SaveItem, write_part
 from infinity.engine.checkpoint.values import TensorSink, encode
+from infinity.engine.checkpoint.window import StoreRef
 
 log = logging.getLogger("infinity.checkpoint")
 
