@@ -36,6 +36,7 @@ from infinity.engine.checkpoint.format import (
     FORMAT,
     MANIFEST,
     VERSION,
+    Header,
     build_header,
     dtype_name,
     part_name,
@@ -155,6 +156,83 @@ def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_fil
     return safetensors.torch.save(tensors, metadata=meta)
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """Phase 1's result on one rank: what its part file holds and its small state."""
+
+    partitions: int
+    groups: list[list[_Planned]]
+    header: bytes
+    layout: Header
+    small: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _prepare(engine: Any, client_state: Any) -> _Prepared:
+    rank = engine.group.rank
+    param_names = _param_names(engine)
+    partitions = partitions_of(engine)
+    writes_part = rank < partitions
+    if engine.runtime.passthrough is not None:
+        groups, skeleton = _plan_passthrough(engine, param_names) if writes_part else ([], None)
+        extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
+    else:
+        groups, extra = (_plan_units(engine) if writes_part else []), {}
+    small = _capture_small(engine, client_state, param_names, extra)
+    header, layout = build_header(
+        [(p.name, p.dtype, p.shape) for g in groups for p in g],
+        {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
+         "partitions": str(partitions)},
+        align=ALIGN,
+    )
+    return _Prepared(partitions, groups, header, layout, small)
+
+
+def _make_directory(root: Path, tag: str, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in atomic.leftovers(root):
+        if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
+            log.info("removing '%s', left by an interrupted save of the same tag", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    atomic.fsync_path(root, directory=True)
+
+
+def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
+    """This rank's part file (if it owns a partition) and rank file; returns [part bytes, rank file bytes,
+    rank file CRC32C] for the manifest."""
+    rank = engine.group.rank
+    crcs = part_file = None
+    if rank < prep.partitions:
+        part_file = part_name(rank, prep.partitions)
+        entries = prep.layout.entries
+        with Progress(prep.layout.file_nbytes, f"save {tag}", progress if rank == 0 else False) as bar, \
+                AioHandle.from_config(engine.config.aio) as handle:
+            crcs = write_part(
+                handle, tmp / part_file, prep.header,
+                ([SaveItem(entries[p.name], p.ref, p.tensor) for p in g] for g in prep.groups),
+                file_nbytes=prep.layout.file_nbytes, progress=bar,
+            )
+    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs)
+    atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
+    return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
+
+
+def _publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
+             sizes: list[list[int]]) -> None:
+    """Rank 0: manifest, rename into place, then ``latest`` ([Note: publishing a checkpoint])."""
+    files = {}
+    for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
+        if r < prep.partitions:
+            files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
+        files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
+    _check_files_present(tmp, files)
+    manifest = _manifest(engine, tag, prep.partitions, files, prep.small[2])
+    atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
+    atomic.fsync_path(tmp, directory=True)
+    atomic.publish(tmp, root / tag, nonce)
+    atomic.write_latest(root, tag, nonce)
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike,
@@ -174,26 +252,11 @@ def save_checkpoint(
         )
     tag = atomic.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     group = engine.group
-    rank = group.rank
     root = Path(save_dir)
     t0 = time.perf_counter()
-
-    # Phase 1: the small state, in memory.
-    err = None
+    prep, err = None, None
     try:
-        param_names = _param_names(engine)
-        partitions = partitions_of(engine)
-        writes_part = rank < partitions
-        if engine.runtime.passthrough is not None:
-            groups, skeleton = _plan_passthrough(engine, param_names) if writes_part else ([], None)
-            extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
-        else:
-            groups, extra = (_plan_units(engine) if writes_part else []), {}
-        small = _capture_small(engine, client_state, param_names, extra)
-        flat = [p for g in groups for p in g]
-        header, layout = build_header([(p.name, p.dtype, p.shape) for p in flat],
-                                      {"format": FORMAT, "version": str(VERSION), "kind": "part",
-                                       "partition": str(rank), "partitions": str(partitions)}, align=ALIGN)
+        prep = _prepare(engine, client_state)
     except Exception as e:
         err = e
     agree(group, err, "preparing the checkpoint")
@@ -201,70 +264,38 @@ def save_checkpoint(
     nonce = shared_nonce(group)
     tmp = atomic.partial_dir(root, tag, nonce)
     err = None
-    if rank == 0:
+    if group.rank == 0:
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in atomic.leftovers(root):
-                if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
-                    log.info("removing '%s', left by an interrupted save of the same tag", stale)
-                    shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-            atomic.fsync_path(root, directory=True)
+            _make_directory(root, tag, tmp)
         except Exception as e:
             err = e
     agree(group, err, f"creating '{tmp}'")
 
-    # Phase 3: the files.
-    err = None
-    info = [0, 0, 0]
+    err, info = None, [0, 0, 0]
     try:
-        crcs = None
-        part_file = None
-        if writes_part:
-            part_file = part_name(rank, partitions)
-            with Progress(layout.file_nbytes, f"save {tag}", progress if rank == 0 else False) as bar, \
-                    AioHandle.from_config(engine.config.aio) as handle:
-                crcs = write_part(
-                    handle, tmp / part_file, header,
-                    ([SaveItem(layout.entries[p.name], p.ref, p.tensor) for p in g] for g in groups),
-                    file_nbytes=layout.file_nbytes, progress=bar,
-                )
-        blob = _rank_file(small[0], small[1], part_file, crcs)
-        atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
-        info = [layout.file_nbytes if writes_part else 0, len(blob), crc32c(blob)]
+        info = _write_files(engine, prep, tmp, tag, progress)
     except Exception as e:
         err = e
     try:
         sizes = agree(group, err, f"writing checkpoint '{tag}'", info)
     except BaseException:
-        if rank == 0:
+        if group.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    # Phase 4: rank 0 publishes.
-    final = root / tag
     err = None
-    if rank == 0:
+    if group.rank == 0:
         try:
-            files = {}
-            for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
-                if r < partitions:
-                    files[part_name(r, partitions)] = {"nbytes": part_nbytes}
-                files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
-            _check_files_present(tmp, files)
-            manifest = _manifest(engine, tag, partitions, files, small[2])
-            atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
-            atomic.fsync_path(tmp, directory=True)
-            atomic.publish(tmp, final, nonce)
-            atomic.write_latest(root, tag, nonce)
+            _publish(engine, prep, root, tmp, tag, nonce, sizes)
         except Exception as e:
             err = e
             shutil.rmtree(tmp, ignore_errors=True)
     agree(group, err, f"publishing checkpoint '{tag}'")
     total = sum(a + b for a, b, _ in sizes)
     dt = time.perf_counter() - t0
-    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", final, total / 1e9, dt, total / 1e9 / max(dt, 1e-9))
-    return final
+    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
+             total / 1e9 / max(dt, 1e-9))
+    return root / tag
 
 
 def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
