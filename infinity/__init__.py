@@ -2,11 +2,49 @@
 
 Parameters, gradients and optimizer state live on NVMe and are streamed through
 pinned host buffers to the compute device just in time (ZeRO-Infinity).
+
+The public API is loaded on first use, so importing a low layer (infinity.aio)
+does not import the whole runtime.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from infinity import models, zero
-from infinity.engine import Engine, initialize
+__all__ = [
+    "Engine",
+    "GatheredParameters",
+    "PreflightError",
+    "__version__",
+    "estimate_memory",
+    "initialize",
+    "models",
+    "zero",
+]
 
-__all__ = ["Engine", "__version__", "initialize", "models", "zero"]
+_LAZY = {
+    "Engine": ("infinity.engine", "Engine"),
+    "initialize": ("infinity.engine", "initialize"),
+    "GatheredParameters": ("infinity.zero.gathered", "GatheredParameters"),
+    "estimate_memory": ("infinity.estimate", "estimate_memory"),
+    "PreflightError": ("infinity.estimate", "PreflightError"),
+    "zero": ("infinity.zero", None),
+    "models": ("infinity.models", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'infinity' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

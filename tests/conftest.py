@@ -28,3 +28,21 @@ def nvme_dir(tmp_path_factory) -> Path:
     import shutil
 
     shutil.rmtree(target, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that ask for the io_uring engine by name skip, saying why, where this process cannot
+    use it: Docker's default seccomp profile (moby #46762), kernel.io_uring_disabled, a build
+    without liburing. Everything else runs on the threads engine there (see the README)."""
+    from infinity.aio import io_uring_status
+
+    reason = io_uring_status()
+    if not reason:
+        return
+    skip = pytest.mark.skip(reason=f"io_uring is not available here: {reason}")
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and any(
+            v == "io_uring" or (isinstance(v, tuple) and "io_uring" in v) for v in spec.params.values()
+        ):
+            item.add_marker(skip)

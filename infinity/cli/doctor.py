@@ -195,7 +195,17 @@ def collect(path: Path) -> dict[str, Any]:
         "cpu": cpu_report(),
         "torch": torch_report(),
         "fio": shutil.which("fio") or "",
+        "machine_view": machine_view_report(path),
     }
+
+
+def machine_view_report(path: Path) -> dict[str, Any]:
+    """The machine as ``infinity estimate`` and the pre-flight check see it (infinity.estimate.machine)."""
+    import dataclasses
+
+    from infinity.estimate.machine import machine_view
+
+    return dataclasses.asdict(machine_view([path]))
 
 
 def _gb(n: int) -> str:
@@ -250,7 +260,18 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(
         f"{ok if r['fio'] else no}fio: {r['fio'] or 'not installed (only needed by --vs-fio; apt-get install fio)'}"
     )
+    from infinity.estimate.machine import describe_machine
+
+    lines.append("what a run can use here (as `infinity estimate` and the pre-flight check see it):")
+    lines += ["      " + ln for ln in describe_machine(_view_from(r["machine_view"]))]
     return "\n".join(lines)
+
+
+def _view_from(d: dict[str, Any]):
+    from infinity.estimate.machine import DiskInfo, GPUInfo, MachineView
+
+    return MachineView(**{**d, "gpus": tuple(GPUInfo(**g) for g in d["gpus"]),
+                          "disks": tuple(DiskInfo(**x) for x in d["disks"])})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, doctor, export, tune
+from infinity.cli import bench, demo, doctor, estimate, export, tune
 
-COMMANDS = [bench, tune, doctor, export]
+COMMANDS = [demo, bench, tune, estimate, doctor, export]
 
 
 def build_parser() -> argparse.ArgumentParser:

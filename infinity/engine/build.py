@@ -17,8 +17,11 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.engine.optimizers import OptimizerChoice
+from infinity.engine.overlap import GatedShardSource, OverlappedStep
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
+from infinity.schedule import PrefetchScheduler, ScheduleConfigError
 from infinity.store import TieredStore
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
@@ -26,11 +29,9 @@ from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
-from infinity.zero.shard_source import StoreShardSource
+from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
-
-from infinity.engine.optimizers import OptimizerChoice
 
 log = logging.getLogger("infinity.engine")
 
@@ -49,15 +50,21 @@ class Runtime:
     partitioner: Stage3Partitioner | None
     param_store: TieredStore | None
     state_store: TieredStore | None
-    shard_source: StoreShardSource | None
+    shard_source: PrefetchScheduler | StoreShardSource | None
     cache: TensorCache
+    overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
 
     def close(self) -> None:
+        self.overlap.synchronize()
         if self.partitioner is not None:
             self.partitioner.release_all()
             self.partitioner.remove()
+        if isinstance(self.shard_source, PrefetchScheduler):
+            self.shard_source.close()
         if self.grad_hooks is not None:
             self.grad_hooks.remove()
+        if self.optimizer is not None:
+            self.optimizer.shutdown()
         for store in (self.param_store, self.state_store):
             if store is not None:
                 store.close()
@@ -224,21 +231,68 @@ def build_runtime(
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
+    overlap = OverlappedStep()
     if stage == 3:
-        shard_source = StoreShardSource(param_store)
-        partitioner = Stage3Partitioner(model, unit_map, shards=shard_source, group=group,
+        shard_source = _prefetch_scheduler(model, unit_map, param_store, homes, cfg, dtype, group, overlap)
+        overlap.on_unit_done = shard_source.poke
+        gated = GatedShardSource(shard_source, overlap, {u.key: u.index for u in units})
+        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group,
                                         grad_hooks=grad_hooks, cache=cache)
         partitioner.install()
     if grad_hooks is not None:
         grad_hooks.install()
     return Runtime(unit_map, flat_params, optimizer, None, reducer, grad_hooks, partitioner,
-                   param_store, state_store, shard_source, cache)
+                   param_store, state_store, shard_source, cache, overlap)
+
+
+def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dict[int, str], cfg: InfinityConfig,
+                        dtype: torch.dtype, group: DataParallelGroup, overlap: OverlappedStep) -> PrefetchScheduler:
+    """The stage-3 shard source: reads ahead of the recorded trace within DeepSpeed's budgets."""
+    zero = cfg.zero_optimization
+    units = unit_map.units
+    partitioned = [u for u in units if not u.persistent]
+    largest = max(partitioned, key=lambda u: u.layout.shard_nbytes, default=None)
+    index_of_key = {u.key: u.index for u in units}
+    # DeepSpeed's budgets count gathered elements; the scheduler holds this rank's shards.
+    w = group.world_size
+    try:
+        return PrefetchScheduler.for_engine(
+            store,
+            prefetch_bucket_size=zero.stage3_prefetch_bucket_size / w,
+            max_live_parameters=zero.stage3_max_live_parameters / w,
+            max_reuse_distance=zero.stage3_max_reuse_distance / w,
+            itemsize=torch.empty((), dtype=dtype).element_size(),
+            largest_unit_nbytes=largest.layout.shard_nbytes if largest else 0,
+            largest_unit=repr(largest.module_name) if largest else "the largest unit",
+            working_set_nbytes=_working_set(model, unit_map, lambda u: True),
+            pool_working_set_nbytes=_working_set(model, unit_map, lambda u: homes[u.index] == "nvme"),
+            tier="device",
+            ready=lambda key: overlap.is_done(index_of_key[key]),
+        )
+    except ScheduleConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _working_set(model: nn.Module, unit_map: UnitMap, counts) -> int:
+    """The most shard bytes the partitioner holds at once: the heaviest root-to-leaf chain of
+    modules' units (each frame holds its module's units while its children run), plus the largest
+    unit again for a unit kept across backward (a tied weight is held from its first use in
+    backward to its last)."""
+
+    def nbytes(units) -> int:
+        return sum(u.layout.shard_nbytes for u in units if not u.persistent and counts(u))
+
+    def chain(m: nn.Module) -> int:
+        return nbytes(unit_map.uses.get(m, ())) + max((chain(c) for c in m.children()), default=0)
+
+    largest = max((u.layout.shard_nbytes for u in unit_map.units if not u.persistent and counts(u)), default=0)
+    return chain(model) + largest
 
 
 def _full_values(unit: ParamUnit, init_store) -> torch.Tensor:
     """The unit's whole flat buffer in fp32 (padded with zeros), from the module or zero.Init."""
     full = torch.zeros(unit.layout.padded_numel, dtype=FP32)
-    for p, s in zip(unit.params, unit.layout.slots):
+    for p, s in zip(unit.params, unit.layout.slots, strict=True):
         value = init_store.full(p) if init_store is not None and p in init_store else p.data
         full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
     return full
@@ -288,7 +342,8 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
             f"{math.ceil(largest.layout.shard_numel / offload.buffer_count)} elements"
         )
     path = rank_path(offload.nvme_path, group.rank)
-    store = TieredStore(path, pool=BufferPool(int(offload.buffer_count), buffer_nbytes), aio=cfg.aio, name="params")
+    pool = BufferPool(int(offload.buffer_count), buffer_nbytes, pin=_pin(offload.pin_memory), name="params")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="params")
     store.reserve(sum(u.layout.shard_nbytes for u in nvme_units))
     return store
 
@@ -311,9 +366,15 @@ def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_eleme
     buffer_nbytes = -(-sub * per_element // 4096) * 4096
     count = 3
     path = rank_path(off.nvme_path, group.rank)
-    store = TieredStore(path, pool=BufferPool(count, buffer_nbytes), aio=cfg.aio, name="optimizer")
+    pool = BufferPool(count, buffer_nbytes, pin=_pin(off.pin_memory), name="optimizer")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer")
     store.reserve(sum(u.layout.shard_numel for u in units) * per_element)
     return store
+
+
+def _pin(pin_memory: bool) -> bool | None:
+    """pin_memory: true pins the pool when CUDA is present (None = where it can); false never pins."""
+    return None if pin_memory else False
 
 
 def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, stage: int, cache: TensorCache):
@@ -327,7 +388,7 @@ def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, sta
         else:
             full = cache.get(unit.layout.padded_numel, values.dtype)
             group.all_gather(full, values.contiguous())
-        for p, s in zip(unit.params, unit.layout.slots):
+        for p, s in zip(unit.params, unit.layout.slots, strict=True):
             p.data.view(-1).copy_(full[s.offset : s.offset + s.numel])
         if full is not values:
             cache.put(full)

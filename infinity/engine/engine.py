@@ -57,8 +57,12 @@ class Engine:
         choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
         self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
+        # The prefetch scheduler (stage 3) learns one trace step per forward + backward.
+        self._trace = self.runtime.shard_source if hasattr(self.runtime.shard_source, "step_open") else None
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.last_grad_norm: float | None = None
+        # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
+        self.overlap_step = self.stage == 3
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if lr_scheduler is not None:
@@ -77,8 +81,21 @@ class Engine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward. Under stage 3 a forward with its backward is one step of the
+        prefetch trace; a forward without grad (evaluation) is a step of its own."""
         self._check_open()
-        return self.module(*args, **kwargs)
+        trace = self._trace
+        if trace is not None and not trace.step_open:
+            trace.begin_step()
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            if trace is not None:
+                trace.abort_step()
+            raise
+        if trace is not None and not torch.is_grad_enabled():
+            trace.end_step()
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -88,19 +105,29 @@ class Engine:
         self._check_open()
         if loss.dim() != 0:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self.synchronize()
         boundary = self.is_gradient_accumulation_boundary()
         first = self.micro_steps % self.gradient_accumulation_steps == 0
         rt = self.runtime
         if rt.reducer is not None:
             rt.reducer.begin_micro(first=first, last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        (loss * scale if scale != 1.0 else loss).backward()
-        if rt.reducer is not None and boundary and rt.reducer.deferred:
-            rt.reducer.reduce_window()
+        trace = self._trace
+        try:
+            (loss * scale if scale != 1.0 else loss).backward()
+            if rt.reducer is not None and boundary and rt.reducer.deferred:
+                rt.reducer.reduce_window()
+        except BaseException:
+            if trace is not None:
+                trace.abort_step()
+            raise
+        if trace is not None and trace.step_open:
+            trace.end_step()
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
         self._check_open()
+        self.synchronize()
         if self.is_gradient_accumulation_boundary():
             if self.runtime.passthrough is not None:
                 self._passthrough_step()
@@ -109,6 +136,10 @@ class Engine:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
+            every = self.config.steps_per_print
+            if every and self.global_steps % every == 0 and self.group.rank == 0:
+                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%g", self.global_steps,
+                         self.skipped_steps, self.get_lr(), self.last_grad_norm, self.loss_scale)
         self.micro_steps += 1
 
     def _partitioned_step(self) -> None:
@@ -122,17 +153,32 @@ class Engine:
         self.last_grad_norm = norm
         if self.config.fp16.enabled and not math.isfinite(norm):
             self.skipped_steps += 1
-            log.warning("fp16 gradients overflowed; step skipped, loss scale %g -> ", scale)
             self.loss_scaler.update(overflow=True)
+            log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
+                        self.global_steps, scale, self.loss_scaler.scale)
             return
         coef = 1.0 / scale
         clip = self.config.gradient_clipping
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s rule, applied to the global norm.
             coef *= min(1.0, clip / (norm + 1e-6))
-        rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
-        if rt.partitioner is not None:
-            rt.partitioner.refresh_persistent()
+        if rt.partitioner is not None and self.overlap_step:
+            # [engine/overlap.py] persistent units first, in this thread (forward reads
+            # them without fetching); the rest in the background, gated per unit.
+            persistent = {u.index for u in rt.unit_map.units if u.persistent}
+            rt.partitioner.release_persistent()
+            rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=persistent)
+            rt.partitioner.gather_persistent()
+            rest = {u.index for u in rt.unit_map.units if not u.persistent}
+            hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
+            rt.overlap.start(lambda done: rt.optimizer.step(
+                grad_scale=coef, has_grad=has_grad, only=rest, hyper=hyper, on_shard_done=done))
+        else:
+            if rt.partitioner is not None:
+                rt.partitioner.release_persistent()
+            rt.optimizer.step(grad_scale=coef, has_grad=has_grad)
+            if rt.partitioner is not None:
+                rt.partitioner.gather_persistent()
         self.loss_scaler.update(overflow=False)
 
     def _passthrough_step(self) -> None:
@@ -177,6 +223,10 @@ class Engine:
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 
+    def synchronize(self) -> None:
+        """Waits until an optimizer step running in the background has finished (re-raising its error)."""
+        self.runtime.overlap.synchronize()
+
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
         return self
@@ -187,6 +237,30 @@ class Engine:
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    def prefetch_stats(self):
+        """The prefetch scheduler's statistics (stage 3), or None."""
+        return self._trace.stats() if self._trace is not None else None
+
+    def io_stats(self) -> dict[str, float]:
+        """Bytes read and written by the parameter and optimizer stores so far, and the
+        seconds callers spent waiting for them."""
+        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0}
+        for store in (self.runtime.param_store, self.runtime.state_store):
+            if store is None or store.closed:
+                continue
+            st = store.stats()
+            out["read_nbytes"] += st.read.nbytes
+            out["write_nbytes"] += st.write.nbytes
+            out["wait_s"] += st.wait_s
+        return out
+
+    @property
+    def num_parameters(self) -> int:
+        """Elements of the model's parameters (under stage 3 their tensors are empty placeholders)."""
+        return sum(u.layout.numel for u in self.runtime.unit_map.units) or sum(
+            p.numel() for p in self.runtime.params
+        )
 
     @property
     def loss_scale(self) -> float:

@@ -11,6 +11,7 @@ from torch import nn
 
 from infinity.config import load_config
 from infinity.engine.engine import Engine
+from infinity.estimate import preflight
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -43,4 +44,7 @@ def initialize(
         raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
     group = _bootstrap_distributed()
     cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, **auto_values)
-    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=compute_device())
+    device = compute_device()
+    # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
+    preflight(model, cfg, device=device, group=group)
+    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)

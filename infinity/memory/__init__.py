@@ -7,6 +7,7 @@ from infinity.aio import aligned_empty
 from infinity.memory.pool import BufferPool, PoolRegion, PoolStats, PoolTooSmallError, format_nbytes
 from infinity.memory.ranges import RangeAllocator, round_up
 from infinity.memory.trim import FreedMemory, trim_heap
+from infinity.memory.usage import peak_host_nbytes, resident_host_nbytes
 
 __all__ = [
     "BufferPool",
@@ -17,6 +18,8 @@ __all__ = [
     "RangeAllocator",
     "aligned_empty",
     "format_nbytes",
+    "peak_host_nbytes",
+    "resident_host_nbytes",
     "round_up",
     "trim_heap",
 ]

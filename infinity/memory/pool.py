@@ -15,8 +15,9 @@ Invariants:
 
 Threading: every method may be called from any thread. Reclaimers (callbacks
 that let the pool's users, e.g. a store's cache, give memory back) are called
-by the thread at the head of the queue with no pool lock held; they may call
-``release`` and the read-only queries.
+with no pool lock held, by an acquirer that found no room: before it queues
+when nobody waits, then each time it is at the head of the queue. They may
+call ``release`` and the read-only queries.
 """
 
 from __future__ import annotations

@@ -42,11 +42,12 @@ class GPTConfig:
     def for_params(cls, n_params: float, *, seq_len: int = 256, vocab_size: int = 256) -> GPTConfig:
         """The shape closest to ``n_params`` with GPT-like proportions (d_model / n_layer near 85)."""
         best: GPTConfig | None = None
+        best_err = math.inf
         for n_layer in range(2, 97):
             d = max(64, int(round(math.sqrt(n_params / (12 * n_layer)) / 64)) * 64)
             cfg = cls(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=max(1, d // 64), d_model=d)
             err = abs(cfg.num_params - n_params) / n_params + 0.1 * abs(math.log(d / n_layer / 85))
-            if best is None or err < best_err:
+            if err < best_err:
                 best, best_err = cfg, err
         assert best is not None
         return best

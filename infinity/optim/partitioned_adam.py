@@ -20,9 +20,10 @@ and knows nothing of modules or hooks: shards arrive as ShardSpecs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -83,12 +84,13 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.on_updated = on_updated
         self._group_of = self._map_groups()
         self.param_steps = [0] * len(self.params)
-        self._stepped: set[int] = set()
         self._sumsq: dict[int, float] = {}
         self._open_grads: dict[int, torch.Tensor] = {}
         self._master_in_param_store = {
             s.index: s.param_key is not None and s.param_dtype == torch.float32 for s in self.shards
         }
+        self.sub_group_numel = sub_group_numel
+        self._issue_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.sub_groups = _split(self.shards, sub_group_numel)
         self._register(state_home)
 
@@ -164,36 +166,76 @@ class PartitionedAdam(torch.optim.Optimizer):
                 self.state_store.release(key)
                 _evict_unheld(self.state_store, key)
             total += self._sumsq[s.index]
+        self._sumsq.clear()  # the next window's norms start afresh
         return total
 
+    def hyperparameters(self) -> list[tuple[float, float, float, float, float]]:
+        """(lr, beta1, beta2, eps, weight_decay) per param group, as they are now."""
+        out = []
+        for g in self.param_groups:
+            beta1, beta2 = g["betas"]
+            out.append((float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"])))
+        return out
+
     @torch.no_grad()
-    def step(self, closure: Any = None, *, grad_scale: float = 1.0, has_grad: Sequence[torch.Tensor]) -> None:
-        """One Adam step over every shard. ``grad_scale`` multiplies the grads first
-        (loss-scale removal and clipping); ``has_grad[unit][slot]`` says which
-        parameters got a gradient in this window."""
+    def step(
+        self,
+        closure: Any = None,
+        *,
+        grad_scale: float = 1.0,
+        has_grad: Sequence[torch.Tensor],
+        only: Collection[int] | None = None,
+        hyper: list[tuple[float, float, float, float, float]] | None = None,
+        on_shard_done: Callable[[int], None] | None = None,
+    ) -> None:
+        """One Adam step over every shard (or the shards whose index is in ``only``).
+
+        ``grad_scale`` multiplies the grads first (loss-scale removal and clipping);
+        ``has_grad[unit][slot]`` says which parameters got a gradient in this window;
+        ``hyper`` fixes the hyper-parameters (taken now by default) so a step running in
+        another thread is not affected by the lr schedule advancing meanwhile;
+        ``on_shard_done(index)`` is called as each shard's new values are in place.
+        """
         if closure is not None:
             raise ValueError("PartitionedAdam.step does not take a closure")
-        self._sumsq.clear()
-        pending = self._fetch(self.sub_groups[0]) if self.sub_groups else {}
-        for i, group in enumerate(self.sub_groups):
-            current = pending
-            pending = self._fetch(self.sub_groups[i + 1]) if i + 1 < len(self.sub_groups) else {}
+        hyper = hyper if hyper is not None else self.hyperparameters()
+        groups = self.sub_groups if only is None else _split([s for s in self.shards if s.index in only],
+                                                              self.sub_group_numel)
+        # [Note: issuing reads from a helper thread] A fetch blocks its caller until the
+        # pool has a contiguous run for it. Issued from this thread while sub-group i is
+        # held, the read of i+1 could wait for room that only releasing i would make
+        # (a fragmented pool); from the issuer thread it waits while i is updated and
+        # released here.
+        issuer = self._issuer()
+        pending = issuer.submit(self._fetch, groups[0]) if groups else None
+        for i, group in enumerate(groups):
+            current = pending.result()
+            pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
             for s in group:
                 self._update_shard(s, {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
-                                   grad_scale, has_grad[s.index])
-        for s in self.shards:
-            for seg in s.segments:
-                if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
-                    self._stepped.add(seg.param)
-        for p in self._stepped:
-            self.param_steps[p] += 1
-        self._stepped.clear()
+                                   grad_scale, has_grad[s.index], hyper)
+                for seg in s.segments:
+                    if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
+                        self.param_steps[seg.param] += 1
+                if on_shard_done is not None:
+                    on_shard_done(s.index)
+
+    def _issuer(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._issue_pool is None:
+            self._issue_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="infinity-optim-reads")
+        return self._issue_pool
+
+    def shutdown(self) -> None:
+        """Stops the read-issuing thread (the GradSink's ``close`` is another thing)."""
+        if self._issue_pool is not None:
+            self._issue_pool.shutdown(wait=True)
+            self._issue_pool = None
 
     def _fetch(self, group: list[ShardSpec]) -> dict[tuple[int, str], Any]:
         futures: dict[tuple[int, str], Any] = {}
         for s in group:
             keys = self._keys(s)
-            for key, fut in zip(keys, self.state_store.fetch_many(keys)):
+            for key, fut in zip(keys, self.state_store.fetch_many(keys), strict=True):
                 futures[key] = fut
             if s.param_key is not None:
                 # fp32: the parameter shard is the master copy (read, update in
@@ -202,7 +244,8 @@ class PartitionedAdam(torch.optim.Optimizer):
                 futures[(s.index, "param")] = self.param_store.fetch(s.param_key, overwrite=overwrite)
         return futures
 
-    def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor) -> None:
+    def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor,
+                      hyper: list[tuple[float, float, float, float, float]]) -> None:
         in_param_store = self._master_in_param_store[s.index]
         master = t["param"] if in_param_store else t["master"]
         half = t["param"] if s.param_key is not None and not in_param_store else None
@@ -216,19 +259,18 @@ class PartitionedAdam(torch.optim.Optimizer):
                 if half is not None:  # unchanged, but the half copy is written whole
                     half[lo:hi].copy_(master[lo:hi])
                 continue
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
+            lr, beta1, beta2, eps, weight_decay = hyper[gi]
             adam_step(
                 master[lo:hi],
                 g[lo:hi],
                 m[lo:hi],
                 v[lo:hi],
                 step=self.param_steps[seg.param] + 1,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
                 adamw=self.adamw,
                 out_half=None if half is None else half[lo:hi],
             )
@@ -240,9 +282,10 @@ class PartitionedAdam(torch.optim.Optimizer):
             self.state_store.release(key)
             _evict_unheld(self.state_store, key)  # write i-1 starts now, behind the next update
         if s.param_key is not None:
+            # The new parameter values stay cached (dirty): the next forward reads them
+            # first; the store writes them home when it needs the room.
             self.param_store.mark_dirty(s.param_key)
             self.param_store.release(s.param_key)
-            _evict_unheld(self.param_store, s.param_key)
 
 
 def _evict_unheld(store: TieredStore, key: Hashable) -> None:

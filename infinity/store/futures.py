@@ -10,7 +10,7 @@ or keeps pool regions, so it must run exactly once, whoever notices first:
   few ms at a time and sweeps the rest), so regions return to the pool even
   when nobody ever waits.
 The first to take the op's claim (under the store lock) completes it; anyone
-else waits for ``op.finished``. Futures are resolved after the store lock is
+else waits for the op to be finished. Futures are resolved after the store lock is
 released, so callbacks may call the store.
 
 Threading: StoreFuture methods may be called from any thread. The reaper
@@ -20,7 +20,6 @@ alive by it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -33,8 +32,43 @@ log = logging.getLogger("infinity.store")
 REAPER_SLICE_S = 0.02
 
 
+# Settling and slow-path waiting share one condition: settling is a few
+# attribute writes under it, and a notify only when someone waits without an
+# op to drive (rare); ops use it too. So a future costs far less than a concurrent.futures one
+# (whose per-future Condition dominated fetch_many of many small keys).
+_settle_cv = threading.Condition(threading.Lock())
+_slow_waiters = 0
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float | None) -> bool:
+    global _slow_waiters
+    with _settle_cv:
+        _slow_waiters += 1
+        try:
+            return _settle_cv.wait_for(predicate, timeout)
+        finally:
+            _slow_waiters -= 1
+
+
+class _Failed:
+    """A request that could not even be submitted: it has ended, with ``exc``."""
+
+    def __init__(self, exc: BaseException):
+        self._exc = exc
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        raise self._exc
+
+
 class IoOp:
-    """One request in flight and the keys whose state its completion changes."""
+    """One request in flight and the keys whose state its completion changes.
+
+    ``req`` may be attached after the op is registered (reads are submitted
+    after the store lock is released); until then the op has not ended.
+    """
 
     __slots__ = (
         "kind",
@@ -43,28 +77,42 @@ class IoOp:
         "nbytes",
         "background",
         "claimed",
-        "finished",
+        "_finished",
         "t0",
         "__weakref__",
     )
 
     def __init__(self, kind: str, req: Any, recs: list, nbytes: int, *, background: bool = False):
         self.kind = kind  # "read" | "write" | "h2d"
-        self.req = req  # AioRequest, or anything with wait(timeout) and done()
+        self.req = (
+            req  # AioRequest, or anything with wait(timeout) and done(); None until submitted
+        )
         self.recs = recs
         self.nbytes = nbytes
         self.background = (
             background  # a write-back nobody waits for (errors are kept on the record)
         )
         self.claimed = False
-        self.finished = threading.Event()
+        self._finished = False
         self.t0 = time.monotonic()
 
+    def attach(self, req: Any) -> None:
+        with _settle_cv:
+            self.req = req
+            if _slow_waiters:
+                _settle_cv.notify_all()
+
+    def fail_submit(self, exc: BaseException) -> None:
+        self.attach(_Failed(exc))
+
     def io_done(self) -> bool:
-        return bool(self.req.done())
+        req = self.req
+        return req is not None and bool(req.done())
 
     def wait_io(self, timeout: float | None) -> bool:
         """Waits until the request has ended (successfully or not); False on timeout."""
+        if self.req is None and not _wait_for(lambda: self.req is not None, timeout):
+            return False
         try:
             self.req.wait(timeout)
         except TimeoutError:
@@ -72,6 +120,16 @@ class IoOp:
         except Exception:
             pass  # a failed request has ended; its error is raised when the op completes
         return True
+
+    def wait_error(self) -> BaseException | None:
+        """Waits until the request has ended; its exception, or None if it succeeded."""
+        if self.req is None:
+            _wait_for(lambda: self.req is not None, None)
+        try:
+            self.req.wait(None)
+        except Exception as e:
+            return e
+        return None
 
     def error(self) -> BaseException | None:
         """The request's exception, once it has ended."""
@@ -83,63 +141,144 @@ class IoOp:
             return e
         return None
 
+    @property
+    def finished(self) -> bool:
+        """Completed: states changed and its futures settled."""
+        return self._finished
 
-class StoreFuture(concurrent.futures.Future):
-    """A store operation's result: ``result(timeout=None)``, ``done()``, ``exception()``, callbacks.
+    def set_finished(self) -> None:
+        with _settle_cv:
+            self._finished = True
+            if _slow_waiters:
+                _settle_cv.notify_all()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        return self._finished or _wait_for(lambda: self._finished, timeout)
+
+
+class StoreFuture:
+    """A store operation's result: ``result(timeout=None)``, ``done()``, ``exception()``,
+    ``add_done_callback()``.
 
     Waiting drives completion (see [Note: completing ops]); time spent blocked
     in ``result`` is counted in the store's ``stats().wait_s``.
     """
 
-    def __init__(self, store: Any = None, op: IoOp | None = None, label: str = ""):
-        super().__init__()
+    __slots__ = (
+        "_store",
+        "_op",
+        "_label",
+        "_deps",
+        "_done",
+        "_value",
+        "_exc",
+        "_callbacks",
+        "__weakref__",
+    )
+
+    def __init__(self, store: Any = None, op: IoOp | None = None, label: str | tuple = ""):
         self._store = store
         self._op = op
         self._label = label
         self._deps: Sequence[StoreFuture] = ()
+        self._done = False
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list | None = None
+
+    def done(self) -> bool:
+        return self._done
 
     def cancel(self) -> bool:
         return False  # store transitions cannot be undone half way
 
+    def cancelled(self) -> bool:
+        return False
+
     def result(self, timeout: float | None = None) -> Any:
-        deadline = self._drive(timeout)
-        return super().result(_remaining(deadline))
+        if not self._done:
+            self._drive(timeout)
+        if self._exc is not None:
+            raise self._exc
+        return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        deadline = self._drive(timeout)
-        return super().exception(_remaining(deadline))
+        if not self._done:
+            self._drive(timeout)
+        return self._exc
 
-    def _drive(self, timeout: float | None) -> float | None:
+    def add_done_callback(self, fn: Callable[[StoreFuture], Any]) -> None:
+        with _settle_cv:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def set_result(self, value: Any) -> None:
+        self._settle(value, None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._settle(None, exc)
+
+    def _settle(self, value: Any, exc: BaseException | None) -> None:
+        with _settle_cv:
+            if self._done:
+                raise RuntimeError(f"{self!r} is already done")
+            self._value = value
+            self._exc = exc
+            self._done = True
+            callbacks, self._callbacks = self._callbacks, None
+            if _slow_waiters:
+                _settle_cv.notify_all()
+        for fn in callbacks or ():
+            try:
+                fn(self)
+            except Exception:
+                log.exception("infinity store: a future's done-callback raised")
+
+    def _drive(self, timeout: float | None) -> None:
         t0 = time.monotonic()
         deadline = None if timeout is None else t0 + timeout
-        if self.done():
-            return deadline
         try:
             for dep in self._deps:
                 dep._drive(_remaining(deadline))
-            op = self._op
-            if op is not None and self._store is not None and not self.done():
-                if not op.wait_io(_remaining(deadline)):
+            while not self._done:
+                op = self._op
+                if op is not None and self._store is not None and not op.finished:
+                    if not op.wait_io(_remaining(deadline)):
+                        raise TimeoutError(self._timeout_message(timeout))
+                    self._store._finish(op)  # settles the futures it resolves before returning
+                    continue
+                # Settled by another thread (one finding a region, a write this
+                # fetch follows, a device copy it was moved to): wait for it, a
+                # slice at a time so a newly attached op gets driven.
+                left = _remaining(deadline)
+                if left == 0.0:
                     raise TimeoutError(self._timeout_message(timeout))
-                self._store._finish(op)
-                if not op.finished.wait(_remaining(deadline)):
-                    raise TimeoutError(self._timeout_message(timeout))
-            if not self.done():
-                # Resolved by another thread (one finding a region, or a write
-                # this fetch follows).
-                concurrent.futures.wait([self], _remaining(deadline))
-                if not self.done():
-                    raise TimeoutError(self._timeout_message(timeout))
+                _wait_settled(self, 0.01 if left is None else min(left, 0.01))
         finally:
             if self._store is not None:
                 self._store._count_wait(time.monotonic() - t0)
-        return deadline
+
+    @property
+    def label(self) -> str:
+        """What the future is for, e.g. "fetch of key 'w'" (formatted only when asked)."""
+        if isinstance(self._label, tuple):
+            verb, key = self._label
+            return f"{verb} {key!r}"
+        return self._label or "store operation"
 
     def _timeout_message(self, timeout: float | None) -> str:
-        return f"{self._label or 'store operation'} not complete after {timeout} s"
+        return f"{self.label} not complete after {timeout} s"
 
     def __repr__(self) -> str:
-        return f"<StoreFuture {self._label} {'done' if self.done() else 'pending'}>"
+        return f"<StoreFuture {self.label} {'done' if self._done else 'pending'}>"
+
+
+def _wait_settled(fut: StoreFuture, timeout: float) -> bool:
+    return _wait_for(lambda: fut._done, timeout)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -163,7 +302,7 @@ def gather(futures: Sequence[StoreFuture], store: Any, label: str) -> StoreFutur
     left = [len(futures)]
     lock = threading.Lock()
 
-    def one_done(_f: concurrent.futures.Future) -> None:
+    def one_done(_f: StoreFuture) -> None:
         with lock:
             left[0] -= 1
             if left[0]:

@@ -7,6 +7,10 @@ union of the intervals with at least one request of that direction in flight
 the store notices it (a waiting caller at once, the reaper within a few ms),
 so busy time can run slightly long: GB/s errs low, never high.
 
+Cost: the counters are updated at submit and completion only; ``stats()``
+itself walks the keys for the resident/dirty/held totals (O(keys): 0.3 ms
+per 10^4 keys here), so poll it per step rather than per fetch.
+
 Threading: Traffic is mutated under the store lock; snapshots are immutable.
 """
 

@@ -19,15 +19,22 @@ plain Lock) guards all records, slots, the LRU and the counters; it is never
 held while waiting for I/O or for pool space, and futures are resolved after
 it is released (see [Note: completing ops] in futures.py). Lock order:
 store lock, then pool lock — the pool calls the store's reclaimer with no
-lock held. This file is over the ~500-line soft cap because the residency
-rules are one concept and read best in one place; the I/O mechanics live in
-swapspace.py and futures.py.
+lock held (or, on the fetch fast path, try_acquire under the store lock).
+
+Size: ~1200 lines, over the ~500-line soft cap. Every method here moves a
+key between residency states under the one lock, and the transitions of
+[Note: residency] are easiest to check when their triggers (fetch, write,
+evict, flush) and their completions (_complete_read/_complete_write) sit
+side by side; what is separable already lives elsewhere: the state record
+(record.py), swap files and extents (swapspace.py, swapdir.py), futures and
+the reaper (futures.py), device copies (device.py), counters (stats.py).
 """
 
 from __future__ import annotations
 
 import collections
 import errno
+import functools
 import logging
 import os
 import threading
@@ -107,6 +114,7 @@ class TieredStore:
         self._pool_timeout = pool_timeout
         self._device = DeviceTier(torch.device(device))
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # the two wait-time sums, updated outside self._lock
         self._records: dict[Hashable, KeyRecord] = {}
         self._lru: collections.OrderedDict[KeyRecord, None] = collections.OrderedDict()
         self._ops: set[IoOp] = set()
@@ -127,11 +135,17 @@ class TieredStore:
         try:
             if roots:
                 block = self._rio.config.block_size
+                if stripe_nbytes is not None and (stripe_nbytes <= 0 or stripe_nbytes % block):
+                    raise ValueError(
+                        f"stripe_nbytes must be a positive multiple of aio.block_size ({block}), "
+                        f"got {stripe_nbytes}: a block-sized piece must lie on one drive"
+                    )
                 self._swap = SwapSpace(
                     roots,
                     store_id=self.id,
                     store_name=name,
-                    open_file=lambda p: self._rio.open(p, "rw", create=False),
+                    # bound to the handle, not the store: SwapSpace outlives it in the finalizer
+                    open_file=functools.partial(_open_existing, self._rio),
                     stripe_nbytes=stripe_nbytes or block,
                     file_nbytes=file_nbytes,
                 )
@@ -272,6 +286,16 @@ class TieredStore:
         with self._lock:
             return self._rec(key).spec()
 
+    def locate(self, key: Hashable) -> list[tuple[str, int, int]]:
+        """Where a home "nvme" key lies: (file path, file offset, nbytes) per physical run, in order
+        (nbytes rounded up to 4 KiB); [] for keys that live in host memory."""
+        with self._lock:
+            rec = self._rec(key)
+            if rec.extent is None:
+                return []
+            runs = self._swap.runs(rec.extent.offset, rec.extent.nbytes)
+            return [(r.file.path, r.file_offset, r.nbytes) for r in runs]
+
     def keys(self) -> list[Hashable]:
         with self._lock:
             return list(self._records)
@@ -293,33 +317,31 @@ class TieredStore:
         a clean cache entry). A write of a key being written waits for that
         write first; writing a held key or one being read is refused.
         """
+        label = f"write of key {key!r}"
         while True:
             with self._lock:
                 self._check_open()
                 rec = self._rec(key)
                 self._check_tensor(rec, tensor)
                 if rec.state is Residency.WRITING and rec.holds == 0:
-                    pending = rec.write_future
+                    pending = rec.write_future  # writes to one key are ordered: wait, then retry
                 else:
-                    pending = None
                     self._refuse_if_busy(rec, "write")
+                    self._n["writes"] += 1
+                    if rec.home_tensor is not None:
+                        rec.home_tensor.copy_(tensor.reshape(rec.shape))
+                        rec.written = True
+                        return done_future(None, label)
+                    need_region = rec.state is Residency.AT_REST
+                    rec.to_writing()
+                    self._lru.pop(rec, None)
+                    fut = StoreFuture(self, None, label)
+                    rec.write_future = fut
                     break
             try:
                 pending.result()
             except Exception:
                 pass  # a failed write left the key dirty; this write replaces its data
-        label = f"write of key {key!r}"
-        with self._lock:
-            self._n["writes"] += 1
-            if rec.home_tensor is not None:
-                rec.home_tensor.copy_(tensor.reshape(rec.shape))
-                rec.written = True
-                return done_future(None, label)
-            need_region = rec.state is Residency.AT_REST
-            rec.to_writing()
-            self._lru.pop(rec, None)
-            fut = StoreFuture(self, None, label)
-            rec.write_future = fut
         try:
             if need_region:
                 region = self._acquire(rec.extent.nbytes, label)
@@ -350,6 +372,8 @@ class TieredStore:
             if need_region:
                 if self._closed or self._closing:
                     region.release()
+                    rec.to_at_rest()
+                    rec.write_future = None
                     fut.set_exception(self._closed_error())
                     return fut
                 self._join_slot(rec, Slot(region), 0)
@@ -361,6 +385,9 @@ class TieredStore:
     def fetch(self, key: Hashable, tier: Tier = "host", *, overwrite: bool = False) -> StoreFuture:
         """Makes ``key`` resident and adds one hold; the future gives a view of the resident tensor.
 
+        Returns once the key has pool memory: when the pool is full it evicts
+        cache entries, and if none can go it waits (FIFO, up to pool_timeout;
+        a timeout fails the future). The read itself is asynchronous.
         ``overwrite=True``: the caller will overwrite every byte, so nothing is
         read and the key becomes dirty.
         """
@@ -375,25 +402,39 @@ class TieredStore:
 
     def release(self, key: Hashable) -> None:
         """Drops one hold. An unheld resident key stays cached until the pool needs its room."""
-        self.release_many([key])
+        with self._lock:
+            self._check_open()
+            rec = self._rec(key)
+            if rec.holds == 0:
+                raise self._not_held(rec)
+            self._unhold(rec)
+            self._feed_pool()
 
     def release_many(self, keys: Iterable[Hashable]) -> None:
+        """release() for several keys (a key listed n times drops n holds); all or nothing."""
         with self._lock:
             self._check_open()
             recs = [self._rec(k) for k in keys]
             counts = collections.Counter(id(r) for r in recs)
             for rec in recs:
                 if rec.holds < counts[id(rec)]:
-                    raise StoreStateError(
-                        f"release of key {rec.key!r}, which is not held (state {rec.state.value}): "
-                        "every release must follow a fetch"
-                    )
+                    raise self._not_held(rec)
             for rec in recs:
-                rec.holds -= 1
-                if rec.holds == 0 and rec.device is not None and rec.state is Residency.ON_DEVICE:
-                    self._drop_device(rec)
-                self._sync_lru(rec)
+                self._unhold(rec)
             self._feed_pool()
+
+    def _unhold(self, rec: KeyRecord) -> None:
+        rec.holds -= 1
+        if rec.holds == 0 and rec.device is not None and rec.state is Residency.ON_DEVICE:
+            self._drop_device(rec)
+        self._sync_lru(rec)
+
+    @staticmethod
+    def _not_held(rec: KeyRecord) -> StoreStateError:
+        return StoreStateError(
+            f"release of key {rec.key!r}, which is not held (state {rec.state.value}): "
+            "every release must follow a fetch"
+        )
 
     def mark_dirty(self, key: Hashable) -> None:
         """Declares that a holder changed the resident data: it is written home before being dropped."""
@@ -605,13 +646,14 @@ class TieredStore:
         res: list = []
         futs: list[StoreFuture] = []
         to_load: list[KeyRecord] = []
+        prepared = None
         with self._lock:
             self._check_open()
             recs = [self._rec(k) for k in keys]
             self._check_fetchable(recs, overwrite)
             self._n["fetches"] += len(recs)
             for rec in recs:
-                fut = StoreFuture(self, rec.op, f"fetch of key {rec.key!r}")
+                fut = StoreFuture(self, rec.op, ("fetch of key", rec.key))
                 futs.append(fut)
                 rec.holds += 1
                 st = rec.state
@@ -633,26 +675,67 @@ class TieredStore:
                     self._n["hits"] += 1
                     if overwrite and st is Residency.IN_HOST:
                         rec.to_dirty()
+                    elif overwrite and st is Residency.ON_DEVICE:
+                        # the copy the caller overwrites is the one it fetched
+                        rec.device_dirty |= tier == "device"
+                        rec.dirty = True
                     self._serve(rec, fut, tier, res)
                 self._sync_lru(rec)
+            prepared = self._load_now(to_load, overwrite, res) if to_load else None
+            if prepared is not None:
+                to_load = []
+        if prepared is not None and prepared is not True:
+            self._submit_read(*prepared)
         self._resolve(res)
         if to_load:
             self._load(to_load, overwrite)
         return futs
 
+    def _load_now(self, recs: list[KeyRecord], overwrite: bool, res: list):
+        """The fast path of _load, under the lock: when one region serves every key and the pool
+        has it free now, take it here. Returns the read to submit, True when nothing needs
+        reading, or None to go the slow way (_load, outside the lock)."""
+        total = sum(r.extent.nbytes for r in recs)
+        if len(recs) > 1 and total > self.pool.buffer_size:
+            return None
+        name = f"store '{self.name}': fetch of {_key_label(recs)}"
+        region = self.pool.try_acquire(total, name=name)
+        if region is None and not self.pool.waiting_nbytes():
+            self._evict_until(total)  # a full cache is the steady state: make room here
+            region = self.pool.try_acquire(total, name=name)
+        if region is None:
+            return None
+        slot = Slot(region)
+        self._join_group(recs, slot)
+        self._n["misses"] += len(recs)
+        if not overwrite:
+            return self._prepare_read(recs, slot)
+        for rec in recs:
+            rec.to_dirty()
+            rec.pending_dirty = False
+            self._serve_waiters(rec, res)
+            self._sync_lru(rec)
+        return True
+
     def _check_fetchable(self, recs: list[KeyRecord], overwrite: bool) -> None:
         new = 0
+        largest: KeyRecord | None = None
         for rec in recs:
-            if rec.state is Residency.AT_REST and not overwrite and not rec.written:
+            if rec.state is not Residency.AT_REST:
+                continue
+            if not overwrite and not rec.written:
                 raise StoreStateError(
                     f"fetch of key {rec.key!r}, which was registered but never written: write() it "
                     "first, or fetch it with overwrite=True to fill it"
                 )
-            if rec.state is Residency.AT_REST and rec.home_tensor is None:
-                self.pool.check_servable(
-                    rec.extent.nbytes, f"key {rec.key!r} of store '{self.name}'"
-                )
+            if rec.home_tensor is None:
                 new += rec.extent.nbytes
+                if largest is None or rec.extent.nbytes > largest.extent.nbytes:
+                    largest = rec
+        if largest is not None:
+            self.pool.check_servable(
+                largest.extent.nbytes, f"key {largest.key!r} of store '{self.name}'"
+            )
         if new > self.pool.capacity:
             self.pool.check_servable(
                 new, f"fetch_many of {len(recs)} keys of store '{self.name}' (held at once)"
@@ -678,6 +761,7 @@ class TieredStore:
                     return
                 raise
             res: list = []
+            prepared = None
             with self._lock:
                 if self._closed or self._closing:
                     region.release()
@@ -685,10 +769,7 @@ class TieredStore:
                 else:
                     abort = False
                     slot = Slot(region)
-                    off = 0
-                    for rec in group:
-                        self._join_slot(rec, slot, off)
-                        off += rec.extent.nbytes
+                    self._join_group(group, slot)
                     self._n["misses"] += len(group)
                     if overwrite:
                         for rec in group:
@@ -697,7 +778,9 @@ class TieredStore:
                             self._serve_waiters(rec, res)
                             self._sync_lru(rec)
                     else:
-                        self._submit_read(group, slot)
+                        prepared = self._prepare_read(group, slot)
+            if prepared is not None:
+                self._submit_read(*prepared)
             if abort:
                 self._abort_loads([r for g in groups[i:] for r in g], self._closed_error())
                 return
@@ -740,7 +823,7 @@ class TieredStore:
             return self.pool.acquire(nbytes, timeout=self._pool_timeout, name=label)
         finally:
             dt = time.monotonic() - t0
-            with self._lock:
+            with self._stats_lock:
                 self._pool_wait_s += dt
 
     def _items(self, recs: list[KeyRecord], slot: Slot) -> list[tuple]:
@@ -765,16 +848,24 @@ class TieredStore:
                 )
         return items
 
-    def _submit_read(self, recs: list[KeyRecord], slot: Slot) -> None:
-        nbytes = sum(r.extent.nbytes for r in recs)
-        req = self._rio.pread_many(self._items(recs, slot))
-        op = IoOp("read", req, recs, nbytes)
+    def _prepare_read(self, recs: list[KeyRecord], slot: Slot) -> tuple[IoOp, list[tuple]]:
+        """Registers the read of ``recs`` into ``slot``; the caller submits it after unlocking."""
+        op = IoOp("read", None, recs, sum(r.extent.nbytes for r in recs))
         for rec in recs:
             rec.op = op
             for fut, _tier in rec.waiters:
                 fut._op = op
         self._read.start()
         self._ops.add(op)
+        return op, self._items(recs, slot)
+
+    def _submit_read(self, op: IoOp, items: list[tuple]) -> None:
+        """Submits a prepared read, outside the store lock (submission takes microseconds that
+        other threads, the reaper above all, should not spend waiting for the lock)."""
+        try:
+            op.attach(self._rio.pread_many(items))
+        except Exception as e:  # e.g. the handle was closed: the op fails like a failed read
+            op.fail_submit(e)
         self._reaper.add(op)
 
     def _submit_write(
@@ -814,10 +905,9 @@ class TieredStore:
             op.claimed = True
         if claimed:
             if wait:
-                op.finished.wait()
+                op.wait_finished()
             return
-        op.wait_io(None)
-        err = op.error()
+        err = op.wait_error()
         crcs = None
         if self.integrity and err is None and op.kind in ("read", "write"):
             crcs = [crc32c(r.slot.region.bytes_at(r.slot_offset, r.nbytes)) for r in op.recs]
@@ -836,8 +926,10 @@ class TieredStore:
                     self._complete_copy_in(op, err, res)
                 self._feed_pool()
         finally:
-            op.finished.set()
-            self._resolve(res)
+            try:
+                self._resolve(res)  # before finished: whoever waits on it finds its future settled
+            finally:
+                op.set_finished()
 
     def _io_error(self, rec: KeyRecord, verb: str, err: BaseException) -> StoreIOError:
         where = self._swap.describe(rec.extent.offset, rec.extent.nbytes)
@@ -969,6 +1061,28 @@ class TieredStore:
         slot.members += 1
         rec.host = slot.region.bytes_at(offset, rec.nbytes).view(rec.dtype).view(rec.shape)
 
+    def _join_group(self, recs: list[KeyRecord], slot: Slot) -> None:
+        """_join_slot for keys back to back in ``slot``: one split makes all their views."""
+        dtype = recs[0].dtype
+        if len(recs) == 1 or any(r.dtype != dtype for r in recs):
+            off = 0
+            for rec in recs:
+                self._join_slot(rec, slot, off)
+                off += rec.extent.nbytes
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        total = sum(r.extent.nbytes for r in recs)
+        typed = slot.region.bytes_at(0, total).view(dtype)
+        parts = typed.split([r.extent.nbytes // itemsize for r in recs])
+        off = 0
+        for rec, part in zip(recs, parts, strict=True):
+            rec.slot = slot
+            rec.slot_offset = off
+            off += rec.extent.nbytes
+            numel = rec.nbytes // itemsize
+            rec.host = (part if part.numel() == numel else part[:numel]).view(rec.shape)
+        slot.members += len(recs)
+
     def _leave_slot(self, rec: KeyRecord) -> None:
         slot = rec.slot
         rec.slot = None
@@ -1069,13 +1183,17 @@ class TieredStore:
                 fut.set_exception(exc)
 
     def _count_wait(self, seconds: float) -> None:
-        with self._lock:
+        with self._stats_lock:
             self._wait_s += seconds
 
     def _close_handles(self) -> None:
         if self._own_aio:
             self._rio.close()
             self._wio.close()
+
+
+def _open_existing(handle: Any, path: str) -> Any:
+    return handle.open(path, "rw", create=False)
 
 
 def _finalize(records, ops, swap, reaper, own_aio, rio, wio) -> None:

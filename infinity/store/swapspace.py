@@ -28,6 +28,7 @@ import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from infinity.aio import DIRECT_ALIGNMENT, AioFile
 from infinity.memory import RangeAllocator, format_nbytes, round_up
@@ -49,8 +50,7 @@ class Extent:
         return self.offset + self.nbytes
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):
     """A physically contiguous piece of an extent: ``nbytes`` at ``file_offset`` of ``file``,
     ``rel`` bytes from the start of the logical range it was mapped from."""
 

@@ -25,6 +25,8 @@ class TensorCache:
         bucket = self._free.get(key)
         if bucket:
             t = bucket.pop()
+            if not bucket:
+                del self._free[key]  # put()'s eviction takes the oldest bucket's first buffer
             self._free_nbytes -= t.numel() * t.element_size()
         else:
             t = torch.empty(numel, dtype=dtype, device=self.device)

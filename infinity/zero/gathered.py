@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Installed partitioners, by parameter (set by Stage3Partitioner.install).
 _partitioner_of: WeakIdKeyDictionary = WeakIdKeyDictionary()

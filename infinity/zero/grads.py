@@ -101,7 +101,7 @@ class GradReducer:
             if view is None:
                 view = self._open[unit.index] = self.sink.open(unit.index, first=unit.index not in self._touched)
                 self._touched.add(unit.index)
-            view[s.offset : s.offset + s.numel].add_(grad.reshape(-1))
+            view[s.offset : s.offset + s.numel].add_(_on(view, grad.reshape(-1)))
             return
         flat = self._flat.get(unit.index)
         if flat is None:
@@ -155,7 +155,12 @@ class GradReducer:
         shard = self.cache.get(unit.layout.shard_numel, torch.float32)
         self.group.reduce_scatter_mean(shard, flat)
         view = self.sink.open(unit.index, first=first)
-        view.add_(shard)
+        view.add_(_on(view, shard))
         self._touched.add(unit.index)
         self.sink.close(unit.index, final=self._last_micro)
         self.cache.put(shard)
+
+
+def _on(target: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``target``'s device: grads come from the compute device, shards live in host memory."""
+    return t if t.device == target.device else t.to(target.device)

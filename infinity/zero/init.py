@@ -30,11 +30,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio import AioConfig
 from infinity.memory import BufferPool, FreedMemory

@@ -75,7 +75,7 @@ def make_layout(names: list[str], shapes: list[torch.Size], dtype: torch.dtype, 
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots = []
     offset = 0
-    for name, shape in zip(names, shapes):
+    for name, shape in zip(names, shapes, strict=True):
         n = math.prod(shape)
         slots.append(SlotLayout(name, torch.Size(shape), n, offset))
         offset += n

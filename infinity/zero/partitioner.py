@@ -32,8 +32,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from infinity.zero.buffers import TensorCache
 from infinity.zero import gathered
+from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.unit import ParamUnit, UnitState
@@ -137,9 +137,7 @@ class Stage3Partitioner:
         """Removes every hook and releases every unit; parameters are left as empty placeholders
         (their data lives in the shards)."""
         self.release_all()
-        for unit in self.units:
-            if unit.persistent and unit.state is UnitState.GATHERED:
-                self._ungather_persistent(unit)
+        self.release_persistent()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -188,11 +186,17 @@ class Stage3Partitioner:
         if unit.holds == 0:
             self._ungather(unit)
 
-    def refresh_persistent(self) -> None:
-        """After an optimizer step: persistent units re-read their (updated) shards."""
+    def release_persistent(self) -> None:
+        """Before an optimizer step: persistent units let go of their shards, so no device copy
+        is held while the step updates the host copy (it is read afresh by gather_persistent)."""
         for unit in self.units:
             if unit.persistent and unit.state is UnitState.GATHERED:
                 self._ungather_persistent(unit)
+
+    def gather_persistent(self) -> None:
+        """After an optimizer step: persistent units read their updated shards."""
+        for unit in self.units:
+            if unit.persistent and unit.state is UnitState.RELEASED:
                 self._gather(unit)
 
     def _ungather_persistent(self, unit: ParamUnit) -> None:

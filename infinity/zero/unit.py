@@ -74,7 +74,7 @@ class ParamUnit:
                 f"unit {self.module_name!r}: buffer of {full.numel()} {full.dtype} cannot hold "
                 f"{self.layout.numel} {self.layout.dtype}"
             )
-        for p, v in zip(self.params, self.slot_views(full)):
+        for p, v in zip(self.params, self.slot_views(full), strict=True):
             p.data = v
         self.full = full
         self.state = UnitState.GATHERED

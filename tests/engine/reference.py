@@ -108,17 +108,17 @@ def reference_mixed_run(model_name: str, dtype: torch.dtype, *, steps: int, gas:
             x, y = batch(step, micro, 0)
             loss = model(x, y)
             (loss * (loss_scale / gas)).backward()
-            for a, p in zip(acc, model.parameters()):
+            for a, p in zip(acc, model.parameters(), strict=True):
                 if p.grad is not None:
                     a.add_(p.grad.float())
                 p.grad = None
             losses[(step, micro, 0)] = loss.item()
-        for m, a in zip(masters, acc):
+        for m, a in zip(masters, acc, strict=True):
             m.grad = a / loss_scale
         torch.nn.utils.clip_grad_norm_(masters, CLIP)
         opt.step()
         with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
+            for p, m in zip(model.parameters(), masters, strict=True):
                 p.copy_(m)
     names = [n for n, _ in model.named_parameters()]
-    return losses, {n: m.detach().clone() for n, m in zip(names, masters)}
+    return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}

@@ -38,10 +38,12 @@ def test_non_writable_nvme_path_is_named():
             from tests.engine.models import tiny_gpt
             from tests.engine.reference import engine_config
             model = tiny_gpt()
+            initialize = infinity.initialize  # load the runtime while /root is still readable
+            import infinity.engine.build, infinity.store, infinity.optim.partitioned_adam
             if os.geteuid() == 0:  # root ignores file modes: become nobody
                 os.setgid(65534); os.setuid(65534)
             try:
-                infinity.initialize(model, engine_config(3, "nvme", "nvme", {str(d)!r}, gas=1))
+                initialize(model, engine_config(3, "nvme", "nvme", {str(d)!r}, gas=1))
             except ConfigError as e:
                 print(e); sys.exit(0)
             sys.exit("no error")

@@ -216,3 +216,20 @@ def test_close_is_idempotent_and_later_calls_are_refused(tier):
     assert store.pool.stats().in_use == 0
     with pytest.raises(StoreStateError, match="is closed"):
         store.fetch("c")
+
+
+def test_a_store_dropped_without_close_gives_everything_back(nvme_dir):
+    import gc
+
+    from infinity.memory import BufferPool
+    from infinity.store import TieredStore
+
+    pool = BufferPool(4, 1 << 20)
+    store = TieredStore(nvme_dir, pool=pool, name="dropped")
+    store.register("x", (1000,), torch.float32)
+    store.write("x", torch.ones(1000)).result(10)
+    dirs = store.directories
+    assert pool.stats().in_use > 0 and dirs[0].exists()
+    del store
+    gc.collect()
+    assert pool.stats().in_use == 0 and not dirs[0].exists()

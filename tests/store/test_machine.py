@@ -6,6 +6,7 @@ key is held at a time, so a fetch can always eventually get a contiguous region.
 """
 
 import collections
+import os
 
 import pytest
 import torch
@@ -228,7 +229,7 @@ def test_store_matches_a_dict(engine, nvme_dir):
     )
     runner = machine.TestCase
     runner.settings = settings(
-        max_examples=100,
+        max_examples=int(os.environ.get("INFINITY_MACHINE_EXAMPLES", 100)),
         stateful_step_count=60,
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -146,6 +146,7 @@ def test_striping_over_drives_is_one_vectored_request(nvme_dir):
         assert torch.equal(store.fetch("x").result(10), x)
         store.release("x")
         (read,) = aio.reads()
+        assert store.locate("x") == read.segments
         paths = [p for p, _o, _n in read.segments]
         assert len(read.segments) == 3 and paths[0] != paths[1] and paths[0] == paths[2]
         assert {Path(p).parent.parent for p in paths} == set(drives)
@@ -252,3 +253,10 @@ def test_foreign_directories_are_never_touched(nvme_dir):
     with TieredStore(nvme_dir, pool=_pool()):
         pass
     assert (mine / "data").exists() and other.exists()
+
+
+def test_stripe_unit_must_be_a_multiple_of_the_block_size(nvme_dir):
+    with pytest.raises(
+        ValueError, match=r"stripe_nbytes must be a positive multiple of aio.block_size \(1048576\)"
+    ):
+        TieredStore(nvme_dir, pool=_pool(), stripe_nbytes=3 * 4096)

@@ -322,14 +322,29 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
 # -- phase 3 ------------------------------------------------------------------
 
 
+def _read_shards(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+    """Reads every shard into its store key, with nothing else holding a copy of one meanwhile: persistent
+    units let go of theirs (gathered again afterwards, from the loaded values) and a prefetch step left
+    open by a forward without backward gives back what it read ahead (its copies would be stale)."""
+    rt = engine.runtime
+    source = rt.shard_source
+    if source is not None and getattr(source, "step_open", False):
+        source.abort_step()
+    if rt.partitioner is not None:
+        rt.partitioner.release_persistent()
+    try:
+        with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in threads.py
+            read_into(handle, plan.groups, progress=bar)
+        for fut in plan.writes:
+            fut.result()
+    finally:
+        if rt.partitioner is not None:
+            rt.partitioner.gather_persistent()
+
+
 def _apply(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
     rt = engine.runtime
-    with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in threads.py
-        read_into(handle, plan.groups, progress=bar)
-    for fut in plan.writes:
-        fut.result()
-    if rt.partitioner is not None:
-        rt.partitioner.refresh_persistent()
+    _read_shards(engine, plan, handle, bar)
     s = plan.small
     es = s["engine"]
     if s["optimizer_state"] is not None:

@@ -1,0 +1,143 @@
+"""``infinity estimate``: per-rank memory and NVMe for every stage × offload setting, and what fits here.
+
+    infinity estimate --params 13e9 [--model-config gpt.json] [--nodes 1] [--gpus-per-node 1]
+                      [--config ds_config.json] [--micro-batch 1 --seq 2048] [--json]
+
+Prints the table (or, with --json, the whole estimate as JSON) from
+infinity.estimate.estimate_memory. Exit status 0, or 2 for bad arguments.
+Registered in infinity.cli.main.COMMANDS (NAME, HELP, add_arguments, run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from infinity.config import ConfigError
+from infinity.estimate import estimate_memory
+from infinity.models import GPTConfig
+
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+# config.json names of other GPT-style models, mapped onto GPTConfig's fields.
+_ALIASES = {
+    "n_embd": "d_model",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "n_positions": "seq_len",
+    "max_position_embeddings": "seq_len",
+}
+
+
+def parse_count(text: str) -> float:
+    """'13e9', '13B', '150M', '1.5e9' -> a parameter count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 13e9, 13B, 150M)")
+    n = float(m.group(1)) * _SUFFIX.get(m.group(2).lower(), 1)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a parameter count must be at least 1; got {text!r}")
+    return n
+
+
+def read_model_config(path: str) -> tuple[GPTConfig, list[str]]:
+    """A GPTConfig from a JSON file with GPTConfig's fields (or GPT-2 / LLaMA config.json names);
+    returns it and the keys it did not use."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read --model-config {path!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model-config {path!r} must hold a JSON object")
+    fields = {f for f in GPTConfig.__dataclass_fields__}
+    kw: dict[str, Any] = {}
+    ignored = []
+    for k, v in data.items():
+        name = _ALIASES.get(k, k)
+        if name in fields:
+            kw[name] = v
+        else:
+            ignored.append(k)
+    missing = {"n_layer", "d_model", "n_head"} - set(kw)
+    if missing:
+        raise ValueError(
+            f"--model-config {path!r} lacks {', '.join(sorted(missing))} (GPTConfig fields: {', '.join(sorted(fields))})"
+        )
+    try:
+        return GPTConfig(**kw), ignored
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--model-config {path!r}: {e}") from None
+
+
+NAME = "estimate"
+HELP = "memory and NVMe each ZeRO stage × offload setting needs, and the fastest that fits this machine"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=parse_count, help="parameter count (13e9, 13B, 150M): a GPT-shaped model")
+    p.add_argument("--model-config", metavar="JSON", help="the GPT's shape (GPTConfig fields or a config.json)")
+    p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per machine (default 1)")
+    p.add_argument("--config", metavar="JSON", help="DeepSpeed-style config: its sizes and precision are kept")
+    p.add_argument("--micro-batch", type=int, help="samples per rank per step (activations; default: the config's)")
+    p.add_argument("--seq", type=int, help="sequence length (activations)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: the config's, else bf16")
+    p.add_argument("--nvme-path", help="where NVMe settings swap when the config names no nvme_path "
+                   "(default ./infinity_nvme)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="compute device the plan is for (default: cuda when available)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="count activations as with every transformer block checkpointed")
+    p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.params is None and args.model_config is None:
+        print("infinity estimate: give --params (e.g. 13e9) or --model-config", file=sys.stderr)
+        return 2
+    notes = []
+    try:
+        model_config = None
+        if args.model_config:
+            model_config, ignored = read_model_config(args.model_config)
+            if ignored:
+                notes.append(f"--model-config: ignored keys {', '.join(ignored)}")
+        if args.nodes < 1 or args.gpus_per_node < 1:
+            raise ValueError("--nodes and --gpus-per-node must be at least 1")
+        est = estimate_memory(
+            args.params if args.params is not None else model_config,
+            model_config=model_config,
+            config=args.config,
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            micro_batch=args.micro_batch,
+            seq=args.seq,
+            precision=args.precision,
+            nvme_path=args.nvme_path,
+            device=args.device,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+    except (ConfigError, ValueError) as e:
+        print(f"infinity estimate: {e}", file=sys.stderr)
+        return 2
+    if args.params is not None and model_config is not None:
+        rel = abs(est.num_params - args.params) / args.params
+        if rel > 0.05:
+            notes.append(f"--model-config has {est.num_params:,} parameters, {rel:.0%} off --params; it was used")
+    if args.json:
+        out = est.to_dict()
+        out["notes"] = notes
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        print(est.table())
+        for n in notes:
+            print(f"note: {n}")
+    return 0

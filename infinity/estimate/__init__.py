@@ -1,0 +1,48 @@
+"""Know before you run: per-rank memory and NVMe estimates, the machine's view, and the pre-flight check.
+
+``estimate_memory(model_or_param_count, ...)`` itemises what the runtime
+allocates for every setting (stage × offload) and checks each against this
+machine; ``preflight(model, cfg)`` is the check ``infinity.initialize`` runs
+before allocating anything. The allocation rules live in one place
+(``rules.py``), each mirroring named runtime code.
+"""
+
+from infinity.estimate.activations import Activations, gpt_activations
+from infinity.estimate.estimate import Fit, MemoryEstimate, SettingEstimate, estimate_memory
+from infinity.estimate.machine import (
+    DiskInfo,
+    GPUInfo,
+    MachineView,
+    describe_machine,
+    machine_view,
+    process_rss_nbytes,
+    runtime_baseline_nbytes,
+)
+from infinity.estimate.plan import Item, Problem, Setting, SettingPlan, all_settings
+from infinity.estimate.preflight import PreflightError, PreflightResult, preflight
+from infinity.estimate.tune import tune
+
+__all__ = [
+    "Activations",
+    "DiskInfo",
+    "Fit",
+    "GPUInfo",
+    "Item",
+    "MachineView",
+    "MemoryEstimate",
+    "PreflightError",
+    "PreflightResult",
+    "Problem",
+    "Setting",
+    "SettingEstimate",
+    "SettingPlan",
+    "all_settings",
+    "describe_machine",
+    "estimate_memory",
+    "gpt_activations",
+    "machine_view",
+    "preflight",
+    "process_rss_nbytes",
+    "runtime_baseline_nbytes",
+    "tune",
+]

@@ -1,0 +1,198 @@
+"""MachineView: the memory and disk a run can use here — free RAM, free huge pages, GPUs, free space.
+
+Read from the OS at call time (/proc/meminfo, /proc/self/status, statvfs,
+torch.cuda.mem_get_info); nothing is allocated. ``machine_view()`` is what
+the estimator checks settings against and what ``infinity doctor`` prints
+(``describe_machine``). Also here: the process baseline — the resident memory
+of a process that has imported torch and infinity, measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from infinity.memory import format_nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUInfo:
+    index: int
+    name: str
+    total_nbytes: int
+    free_nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DiskInfo:
+    path: str
+    """The path asked about (nvme_path)."""
+    existing: str
+    """The nearest existing directory at or above it, where free space was read."""
+    free_nbytes: int
+    total_nbytes: int
+    fs_type: str
+    device: int
+    """st_dev: two paths on one file system share their free space."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineView:
+    mem_total_nbytes: int
+    mem_available_nbytes: int
+    """/proc/meminfo MemAvailable: what can be allocated without swapping."""
+    hugetlb_free_nbytes: int
+    """Free pages of the hugetlb pool (not in MemAvailable); pinned pools take them first."""
+    cpu_count: int
+    gpus: tuple[GPUInfo, ...]
+    disks: tuple[DiskInfo, ...]
+    self_rss_nbytes: int
+    """This process's resident memory now (VmRSS + hugetlb pages)."""
+
+    @property
+    def has_cuda(self) -> bool:
+        return bool(self.gpus)
+
+    def disk(self, path: str | os.PathLike) -> DiskInfo | None:
+        p = os.fspath(path)
+        return next((d for d in self.disks if d.path == p), None)
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                parts = v.split()
+                if parts:
+                    n = int(parts[0])
+                    out[k] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
+    except OSError:
+        pass
+    return out
+
+
+def process_status() -> dict[str, int]:
+    """VmRSS, VmHWM and HugetlbPages of this process, in bytes (hugetlb pages are not in VmRSS)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmRSS", "VmHWM", "HugetlbPages"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def process_rss_nbytes() -> int:
+    st = process_status()
+    return st.get("VmRSS", 0) + st.get("HugetlbPages", 0)
+
+
+def runtime_baseline_nbytes() -> int:
+    """The resident memory of this process with what every training run loads before its first allocation.
+
+    That is torch and infinity imported (the package imports its engine), plus what the engine
+    imports on first use:
+    the first torch.optim.Optimizer pulls in torch._dynamo (~70 MiB here), and with
+    CUDA the context (several hundred MiB of host memory), which is created here.
+    Call it before building the model to get the baseline of a run.
+    """
+    try:
+        torch.optim.Optimizer([torch.empty(0)], {})
+    except ImportError:
+        # A process that can no longer read torch's files (privileges dropped after import):
+        # it cannot load more of torch now, and nothing of it counts yet.
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    return process_rss_nbytes()
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _fs_type(path: Path) -> str:
+    best, fs = "", "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3:
+                    mnt = parts[1].replace("\\040", " ")
+                    if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                        best, fs = mnt, parts[2]
+    except OSError:
+        pass
+    return fs
+
+
+def disk_info(path: str | os.PathLike) -> DiskInfo:
+    existing = _nearest_existing(Path(path))
+    usage = shutil.disk_usage(existing)
+    return DiskInfo(
+        path=os.fspath(path),
+        existing=str(existing),
+        free_nbytes=usage.free,
+        total_nbytes=usage.total,
+        fs_type=_fs_type(existing.resolve()),
+        device=os.stat(existing).st_dev,
+    )
+
+
+def machine_view(nvme_paths: Iterable[str | os.PathLike] = ()) -> MachineView:
+    """The machine now: memory, huge pages, GPUs (when CUDA works) and free space at each path."""
+    info = _meminfo()
+    huge = info.get("HugePages_Free", 0) * info.get("Hugepagesize", 0)
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append(GPUInfo(i, torch.cuda.get_device_name(i), total, free))
+    disks = tuple(disk_info(p) for p in dict.fromkeys(os.fspath(p) for p in nvme_paths))
+    return MachineView(
+        mem_total_nbytes=info.get("MemTotal", 0),
+        mem_available_nbytes=info.get("MemAvailable", info.get("MemFree", 0)),
+        hugetlb_free_nbytes=huge,
+        cpu_count=os.cpu_count() or 1,
+        gpus=tuple(gpus),
+        disks=disks,
+        self_rss_nbytes=process_rss_nbytes(),
+    )
+
+
+def describe_machine(view: MachineView | None = None, nvme_paths: Iterable[str | os.PathLike] = ()) -> list[str]:
+    """A few lines for ``infinity doctor``: what a run may use here."""
+    v = view or machine_view(nvme_paths)
+    lines = [
+        f"host memory  {format_nbytes(v.mem_available_nbytes)} available of {format_nbytes(v.mem_total_nbytes)}"
+        + (f"; {format_nbytes(v.hugetlb_free_nbytes)} free in huge pages (used by pinned pools)"
+           if v.hugetlb_free_nbytes else ""),
+        f"cpus         {v.cpu_count}",
+    ]
+    if v.gpus:
+        for g in v.gpus:
+            lines.append(
+                f"gpu {g.index}        {g.name}: {format_nbytes(g.free_nbytes)} free of {format_nbytes(g.total_nbytes)}"
+            )
+    else:
+        lines.append("gpu          none (CUDA not available): the compute device is the CPU, sharing host memory")
+    for d in v.disks:
+        where = d.path if d.existing == os.path.abspath(d.path) else f"{d.path} (not created yet; {d.existing})"
+        tmpfs = " — tmpfs is RAM, not NVMe" if d.fs_type == "tmpfs" else ""
+        lines.append(
+            f"nvme_path    {where}: {format_nbytes(d.free_nbytes)} free of {format_nbytes(d.total_nbytes)}, {d.fs_type}{tmpfs}"
+        )
+    return lines

@@ -1,0 +1,479 @@
+"""SettingPlan: the itemised bytes one setting (stage × offload) allocates per rank, by tier and phase.
+
+Items are built from the rules in rules.py (each mirrors named runtime code);
+this module only applies them to one setting and adds them up. Two phases
+matter for a peak: ``init`` (inside initialize: the model as the user built it
+is still resident while the stores fill) and ``train`` (forward, backward,
+step); ``run`` items exist in both. A tier's peak is the larger phase sum.
+On a CPU compute device, device and host share RAM: ``ram_nbytes`` is the
+larger phase sum of both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from infinity.config import InfinityConfig
+from infinity.estimate import rules
+from infinity.estimate.activations import Activations
+from infinity.estimate.model import ModelSpec
+from infinity.memory import format_nbytes, round_up
+from infinity.zero.unit import ParamUnit
+
+Tier = Literal["device", "host", "nvme"]
+Phase = Literal["init", "train", "run"]
+Where = Literal["none", "cpu", "nvme"]
+
+_ZINIT_CPU = "zero.Init store (fp32 shards)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Where state lives: the ZeRO stage and the two offload devices."""
+
+    stage: int
+    offload_param: Where
+    offload_optimizer: Where
+    tuned: bool = False
+    """The config's sizing keys changed to fit (see tune.py); the plan lists the changes."""
+
+    def label(self) -> str:
+        tuned = " (tuned)" if self.tuned else ""
+        return f"stage {self.stage}, params {self.offload_param}, optimizer {self.offload_optimizer}{tuned}"
+
+    def keys(self) -> str:
+        """The config keys that select this setting."""
+        parts = [f"zero_optimization.stage={self.stage}"]
+        if self.stage == 3:
+            parts.append(f"offload_param.device={self.offload_param}")
+        if self.stage >= 1:
+            parts.append(f"offload_optimizer.device={self.offload_optimizer}")
+        return ", ".join(parts)
+
+    def words(self) -> str:
+        """A reader's description: 'params on NVMe and optimizer on NVMe'."""
+        where = {"none": "in device memory", "cpu": "in host memory", "nvme": "on NVMe"}
+        p = "partitioned params" if self.stage == 3 else "params"
+        opt_where = where[self.offload_optimizer]
+        if self.offload_optimizer == "none":
+            opt_where = "not offloaded"
+        return f"stage {self.stage} with {p} {where[self.offload_param]} and optimizer {opt_where}"
+
+
+def all_settings() -> list[Setting]:
+    """Every valid setting: offload_param needs stage 3; offload_optimizer needs stage >= 1."""
+    out = [Setting(0, "none", "none")]
+    for stage in (1, 2):
+        for o in ("none", "cpu", "nvme"):
+            out.append(Setting(stage, "none", o))
+    for p in ("none", "cpu", "nvme"):
+        for o in ("none", "cpu", "nvme"):
+            out.append(Setting(3, p, o))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One allocation (or group of like allocations) of a rank."""
+
+    name: str
+    tier: Tier
+    nbytes: int
+    phase: Phase
+    detail: str = ""
+    """What it is and which code allocates it."""
+    key: str | None = None
+    """The config key that sizes it (the fix when it is too big)."""
+    counted: bool = True
+    """False for budgets shown for sizing that live inside another item."""
+    heap: bool = False
+    """Allocated and freed by torch's allocator step after step (not an mmap'd buffer made once):
+    the heap keeps some of it after it is freed (see rules.SLACK_PERCENT)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A setting the runtime would refuse or stall on, whatever the machine."""
+
+    message: str
+    fix: str
+    engine_refuses: bool = False
+    """True where initialize itself refuses it, clearly and before allocating (build.py checks it):
+    the pre-flight check then leaves it to the engine's own message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingPlan:
+    setting: Setting
+    dtype: str
+    items: tuple[Item, ...]
+    problems: tuple[Problem, ...]
+    device_type: str
+    nvme_by_path: tuple[tuple[str, int], ...]
+    """NVMe bytes per rank by directory (offload_param and offload_optimizer may differ)."""
+    nvme_traffic_nbytes: int
+    """Bytes a rank moves to and from NVMe per optimizer step (the speed ranking's first key)."""
+    changes: tuple[tuple[str, int, int], ...] = ()
+    """(config key, the config's value, the value planned) for a tuned setting."""
+
+    def keys(self) -> str:
+        """The config keys that select this plan (setting, plus tuned sizes)."""
+        extra = [f"{k.removeprefix('zero_optimization.')}={new:,}" for k, _old, new in self.changes]
+        return ", ".join([self.setting.keys()] + extra)
+
+    def tier_nbytes(self, tier: Tier, phase: Phase) -> int:
+        return sum(i.nbytes for i in self.items if i.counted and i.tier == tier and i.phase in (phase, "run"))
+
+    def peak(self, tier: Tier) -> int:
+        return max(self.tier_nbytes(tier, "init"), self.tier_nbytes(tier, "train"))
+
+    @property
+    def device_nbytes(self) -> int:
+        return self.peak("device")
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.peak("host")
+
+    @property
+    def nvme_nbytes(self) -> int:
+        return self.peak("nvme")
+
+    @property
+    def ram_nbytes(self) -> int:
+        """Host memory when the compute device is the CPU (device and host share RAM)."""
+        return max(
+            self.tier_nbytes("host", ph) + self.tier_nbytes("device", ph) for ph in ("init", "train")
+        )
+
+    @property
+    def pinned_pool_nbytes(self) -> int:
+        """Bytes of pinned pools of at least one huge page (they may come from the hugetlb pool)."""
+        return sum(i.nbytes for i in self.items if i.counted and i.tier == "host" and i.name.endswith(" pool")
+                   and i.nbytes >= (2 << 20))
+
+
+def _sum(units: Sequence[ParamUnit], attr: str, pred=lambda u: True) -> int:
+    return sum(getattr(u.layout, attr) for u in units if pred(u))
+
+
+def plan_setting(
+    spec: ModelSpec,
+    cfg: InfinityConfig,
+    *,
+    world_size: int,
+    device_type: str,
+    baseline_nbytes: int,
+    activations: Activations | None,
+    checkpointing: bool,
+    zero_init: bool,
+    changes: Sequence[tuple[str, int, int]] = (),
+) -> SettingPlan:
+    """Itemises what ``cfg`` (one setting) allocates per rank (see the module docstring).
+    ``changes``: the sizing keys tune.py changed (recorded in the plan)."""
+    p = _Planner(spec, cfg, world_size, device_type)
+    p.add(Item("process baseline", "host", baseline_nbytes, "run",
+               "torch and infinity imported, torch._dynamo loaded by the first optimizer"
+               + (", the CUDA context" if p.cuda else "")))
+    p.model_as_built(zero_init and p.stage == 3)
+    p.optimizer_state()
+    if p.stage == 3:
+        p.parameter_store()
+    else:
+        p.resident_parameters()
+    p.flat_buffers_and_init()
+    if activations is not None:
+        p.activations(activations, checkpointing)
+    p.overheads()
+    zero = cfg.zero_optimization
+    return SettingPlan(
+        setting=Setting(p.stage, zero.offload_param.device, zero.offload_optimizer.device, tuned=bool(changes)),
+        dtype=p.dname,
+        items=tuple(p.items),
+        problems=tuple(p.problems),
+        device_type=device_type,
+        nvme_by_path=tuple(p.nvme_paths.items()),
+        nvme_traffic_nbytes=p.nvme_traffic,
+        changes=tuple(changes),
+    )
+
+
+class _Planner:
+    """The items of one plan, built section by section (one method per part of the runtime)."""
+
+    def __init__(self, spec: ModelSpec, cfg: InfinityConfig, world_size: int, device_type: str):
+        self.spec = spec
+        self.cfg = cfg
+        self.zero = cfg.zero_optimization
+        self.stage = self.zero.stage
+        self.dtype = rules.param_dtype(cfg)
+        self.b = rules.itemsize(self.dtype)
+        self.dname = str(self.dtype).removeprefix("torch.")
+        self.unit_map = rules.unit_map_for(spec.module, cfg, world_size)
+        self.units = self.unit_map.units
+        numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
+        params = [p for u in self.units for p in u.params]
+        self.numels = [numels[id(p)] for p in params]
+        self.grad_numels = [numels[id(p)] for p in params if p.requires_grad]
+        self.cuda = device_type == "cuda"
+        self.world = world_size
+        self.block = cfg.aio.block_size
+        self.items: list[Item] = []
+        self.problems: list[Problem] = []
+        self.nvme_paths: dict[str, int] = {}
+        self.nvme_traffic = 0
+
+    def add(self, item: Item) -> None:
+        self.items.append(item)
+
+    def _swap(self, label: str, nbytes: int, path, detail: str, key: str | None = None,
+              phase: Phase = "run") -> None:
+        """A store's swap files at ``path``, plus its directory's lock file and extent blocks."""
+        meta = rules.swap_dir_overhead_nbytes(nbytes)
+        self.add(Item(label, "nvme", nbytes, phase, detail, key))
+        self.add(Item(label.split(" swap")[0] + " swap directory", "nvme", meta, phase,
+                      "lock file and file-system extent blocks"))
+        self.nvme_paths[str(path)] = self.nvme_paths.get(str(path), 0) + nbytes + meta
+
+    def model_as_built(self, zinit: bool) -> None:
+        """The parameters as the user built them: in the module, or in zero.Init's store."""
+        if not zinit:
+            built = self.spec.built_nbytes or self.spec.num_params * rules.FP32_NBYTES
+            same = self.stage < 3 and self.dtype == torch.float32 and not self.cuda
+            self.add(Item("model as built (fp32)", "host", built, "init",
+                          "the module's parameters before initialize moves them"
+                          + (" (the same memory the module trains with on a CPU device)" if same else ""),
+                          heap=True))
+            return
+        sizes = rules.zero_init_shard_sizes(self.spec.module, self.world)
+        self.add(Item("zero.Init construction heap", "host",
+                      rules.zero_init_heap_nbytes(rules.zero_init_param_nbytes(self.spec.module)), "init",
+                      "parameters freed as they were partitioned, kept by the heap until initialize trims it "
+                      "(memory/trim.py)"))
+        off = self.zero.offload_param
+        if off.device == "nvme":
+            self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "init",
+                          "infinity/zero/init.py: the init store's pool (closed once initialize has every parameter)"))
+            self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block), off.nvme_path,
+                       "each parameter's fp32 shard as built, files grown on demand; removed after initialize",
+                       "offload_param.nvme_path", phase="init")
+        else:
+            self.add(Item(_ZINIT_CPU, "host", sum(sizes), "init",
+                          "infinity/zero/init.py: each parameter's shard as built, freed once initialize has it",
+                          heap=True))
+
+    def optimizer_state(self) -> None:
+        """partitioned_adam.py keys per shard; build.py _state_store's pool and swap reserve."""
+        S = _sum(self.units, "shard_numel")
+        keys = rules.state_keys(self.stage, self.dtype)
+        tier: Tier = "nvme" if self.zero.offload_optimizer.device == "nvme" else "host"
+        detail = "fp32, this rank's shards" + (" (swap files)" if tier == "nvme" else " (host tensors)")
+        key = "zero_optimization.offload_optimizer.device"
+        if "master" in keys:
+            self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
+        self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
+        self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
+                      detail + "; accumulated across micro-batches", key))
+        if tier != "nvme":
+            self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
+                          "unused (no NVMe)"))
+            return
+        reserved = rules.optimizer_swap_nbytes(S, self.stage, self.dtype, self.block)
+        slack = reserved - S * 4 * len(keys)
+        if slack:
+            self.add(Item("optimizer swap reserve", "nvme", slack, "run",
+                          "rounding of the reserve to 4 KiB and aio.block_size"))
+        meta = rules.swap_dir_overhead_nbytes(reserved)
+        self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
+        path = str(self.zero.offload_optimizer.nvme_path)
+        self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
+        sub = rules.optimizer_pool_numel(self.units, self.zero)
+        per = rules.state_nbytes_per_element(self.stage, self.dtype)
+        self.add(Item("optimizer pool", "host",
+                      rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * per), "run",
+                      f"3 sub-groups × {sub:,} elements × {per} B (read ‖ update ‖ write), pinned, huge pages",
+                      "zero_optimization.sub_group_size"))
+        # The step reads every array and writes all but g back.
+        self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
+
+    def parameter_store(self) -> None:
+        """Stage 3: build.py _param_homes/_param_store, the budgets, what is gathered."""
+        units, b, dname, off = self.units, self.b, self.dname, self.zero.offload_param
+        homes = rules.param_homes(units, self.zero)
+        nv = [u for u in units if homes[u.index] == "nvme"]
+        in_host = _sum(units, "shard_nbytes", lambda u: homes[u.index] == "cpu")
+        n_persist = _sum(units, "shard_nbytes", lambda u: u.persistent)
+        why = []
+        if n_persist:
+            why.append(f"{format_nbytes(n_persist)} persistent (< stage3_param_persistence_threshold)")
+        if off.device == "nvme" and in_host > n_persist:
+            why.append(f"{format_nbytes(in_host - n_persist)} kept by offload_param.max_in_cpu")
+        self.add(Item(f"parameter shards in host memory ({dname})", "host", in_host, "run",
+                      "; ".join(why) or "offload_param.device " + off.device,
+                      "zero_optimization.offload_param." + ("max_in_cpu" if off.device == "nvme" else "device")))
+        if nv:
+            self.add(Item("parameter pool", "host", rules.pool_nbytes(off.buffer_count, off.buffer_size * b), "run",
+                          f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
+                          "huge pages", "zero_optimization.offload_param.buffer_size"))
+            on_disk = _sum(nv, "shard_nbytes")
+            self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(on_disk, self.block), off.nvme_path,
+                       "this rank's shards", "zero_optimization.offload_param.nvme_path")
+            reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
+            self.nvme_traffic += on_disk * (reads + 1)
+            _check_param_pool(self.problems, units, nv, homes, self.zero, b,
+                              rules.pool_capacity(off.buffer_count, off.buffer_size * b))
+            where = "inside the parameter pool (host)"
+        else:
+            self.add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
+                          "unused (no parameter on NVMe)"))
+            where = "on the device" if self.cuda else "in host memory"
+        self._scheduler(homes, nv, where)
+        self.add(self._grad_in_flight())
+
+    def _scheduler(self, homes: dict[int, str], nv: list[ParamUnit], where: str) -> None:
+        """build.py _prefetch_scheduler: DeepSpeed's budgets per rank, the partitioner's working set
+        (schedule/budget.py check_serves refuses a live budget or a pool below it), what is gathered."""
+        units, b, dname, zero, off = self.units, self.b, self.dname, self.zero, self.zero.offload_param
+        total = _sum(units, "shard_nbytes", lambda u: not u.persistent)
+        budgets = {}
+        for label, key, numel in (
+            ("prefetch budget", "stage3_prefetch_bucket_size", zero.stage3_prefetch_bucket_size),
+            ("live-parameter budget", "stage3_max_live_parameters", zero.stage3_max_live_parameters),
+        ):
+            budgets[key] = rules.schedule_budget_nbytes(numel, self.world, self.dtype)
+            self.add(Item(label, "host" if nv else "device", min(budgets[key], total), "train",
+                          f"{key} {numel:,} elements / {self.world} rank(s) × {b} B, the prefetch scheduler's; "
+                          f"{where}, not added", f"zero_optimization.{key}", counted=False))
+        model = self.spec.module
+        working = rules.partitioner_working_set(model, self.unit_map, lambda u: True)
+        largest = max((u.layout.shard_nbytes for u in units if not u.persistent), default=0)
+        _check_scheduler(self.problems, zero, self.world, b, budgets["stage3_max_live_parameters"],
+                         max(working, largest),
+                         rules.pool_capacity(off.buffer_count, off.buffer_size * b) if nv else None,
+                         rules.partitioner_working_set(model, self.unit_map, lambda u: homes[u.index] == "nvme"))
+        if self.cuda or self.world > 1:
+            self.add(Item(f"persistent parameters, gathered ({dname})", "device",
+                          sum(u.full_nbytes for u in units if u.persistent), "train",
+                          "gathered once, kept for the whole run",
+                          "zero_optimization.stage3_param_persistence_threshold", heap=True))
+            if self.world > 1:
+                held = rules.partitioner_working_set(model, self.unit_map, lambda u: True, full=True)
+                detail = "the units the partitioner holds at once, gathered from every rank"
+            else:  # the scheduler keeps up to its live budget on the device (tier "device")
+                held = max(working, min(budgets["stage3_max_live_parameters"], total))
+                detail = "what the prefetch scheduler keeps on the device: its live budget, at least the working set"
+            self.add(Item(f"gathered parameters ({dname})", "device", held, "train", detail,
+                          "zero_optimization.stage3_max_live_parameters", heap=True))
+
+
+    def resident_parameters(self) -> None:
+        """Stages 0-2: parameters stay in the module; stages 0-1 keep whole grads in p.grad."""
+        phase: Phase = "run" if self.cuda else "train"  # on a CPU device they are the model as built
+        self.add(Item(f"parameters in the module ({self.dname})", "device",
+                      rules.resident_param_nbytes(self.numels, self.dtype, self.stage), phase,
+                      "stages 0-2 keep every parameter resident", heap=True))
+        if self.stage <= 1:
+            self.add(Item("gradient accumulators (fp32)", "device",
+                          rules.grad_accumulator_nbytes(self.units, self.stage), "train",
+                          "stages 0-1: every unit's whole grads, accumulated in fp32 until the window's end",
+                          "zero_optimization.stage", heap=True))
+        self.add(self._grad_in_flight())
+
+    def _grad_in_flight(self) -> Item:
+        return Item("gradient in flight (largest parameter)", "device",
+                    rules.grad_in_flight_nbytes(self.grad_numels, self.dtype), "train",
+                    "grad_hooks.py: each grad is taken as autograd makes it and added into its fp32 partition",
+                    heap=True)
+
+    def flat_buffers_and_init(self) -> None:
+        """The TensorCache's flat buffers; build.py's per-unit temporaries while moving the model home."""
+        flat = rules.flat_buffers_nbytes(self.units, self.stage, self.world, self.dtype, caching=not self.cuda)
+        if flat:
+            self.add(Item("flat buffers (TensorCache)", "device", flat, "train",
+                          "fp32 flat grads / gathers in use" if self.cuda else
+                          "fp32 flat grads / gathers, reused; cached up to 4 × the largest unit", heap=True))
+        self.add(Item("initialisation transient", "host", rules.init_transient_nbytes(self.units, self.dtype), "init",
+                      "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
+
+    def activations(self, a: Activations, checkpointing: bool) -> None:
+        saved, other = (a.saved_checkpointed, a.saved) if checkpointing else (a.saved, a.saved_checkpointed)
+        self.add(Item("activations saved for backward", "device", saved, "train",
+                      f"micro-batch {a.micro_batch} × seq {a.seq}, "
+                      + ("every block checkpointed" if checkpointing else "no checkpointing")
+                      + f" ({'without' if checkpointing else 'with'} checkpointing: {format_nbytes(other)})",
+                      "train_micro_batch_size_per_gpu", heap=True))
+        self.add(Item("backward working memory", "device", a.working, "train",
+                      "gradients of the logits and of one block's activations", heap=True))
+
+    def overheads(self) -> None:
+        """Measured, not mirrored (rules.py says where each figure comes from)."""
+        self.add(Item("runtime overhead (initialize)", "host", rules.INIT_OVERHEAD_NBYTES, "init",
+                      "aio engines, store records, hooks (measured)"))
+        self.add(Item("runtime overhead (first step)", "host", rules.first_step_overhead_nbytes(self.dtype),
+                      "train", "kernel workspaces, autograd, thread arenas (measured)"))
+        for tier in ("host", "device"):
+            for ph in ("init", "train"):
+                base = sum(i.nbytes for i in self.items if i.heap and i.tier == tier and i.phase in (ph, "run"))
+                slack = -(-base * rules.SLACK_PERCENT // 100)
+                if slack:
+                    self.add(Item("allocator slack", tier, slack, ph,  # type: ignore[arg-type]
+                                  f"{rules.SLACK_PERCENT}% of the tensors torch allocates and frees in this "
+                                  "phase: freed memory the heap keeps (measured)"))
+
+
+def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
+    """The parameter pool must hold the largest NVMe shard (build.py refuses otherwise) and a whole
+    sub-group of NVMe shards (the step's read of it waits for pool space until its timeout)."""
+    off = zero.offload_param
+    largest = max(nv, key=lambda u: u.layout.shard_nbytes)
+    if largest.layout.shard_nbytes > capacity:
+        problems.append(Problem(
+            f"the parameter pool ({off.buffer_count} × {off.buffer_size:,} elements) cannot hold layer "
+            f"{largest.module_name!r}, whose shard is {largest.layout.shard_numel:,} elements; initialize refuses it",
+            f"raise zero_optimization.offload_param.buffer_size to at least "
+            f"{math.ceil(largest.layout.shard_numel / off.buffer_count):,}",
+            engine_refuses=True,
+        ))
+        return
+    need = rules.step_param_pool_need(units, homes, int(zero.sub_group_size))
+    if need > capacity:
+        sub = max(u.layout.shard_numel for u in nv)
+        problems.append(Problem(
+            f"the optimizer step holds {format_nbytes(need)} of parameter shards at once (a sub-group of "
+            f"sub_group_size {int(zero.sub_group_size):,}), more than the parameter pool's "
+            f"{format_nbytes(capacity)}: it would wait for pool space until it times out",
+            f"raise zero_optimization.offload_param.buffer_size to at least "
+            f"{math.ceil(need / b / off.buffer_count):,}, or lower zero_optimization.sub_group_size "
+            f"(to {sub:,}, the largest shard, it needs {format_nbytes(rules.step_param_pool_need(units, homes, sub))})",
+        ))
+
+
+def _check_scheduler(problems, zero, world: int, b: int, live_nbytes: int, working: int,
+                     pool_capacity: int | None, pool_working: int) -> None:
+    """schedule/budget.py ScheduleBudget.check_serves, which initialize runs after moving the model
+    home (so the pre-flight check refuses it first): the live budget must hold the partitioner's
+    working set, and the parameter pool its NVMe part."""
+    if live_nbytes < working:
+        need = -(-working // b) * world
+        problems.append(Problem(
+            f"stage3_max_live_parameters ({int(zero.stage3_max_live_parameters):,} elements) is smaller than the "
+            f"units the model holds at once ({format_nbytes(working)} per rank): the prefetch scheduler refuses it",
+            f"raise zero_optimization.stage3_max_live_parameters to at least {need:,}",
+        ))
+    # A pool that cannot hold even the largest layer is initialize's to refuse, with the layer's name.
+    pool_refused = any(p.engine_refuses for p in problems)
+    if pool_capacity is not None and pool_working > 0 and not pool_refused:
+        need = round_up(pool_working, 4096)
+        if pool_capacity < need:
+            off = zero.offload_param
+            problems.append(Problem(
+                f"the parameter pool ({format_nbytes(pool_capacity)}) cannot hold the units the model holds at "
+                f"once ({format_nbytes(need)}): the prefetch scheduler refuses it",
+                f"raise zero_optimization.offload_param.buffer_size to at least "
+                f"{math.ceil(need / b / off.buffer_count):,}",
+            ))

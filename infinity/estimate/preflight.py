@@ -1,0 +1,188 @@
+"""preflight: the check infinity.initialize runs before it allocates anything.
+
+It plans the run exactly as ``estimate_memory`` does (same rules, the
+config's own setting), measures what the process already holds (its
+baseline and the model as built are allocated: only what comes after must
+still fit), reads the machine, and raises PreflightError — with the plan,
+the shortfall and the fix, naming the key to change — when host memory,
+device memory or NVMe space cannot hold the run, or when the config would
+make the runtime refuse or stall (a parameter pool too small for the
+optimizer step). ``"preflight": false`` (or ``initialize(..., preflight=False)``)
+skips it, with a warning.
+
+With several ranks, every rank checks (ranks on one node share its memory
+and disks: the need is multiplied by LOCAL_WORLD_SIZE) and all refuse
+together (a MAX all-reduce of the verdict), so none is left waiting in a
+collective. Activations are counted for infinity.models.GPT (micro-batch from
+the config, sequence at the model's seq_len); for other models they are not
+known here and the message says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+from torch import nn
+
+from infinity.config import ConfigError, InfinityConfig
+from infinity.estimate import rules
+from infinity.estimate.activations import gpt_activations
+from infinity.estimate.estimate import check_fit, config_for, speed_key
+from infinity.estimate.machine import (
+    MachineView,
+    machine_view,
+    runtime_baseline_nbytes,
+)
+from infinity.estimate.model import describe_model
+from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
+from infinity.estimate.report import items_table
+from infinity.estimate.tune import tune
+from infinity.memory import format_nbytes
+from infinity.zero import init as zero_init_mod
+from infinity.zero.collectives import DataParallelGroup
+
+log = logging.getLogger("infinity.estimate")
+
+
+class PreflightError(ConfigError):
+    """The run cannot fit this machine (or its config would stall); nothing was allocated.
+    A ConfigError (a ValueError): the fix is a config change, and callers catching those keep working."""
+
+    def __init__(self, message: str, plan: SettingPlan, reasons: tuple[str, ...]):
+        super().__init__(message)
+        self.plan = plan
+        self.reasons = reasons
+
+
+@dataclasses.dataclass(frozen=True)
+class PreflightResult:
+    plan: SettingPlan
+    held_nbytes: int
+    """Host memory the process held when the check ran (baseline and the model as built)."""
+    machine: MachineView
+
+
+def preflight(
+    model: nn.Module,
+    cfg: InfinityConfig,
+    *,
+    device: torch.device | str = "cpu",
+    group: DataParallelGroup | None = None,
+    machine: MachineView | None = None,
+) -> PreflightResult | None:
+    """Checks that ``model`` trained under ``cfg`` fits; raises PreflightError (table + fix) if not.
+
+    Returns the plan it checked, or None when ``cfg.preflight`` is false.
+    ``machine`` replaces the machine read from the OS (tests).
+    """
+    if not cfg.preflight:
+        log.warning(
+            "pre-flight check skipped (preflight: false): host memory, device memory and NVMe space are "
+            "not checked against this run before it allocates"
+        )
+        return None
+    group = group or DataParallelGroup()
+    device_type = torch.device(device).type
+    device_type = "cuda" if device_type == "cuda" else "cpu"
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    spec = describe_model(model)
+    held = runtime_baseline_nbytes()
+    zinit = zero_init_mod.init_store_of(list(model.parameters())) is not None
+    acts = None
+    if spec.gpt is not None:
+        acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
+                               itemsize=rules.itemsize(rules.param_dtype(cfg)))
+
+    def plan(c: InfinityConfig, changes=()) -> SettingPlan:
+        return plan_setting(spec, c, world_size=group.world_size, device_type=device_type,
+                            baseline_nbytes=max(0, held - spec.built_nbytes), activations=acts,
+                            checkpointing=False, zero_init=zinit, changes=changes)
+
+    own = plan(cfg)
+    view = machine or machine_view(path for path, _ in own.nvme_by_path)
+    fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
+    failed = torch.tensor([0 if fit.ok else 1], dtype=torch.int32)
+    group.all_reduce_max(failed)
+    if fit.ok and not int(failed):
+        return PreflightResult(own, held, view)
+    if fit.ok:
+        raise PreflightError(
+            f"infinity.initialize: another rank's pre-flight check failed (see its error); rank {group.rank} "
+            "stops too, before allocating", own, ())
+    fixes = _fixes(spec, cfg, own, view, plan, ranks, held, group.world_size)
+    raise PreflightError(_refusal(own, fit.reasons, fixes, held, ranks, group.world_size, acts is not None),
+                         own, fit.reasons)
+
+
+def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int, world: int, acts: bool) -> str:
+    lines = [
+        f"infinity.initialize: this run does not fit (pre-flight check; nothing has been allocated). "
+        f"{own.setting.label()}, {own.dtype}, world size {world}"
+        + (f", {ranks} ranks on this node" if ranks > 1 else "") + ":",
+    ]
+    lines += ["  " + r for r in reasons]
+    lines.append(
+        f"It would allocate per rank (this process holds {format_nbytes(held)} already: its baseline and the model"
+        f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
+    )
+    lines += ["  " + ln for ln in items_table(own)]
+    lines.append("Fix:" if fixes else "Fix: no setting of stage and offload fits this machine;"
+                 " use a machine with more memory or disk, or a smaller model")
+    lines += ["  - " + f for f in fixes]
+    lines.append('  - or skip this check with "preflight": false in the config (the run may then be killed '
+                 "by the OOM killer or fail when the disk fills)")
+    return "\n".join(lines)
+
+
+def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
+    """Config changes that make the run fit, best first: the config's own setting with its sizes
+    tuned, then the fastest other setting (tuned if need be) that fits."""
+    out: list[str] = []
+    for pr in own.problems:
+        if not pr.engine_refuses:
+            out.append(pr.fix)
+
+    def fits(p: SettingPlan) -> bool:
+        return check_fit(p, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True).ok
+
+    def need(p: SettingPlan) -> str:
+        mem = f"RAM {format_nbytes(p.ram_nbytes)}" if p.device_type == "cpu" else (
+            f"host {format_nbytes(p.host_nbytes)}, GPU {format_nbytes(p.device_nbytes)}")
+        return mem + (f", NVMe {format_nbytes(p.nvme_nbytes)}" if p.nvme_nbytes else "")
+
+    tuned_cfg, changes = tune(spec, cfg, world_size)
+    if changes:
+        p = plan(tuned_cfg, changes)
+        verdict = "fits" if fits(p) else "still does not fit"
+        out.append(f"set {_changes(changes)}: {verdict} ({need(p)} per rank)")
+        if verdict == "fits":
+            return out
+    path = next((path for path, _ in own.nvme_by_path), None) or "./infinity_nvme"
+    candidates = []
+    for s in all_settings():
+        if s == Setting(own.setting.stage, own.setting.offload_param, own.setting.offload_optimizer):
+            continue
+        try:
+            c = config_for(cfg, s, path)
+        except ConfigError:
+            continue
+        p = plan(c)
+        if not fits(p):
+            c, ch = tune(spec, c, world_size)
+            if not ch:
+                continue
+            p = plan(c, ch)
+            if not fits(p):
+                continue
+        candidates.append(p)
+    if candidates:
+        best = min(candidates, key=speed_key)
+        out.append(f"{'or ' if out else ''}set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)")
+    return out
+
+
+def _changes(changes) -> str:
+    return ", ".join(f"{k} to {new:,} (now {old:,})" for k, old, new in changes)

@@ -1,0 +1,119 @@
+"""UnitRecord: what the scheduler knows about one key, with its state and the transitions between states.
+
+[Note: unit states]
+    IDLE ──plan──▶ PREFETCHED ──acquire──▶ IN_USE ──last release──▶ KEPT
+      ▲  ──acquire (on demand)──────────────▲  ▲                      │
+      │                                        └──────acquire─────────┘
+      └──── drop (PREFETCHED unused, KEPT, or IN_USE's last release) ──┘
+The scheduler holds exactly one store hold for every record that is not
+IDLE (callers' holds are counted in ``users``, not as more store holds), so
+"live" bytes are the sizes of the non-IDLE records. A record whose store
+fetch is still being submitted by another thread (``submitting``) has no
+future yet; a drop then only bumps ``gen`` and the submitting thread gives
+the hold back when its fetch returns.
+
+Each ``to_*`` method asserts the states it may leave and raises
+ScheduleError naming the key and both states otherwise.
+
+Threading: records are only touched under their scheduler's lock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from typing import Any
+
+from infinity.schedule.errors import ScheduleError
+
+
+class UnitState(enum.Enum):
+    """The scheduler's side of a key (the store has its own residency state)."""
+
+    def __new__(cls, value: str, doc: str) -> UnitState:
+        obj = object.__new__(cls)
+        obj._value_ = value
+        obj.__doc__ = doc
+        return obj
+
+    IDLE = ("idle", "The scheduler holds nothing for it (the store may still cache it).")
+    PREFETCHED = (
+        "prefetched",
+        "Fetched ahead of a predicted use that has not come yet (its read may still be in flight).",
+    )
+    IN_USE = ("in use", "Handed out by acquire and not yet released by every caller.")
+    KEPT = (
+        "kept",
+        "Released by its callers but still held: the trace uses it again within the reuse distance.",
+    )
+
+
+LIVE = (UnitState.PREFETCHED, UnitState.IN_USE, UnitState.KEPT)
+DISCRETIONARY = (UnitState.PREFETCHED, UnitState.KEPT)
+"""Held on the scheduler's own judgement, so dropped first when room is needed."""
+
+
+class UnitRecord:
+    __slots__ = (
+        "key",
+        "nbytes",
+        "state",
+        "users",
+        "future",
+        "submitting",
+        "gen",
+        "read_step",
+        "read_used",
+        "moves",
+    )
+
+    def __init__(self, key: Hashable, nbytes: int):
+        self.key = key
+        self.nbytes = nbytes
+        self.state = UnitState.IDLE
+        self.users = 0  # callers holding it (acquires not yet released)
+        self.future: Any = None  # the StoreFuture of the scheduler's hold
+        self.submitting = False  # a thread is inside store.fetch for it; no future yet
+        self.gen = 0  # bumped whenever it becomes live or is dropped
+        self.read_step = -1  # the step in which our fetch last caused a read from NVMe
+        self.read_used = True  # that read's data has been handed to a caller
+        self.moves = False  # its prefetch moved data (counts against the bucket while PREFETCHED)
+
+    def _move(self, to: UnitState, allowed: tuple[UnitState, ...]) -> None:
+        if self.state not in allowed:
+            raise ScheduleError(
+                f"key {self.key!r}: illegal scheduler transition {self.state.value} → {to.value} "
+                f"(allowed only from {', '.join(s.value for s in allowed)})"
+            )
+        self.state = to
+
+    def to_prefetched(self) -> None:
+        self._move(UnitState.PREFETCHED, (UnitState.IDLE,))
+        self.gen += 1
+
+    def to_in_use(self) -> None:
+        """One more caller; from IDLE this is an on-demand fetch (the caller submits it)."""
+        if self.state is not UnitState.IN_USE:
+            was = self.state
+            self._move(UnitState.IN_USE, (UnitState.IDLE, UnitState.PREFETCHED, UnitState.KEPT))
+            if was is UnitState.IDLE:
+                self.gen += 1
+        self.users += 1
+        self.read_used = True
+
+    def to_kept(self) -> None:
+        if self.users:
+            raise ScheduleError(f"key {self.key!r} kept while {self.users} caller(s) hold it")
+        self._move(UnitState.KEPT, (UnitState.IN_USE,))
+
+    def to_idle(self) -> None:
+        self._move(UnitState.IDLE, LIVE)
+        self.users = 0
+        self.future = None
+        self.gen += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"<UnitRecord {self.key!r} {self.state.value} users={self.users}"
+            f"{' submitting' if self.submitting else ''}>"
+        )

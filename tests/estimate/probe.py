@@ -1,0 +1,113 @@
+"""Trains a GPT for a few steps through infinity.initialize and reports what the OS saw.
+
+Run as ``python tests/estimate/probe.py '<json spec>'`` (a fresh process, so
+the peak is this run's): prints one JSON line with the resident set after
+``import torch, infinity`` (the baseline), the peak host memory (VmHWM plus
+hugetlb pages, which VmHWM does not count), the bytes the swap files occupy on
+disk while training, and the losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+
+def status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmHWM", "VmRSS", "HugetlbPages"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def disk_nbytes(root: str) -> int:
+    """Bytes allocated on disk (st_blocks) under ``root``: what fallocate reserved."""
+    total = 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            total += os.stat(os.path.join(d, name)).st_blocks * 512
+    return total
+
+
+class Sampler(threading.Thread):
+    """The largest HugetlbPages and swap-file bytes seen, every few milliseconds."""
+
+    def __init__(self, nvme: str | None):
+        super().__init__(daemon=True)
+        self.nvme = nvme
+        self.hugetlb = 0
+        self.swap = 0
+        self.stopped = threading.Event()
+
+    def sample(self) -> None:
+        self.hugetlb = max(self.hugetlb, status().get("HugetlbPages", 0))
+        if self.nvme:
+            self.swap = max(self.swap, disk_nbytes(self.nvme))
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.002):
+            self.sample()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join()
+        self.sample()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    import torch
+
+    import infinity
+    from infinity.estimate import runtime_baseline_nbytes
+    from infinity.models import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    baseline = runtime_baseline_nbytes()
+    sampler = Sampler(spec.get("nvme_path"))
+    sampler.start()
+    cfg = GPTConfig(**spec["model"])
+    torch.manual_seed(0)
+    if spec.get("zero_init"):
+        with infinity.zero.Init(config=spec["config"]):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    num_params = cfg.num_params
+    phases = {"built": status()}
+    engine = infinity.initialize(model, spec["config"])
+    phases["initialized"] = status()
+    nvme = spec.get("nvme_path")
+    swap = disk_nbytes(nvme) if nvme else 0
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(spec.get("steps", 2)):
+        x = torch.randint(0, cfg.vocab_size, (spec["micro_batch"], spec["seq"]), generator=g)
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        phases[f"step{len(losses)}"] = status()
+        if nvme:
+            swap = max(swap, disk_nbytes(nvme))
+    sampler.stop()
+    end = status()
+    engine.close()
+    print(json.dumps({
+        "baseline": baseline,
+        "peak": end["VmHWM"] + sampler.hugetlb,
+        "hugetlb": sampler.hugetlb,
+        "swap": max(swap, sampler.swap),
+        "losses": losses,
+        "phases": phases,
+        "num_params": num_params,
+    }))
+
+
+if __name__ == "__main__":
+    main()

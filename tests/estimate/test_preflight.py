@@ -1,0 +1,165 @@
+"""infinity.initialize's pre-flight check: refuses before allocating, with the plan and the fix; can be skipped."""
+
+import dataclasses
+import importlib
+import logging
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import load_config
+from infinity.estimate import MachineView, PreflightError, machine_view, preflight
+from infinity.models import GPT, GPTConfig
+from tests.distributed import run_distributed
+
+GiB = 1 << 30
+# The module (the package exports its function under the same name).
+preflight_mod = importlib.import_module("infinity.estimate.preflight")
+MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
+
+
+def _config(nvme=None, *, stage=3, p="nvme", o="nvme", **zero):
+    z = {"stage": stage, "stage3_param_persistence_threshold": 100, "sub_group_size": 20_000, **zero}
+    if p != "none":
+        z["offload_param"] = {"device": p, "nvme_path": str(nvme), "max_in_cpu": 0, "buffer_count": 4,
+                              "buffer_size": 1 << 16}
+    if o != "none":
+        z["offload_optimizer"] = {"device": o, "nvme_path": str(nvme)}
+    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": z}
+
+
+def _machine(paths=(), *, ram=None, disk=None) -> MachineView:
+    """This machine, with its available RAM and/or free disk replaced."""
+    v = machine_view(paths)
+    if ram is not None:
+        v = dataclasses.replace(v, mem_available_nbytes=ram, hugetlb_free_nbytes=0)
+    if disk is not None:
+        v = dataclasses.replace(v, disks=tuple(dataclasses.replace(d, free_nbytes=disk) for d in v.disks))
+    return v
+
+
+@pytest.fixture
+def small_machine(monkeypatch):
+    """Makes the pre-flight check see a machine with the given RAM / free disk."""
+
+    def use(**kw):
+        monkeypatch.setattr(preflight_mod, "machine_view", lambda paths=(): _machine(list(paths), **kw))
+
+    return use
+
+
+def test_too_little_host_memory_is_refused_before_anything_is_allocated(nvme_dir, small_machine):
+    small_machine(ram=1 << 20)
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(model, _config(nvme_dir))
+    msg = str(e.value)
+    assert "does not fit" in msg and "nothing has been allocated" in msg
+    assert "host memory" in msg and "1.0 MiB available" in msg
+    assert "Adam moments m, v" in msg and "parameter pool" in msg  # the plan, itemised
+    assert '"preflight": false' in msg
+    assert e.value.plan.setting.stage == 3 and e.value.reasons
+    # Nothing allocated: no swap directory made, the model untouched.
+    assert not (nvme_dir / "rank0").exists()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_fix_names_a_setting_that_fits(nvme_dir, small_machine):
+    """Optimizer state in host memory does not fit 16 MiB less than it needs; on NVMe it does."""
+    cfg = _config(nvme_dir, stage=3, p="cpu", o="cpu")
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(MODEL, n_layer=4, d_model=256, n_head=4))  # 3.2M parameters: 51 MB of state
+    est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
+    need = est.focus.plan.ram_nbytes
+    small_machine(ram=need - est.baseline_nbytes - (16 << 20))
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(model, cfg)
+    fix = str(e.value).split("Fix:")[1]
+    assert "offload_optimizer.device=nvme" in fix or "offload_param.device=nvme" in fix
+    assert "fits" in fix
+
+
+def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, small_machine, monkeypatch):
+    """Four ranks on this node need four times this rank's swap files: a drive with room for
+    two is refused, naming the path and the bytes (the engine sees only its own rank's need)."""
+    cfg = load_config(_config(nvme_dir))
+    model = GPT(MODEL)
+    need = preflight(model, cfg).plan.nvme_nbytes
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    small_machine(disk=2 * need)
+    with pytest.raises(PreflightError) as e:
+        preflight(model, cfg)
+    msg = str(e.value)
+    assert f"NVMe space at {nvme_dir}" in msg and "4 ranks on this node" in msg
+    assert not (nvme_dir / "rank0").exists()
+
+
+def test_one_ranks_swap_space_is_left_to_the_engines_own_check(nvme_dir, small_machine):
+    """With one rank per node build.py's check_nvme_space refuses exactly this, before writing."""
+    small_machine(disk=1 << 20)
+    assert preflight(GPT(MODEL), load_config(_config(nvme_dir))) is not None
+
+
+def test_a_parameter_pool_the_optimizer_step_would_stall_on_is_refused(nvme_dir):
+    """Two sub-groups of shards do not fit the pool: the step would wait until its 300 s timeout."""
+    cfg = _config(nvme_dir, sub_group_size=1_000_000)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=2, buffer_size=32_768)
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(GPT(MODEL), cfg)
+    msg = str(e.value)
+    assert "optimizer step holds" in msg
+    assert "offload_param.buffer_size" in msg and "sub_group_size" in msg
+
+
+def test_preflight_false_skips_the_check_with_a_warning(nvme_dir, small_machine, caplog):
+    small_machine(ram=1 << 20, disk=1 << 20)
+    cfg = _config(nvme_dir)
+    cfg["preflight"] = False
+    with caplog.at_level(logging.WARNING, logger="infinity.estimate"):
+        engine = infinity.initialize(GPT(MODEL), cfg)
+    engine.close()
+    assert any("pre-flight check skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_preflight_argument_skips_it_too(nvme_dir, small_machine, caplog):
+    small_machine(ram=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="infinity.estimate"):
+        engine = infinity.initialize(GPT(MODEL), _config(nvme_dir), preflight=False)
+    engine.close()
+    assert any("pre-flight check skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_that_fits_passes_and_reports_its_plan(nvme_dir):
+    cfg = load_config(_config(nvme_dir))
+    model = GPT(MODEL)
+    r = preflight(model, cfg)
+    assert r is not None and r.plan.setting.offload_param == "nvme"
+    assert r.held_nbytes > 100 << 20  # torch and infinity are in this process
+    assert r.plan.nvme_nbytes > 0 and not (nvme_dir / "rank0").exists()
+
+
+def _rank_refuses(rank, nvme):
+    import infinity
+
+    pm = importlib.import_module("infinity.estimate.preflight")
+
+    if rank == 1:  # only rank 1's machine is too small
+        real = pm.machine_view
+        pm.machine_view = lambda paths=(): dataclasses.replace(real(list(paths)), mem_available_nbytes=1 << 20,
+                                                                hugetlb_free_nbytes=0)
+    try:
+        infinity.initialize(GPT(MODEL), _config(nvme))
+    except PreflightError as e:
+        return str(e).splitlines()[0]
+    return "built"
+
+
+@pytest.mark.distributed
+def test_every_rank_refuses_when_one_does(nvme_dir):
+    first = run_distributed(_rank_refuses, str(nvme_dir), world_size=2)
+    assert "another rank's pre-flight check failed" in first[0]
+    assert "does not fit" in first[1]

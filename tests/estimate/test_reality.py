@@ -1,0 +1,160 @@
+"""The estimate against the OS: train in a subprocess, measure peak RSS and swap-file bytes, compare.
+
+Each case trains a GPT for a few steps through infinity.initialize in a fresh
+process (tests/estimate/probe.py), which reports its baseline (measured after
+importing torch and infinity, before building the model), its peak host
+memory (VmHWM plus hugetlb pages) and the bytes its swap files occupy on disk.
+The estimate for the same model and config, given that baseline, must be at
+least the measurement and at most 15% above it. Three model sizes, four
+settings; the runs go two at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infinity.estimate import Setting, estimate_memory
+from infinity.models import GPTConfig
+
+PROBE = Path(__file__).with_name("probe.py")
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+TOLERANCE = 0.15
+
+SIZES = {
+    "13M": dict(vocab_size=256, seq_len=256, n_layer=4, n_head=8, d_model=512),
+    "25M": dict(vocab_size=256, seq_len=64, n_layer=8, n_head=8, d_model=512),
+    "57M": dict(vocab_size=256, seq_len=64, n_layer=8, n_head=12, d_model=768),
+    "110M": dict(vocab_size=256, seq_len=128, n_layer=12, n_head=12, d_model=864),
+}
+
+
+def _config(stage, p="none", o="none", *, dtype="fp32", micro_batch=1, nvme="", **zero):
+    z = {"stage": stage, **zero}
+    if p != "none":
+        z["offload_param"] = {"device": p, "nvme_path": nvme}
+        if p == "nvme":
+            z["offload_param"].update(max_in_cpu=0, buffer_count=4, buffer_size=2_000_000)
+    if o != "none":
+        z["offload_optimizer"] = {"device": o, "nvme_path": nvme}
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": z}
+    if dtype != "fp32":
+        cfg[dtype] = {"enabled": True}
+    return cfg
+
+
+# name: (model size, micro-batch, seq, config arguments)
+CASES = {
+    "13M-stage2-bf16-activations": ("13M", 4, 256, dict(stage=2, o="cpu", dtype="bf16")),
+    "25M-stage3-bf16-nvme-nvme": ("25M", 1, 64, dict(stage=3, p="nvme", o="nvme", dtype="bf16",
+                                                     sub_group_size=1_000_000)),
+    "25M-stage1-fp32-optimizer-nvme": ("25M", 1, 64, dict(stage=1, o="nvme", sub_group_size=2_000_000)),
+    "57M-stage0-fp32": ("57M", 2, 64, dict(stage=0)),
+}
+SLOW_CASES = {
+    "110M-stage3-fp32-cpu-cpu": ("110M", 2, 128, dict(stage=3, p="cpu", o="cpu")),
+}
+# Built under zero.Init: the heap's keeping of what construction freed is measured, not mirrored,
+# and the estimate is conservative there (1.1-1.3 × for these sizes): never below is what is
+# asserted for host memory; the swap files (zero.Init's own, during initialize) must match.
+ZERO_INIT_CASES = {
+    "25M-zero.Init-stage3-bf16-nvme-nvme": ("25M", 1, 64, dict(stage=3, p="nvme", o="nvme", dtype="bf16",
+                                                               sub_group_size=1_000_000)),
+    "110M-zero.Init-stage3-fp32-cpu-cpu": ("110M", 1, 64, dict(stage=3, p="cpu", o="cpu")),
+}
+
+
+def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dict]:
+    size, mb, seq, kw = case
+    kw = dict(kw)
+    stage = kw.pop("stage")
+    cfg = _config(stage, kw.pop("p", "none"), kw.pop("o", "none"), dtype=kw.pop("dtype", "fp32"),
+                  micro_batch=mb, nvme=str(nvme), **kw)
+    spec = {"model": SIZES[size], "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3, "nvme_path": str(nvme),
+            "zero_init": zero_init}
+    r = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return cfg, json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False):
+    size, mb, seq, _ = case
+    z = cfg["zero_optimization"]
+    setting = Setting(z["stage"], z.get("offload_param", {}).get("device", "none"),
+                      z.get("offload_optimizer", {}).get("device", "none"))
+    est = estimate_memory(GPTConfig(**SIZES[size]), config=cfg, micro_batch=mb, seq=seq, device="cpu",
+                          zero_init=zero_init, baseline_nbytes=measured["baseline"], machine=False, settings=[setting])
+    return est.settings[0].plan
+
+
+def _measure(cases: dict, root: Path) -> dict:
+    out = {}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futs = {}
+        for name, case in cases.items():
+            d = root / name
+            d.mkdir()
+            futs[name] = pool.submit(_run, case, d)
+        for name, f in futs.items():
+            out[name] = f.result()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    root = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+    root = root / f"reality-{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        yield _measure(CASES, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _check(name: str, case: tuple, cfg: dict, m: dict, *, zero_init: bool = False) -> None:
+    plan = _estimate(case, cfg, m, zero_init=zero_init)
+    ram, peak = plan.ram_nbytes, m["peak"]
+    line = (f"{name}: {m['num_params'] / 1e6:.1f}M params, peak RSS {peak / MiB:.1f} MiB, estimate "
+            f"{ram / MiB:.1f} MiB ({ram / peak:.3f}); swap {m['swap'] / MiB:.1f} MiB, estimate "
+            f"{plan.nvme_nbytes / MiB:.1f} MiB")
+    print(line)
+    assert ram >= peak, "estimate below the measured peak RSS: " + line
+    assert zero_init or ram <= (1 + TOLERANCE) * peak, "estimate more than 15% above the measured peak RSS: " + line
+    assert plan.nvme_nbytes >= m["swap"], "estimate below the swap-file bytes: " + line
+    assert plan.nvme_nbytes <= (1 + TOLERANCE) * m["swap"], "estimate more than 15% above the swap files: " + line
+    assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_estimate_holds_the_measured_peak_within_15_percent(name, measured):
+    cfg, m = measured[name]
+    _check(name, CASES[name], cfg, m)
+
+
+def test_cases_span_three_model_sizes_and_nvme():
+    assert len({c[0] for c in CASES.values()}) >= 3
+    assert any("nvme" in name for name in CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_CASES))
+def test_estimate_holds_for_a_larger_model(name, nvme_dir):
+    cfg, m = _run(SLOW_CASES[name], nvme_dir)
+    _check(name, SLOW_CASES[name], cfg, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZERO_INIT_CASES))
+def test_estimate_holds_a_model_built_under_zero_init(name, nvme_dir):
+    cfg, m = _run(ZERO_INIT_CASES[name], nvme_dir, zero_init=True)
+    _check(name, ZERO_INIT_CASES[name], cfg, m, zero_init=True)
