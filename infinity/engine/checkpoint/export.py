@@ -237,6 +237,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     output = None
     handle = None
     try:
+        engine.synchronize()  # the live values are those after an optimizer step still in flight
         _check_out_path(out)
         layout, slots = _layout_live(engine)
         if group.rank == 0:

@@ -91,6 +91,7 @@ def load_checkpoint(
     reader = None
     handle = None
     try:
+        engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
         plan = _plan(engine, reader, handle)

@@ -168,6 +168,10 @@ class _Prepared:
 
 
 def _prepare(engine: Any, client_state: Any) -> _Prepared:
+    # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
+    # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
+    # read through the store (window.py), so their current values are saved, and stay cached.
+    engine.synchronize()
     rank = engine.group.rank
     param_names = _param_names(engine)
     partitions = partitions_of(engine)
