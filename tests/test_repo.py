@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool(name: str) -> str:
-    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    # The tool of the environment running the tests first: it imports this checkout.
+    path = str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        path = shutil.which(name) or path
     if not Path(path).exists():
         pytest.fail(f"{name} is not installed; it comes with `pip install -e '.[test]'`")
     return path
