@@ -81,7 +81,8 @@ def weights(engine) -> dict[str, torch.Tensor]:
 
 def snapshot(engine) -> dict:
     """Everything a load could change: weights, buffers, optimizer shards, step counts, counters,
-    hyperparameters, scheduler and loss scale, RNG."""
+    hyperparameters, scheduler and loss scale, RNG (after the optimizer step still running behind, if any)."""
+    engine.synchronize()
     rt = engine.runtime
     shards = {}
     for unit in rt.unit_map.units:
