@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, demo, doctor, estimate, tune
+from infinity.cli import bench, demo, doctor, estimate, export, tune
 
-COMMANDS = [demo, bench, tune, estimate, doctor]
+COMMANDS = [demo, bench, tune, estimate, doctor, export]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
+from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime, train_dtype
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
@@ -191,6 +192,34 @@ class Engine:
             )
         self.runtime.passthrough.step()
         self.runtime.passthrough.zero_grad(set_to_none=True)
+
+    # -- checkpoints (infinity.engine.checkpoint) ---------------------------------
+
+    def save_checkpoint(
+        self, save_dir: Any, tag: str | None = None, client_state: Any = None, *, progress: bool | None = None
+    ) -> Any:
+        """Saves the full training state to ``save_dir/tag`` (default tag ``global_step<N>``), atomically,
+        and points ``save_dir/latest`` at it. ``client_state``: JSON values and tensors (no pickle).
+        Every rank must call it, at an accumulation boundary. Returns the checkpoint's directory."""
+        self._check_open()
+        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, progress=progress)
+
+    def load_checkpoint(
+        self, load_dir: Any, tag: str | None = None, *, verify: bool = True, progress: bool | None = None
+    ) -> Any:
+        """Restores a checkpoint (default: the one ``load_dir/latest`` names), with any world size;
+        returns this rank's client_state. On error the engine is left as it was (``verify=False`` halves
+        the reads but gives up that promise for corrupt data found mid-load). Every rank must call it."""
+        self._check_open()
+        return checkpoint.load_checkpoint(self, load_dir, tag, verify_checksums=verify, progress=progress)
+
+    def save_16bit_model(
+        self, save_dir: Any, save_filename: str = "model.safetensors", *, progress: bool | None = None
+    ) -> Any:
+        """Writes the full parameters (in the training dtype) and buffers to one safetensors file that
+        ``model.load_state_dict(safetensors.torch.load_file(path))`` takes. Every rank must call it."""
+        self._check_open()
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 

@@ -27,7 +27,7 @@ def test_commands_are_registered_in_one_list():
     sub = next(a for a in parser._actions if a.dest == "command")
     names = [cmd.NAME for cmd in cli_main.COMMANDS]
     assert list(sub.choices) == names and len(set(names)) == len(names)
-    assert {"demo", "bench", "tune", "doctor"} <= set(names)
+    assert {"demo", "bench", "tune", "estimate", "doctor", "export"} <= set(names)
     for cmd in cli_main.COMMANDS:
         assert callable(cmd.add_arguments) and callable(cmd.run) and cmd.HELP
 

@@ -1,0 +1,36 @@
+"""Checkpoints under offload: save and resume the full training state, export full weights.
+
+Streaming (a unit at a time, with the aio engine), atomic (see [Note:
+publishing a checkpoint] in atomic.py), checksummed (CRC32C per tensor and
+per file), and free of pickle: tensors live in safetensors files and
+everything else in JSON. See format.py for the layout on disk.
+"""
+
+from infinity.engine.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointPeerError,
+    CheckpointSpaceError,
+)
+from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_model
+from infinity.engine.checkpoint.load import load_checkpoint
+from infinity.engine.checkpoint.reader import CheckpointReader
+from infinity.engine.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointIncompleteError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointPeerError",
+    "CheckpointReader",
+    "CheckpointSpaceError",
+    "export_checkpoint",
+    "load_checkpoint",
+    "save_16bit_model",
+    "save_checkpoint",
+]

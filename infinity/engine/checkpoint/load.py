@@ -1,0 +1,368 @@
+"""load_checkpoint: check everything, then read the shards straight into the stores.
+
+[Note: a failed load changes nothing]
+Phases, each ending in ``agree`` across ranks:
+1. Plan (no data read): resolve the directory, parse the manifest, compare
+   the model (every parameter's name and shape), the optimizer's param
+   groups, the scheduler and the buffers with this engine, check every file's
+   size, read and checksum the rank files, parse the part headers, and
+   decode the small state. Each rank then knows every byte range it will
+   read and where it goes.
+2. Verify (``verify=True``, the default): read every saved tensor this rank
+   will use and compare its CRC32C. Only reads; nothing is changed.
+3. Apply: read each unit's master / exp_avg / exp_avg_sq into its store keys
+   (fetched with overwrite, then written home), rebuild the 16-bit or module
+   parameters from the masters, then restore counters, schedule, loss scale,
+   hyperparameters, buffers and RNG.
+Any error in phases 1-2, on any rank, leaves every engine untouched. Phase 3
+checks each tensor's CRC32C again where it reads it whole; a mismatch there
+(the file changed since phase 2, or the drive misread) says that the state is
+partly loaded. ``verify=False`` skips phase 2 (half the reads) and accepts
+that risk.
+
+Re-partitioning: unit shards are flat ranges of the unit's buffer, so a
+destination shard is filled from the overlapping ranges of the saved
+partitions (zeros for padding). Any world size loads any other, for every
+stage, as long as units are built the same way (same stage-3 persistence
+threshold); optimizer step counts then come from every saved rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+from infinity.aio import AioHandle
+from infinity.engine.checkpoint.collective import agree
+from infinity.engine.checkpoint.errors import CheckpointMismatchError
+from infinity.engine.checkpoint.files import Check, verify
+from infinity.engine.checkpoint.format import parse_dtype_name
+from infinity.engine.checkpoint.model import (
+    check_buffers_match,
+    check_units_match,
+    describe_units,
+    state_dict_names,
+)
+from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.reader import CheckpointReader
+from infinity.engine.checkpoint.save import partitions_of, unit_state_refs
+from infinity.engine.checkpoint.state import (
+    check_param_groups,
+    param_group_of,
+    restore_hyperparameters,
+    restore_rng,
+    restore_scheduler,
+)
+from infinity.engine.checkpoint.stream import LoadGroup, LoadItem, Piece, read_into
+from infinity.engine.checkpoint.threads import torch_threads
+from infinity.engine.checkpoint.values import decode
+from infinity.store import StoreFuture
+
+log = logging.getLogger("infinity.checkpoint")
+
+FP32 = torch.float32
+
+
+@dataclasses.dataclass
+class _Plan:
+    groups: list[LoadGroup]
+    checks: list[Check]
+    apply_nbytes: int
+    small: dict[str, Any]  # decoded small state, applied last
+    writes: list[StoreFuture]  # 16-bit shards written home during the apply, awaited at its end
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    verify_checksums: bool = True,
+    progress: bool | None = None,
+) -> Any:
+    """Restores the state saved by save_checkpoint (``tag`` default: what ``latest`` names); returns the
+    client_state this rank saved. Every rank must call it. See [Note: a failed load changes nothing]."""
+    group = engine.group
+    err = None
+    reader = None
+    handle = None
+    try:
+        engine.synchronize()  # an optimizer step still running behind the forward finishes first
+        handle = AioHandle.from_config(engine.config.aio)
+        reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
+        plan = _plan(engine, reader, handle)
+    except Exception as e:
+        err = e
+    try:
+        agree(group, err, "checking the checkpoint")
+        total = (sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0) + plan.apply_nbytes
+        with Progress(total, f"load {reader.tag}", progress if group.rank == 0 else False) as bar:
+            if verify_checksums:
+                err = None
+                try:
+                    verify(handle, plan.checks, progress=bar)
+                except Exception as e:
+                    err = e
+                agree(group, err, "verifying the checkpoint's checksums")
+            _apply(engine, plan, handle, bar)
+        agree(group, None, "loading the checkpoint")
+    finally:
+        if reader is not None:
+            reader.close()
+        if handle is not None:
+            handle.close()
+    log.info("loaded checkpoint '%s'", reader.dir)
+    return plan.small["client_state"]
+
+
+# -- phase 1 ------------------------------------------------------------------
+
+
+def _plan(engine: Any, reader: CheckpointReader, handle: AioHandle) -> _Plan:
+    rt = engine.runtime
+    m = reader.manifest
+    rank = engine.group.rank
+    passthrough = rt.passthrough is not None
+    if passthrough != (m.get("optimizer") == "passthrough"):
+        raise CheckpointMismatchError(
+            f"the checkpoint was saved with {'a torch optimizer stepping whole parameters (stage 0)' if not passthrough else 'the partitioned Adam'}"
+            f" and this engine runs {'the partitioned Adam' if not passthrough else 'a torch optimizer on whole parameters'}; "
+            "load it into an engine with the same optimizer and stage"
+        )
+    if rt.partitioner is not None and rt.partitioner.gathered_units():
+        raise RuntimeError(
+            "load_checkpoint() was called while parameters are gathered (inside GatheredParameters or a forward "
+            "pass); call it between training steps"
+        )
+    if not passthrough:  # parameters first: the most telling difference
+        zero = engine.config.zero_optimization
+        check_units_match(reader.units, describe_units(engine.module, rt.unit_map.units),
+                          saved_threshold=m.get("persistence_threshold"),
+                          live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0)
+    es = reader.engine_state()
+    names, live_buffers = state_dict_names(engine.module)
+    check_buffers_match({n: (parse_dtype_name(b["dtype"], n), tuple(b["shape"])) for n, b in m["buffers"].items()},
+                        live_buffers)
+    param_names = [names.get(id(p), [f"<unnamed {i}>"])[0] for i, p in enumerate(rt.params)]
+    opt = engine.optimizer
+    check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
+                       param_group_of(opt.param_groups, rt.params), param_names)
+    _check_scheduler(es, engine.lr_scheduler)
+    writes: list[StoreFuture] = []
+    if passthrough:
+        groups, checks, nbytes, optimizer_state = _plan_passthrough(engine, reader, handle, param_names)
+    else:
+        groups, checks, nbytes, writes = _plan_units(engine, reader, handle)
+        optimizer_state = None
+    rank0_tensors = reader.rank(0)[1]
+    own = rank < reader.world_size
+    state, tensors = reader.rank(rank if own else 0)
+    small = {
+        "client_state": decode(state["client_state"], tensors, "client_state"),
+        "rng": (state["rng"], tensors) if own else None,
+        "param_steps": None if passthrough else _param_steps(engine, reader, own),
+        "buffers": {n: tensors[f"buffer.{n}"] for n in live_buffers},  # this rank's, else rank 0's
+        "lr_scheduler": decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler"),
+        "engine": es,
+        "optimizer_state": optimizer_state,
+        "counters": _counters(engine, m),
+    }
+    return _Plan(groups, checks, nbytes, small, writes)
+
+
+def _check_scheduler(es: dict[str, Any], scheduler: Any) -> None:
+    saved = es.get("lr_scheduler_type")
+    if saved is not None and scheduler is not None:
+        if saved != type(scheduler).__qualname__:
+            raise CheckpointMismatchError(
+                f"the checkpoint's lr scheduler is a {saved} and this engine's a {type(scheduler).__qualname__}; "
+                "configure the same scheduler as the saved run"
+            )
+        data = es["lr_scheduler"]
+        keys = set(data) - {"__dict__"} if isinstance(data, dict) else set()
+        live = set(scheduler.state_dict())
+        if keys and keys != live:
+            raise CheckpointMismatchError(
+                f"the checkpoint's {saved} state has the keys {sorted(keys)} and this engine's {sorted(live)}; "
+                "configure the same scheduler as the saved run"
+            )
+
+
+def _counters(engine: Any, m: dict[str, Any]) -> dict[str, int]:
+    saved_gas = (m.get("config") or {}).get("gradient_accumulation_steps")
+    micro = int(m["micro_steps"])
+    if saved_gas != engine.gradient_accumulation_steps:
+        micro = int(m["global_steps"]) * engine.gradient_accumulation_steps
+    return {"global_steps": int(m["global_steps"]), "micro_steps": micro, "skipped_steps": int(m["skipped_steps"])}
+
+
+def _param_steps(engine: Any, reader: CheckpointReader, own: bool) -> list[int]:
+    """This rank's step counts: its own when the partitioning is unchanged, else the largest over the
+    saved ranks (a parameter's count is kept by the ranks holding part of it, 0 elsewhere)."""
+    n = len(engine.runtime.optimizer.param_steps)
+    same = own and reader.partitions == partitions_of(engine) and reader.world_size == engine.group.world_size
+    ranks = [engine.group.rank] if same else range(reader.world_size)
+    steps = [0] * n
+    for r in ranks:
+        saved = reader.rank(r)[0]["param_steps"]
+        if saved is None or len(saved) != n:
+            raise CheckpointMismatchError(
+                f"the checkpoint has step counts for {None if saved is None else len(saved)} parameters and this "
+                f"engine has {n}; load a checkpoint of this model"
+            )
+        steps = [max(a, int(b)) for a, b in zip(steps, saved, strict=True)]
+    return steps
+
+
+def _plan_units(engine: Any, reader: CheckpointReader,
+                handle: AioHandle) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
+    rt = engine.runtime
+    rank = 0 if engine.stage == 0 else engine.group.rank
+    p_old = reader.partitions
+    groups, checks, nbytes, writes = [], {}, 0, []
+    for unit, saved in zip(rt.unit_map.units, reader.units, strict=True):
+        s_new, s_old = unit.layout.shard_numel, saved.shard_numel
+        same = p_old == unit.layout.world_size and s_old == s_new
+        # Flat elements [lo_new, end) of the unit go to this rank's shard; beyond the saved data: zeros.
+        lo_new = rank * s_new
+        end = lo_new + s_new if same else min(lo_new + s_new, saved.numel)
+        items = []
+        for role, ref in unit_state_refs(engine, unit):
+            name = f"u{unit.index}.{role}"
+            pieces = []
+            for q in [rank] if same else range(p_old):
+                lo, hi = max(lo_new, q * s_old), min(end, (q + 1) * s_old)
+                if lo >= hi:
+                    continue
+                entry = reader.entry(q, name, FP32, s_old)
+                f = reader.open_part(q, handle)
+                checks[(q, name)] = Check(reader.part_path(q), f, entry, reader.part_crc(q, name))
+                pieces.append(Piece(f, entry.begin + (lo - q * s_old) * 4, (lo - lo_new) * 4, (hi - lo) * 4))
+            # Read whole, a tensor's checksum is checked again as it lands (see the Note).
+            crc = reader.part_crc(rank, name) if same else None
+            items.append(LoadItem(name, s_new * 4, pieces, ref=ref, crc=crc, path=reader.part_path(rank if same else 0)))
+            nbytes += s_new * 4
+        groups.append(LoadGroup(items, _after_master(engine, unit, writes)))
+    return groups, list(checks.values()), nbytes, writes
+
+
+def _after_master(engine: Any, unit: Any, writes: list[StoreFuture]):
+    """What the parameters need once a unit's master is loaded: the 16-bit shard (stage 3, 16-bit), or the
+    module's parameters (stages 0-2, all-gathered); nothing when the fp32 stage-3 shard is the master."""
+    rt = engine.runtime
+    if rt.param_store is not None:
+        if unit_state_refs(engine, unit)[0][1].store is rt.param_store:
+            return None
+        store = rt.param_store
+
+        def to_param_shard(dests: list[torch.Tensor]) -> None:
+            t = store.fetch(unit.key, overwrite=True).result()
+            try:
+                t.copy_(dests[0])
+            finally:
+                store.release(unit.key)
+            spec = store.spec(unit.key)
+            if spec.home == "nvme" and spec.holds == 0:
+                writes.append(store.evict(unit.key))
+
+        return to_param_shard
+    on_updated = rt.optimizer.on_updated
+    if on_updated is None:
+        return None
+    return lambda dests: on_updated(unit.index, dests[0])
+
+
+def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
+                      param_names: list[str]) -> tuple[list[LoadGroup], list[Check], int, Any]:
+    m = reader.manifest
+    saved = {p["name"]: p for p in m.get("params") or []}
+    for name, p in zip(param_names, engine.runtime.params, strict=True):
+        if name not in saved:
+            raise CheckpointMismatchError(f"parameter {name!r} of this model is not in the checkpoint; load a checkpoint of this model")
+        if tuple(saved[name]["shape"]) != tuple(p.shape):
+            raise CheckpointMismatchError(
+                f"parameter {name!r} has shape {saved[name]['shape']} in the checkpoint but {list(p.shape)} in this model"
+            )
+    es = reader.engine_state()
+    live_type = type(engine.runtime.passthrough).__qualname__
+    if es.get("optimizer_type") != live_type:
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer is a {es.get('optimizer_type')} and this engine's a {live_type}; use the same optimizer"
+        )
+    f = reader.open_part(0, handle)
+    groups, checks, nbytes = [], [], 0
+
+    def item(name: str, dest: torch.Tensor) -> LoadItem:
+        e = reader.entry(0, name, dest.dtype, dest.numel())
+        crc = reader.part_crc(0, name)
+        checks.append(Check(reader.part_path(0), f, e, crc))
+        return LoadItem(name, e.nbytes, [Piece(f, e.begin, 0, e.nbytes)], tensor=dest, crc=crc, path=reader.part_path(0))
+
+    for name, p in zip(param_names, engine.runtime.params, strict=True):
+        direct = p.data.device.type == "cpu" and p.data.is_contiguous()
+        dest = p.data if direct else torch.empty(p.shape, dtype=p.dtype)
+        groups.append(LoadGroup([item(f"param.{name}", dest)], None if direct else (lambda d, p=p: p.data.copy_(d[0]))))
+        nbytes += dest.numel() * dest.element_size()
+    tensors = {}
+    for name, e in reader.part(0).entries.items():
+        if name.startswith("optim."):
+            tensors[name] = torch.empty(e.shape, dtype=e.dtype)
+            groups.append(LoadGroup([item(name, tensors[name])]))
+            nbytes += e.nbytes
+    state = decode(es["optimizer_state"], tensors, "optimizer state")
+    live = engine.runtime.passthrough.state_dict()["param_groups"]
+    if [len(g["params"]) for g in state["param_groups"]] != [len(g["params"]) for g in live]:
+        raise CheckpointMismatchError("the checkpoint's optimizer param groups hold other parameters than this engine's")
+    return groups, checks, nbytes, state
+
+
+# -- phase 3 ------------------------------------------------------------------
+
+
+def _read_shards(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+    """Reads every shard into its store key, with nothing else holding a copy of one meanwhile: persistent
+    units let go of theirs (gathered again afterwards, from the loaded values) and a prefetch step left
+    open by a forward without backward gives back what it read ahead (its copies would be stale)."""
+    rt = engine.runtime
+    source = rt.shard_source
+    if source is not None and getattr(source, "step_open", False):
+        source.abort_step()
+    if rt.partitioner is not None:
+        rt.partitioner.release_persistent()
+    try:
+        with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in threads.py
+            read_into(handle, plan.groups, progress=bar)
+        for fut in plan.writes:
+            fut.result()
+    finally:
+        if rt.partitioner is not None:
+            rt.partitioner.gather_persistent()
+
+
+def _apply(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+    rt = engine.runtime
+    _read_shards(engine, plan, handle, bar)
+    s = plan.small
+    es = s["engine"]
+    if s["optimizer_state"] is not None:
+        rt.passthrough.load_state_dict(s["optimizer_state"])
+    else:
+        restore_hyperparameters(es["param_groups"], engine.optimizer.param_groups)
+        rt.optimizer.param_steps[:] = s["param_steps"]
+    restore_scheduler(s["lr_scheduler"], engine.lr_scheduler)
+    engine.loss_scaler.load_state_dict(es["loss_scaler"])
+    _, live_buffers = state_dict_names(engine.module)
+    with torch.no_grad():
+        for name, b in live_buffers.items():
+            b.copy_(s["buffers"][name])
+    for k, v in s["counters"].items():
+        setattr(engine, k, v)
+    if s["rng"] is not None:
+        restore_rng(*s["rng"])
+    else:
+        log.info("rank %d did not exist when the checkpoint was saved: its RNG state is not restored", engine.group.rank)
+

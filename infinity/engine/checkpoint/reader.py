@@ -1,0 +1,198 @@
+"""CheckpointReader: a checkpoint directory opened for reading, every cheap check done up front.
+
+Opening resolves the directory (``latest`` or a tag), parses manifest.json,
+and checks that each file it lists exists with the size saved. Rank files
+are read whole and their CRC32C compared on first use; part files' headers
+are parsed and their tensors' offsets checked against the file. Tensor data
+is not read here: load.py and export.py stream it.
+
+Nothing here changes an engine. Errors are CheckpointError subclasses that
+name the file and say what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infinity.aio import AioFile, AioHandle, crc32c
+from infinity.engine.checkpoint import atomic
+from infinity.engine.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
+from infinity.engine.checkpoint.format import (
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    Entry,
+    Header,
+    parse_header,
+    part_name,
+    rank_name,
+    read_header,
+    tensors_from_bytes,
+)
+from infinity.engine.checkpoint.model import UnitInfo
+
+_REQUIRED = ("world_size", "stage", "partitions", "units", "files", "global_steps", "micro_steps", "skipped_steps")
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    p = ckpt / MANIFEST
+    try:
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"'{p}' is missing: '{ckpt}' is not a complete checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"'{p}' is not valid JSON ({e}): the manifest is corrupt", path=str(p)) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointCorruptError(
+            f"'{p}' is not an infinity checkpoint manifest (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
+            f"expected {FORMAT!r})",
+            path=str(p),
+        )
+    version = doc.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise CheckpointError(
+            f"'{p}' has format version {version!r}; this infinity reads versions up to {VERSION}: upgrade infinity"
+        )
+    missing = [k for k in _REQUIRED if k not in doc]
+    if missing:
+        raise CheckpointCorruptError(f"'{p}' lacks the field(s) {', '.join(missing)}: the manifest is corrupt", path=str(p))
+    return doc
+
+
+class CheckpointReader:
+    def __init__(self, path: str | os.PathLike, tag: str | None = None, *, warn: bool = True):
+        self.dir = atomic.resolve(path, tag, warn=warn)
+        self.manifest = read_manifest(self.dir)
+        m = self.manifest
+        self.world_size = int(m["world_size"])
+        self.stage = int(m["stage"])
+        self.partitions = int(m["partitions"])
+        try:
+            self.units = [UnitInfo.from_json(i, d) for i, d in enumerate(m["units"])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointCorruptError(f"'{self.dir / MANIFEST}': malformed unit list ({e})", path=str(self.dir / MANIFEST)) from None
+        self.files: dict[str, dict[str, int]] = m["files"]
+        for name in self.files:
+            self._check_size(name)
+        self._ranks: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        self._parts: dict[int, Header] = {}
+        self._open: dict[int, AioFile] = {}
+
+    @property
+    def tag(self) -> str:
+        return str(self.manifest.get("tag", self.dir.name))
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def _check_size(self, name: str) -> int:
+        spec = self.files.get(name)
+        p = self.dir / name
+        if spec is None:
+            raise CheckpointCorruptError(f"'{self.dir / MANIFEST}' does not list '{name}'", path=str(p))
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(
+                f"checkpoint file '{p}' is missing (the manifest lists it): the checkpoint is damaged; restore the "
+                "file from a copy or load another checkpoint"
+            ) from None
+        if size != int(spec["nbytes"]):
+            raise CheckpointCorruptError(
+                f"checkpoint file '{p}' has {size} bytes but {spec['nbytes']} were saved: it is truncated or was "
+                "changed; restore it from a copy or load another checkpoint",
+                path=str(p),
+            )
+        return size
+
+    def rank(self, r: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(state, tensors) of rank ``r``'s rank file, its CRC32C checked."""
+        if r in self._ranks:
+            return self._ranks[r]
+        name = rank_name(r)
+        p = self.dir / name
+        self._check_size(name)
+        blob = p.read_bytes()
+        want = int(self.files[name]["crc32c"])
+        got = crc32c(blob)
+        if got != want:
+            raise CheckpointCorruptError(
+                f"checkpoint file '{p}' is corrupt: CRC32C {got:#010x}, but {want:#010x} was saved; restore it "
+                "from a copy or load another checkpoint",
+                path=str(p),
+            )
+        try:
+            header = parse_header(blob, file_nbytes=len(blob), path=str(p))
+            state = json.loads(header.metadata["state"])
+        except (ValueError, KeyError) as e:
+            raise CheckpointCorruptError(f"'{p}' is not a valid rank file ({e})", path=str(p)) from None
+        self._ranks[r] = (state, tensors_from_bytes(blob, header))
+        return self._ranks[r]
+
+    def engine_state(self) -> dict[str, Any]:
+        state, _ = self.rank(0)
+        if "engine" not in state:
+            raise CheckpointCorruptError(f"'{self.dir / rank_name(0)}' lacks the engine state", path=str(self.dir / rank_name(0)))
+        return state["engine"]
+
+    def part(self, q: int) -> Header:
+        """The parsed header of part ``q`` (offsets checked against the file's size)."""
+        if q not in self._parts:
+            name = part_name(q, self.partitions)
+            p = self.dir / name
+            self._check_size(name)
+            try:
+                self._parts[q] = read_header(str(p))
+            except ValueError as e:
+                raise CheckpointCorruptError(f"checkpoint file '{p}' is corrupt: {e}", path=str(p)) from None
+        return self._parts[q]
+
+    def entry(self, q: int, name: str, dtype: torch.dtype, numel: int) -> Entry:
+        e = self.part(q).entries.get(name)
+        p = self.dir / part_name(q, self.partitions)
+        if e is None:
+            raise CheckpointCorruptError(f"checkpoint file '{p}' lacks tensor {name!r}", path=str(p))
+        if e.dtype != dtype or e.numel != numel:
+            raise CheckpointCorruptError(
+                f"tensor {name!r} in '{p}' is {e.numel} x {e.dtype}; the manifest implies {numel} x {dtype}",
+                path=str(p),
+            )
+        return e
+
+    def part_crc(self, q: int, name: str) -> int:
+        """The CRC32C saved for tensor ``name`` of part ``q`` (in the rank file of rank q, which wrote it)."""
+        state, _ = self.rank(q)
+        try:
+            return int(state["part"]["crc32c"][name])
+        except (KeyError, TypeError):
+            p = self.dir / rank_name(q)
+            raise CheckpointCorruptError(f"'{p}' has no checksum for tensor {name!r}", path=str(p)) from None
+
+    def part_path(self, q: int) -> str:
+        return str(self.dir / part_name(q, self.partitions))
+
+    def open_part(self, q: int, handle: AioHandle) -> AioFile:
+        if q not in self._open:
+            self.part(q)
+            self._open[q] = handle.open(self.dir / part_name(q, self.partitions), "r", create=False)
+        return self._open[q]
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,345 @@
+"""save_checkpoint: every rank streams its shards from the stores to the checkpoint, then rank 0 publishes it.
+
+Phases (each ends in ``agree``, see collective.py):
+1. Capture the small state in memory (RNG, counters, client state, ...): a
+   client_state that a checkpoint cannot hold fails here, before any file.
+2. Rank 0 creates the hidden directory (see [Note: publishing a checkpoint]).
+3. Each rank < partitions writes its part file (units in order, a unit's
+   master / exp_avg / exp_avg_sq fetched from the stores and written with the
+   aio engine, never the full model in memory); every rank writes its rank
+   file. Each file is fsynced.
+4. Rank 0 checks every rank's file is there, writes manifest.json, renames
+   the directory into place, then points ``latest`` at it.
+On an exception in any phase every rank raises, and rank 0 removes the
+hidden directory; a killed process leaves it for loaders to skip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from infinity.aio import AioHandle, crc32c
+from infinity.engine.checkpoint import atomic
+from infinity.engine.checkpoint.collective import agree, shared_nonce
+from infinity.engine.checkpoint.format import (
+    ALIGN,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    Header,
+    build_header,
+    dtype_name,
+    part_name,
+    rank_name,
+)
+from infinity.engine.checkpoint.model import describe_units, state_dict_names
+from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.state import (
+    capture_hyperparameters,
+    capture_rng,
+    capture_scheduler,
+    param_group_of,
+)
+from infinity.engine.checkpoint.stream import SaveItem, write_part
+from infinity.engine.checkpoint.values import TensorSink, encode
+from infinity.engine.checkpoint.window import StoreRef
+
+log = logging.getLogger("infinity.checkpoint")
+
+FP32 = torch.float32
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One tensor of the part file before offsets are known."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ref: StoreRef | None = None
+    tensor: torch.Tensor | None = None
+
+
+def unit_state_refs(engine: Any, unit: Any) -> list[tuple[str, StoreRef]]:
+    """(role, where it lives) of a unit shard's fp32 state: the master (in the parameter store when the
+    fp32 stage-3 shard is its own master), exp_avg and exp_avg_sq."""
+    rt = engine.runtime
+    ss = rt.state_store
+    i = unit.index
+    master = StoreRef(ss, (i, "master")) if (i, "master") in ss else StoreRef(rt.param_store, unit.key)
+    return [("master", master), ("exp_avg", StoreRef(ss, (i, "m"))), ("exp_avg_sq", StoreRef(ss, (i, "v")))]
+
+
+def partitions_of(engine: Any) -> int:
+    units = engine.runtime.unit_map.units
+    return units[0].layout.world_size if units else 1
+
+
+def _plan_units(engine: Any) -> list[list[_Planned]]:
+    groups = []
+    for u in engine.runtime.unit_map.units:
+        shape = (u.layout.shard_numel,)
+        groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref) for role, ref in unit_state_refs(engine, u)])
+    return groups
+
+
+def _plan_passthrough(engine: Any, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
+    """Stage 0 with a torch optimizer of the user's: the parameters whole, and the optimizer's tensors."""
+    groups = [[_Planned(f"param.{n}", p.dtype, tuple(p.shape), tensor=p.data)] for n, p in
+              zip(param_names, engine.runtime.params, strict=True)]
+    sink = TensorSink("optim.", copy=False)
+    skeleton = encode(engine.runtime.passthrough.state_dict(), sink, "optimizer.state_dict()")
+    groups += [[_Planned(n, t.dtype, tuple(t.shape), tensor=t)] for n, t in sink.tensors.items()]
+    return groups, skeleton
+
+
+def _param_names(engine: Any) -> list[str]:
+    names, _ = state_dict_names(engine.module)
+    return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(engine.runtime.params)]
+
+
+def _capture_small(engine: Any, client_state: Any, param_names: list[str],
+                   extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """This rank's small state (JSON, tensors) and rank 0's additions to the manifest. Raises TypeError
+    for a client_state a checkpoint cannot hold, before anything is written."""
+    sink = TensorSink("t.")
+    rt = engine.runtime
+    state: dict[str, Any] = {
+        "rank": engine.group.rank,
+        "rng": capture_rng(sink),
+        "client_state": encode(client_state, sink, "client_state"),
+        "param_steps": list(rt.optimizer.param_steps) if rt.optimizer is not None else None,
+    }
+    manifest_extra: dict[str, Any] = {}
+    _, buffers = state_dict_names(engine.module)
+    if engine.group.rank == 0:
+        manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
+        if rt.passthrough is not None:
+            aliases, _ = state_dict_names(engine.module)
+            manifest_extra["params"] = [
+                {"name": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape),
+                 "aliases": [n] + [a for a in aliases.get(id(p), []) if a != n]}
+                for n, p in zip(param_names, rt.params, strict=True)
+            ]
+        opt = engine.optimizer
+        state["engine"] = {
+            "loss_scaler": engine.loss_scaler.state_dict(),
+            "lr_scheduler": capture_scheduler(engine.lr_scheduler, sink),
+            "lr_scheduler_type": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__qualname__,
+            "param_groups": capture_hyperparameters(opt.param_groups),
+            "param_group_of": param_group_of(opt.param_groups, rt.params),
+            "param_names": param_names,
+            **extra,
+        }
+    tensors = dict(sink.tensors)
+    # Every rank's buffers: nothing keeps them equal across ranks (BatchNorm statistics of each rank's data).
+    for name, b in buffers.items():
+        tensors[f"buffer.{name}"] = b.detach().to("cpu", copy=True).contiguous()
+    return state, tensors, manifest_extra
+
+
+def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_file: str | None,
+               part_crcs: dict[str, int] | None) -> bytes:
+    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors."""
+    state = {**state, "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs}}
+    meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
+    return safetensors.torch.save(tensors, metadata=meta)
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """Phase 1's result on one rank: what its part file holds and its small state."""
+
+    partitions: int
+    groups: list[list[_Planned]]
+    header: bytes
+    layout: Header
+    small: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]
+
+
+def _prepare(engine: Any, client_state: Any) -> _Prepared:
+    # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
+    # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
+    # read through the store (window.py), so their current values are saved, and stay cached.
+    engine.synchronize()
+    rank = engine.group.rank
+    param_names = _param_names(engine)
+    partitions = partitions_of(engine)
+    writes_part = rank < partitions
+    if engine.runtime.passthrough is not None:
+        groups, skeleton = _plan_passthrough(engine, param_names) if writes_part else ([], None)
+        extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
+    else:
+        groups, extra = (_plan_units(engine) if writes_part else []), {}
+    small = _capture_small(engine, client_state, param_names, extra)
+    header, layout = build_header(
+        [(p.name, p.dtype, p.shape) for g in groups for p in g],
+        {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
+         "partitions": str(partitions)},
+        align=ALIGN,
+    )
+    return _Prepared(partitions, groups, header, layout, small)
+
+
+def _make_directory(root: Path, tag: str, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in atomic.leftovers(root):
+        if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
+            log.info("removing '%s', left by an interrupted save of the same tag", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
+    atomic.fsync_path(root, directory=True)
+
+
+def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
+    """This rank's part file (if it owns a partition) and rank file; returns [part bytes, rank file bytes,
+    rank file CRC32C] for the manifest."""
+    rank = engine.group.rank
+    crcs = part_file = None
+    if rank < prep.partitions:
+        part_file = part_name(rank, prep.partitions)
+        entries = prep.layout.entries
+        with Progress(prep.layout.file_nbytes, f"save {tag}", progress if rank == 0 else False) as bar, \
+                AioHandle.from_config(engine.config.aio) as handle:
+            crcs = write_part(
+                handle, tmp / part_file, prep.header,
+                ([SaveItem(entries[p.name], p.ref, p.tensor) for p in g] for g in prep.groups),
+                file_nbytes=prep.layout.file_nbytes, progress=bar,
+            )
+    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs)
+    atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
+    return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
+
+
+def _publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
+             sizes: list[list[int]]) -> None:
+    """Rank 0: manifest, rename into place, then ``latest`` ([Note: publishing a checkpoint])."""
+    files = {}
+    for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
+        if r < prep.partitions:
+            files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
+        files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
+    _check_files_present(tmp, files)
+    manifest = _manifest(engine, tag, prep.partitions, files, prep.small[2])
+    atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
+    atomic.fsync_path(tmp, directory=True)
+    atomic.publish(tmp, root / tag, nonce)
+    atomic.write_latest(root, tag, nonce)
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    client_state: Any = None,
+    *,
+    progress: bool | None = None,
+) -> Path:
+    """Saves the engine's full training state under ``save_dir/tag`` (default tag: ``global_step<N>``) and
+    points ``save_dir/latest`` at it. Every rank must call it. Returns the checkpoint's directory."""
+    if engine.micro_steps % engine.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"save_checkpoint() was called in the middle of a gradient accumulation window (micro step "
+            f"{engine.micro_steps % engine.gradient_accumulation_steps} of {engine.gradient_accumulation_steps}); "
+            "the gradients accumulated so far are not part of a checkpoint, so call it after engine.step() at "
+            "an accumulation boundary"
+        )
+    tag = atomic.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    group = engine.group
+    root = Path(save_dir)
+    t0 = time.perf_counter()
+    prep, err = None, None
+    try:
+        prep = _prepare(engine, client_state)
+    except Exception as e:
+        err = e
+    agree(group, err, "preparing the checkpoint")
+
+    nonce = shared_nonce(group)
+    tmp = atomic.partial_dir(root, tag, nonce)
+    err = None
+    if group.rank == 0:
+        try:
+            _make_directory(root, tag, tmp)
+        except Exception as e:
+            err = e
+    agree(group, err, f"creating '{tmp}'")
+
+    err, info = None, [0, 0, 0]
+    try:
+        info = _write_files(engine, prep, tmp, tag, progress)
+    except Exception as e:
+        err = e
+    try:
+        sizes = agree(group, err, f"writing checkpoint '{tag}'", info)
+    except BaseException:
+        if group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    err = None
+    if group.rank == 0:
+        try:
+            _publish(engine, prep, root, tmp, tag, nonce, sizes)
+        except Exception as e:
+            err = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    agree(group, err, f"publishing checkpoint '{tag}'")
+    total = sum(a + b for a, b, _ in sizes)
+    dt = time.perf_counter() - t0
+    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
+             total / 1e9 / max(dt, 1e-9))
+    return root / tag
+
+
+def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
+    for name, f in files.items():
+        p = tmp / name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"'{p}' is missing although its rank reported writing it: the checkpoint directory must be one "
+                "directory shared by every rank (a shared file system), as in DeepSpeed"
+            ) from None
+        if size != f["nbytes"]:
+            raise OSError(f"'{p}' has {size} bytes; its rank wrote {f['nbytes']}")
+
+
+def _manifest(engine: Any, tag: str, partitions: int, files: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    from infinity import __version__
+
+    rt = engine.runtime
+    zero = engine.config.zero_optimization
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "created_unix": time.time(),
+        "infinity_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": engine.group.world_size,
+        "stage": engine.stage,
+        "partitions": partitions,
+        "train_dtype": dtype_name(engine.dtype),
+        "persistence_threshold": int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0,
+        "optimizer": "partitioned_adam" if rt.optimizer is not None else "passthrough",
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "skipped_steps": engine.skipped_steps,
+        "units": [u.to_json() for u in describe_units(engine.module, rt.unit_map.units)],
+        "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
+        "buffers": extra.get("buffers", {}),
+        "files": files,
+        "config": json.loads(json.dumps(engine.config.to_dict(), default=str)),
+    }

@@ -1,0 +1,210 @@
+"""Every way a checkpoint can be wrong gives a clear exception naming the culprit, and a failed load
+leaves the engine exactly as it was (weights, buffers, optimizer shards, step counts, counters,
+schedule, loss scale, RNG)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infinity.engine.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointSpaceError,
+)
+from infinity.engine.checkpoint.format import read_header
+from infinity.models import GPT, GPTConfig
+from tests.checkpoint.helpers import (
+    N_STEPS,
+    assert_same,
+    config,
+    flip_byte,
+    make_engine,
+    snapshot,
+    train,
+)
+from tests.engine.models import VOCAB
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """An engine one step past its checkpoint, so that any partial load would show."""
+    base = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+    root = base / f"{os.getpid()}-errors"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "swap").mkdir(parents=True)
+    engine, _ = make_engine("tied", config(3, "nvme", "nvme", root / "swap"), seed=0)
+    train(engine, 0, N_STEPS)
+    ckpt = engine.save_checkpoint(root / "ckpt")
+    train(engine, N_STEPS, 1)
+    yield engine, root, ckpt
+    engine.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def copy_of(ckpt: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt" / ckpt.name
+    shutil.copytree(ckpt, dst)
+    (dst.parent / "latest").write_text(ckpt.name + "\n")
+    return dst
+
+
+def refused(engine, path, exc, match, **kw):
+    before = snapshot(engine)
+    with pytest.raises(exc, match=match) as info:
+        engine.load_checkpoint(path, **kw)
+    assert_same(before, snapshot(engine), "state after a failed load")
+    return info.value
+
+
+def test_corrupt_shard_is_named_and_changes_nothing(setup, tmp_path):
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    part = bad / "part-00000-of-00001.safetensors"
+    flip_byte(part, read_header(str(part)).entries["u2.exp_avg_sq"].begin + 123)
+    err = refused(engine, bad.parent, CheckpointCorruptError, part.name)
+    assert "'u2.exp_avg_sq'" in str(err) and "CRC32C" in str(err)
+
+
+def test_corrupt_header_of_a_shard_file(setup, tmp_path):
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    part = bad / "part-00000-of-00001.safetensors"
+    flip_byte(part, 20)
+    refused(engine, bad.parent, CheckpointCorruptError, part.name)
+
+
+def test_truncated_shard(setup, tmp_path):
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    part = bad / "part-00000-of-00001.safetensors"
+    os.truncate(part, part.stat().st_size - 4096)
+    refused(engine, bad.parent, CheckpointCorruptError, rf"{part.name}.*truncated")
+
+
+@pytest.mark.parametrize("name", ["part-00000-of-00001.safetensors", "rank-00000.safetensors"])
+def test_missing_file(setup, tmp_path, name):
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    (bad / name).unlink()
+    refused(engine, bad.parent, CheckpointNotFoundError, rf"{name}.*missing")
+
+
+def test_corrupt_rank_file_and_manifest(setup, tmp_path):
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    flip_byte(bad / "rank-00000.safetensors", 200)
+    refused(engine, bad.parent, CheckpointCorruptError, "rank-00000.safetensors.*CRC32C")
+    shutil.copy(ckpt / "rank-00000.safetensors", bad / "rank-00000.safetensors")
+    (bad / "manifest.json").write_text('{"format": "infinity.checkpoint", "vers')
+    refused(engine, bad.parent, CheckpointCorruptError, "manifest.json.*not valid JSON")
+
+
+def test_checkpoint_of_a_different_model(setup, tmp_path):
+    import infinity
+
+    engine, _, _ = setup
+    engines = {}
+    for name, d_model in (("wide", 64), ("narrow", 32)):
+        (tmp_path / name).mkdir()
+        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=2, d_model=d_model, bias=False))
+        engines[name] = infinity.initialize(model, config(3, "nvme", "nvme", tmp_path / name))
+        engines[name].save_checkpoint(tmp_path / f"ckpt-{name}")
+    try:
+        # The same architecture, another width: the first tensor whose shape differs is named.
+        refused(engines["narrow"], tmp_path / "ckpt-wide", CheckpointMismatchError,
+                r"'wte.weight' has shape \[64, 64\] in the checkpoint but \[64, 32\] in this model")
+    finally:
+        for e in engines.values():
+            e.close()
+    # Another architecture altogether: the first parameter it lacks is named.
+    refused(engine, tmp_path / "ckpt-narrow", CheckpointMismatchError,
+            r"parameter 'emb.weight' \(shape \[64, 32\]\) of this model is not in the checkpoint")
+
+
+def test_full_disk(setup, tmp_path):
+    """A save to a file system without room raises CheckpointSpaceError naming the directory, leaves no
+    partial checkpoint, and the previous checkpoint there still loads."""
+    engine, _, _ = setup
+    disk = tmp_path / "small"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill up here ({r.stderr.strip() or r.returncode}): needs root")
+    try:
+        before = snapshot(engine)
+        first = engine.save_checkpoint(disk / "ckpt", tag="first")
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        with open(disk / "ballast", "wb") as f:  # leave less room than a checkpoint takes
+            f.truncate(0)
+            os.posix_fallocate(f.fileno(), 0, free - 16 * 1024)
+        with pytest.raises(CheckpointSpaceError, match=rf"no space left.*{disk}") as info:
+            engine.save_checkpoint(disk / "ckpt", tag="second")
+        assert "free space there or save the checkpoint to another directory" in str(info.value)
+        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["first", "latest"]
+        assert (disk / "ckpt" / "latest").read_text().strip() == "first"
+        assert first.name == "first"
+        engine.load_checkpoint(disk / "ckpt")  # "first" is the state the engine was in
+        assert_same(before, snapshot(engine), "state after loading the checkpoint saved before the full disk")
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_client_state_that_needs_pickle_is_refused_before_writing(setup, tmp_path):
+    engine, _, _ = setup
+
+    class Sampler:
+        pass
+
+    with pytest.raises(TypeError, match=r"client_state\['sampler'\] is a .*Sampler.*never pickled"):
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={"epoch": 1, "sampler": Sampler()})
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(TypeError, match=r"a key of client_state is a builtins.object"):
+        engine.save_checkpoint(tmp_path / "ckpt", client_state={object(): "x"})
+
+
+def test_save_in_the_middle_of_an_accumulation_window(setup, tmp_path):
+    engine, _, _ = setup
+    from tests.engine.models import batch
+
+    x, y = batch(50, 0, 0)
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()  # micro step 1 of 2
+    try:
+        with pytest.raises(RuntimeError, match="middle of a gradient accumulation window"):
+            engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+
+
+def test_which_checkpoint(setup, tmp_path):
+    engine, _, ckpt = setup
+    root = copy_of(ckpt, tmp_path).parent
+    (root / "latest").unlink()
+    refused(engine, root, CheckpointNotFoundError, rf"no 'latest' file in '{root}'.*{ckpt.name}; pass tag=")
+    refused(engine, root, CheckpointNotFoundError, "checkpoint 'nope' asked for does not exist", tag="nope")
+    (root / "half").mkdir()
+    refused(engine, root, CheckpointIncompleteError, "has no manifest.json", tag="half")
+    refused(engine, tmp_path / "nowhere", CheckpointNotFoundError, "does not exist")
+
+
+def test_verify_false_still_checks_each_tensor_as_it_lands(setup, tmp_path):
+    """Without the verify pass a corrupt tensor is still caught (its checksum is taken as it is read),
+    but by then earlier units are loaded: the error says so."""
+    engine, _, ckpt = setup
+    bad = copy_of(ckpt, tmp_path)
+    part = bad / "part-00000-of-00001.safetensors"
+    flip_byte(part, read_header(str(part)).entries["u3.master"].begin + 4)
+    with pytest.raises(CheckpointCorruptError, match=r"'u3.master'.*partly loaded"):
+        engine.load_checkpoint(bad.parent, verify=False)
+    engine.load_checkpoint(ckpt)  # a good load repairs it
+    assert engine.global_steps == N_STEPS
