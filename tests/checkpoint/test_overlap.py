@@ -43,6 +43,15 @@ def step_held_back(engine):
 
 
 @pytest.fixture
+def dirty_cache(monkeypatch):
+    """Updated shards stay cached *dirty*: the optimizer writes them home right away only when no one
+    else holds them, so a shard held across the step stays dirty; this makes every shard so."""
+    import infinity.optim.partitioned_adam as partitioned_adam
+
+    monkeypatch.setattr(partitioned_adam, "_flush_unheld", lambda store, key: None)
+
+
+@pytest.fixture
 def swap(tmp_path):
     (tmp_path / "swap").mkdir()
     (tmp_path / "swap2").mkdir()
@@ -50,7 +59,7 @@ def swap(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["gpt", "tied"])
-def test_save_waits_for_the_step_in_flight_and_reads_dirty_cached_shards(model, swap):
+def test_save_waits_for_the_step_in_flight_and_reads_dirty_cached_shards(model, swap, dirty_cache):
     a, _ = make_engine(model, config(3, "nvme", "nvme", swap / "swap"), seed=0)
     b, _ = make_engine(model, config(3, "nvme", "nvme", swap / "swap2"), seed=1)
     try:
@@ -71,7 +80,7 @@ def test_save_waits_for_the_step_in_flight_and_reads_dirty_cached_shards(model, 
         b.close()
 
 
-def test_load_into_an_engine_with_a_step_in_flight_and_dirty_cache(swap):
+def test_load_into_an_engine_with_a_step_in_flight_and_dirty_cache(swap, dirty_cache):
     a, _ = make_engine("gpt", config(3, "nvme", "nvme", swap / "swap"), seed=0)
     b, _ = make_engine("gpt", config(3, "nvme", "nvme", swap / "swap2"), seed=1)
     try:
