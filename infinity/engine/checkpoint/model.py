@@ -10,6 +10,7 @@ and export rebuilds full tensors from it without the model's code.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -29,10 +30,7 @@ class SlotInfo:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
