@@ -40,6 +40,7 @@ import torch
 
 import infinity
 from infinity import _adam
+from infinity.cli.iobench import cpu_model
 from infinity.optim import CPUAdam, foreach_adam_step, get_isa, has_overflow, stream_bound_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,14 +261,7 @@ def run_overflow(numel: int, threads: int, rounds: int) -> dict:
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:

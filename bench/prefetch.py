@@ -53,6 +53,7 @@ import torch
 
 import infinity
 from infinity.aio import AioConfig
+from infinity.cli.iobench import cpu_model
 from infinity.memory import BufferPool
 from infinity.schedule import PrefetchScheduler
 from infinity.store import TieredStore
@@ -316,14 +317,7 @@ def run_load(b: Bench, load: float, disk_gbps: float, rounds: int, steps: int) -
 
 
 def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model() or platform.processor()
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

@@ -42,6 +42,7 @@ import torch
 
 import infinity
 from infinity.aio import AioConfig, AioHandle
+from infinity.cli.iobench import cpu_model
 from infinity.memory import BufferPool
 from infinity.store import TieredStore
 
@@ -145,14 +146,7 @@ def summarize(xs: list[float]) -> dict:
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "host": platform.node(),
         "kernel": platform.release(),

@@ -414,6 +414,17 @@ def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ('' where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
 def machine_info(path: Path) -> dict[str, Any]:
     """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``."""
     import platform
@@ -423,14 +434,7 @@ def machine_info(path: Path) -> dict[str, Any]:
     import infinity
     from infinity.cli.fio import fio_version
 
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
