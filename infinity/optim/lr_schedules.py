@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -67,7 +67,11 @@ def _per_group(optimizer: torch.optim.Optimizer, value: LrArg, name: str) -> lis
 
 
 class _Warmup(LRScheduler):
-    """What the three schedules share: the warmup ramp and DeepSpeed's step counting."""
+    """What the three schedules share: the warmup ramp and DeepSpeed's step counting. Each schedule
+    defines ``lrs_at(iteration)``: the lr of every param group at DeepSpeed iteration ``iteration``
+    (>= -1)."""
+
+    lrs_at: Callable[[int], list[float]]
 
     def __init__(
         self,
@@ -111,10 +115,6 @@ class _Warmup(LRScheduler):
         if self.warmup_type == "log":
             return self.inverse_log_warm_up * math.log(iteration + 1)
         return iteration / self.warmup_num_steps
-
-    def lrs_at(self, iteration: int) -> list[float]:
-        """The lr of every param group at DeepSpeed iteration ``iteration`` (>= -1)."""
-        raise NotImplementedError
 
     def get_lr(self) -> list[float]:  # type: ignore[override]
         return self.lrs_at(self.last_epoch - 1)
