@@ -167,12 +167,13 @@ def build_runtime(
 
     homes: dict[int, str] = _param_homes(units, cfg, dtype) if stage == 3 else {}
     needs = []
+    swapped_per_element = state_bytes_per_element(stage, dtype, zero.offload_optimizer.grads_in_host)
     if stage == 3 and zero.offload_param.device == "nvme":
         needs.append((rank_path(zero.offload_param.nvme_path, group.rank),
                       sum(u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), "parameters"))
     if zero.offload_optimizer.device == "nvme":
         needs.append((rank_path(zero.offload_optimizer.nvme_path, group.rank),
-                      sum(u.layout.shard_numel for u in units) * state_bytes_per_element(stage, dtype),
+                      sum(u.layout.shard_numel for u in units) * swapped_per_element,
                       "optimizer state"))
     check_nvme_space(needs)
 
@@ -182,7 +183,7 @@ def build_runtime(
         for unit in units:
             param_store.register(unit.key, (unit.layout.shard_numel,), dtype, home=homes[unit.index])
 
-    state_store = _state_store(units, cfg, group, state_bytes_per_element(stage, dtype))
+    state_store = _state_store(units, cfg, group, swapped_per_element)
     shards = []
     for unit in units:
         segs = tuple(
@@ -203,6 +204,7 @@ def build_runtime(
         state_store=state_store,
         param_store=param_store,
         state_home="nvme" if zero.offload_optimizer.device == "nvme" else "cpu",
+        grad_home="cpu" if zero.offload_optimizer.grads_in_host else None,
         adamw=choice.adamw,
         sub_group_numel=int(zero.sub_group_size),
         on_updated=on_updated,
@@ -348,10 +350,11 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
     return store
 
 
-def state_bytes_per_element(stage: int, dtype: torch.dtype) -> int:
-    """fp32 m, v and accumulated grad, plus an fp32 master unless the stage-3 fp32 parameter
-    shard is its own master (see PartitionedAdam)."""
-    return 12 if stage == 3 and dtype == FP32 else 16
+def state_bytes_per_element(stage: int, dtype: torch.dtype, grads_in_host: bool = False) -> int:
+    """Swapped optimizer state per element: fp32 m, v and (unless ``grads_in_host``) the accumulated
+    grad, plus an fp32 master unless the stage-3 fp32 parameter shard is its own master (see
+    PartitionedAdam)."""
+    return (12 if stage == 3 and dtype == FP32 else 16) - (4 if grads_in_host else 0)
 
 
 def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_element: int) -> TieredStore:

@@ -277,14 +277,20 @@ class _Planner:
         if "master" in keys:
             self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
         self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
-        self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
-                      detail + "; accumulated across micro-batches", key))
+        grads_in_host = tier == "nvme" and self.zero.offload_optimizer.grads_in_host
+        if grads_in_host:
+            self.add(Item("gradient partitions (fp32)", "host", S * 4, "run",
+                          "fp32, this rank's shards (host tensors); accumulated across micro-batches",
+                          "zero_optimization.offload_optimizer.grads_in_host"))
+        else:
+            self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
+                          detail + "; accumulated across micro-batches", key))
         if tier != "nvme":
             self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
                           "unused (no NVMe)"))
             return
-        reserved = rules.optimizer_swap_nbytes(S, self.stage, self.dtype, self.block)
-        slack = reserved - S * 4 * len(keys)
+        reserved = rules.optimizer_swap_nbytes(S, self.stage, self.dtype, self.block, grads_in_host)
+        slack = reserved - S * 4 * (len(keys) - grads_in_host)
         if slack:
             self.add(Item("optimizer swap reserve", "nvme", slack, "run",
                           "rounding of the reserve to 4 KiB and aio.block_size"))
@@ -293,7 +299,7 @@ class _Planner:
         path = str(self.zero.offload_optimizer.nvme_path)
         self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
         sub = rules.optimizer_pool_numel(self.units, self.zero)
-        per = rules.state_nbytes_per_element(self.stage, self.dtype)
+        per = rules.state_nbytes_per_element(self.stage, self.dtype, grads_in_host)
         self.add(Item("optimizer pool", "host",
                       rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * per), "run",
                       f"3 sub-groups × {sub:,} elements × {per} B (read ‖ update ‖ write), pinned, huge pages",

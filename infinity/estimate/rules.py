@@ -155,9 +155,10 @@ def init_transient_nbytes(units: Sequence[ParamUnit], dtype: torch.dtype) -> int
     return largest * (FP32_NBYTES + itemsize(dtype))
 
 
-def optimizer_swap_nbytes(shard_numel: int, stage: int, dtype: torch.dtype, block_size: int) -> int:
+def optimizer_swap_nbytes(shard_numel: int, stage: int, dtype: torch.dtype, block_size: int,
+                          grads_in_host: bool = False) -> int:
     """infinity/engine/build.py _state_store: ``store.reserve(total shard elements × per element)``."""
-    return swap_nbytes(shard_numel * state_nbytes_per_element(stage, dtype), block_size)
+    return swap_nbytes(shard_numel * state_nbytes_per_element(stage, dtype, grads_in_host), block_size)
 
 
 def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
@@ -244,10 +245,12 @@ def state_keys(stage: int, dtype: torch.dtype) -> tuple[str, ...]:
     return ("master", "m", "v", "g")
 
 
-def state_nbytes_per_element(stage: int, dtype: torch.dtype) -> int:
-    """infinity/engine/build.py state_bytes_per_element: 12 or 16 — the optimizer pool's buffer
-    size per element and the swap space reserved per element."""
-    return FP32_NBYTES * len(state_keys(stage, dtype))
+def state_nbytes_per_element(stage: int, dtype: torch.dtype, grads_in_host: bool = False) -> int:
+    """infinity/engine/build.py state_bytes_per_element: 12 or 16 (less the grad's 4 when
+    offload_optimizer.grads_in_host) — the optimizer pool's buffer size per element and the swap
+    space reserved per element."""
+    swapped = [k for k in state_keys(stage, dtype) if not (grads_in_host and k == "g")]
+    return FP32_NBYTES * len(swapped)
 
 
 def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> dict[int, str]:

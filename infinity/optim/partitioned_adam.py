@@ -67,6 +67,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         state_store: TieredStore,
         param_store: TieredStore | None,
         state_home: str,
+        grad_home: str | None = None,
         adamw: bool,
         sub_group_numel: int,
         on_updated: Callable[[int, torch.Tensor], None] | None = None,
@@ -92,7 +93,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.sub_group_numel = sub_group_numel
         self._issue_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.sub_groups = _split(self.shards, sub_group_numel)
-        self._register(state_home)
+        self._register(state_home, grad_home or state_home)
 
     # -- setup ----------------------------------------------------------------
 
@@ -107,14 +108,18 @@ class PartitionedAdam(torch.optim.Optimizer):
         names = ["m", "v", "g"] if self._master_in_param_store[s.index] else ["master", "m", "v", "g"]
         return [(s.index, n) for n in names]
 
-    def _register(self, home: str) -> None:
+    def _register(self, home: str, grad_home: str) -> None:
         specs = []
         for s in self.shards:
             for key in self._keys(s):
-                specs.append((key, (s.numel,), torch.float32))
+                if key[1] != "g" or grad_home == home:
+                    specs.append((key, (s.numel,), torch.float32))
         # Registered in step order, each unit's arrays side by side: a
         # sub-group comes back in few large reads.
         self.state_store.register_many(specs, home=home)
+        if grad_home != home:
+            self.state_store.register_many([((s.index, "g"), (s.numel,), torch.float32) for s in self.shards],
+                                           home=grad_home)
 
     def init_state(self, index: int, master: torch.Tensor | None) -> None:
         """Sets a shard's starting state: master = ``master`` (fp32, unless the parameter

@@ -79,3 +79,41 @@ def test_world_size_2(model, nvme_dir, references):
         for name in ref_weights:  # every rank ends with the same full weights
             assert (per_rank[0][i][1][name] == per_rank[1][i][1][name]).all(), (combo, name)
         assert_equivalent(losses, per_rank[0][i][1], ref_losses, ref_weights)
+
+
+@pytest.mark.parametrize("model", ["gpt", "alternating"])
+@pytest.mark.parametrize("stage,offload_param", [(1, "none"), (3, "nvme")])
+def test_gradients_kept_in_host_memory(model, stage, offload_param, nvme_dir, references):
+    """offload_optimizer.grads_in_host: the same training, and no gradient bytes in the swap files."""
+    cfg = engine_config(stage, offload_param, "nvme", nvme_dir, gas=GAS)
+    cfg["zero_optimization"]["offload_optimizer"]["grads_in_host"] = True
+    losses, weights = engine_run(model, cfg, steps=STEPS, gas=GAS)
+    assert_equivalent(losses, weights, *references(model, 1))
+
+
+def test_gradients_in_host_memory_leave_the_swap_files(nvme_dir):
+    import infinity
+    from tests.engine.models import MODELS
+
+    def run(grads_in_host):
+        cfg = engine_config(1, "none", "nvme", nvme_dir, gas=1)
+        cfg["zero_optimization"]["offload_optimizer"]["grads_in_host"] = grads_in_host
+        torch.manual_seed(0)
+        engine = infinity.initialize(MODELS["gpt"](), cfg)
+        try:
+            x = torch.randint(0, 64, (2, 16))
+            for _ in range(2):
+                engine.backward(engine(x, x))
+                engine.step()
+            engine.synchronize()
+            homes = {engine.runtime.state_store.spec((i, n)).home for i in range(2) for n in ("m", "g")}
+            return homes, engine.io_stats()
+        finally:
+            engine.close()
+
+    homes, io = run(True)
+    homes_swapped, io_swapped = run(False)
+    assert homes == {"nvme", "cpu"} and homes_swapped == {"nvme"}
+    # master, m, v swapped instead of master, m, v, g: three quarters of the traffic
+    assert io["write_nbytes"] <= 0.8 * io_swapped["write_nbytes"]
+    assert io["read_nbytes"] <= 0.8 * io_swapped["read_nbytes"]

@@ -20,13 +20,13 @@ from infinity.models import GPT, GPTConfig
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
 
 
-def _config(stage, p="none", o="none", *, dtype="fp32", nvme=None, **zero):
+def _config(stage, p="none", o="none", *, dtype="fp32", nvme=None, grads_in_host=False, **zero):
     z = {"stage": stage, **zero}
     if p != "none":
         z["offload_param"] = {"device": p, "nvme_path": str(nvme), "buffer_count": 4, "buffer_size": 1 << 16,
                               "max_in_cpu": 0}
     if o != "none":
-        z["offload_optimizer"] = {"device": o, "nvme_path": str(nvme)}
+        z["offload_optimizer"] = {"device": o, "nvme_path": str(nvme), "grads_in_host": grads_in_host}
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": z}
     if dtype != "fp32":
@@ -42,6 +42,10 @@ CASES = {
                                   stage3_param_persistence_threshold=200),
     "stage3-fp32-cpu-nvme": dict(stage=3, p="cpu", o="nvme", sub_group_size=20_000),
     "stage3-fp32-cpu-cpu": dict(stage=3, p="cpu", o="cpu"),
+    "stage3-fp32-nvme-nvme-grads-in-host": dict(stage=3, p="nvme", o="nvme", sub_group_size=20_000,
+                                                grads_in_host=True),
+    "stage1-bf16-nvme-grads-in-host": dict(stage=1, o="nvme", dtype="bf16", sub_group_size=20_000,
+                                           grads_in_host=True),
     "stage3-fp16-nvme-cpu": dict(stage=3, p="nvme", o="cpu", dtype="fp16", sub_group_size=20_000),
 }
 
