@@ -3,12 +3,13 @@
 
 The same GPT (~150M parameters by default), data and seed, trained by plain
 PyTorch (torch AdamW, everything in RAM) and by infinity (stage 3, offload_param
-and offload_optimizer on NVMe, O_DIRECT). Each run is a fresh subprocess (so its
-peak memory is its own: VmHWM plus hugetlb pages); the two kinds are interleaved A B A B and the
-headline is the median ratio of their median step times after warm-up. Also
-reported: bytes read and written per step and the GB/s they imply, the time
-steps spent waiting for I/O, and peak RSS of both. DeepSpeed runs too where it
-is importable.
+and offload_optimizer on NVMe, O_DIRECT), once as DeepSpeed would place the
+state and once with offload_optimizer.grads_in_host. Each run is a fresh
+subprocess (so its peak memory is its own: VmHWM plus hugetlb pages); the kinds
+are interleaved, their order rotating each repeat, and the headline is the
+median ratio of their median step times after warm-up. Also reported: bytes
+read and written per step and the GB/s they imply, the time steps spent
+waiting for I/O, and peak RSS. DeepSpeed itself is not run (not installed here).
 
   python bench/train_step.py                 # ~150M, seq 256, 3 repeats
   python bench/train_step.py --capacity      # the largest model trained 3 steps
@@ -54,6 +55,7 @@ else:
     largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
     cfg = demo_config(nvme, lr=3e-4, steps=steps + warmup, micro_batch=micro, bf16=False, largest_unit=largest)
     del cfg["scheduler"]
+    cfg["zero_optimization"]["offload_optimizer"]["grads_in_host"] = kind == "grads-in-host"
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
     engine = infinity.initialize(model, cfg)
@@ -110,51 +112,60 @@ def main() -> int:
     os.makedirs(base, exist_ok=True)
     if args.capacity:
         return capacity(args, base)
-    runs: dict[str, list[dict]] = {"plain": [], "infinity": []}
+    kinds = ["plain", "infinity", "grads-in-host"]
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
     for rep in range(args.repeat):
-        for kind in ("plain", "infinity") if rep % 2 == 0 else ("infinity", "plain"):
+        for kind in kinds[rep % 3:] + kinds[:rep % 3]:
             with tempfile.TemporaryDirectory(dir=base) as nvme:
                 t = time.perf_counter()
                 res = run_child(kind, args, nvme)
-                print(f"  repeat {rep + 1}/{args.repeat} {kind:8s}: median step "
+                print(f"  repeat {rep + 1}/{args.repeat} {kind:13s}: median step "
                       f"{statistics.median(res['times']):.2f} s, peak RSS {res['hwm'] / 2**30:.2f} GiB "
                       f"({time.perf_counter() - t:.0f} s)", flush=True)
                 runs[kind].append(res)
     med = {k: [statistics.median(r["times"]) for r in v] for k, v in runs.items()}
-    ratios = [i / p for i, p in zip(med["infinity"], med["plain"], strict=True)]
-    io = [s for r in runs["infinity"] for s in r["io"]]
-    step_s = statistics.median(med["infinity"])
-    read = statistics.median(s["read_nbytes"] for s in io)
-    write = statistics.median(s["write_nbytes"] for s in io)
-    wait = statistics.median(s["wait_s"] for s in io)
     result = {
         "params": runs["plain"][0]["params"],
         "seq": args.seq,
         "micro_batch": args.micro_batch,
         "step_s": {k: statistics.median(v) for k, v in med.items()},
-        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
         "peak_rss": {k: max(r["hwm"] for r in v) for k, v in runs.items()},
-        "read_nbytes_per_step": read,
-        "write_nbytes_per_step": write,
-        "read_gbps": read / step_s / 1e9,
-        "write_gbps": write / step_s / 1e9,
-        "io_wait_s_per_step": wait,
-        "losses_equal": runs["plain"][0]["losses"][:1] == runs["infinity"][0]["losses"][:1],
     }
-    r = result
-    print(f"\nGPT {r['params'] / 1e6:.0f}M, seq {r['seq']} x {r['micro_batch']}: step time plain "
-          f"{r['step_s']['plain']:.2f} s, infinity (stage 3, params + optimizer on NVMe) "
-          f"{r['step_s']['infinity']:.2f} s -> ratio {r['ratio']['median']:.2f} "
-          f"({r['ratio']['min']:.2f}-{r['ratio']['max']:.2f})")
-    print(f"per step: read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB ({r['read_gbps']:.2f} / "
-          f"{r['write_gbps']:.2f} GB/s), waited {wait:.2f} s for I/O")
-    print(f"peak RSS: plain {r['peak_rss']['plain'] / 2**30:.2f} GiB, infinity {r['peak_rss']['infinity'] / 2**30:.2f} GiB")
+    print(f"\nGPT {result['params'] / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}: plain PyTorch "
+          f"{result['step_s']['plain']:.2f} s/step, peak RSS {result['peak_rss']['plain'] / 2**30:.2f} GiB")
+    for kind in kinds[1:]:
+        result[kind] = _offload_summary(kind, runs, med)
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
     results.mkdir(parents=True, exist_ok=True)
     out = args.out or results / f"train_step{'-quick' if args.quick else ''}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def _offload_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[float]]) -> dict:
+    """One infinity kind against plain PyTorch: step-time ratio per repeat, I/O per step, memory."""
+    ratios = [i / p for i, p in zip(med[kind], med["plain"], strict=True)]
+    io = [s for r in runs[kind] for s in r["io"]]
+    step_s = statistics.median(med[kind])
+    read = statistics.median(s["read_nbytes"] for s in io)
+    write = statistics.median(s["write_nbytes"] for s in io)
+    wait = statistics.median(s["wait_s"] for s in io)
+    r = {
+        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "read_nbytes_per_step": read,
+        "write_nbytes_per_step": write,
+        "read_gbps": read / step_s / 1e9,
+        "write_gbps": write / step_s / 1e9,
+        "io_wait_s_per_step": wait,
+        "losses_equal_plain": all(abs(a - b) <= 1e-4 * abs(b) for a, b in
+                                  zip(runs[kind][0]["losses"], runs["plain"][0]["losses"], strict=True)),
+    }
+    print(f"{kind:13s}: {step_s:.2f} s/step -> ratio {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}-"
+          f"{r['ratio']['max']:.2f}); per step read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB "
+          f"({r['read_gbps']:.2f} / {r['write_gbps']:.2f} GB/s), waited {wait:.2f} s for I/O; peak RSS "
+          f"{max(x['hwm'] for x in runs[kind]) / 2**30:.2f} GiB; losses equal plain's: {r['losses_equal_plain']}")
+    return r
 
 
 def capacity(args: argparse.Namespace, base: str) -> int:
