@@ -191,18 +191,14 @@ def adam_step(
     hyper-parameters out of range or buffers that overlap in memory.
     """
     ptrs = _gather((param,), (grad,), (exp_avg,), (exp_avg_sq,), None if out_half is None else (out_half,), True)
+    _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads)
+
+
+def _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads) -> None:
+    """The kernel call shared by adam_step and foreach_adam_step (``ptrs`` from _gather)."""
     _adam.adam_step(
-        *ptrs,
-        float(step),
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw),
-        bool(bias_correction),
-        kernel.isa_code,
-        _threads(num_threads),
+        *ptrs, float(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+        bool(adamw), bool(bias_correction), kernel.isa_code, _threads(num_threads),
     )
 
 
@@ -230,19 +226,7 @@ def foreach_adam_step(
     index, e.g. ``grad[3]``.
     """
     ptrs = _gather(params, grads, exp_avgs, exp_avg_sqs, out_halves, False)
-    _adam.adam_step(
-        *ptrs,
-        float(step),
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adamw),
-        bool(bias_correction),
-        kernel.isa_code,
-        _threads(num_threads),
-    )
+    _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads)
 
 
 def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> bool:
