@@ -37,3 +37,25 @@ def test_train_eval_module_and_close(nvme_dir):
     with pytest.raises(RuntimeError, match="this engine is closed"):
         engine(*batch(0, 0, 0))
     assert not any((nvme_dir / "rank0").iterdir()), "swap files left behind after close()"
+
+
+def test_updated_parameter_shards_are_written_home_and_stay_cached(nvme_dir):
+    """After the optimizer step the new parameter shards are written home on their own (nothing
+    dirty is left for the pool to wait on) while staying resident for the next forward."""
+    import time
+
+    engine = infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", nvme_dir, gas=1))
+    try:
+        for i in range(2):
+            engine.backward(engine(*batch(0, i, 0)))
+            engine.step()
+        engine.synchronize()
+        store = engine.runtime.param_store
+        deadline = time.monotonic() + 30  # the writes are asynchronous; bounded wait, not a timing check
+        while store.stats().dirty_nbytes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = store.stats()
+        assert st.dirty_nbytes == 0
+        assert st.resident_nbytes > 0
+    finally:
+        engine.close()
