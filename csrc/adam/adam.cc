@@ -271,6 +271,23 @@ bool has_overflow(const void* const* data, const size_t* numel, const DType* dty
   return found.load();
 }
 
+double sum_squares(const float* const* data, const size_t* numel, size_t count, Isa isa,
+                   int num_threads) {
+  const KernelSet& k = kernels_for(isa);
+  check_threads(num_threads);
+  const std::vector<size_t> starts = prefix(numel, count);
+  // One partial per chunk of the global element range: a chunk is taken by one
+  // thread and its pieces come in tensor order, so each partial, and their sum
+  // in chunk order, is independent of the thread count.
+  std::vector<double> partial((starts.back() + kChunkElements - 1) / kChunkElements, 0.0);
+  parallel_ranges(starts, num_threads, [&](size_t t, size_t b, size_t e) {
+    partial[(starts[t] + b) / kChunkElements] += k.sum_squares(data[t], b, e);
+  });
+  double total = 0.0;
+  for (double x : partial) total += x;
+  return total;
+}
+
 void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads) {
   const KernelSet& k = kernels_for(isa);
   check_threads(num_threads);

@@ -71,6 +71,12 @@ void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, Isa isa
 bool has_overflow(const void* const* data, const size_t* numel, const DType* dtypes, size_t count,
                   Isa isa, int num_threads);
 
+// The sum of the squares of every element of `count` fp32 arrays, accumulated
+// in double in a fixed order: the same result on every ISA and thread count
+// (the gradient norm, which must not depend on the machine).
+double sum_squares(const float* const* data, const size_t* numel, size_t count, Isa isa,
+                   int num_threads);
+
 // The bandwidth bound of an Adam step: reads four fp32 arrays and writes three
 // of them in place (param += grad, exp_avg += grad, exp_avg_sq += grad) with
 // the same loads, stores, threads and partitioning as adam_step, no Adam math.

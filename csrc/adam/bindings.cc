@@ -150,6 +150,21 @@ PYBIND11_MODULE(_adam, m) {
       py::arg("data"), py::arg("numels"), py::arg("dtypes"), py::arg("isa"), py::arg("num_threads"),
       "True when any element of the arrays is inf or NaN.");
 
+  m.def(
+      "sum_squares",
+      [](const std::vector<uintptr_t>& data, const std::vector<size_t>& numels, int isa,
+         int num_threads) {
+        const size_t n = data.size();
+        check_len(numels, n, "numels");
+        std::vector<const float*> ptrs(n);
+        for (size_t i = 0; i < n; ++i) ptrs[i] = reinterpret_cast<const float*>(data[i]);
+        const ad::Isa which = to_isa(isa);
+        py::gil_scoped_release release;
+        return ad::sum_squares(ptrs.data(), numels.data(), n, which, num_threads);
+      },
+      py::arg("data"), py::arg("numels"), py::arg("isa"), py::arg("num_threads"),
+      "The sum of squares of fp32 arrays, accumulated in double in a fixed order.");
+
   // torch keeps each parameter's step count in its own 0-dim tensor; with
   // hundreds of parameters, reading and bumping them with tensor ops costs more
   // than the step itself on small models. Pointers checked by the caller

@@ -39,6 +39,9 @@ struct KernelSet {
   // returns true) once *found is set by another thread.
   bool (*has_overflow)(const void* data, DType dtype, size_t begin, size_t end,
                        const std::atomic<bool>* found);
+  // The sum of x[i]^2 over [begin, end), accumulated in double; the same bits
+  // on every ISA ([Note: deterministic sum of squares] in kernel_impl.h).
+  double (*sum_squares)(const float* x, size_t begin, size_t end);
   void (*stream)(const Buffers& b, size_t begin, size_t end);
 };
 

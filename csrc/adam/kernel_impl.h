@@ -248,6 +248,32 @@ struct Kernels {
     return false;
   }
 
+  // [Note: deterministic sum of squares] Each square of a float is exact in
+  // double (48 significant bits), and the sums run in kLanes independent
+  // double lanes (lane = element index mod kLanes within the range) folded in
+  // a fixed order: the same bits on every ISA, whatever the vector width the
+  // compiler picks for this loop. adam.cc adds the ranges in a fixed order too.
+  static constexpr size_t kLanes = 16;
+
+  static double sum_squares(const float* x, size_t begin, size_t end) {
+    double acc[kLanes] = {};
+    size_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) {
+      for (size_t l = 0; l < kLanes; ++l) {
+        const double d = x[i + l];
+        acc[l] += d * d;
+      }
+    }
+    for (size_t l = 0; i < end; ++i, ++l) {
+      const double d = x[i];
+      acc[l] += d * d;
+    }
+    for (size_t width = kLanes / 2; width > 0; width /= 2) {
+      for (size_t l = 0; l < width; ++l) acc[l] += acc[l + width];
+    }
+    return acc[0];
+  }
+
   static void stream(const Buffers& b, size_t begin, size_t end) {
     float* __restrict p = b.param;
     float* __restrict m = b.exp_avg;
@@ -267,7 +293,7 @@ struct Kernels {
     }
   }
 
-  static KernelSet make(Isa isa) { return KernelSet{isa, &step, &has_overflow, &stream}; }
+  static KernelSet make(Isa isa) { return KernelSet{isa, &step, &has_overflow, &sum_squares, &stream}; }
 };
 
 }  // namespace infinity::adam

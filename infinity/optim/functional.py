@@ -248,6 +248,26 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads:
     return _adam.has_overflow(ptrs, numels, codes, kernel.isa_code, _threads(num_threads))
 
 
+def sum_squares(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> float:
+    """The sum of the squares of every element of ``tensors`` (contiguous CPU fp32), in double.
+
+    The engine's gradient norm. Every square is exact in double and the sums
+    run in a fixed order, so the result has the same bits on every ISA and
+    thread count: the clipping coefficient, rounded to fp32, does not depend on
+    the machine (torch's fp32 norms change with its reduction's vector width).
+    """
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    ptrs, numels = [], []
+    for i, t in enumerate(tensors):
+        ok = isinstance(t, torch.Tensor) and t.dtype == _F32 and t.is_cpu and t.layout is torch.strided
+        if not (ok and t.is_contiguous()):
+            raise _explain(f"tensors[{i}]", t, (_F32,), None)
+        ptrs.append(t.data_ptr())
+        numels.append(t.numel())
+    return _adam.sum_squares(ptrs, numels, kernel.isa_code, _threads(num_threads))
+
+
 def stream_bound_step(
     param: torch.Tensor | Sequence[torch.Tensor],
     grad: torch.Tensor | Sequence[torch.Tensor],

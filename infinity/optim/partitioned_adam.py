@@ -11,7 +11,9 @@ read i+1 ‖ update i ‖ write i-1, bounded by the store's buffer pool.
 Numerics follow torch.optim.Adam/AdamW (foreach=False) parameter by
 parameter: each parameter keeps its own step count, and a parameter that got
 no gradient in the window is skipped entirely (no decay, no moment update),
-as torch skips ``p.grad is None``. Param groups are shared with the torch
+as torch skips ``p.grad is None``. The squares behind the gradient norm are
+summed in double in a fixed order (``sum_squares``), so clipping gives the
+same bits on every machine. Param groups are shared with the torch
 optimizer the user passed, so an lr scheduler bound to either works.
 
 This module is the GradSink of infinity.zero's GradReducer (``open``/``close``)
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from infinity.optim.functional import adam_step
+from infinity.optim.functional import adam_step, sum_squares
 from infinity.store import TieredStore
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -151,7 +153,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         key = (unit_index, "g")
         g = self._open_grads.pop(unit_index)
         if final:  # the window's last contribution: take the norm while it is in memory
-            self._sumsq[unit_index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+            self._sumsq[unit_index] = sum_squares(g)
         self.state_store.mark_dirty(key)
         self.state_store.release(key)
         _evict_unheld(self.state_store, key)
@@ -167,7 +169,7 @@ class PartitionedAdam(torch.optim.Optimizer):
             if s.index not in self._sumsq:
                 key = (s.index, "g")
                 g = self.state_store.fetch(key).result()
-                self._sumsq[s.index] = float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2
+                self._sumsq[s.index] = sum_squares(g)
                 self.state_store.release(key)
                 _evict_unheld(self.state_store, key)
             total += self._sumsq[s.index]

@@ -1,6 +1,9 @@
 """Plain PyTorch training: the oracle every offload configuration is compared with."""
 
+import math
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tests.engine.models import MODELS, batch
 
@@ -91,9 +94,46 @@ def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int
     return losses, weights
 
 
+# [Note: a 16-bit oracle that does not depend on the CPU]
+# In 16-bit training an fp32 master weight one ulp off rounds to another 16-bit
+# weight now and then (about 2^-13 of the elements per step); from there the
+# forwards differ and the two runs drift apart, so a last-bit difference in the
+# fp32 update becomes a visible one within a few steps. Two fp32 roundings
+# depend on the machine in plain PyTorch, so the mixed-precision oracle fixes both:
+# - torch's x86 wheels take sqrt from MKL, whose result depends on the CPU
+#   (an ulp off for ~1% of inputs on an Intel Xeon, ~15% on an AMD EPYC here);
+#   the oracle's AdamW step runs with a correctly rounded sqrt, as IEEE sqrt
+#   (and the engine's kernel) is;
+# - clip_grad_norm_ sums fp32 norms in an order set by torch's vector width;
+#   the oracle sums the squares in float64 (exact to ~1e-16, so its fp32
+#   coefficient does not depend on the order), as the engine does.
+# The fp32 equivalence tests keep torch's own AdamW and clipping: there an ulp
+# stays an ulp, far inside their 1e-5.
+
+
+class CorrectlyRoundedSqrt(TorchFunctionMode):
+    """fp32 sqrt computed in float64 and rounded once: the correctly rounded result, on any CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.sqrt, torch.Tensor.sqrt) and args[0].dtype == torch.float32:
+            return args[0].double().sqrt().float()
+        return func(*args, **(kwargs or {}))
+
+
+def clip_in_float64(params, max_norm: float) -> None:
+    """torch's clip_grad_norm_ rule, max_norm / (norm + 1e-6) capped at 1, with the norm summed and
+    the coefficient computed in float64 (see [Note: a 16-bit oracle that does not depend on the CPU])."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads))
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+
+
 def reference_mixed_run(model_name: str, dtype: torch.dtype, *, steps: int, gas: int, loss_scale: float = 1.0, seed: int = 0):
     """Mixed precision by hand in plain PyTorch: a 16-bit model for forward/backward, fp32 master
-    weights stepped by torch AdamW, grads accumulated in fp32 — what DeepSpeed's bf16/fp16 modes do."""
+    weights stepped by torch AdamW, grads accumulated in fp32 — what DeepSpeed's bf16/fp16 modes do.
+    The clip norm and AdamW's sqrt are made machine-independent (see the note above)."""
     torch.manual_seed(seed)
     model = MODELS[model_name]()
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
@@ -115,8 +155,9 @@ def reference_mixed_run(model_name: str, dtype: torch.dtype, *, steps: int, gas:
             losses[(step, micro, 0)] = loss.item()
         for m, a in zip(masters, acc, strict=True):
             m.grad = a / loss_scale
-        torch.nn.utils.clip_grad_norm_(masters, CLIP)
-        opt.step()
+        clip_in_float64(masters, CLIP)
+        with CorrectlyRoundedSqrt():
+            opt.step()
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters, strict=True):
                 p.copy_(m)
