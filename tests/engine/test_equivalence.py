@@ -106,14 +106,20 @@ def test_gradients_in_host_memory_leave_the_swap_files(nvme_dir):
                 engine.backward(engine(x, x))
                 engine.step()
             engine.synchronize()
-            homes = {engine.runtime.state_store.spec((i, n)).home for i in range(2) for n in ("m", "g")}
-            return homes, engine.io_stats()
+            store = engine.runtime.state_store
+            homes = {n: {store.spec((i, n)).home for i in range(2)} for n in ("m", "g")}
+            swapped = {n: sum(nb for i in range(2) for _, _, nb in store.locate((i, n))) for n in ("m", "g")}
+            return homes, swapped, engine.io_stats()
         finally:
             engine.close()
 
-    homes, io = run(True)
-    homes_swapped, io_swapped = run(False)
-    assert homes == {"nvme", "cpu"} and homes_swapped == {"nvme"}
-    # master, m, v swapped instead of master, m, v, g: three quarters of the traffic
-    assert io["write_nbytes"] <= 0.8 * io_swapped["write_nbytes"]
-    assert io["read_nbytes"] <= 0.8 * io_swapped["read_nbytes"]
+    homes, swapped, io = run(True)
+    homes_swapped, swapped_swapped, io_swapped = run(False)
+    assert homes == {"m": {"nvme"}, "g": {"cpu"}} and homes_swapped == {"m": {"nvme"}, "g": {"nvme"}}
+    # no gradient byte has a place in the swap files, and the moments keep theirs
+    assert swapped["g"] == 0 and swapped_swapped["g"] > 0
+    assert swapped["m"] == swapped_swapped["m"] > 0
+    # So less crosses the disk. (How much less depends on timing: a dirty key written back
+    # while the step still reads it is written again, one re-dirtied first is written once.)
+    assert io["write_nbytes"] < io_swapped["write_nbytes"]
+    assert io["read_nbytes"] < io_swapped["read_nbytes"]
