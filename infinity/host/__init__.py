@@ -16,6 +16,7 @@ from infinity.host.maps import MemoryMap, mapped_paths, memory_maps, parse_maps
 from infinity.host.memory import (
     hugetlb_free_nbytes,
     meminfo,
+    memory_total_nbytes,
     parse_meminfo,
     parse_transparent_hugepage,
     transparent_hugepage_mode,
@@ -48,6 +49,7 @@ __all__ = [
     "mapped_paths",
     "meminfo",
     "memory_maps",
+    "memory_total_nbytes",
     "mount_of",
     "mounts",
     "open_fds",

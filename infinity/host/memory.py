@@ -33,6 +33,11 @@ def meminfo() -> dict[str, int]:
     return parse_meminfo(text) if text is not None else {}
 
 
+def memory_total_nbytes() -> int:
+    """Physical memory the kernel manages (MemTotal) in bytes; 0 where unknown."""
+    return meminfo().get("MemTotal", 0)
+
+
 def hugetlb_free_nbytes() -> int:
     """Bytes free in the hugetlb pool (HugePages_Free x Hugepagesize); 0 where unknown."""
     info = meminfo()

@@ -5,6 +5,7 @@ import os
 from infinity.host import (
     hugetlb_free_nbytes,
     meminfo,
+    memory_total_nbytes,
     parse_meminfo,
     parse_transparent_hugepage,
     transparent_hugepage_mode,
@@ -49,7 +50,7 @@ def test_transparent_hugepage_choice():
 def test_this_machine():
     info = meminfo()
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert info["MemTotal"] == physical  # both are the kernel's totalram
+    assert memory_total_nbytes() == info["MemTotal"] == physical  # both are the kernel's totalram
     assert 0 < info["MemAvailable"] <= info["MemTotal"]
     assert hugetlb_free_nbytes() == info["HugePages_Free"] * info["Hugepagesize"]
     assert transparent_hugepage_mode() in ("always", "madvise", "never", "")
