@@ -2,14 +2,7 @@
 
 import os
 
-from infinity.host import (
-    hugetlb_free_nbytes,
-    meminfo,
-    memory_total_nbytes,
-    parse_meminfo,
-    parse_transparent_hugepage,
-    transparent_hugepage_mode,
-)
+from infinity import host
 
 SAMPLE = """\
 MemTotal:       24684092 kB
@@ -27,7 +20,7 @@ DirectMap1G:     8388608 kB
 
 
 def test_kb_figures_are_bytes_and_counts_stay_counts():
-    info = parse_meminfo(SAMPLE)
+    info = host.parse_meminfo(SAMPLE)
     assert info["MemTotal"] == 24684092 * 1024
     assert info["MemAvailable"] == 19834452 * 1024
     assert info["HugePages_Total"] == 16
@@ -38,19 +31,21 @@ def test_kb_figures_are_bytes_and_counts_stay_counts():
 
 
 def test_lines_without_a_number_are_skipped():
-    assert parse_meminfo("Weird:\nMemTotal: 4 kB\nBroken: x kB\n\n") == {"MemTotal": 4096}
+    assert host.parse_meminfo("Weird:\nMemTotal: 4 kB\nBroken: x kB\n\n") == {"MemTotal": 4096}
 
 
 def test_transparent_hugepage_choice():
-    assert parse_transparent_hugepage("always [madvise] never\n") == "madvise"
-    assert parse_transparent_hugepage("[always] madvise never") == "always"
-    assert parse_transparent_hugepage("always madvise never") == ""
+    assert host.parse_transparent_hugepage("always [madvise] never\n") == "madvise"
+    assert host.parse_transparent_hugepage("[always] madvise never") == "always"
+    assert host.parse_transparent_hugepage("always madvise never") == ""
 
 
 def test_this_machine():
-    info = meminfo()
+    info = host.meminfo()
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert memory_total_nbytes() == info["MemTotal"] == physical  # both are the kernel's totalram
+    assert (
+        host.memory_total_nbytes() == info["MemTotal"] == physical
+    )  # both are the kernel's totalram
     assert 0 < info["MemAvailable"] <= info["MemTotal"]
-    assert hugetlb_free_nbytes() == info["HugePages_Free"] * info["Hugepagesize"]
-    assert transparent_hugepage_mode() in ("always", "madvise", "never", "")
+    assert host.hugetlb_free_nbytes() == info["HugePages_Free"] * info["Hugepagesize"]
+    assert host.transparent_hugepage_mode() in ("always", "madvise", "never", "")

@@ -4,16 +4,7 @@ import os
 import subprocess
 import sys
 
-from infinity.host import (
-    hugetlb_nbytes,
-    open_fds,
-    parse_start_time,
-    parse_status,
-    peak_rss_nbytes,
-    process_start_time,
-    process_status,
-    rss_nbytes,
-)
+from infinity import host
 
 STATUS = """\
 Name:\tpython3
@@ -31,7 +22,7 @@ Cpus_allowed_list:\t0-1
 
 
 def test_status_memory_fields_in_bytes():
-    st = parse_status(STATUS)
+    st = host.parse_status(STATUS)
     assert st == {
         "VmPeak": 3060 * 1024,
         "VmHWM": 1772 * 1024,
@@ -44,37 +35,37 @@ def test_status_memory_fields_in_bytes():
 def test_start_time_survives_a_command_name_with_spaces_and_parentheses():
     fields = " ".join(str(i) for i in range(3, 53))  # fields 3.. after "pid (comm)"
     stat = f"4242 (a) b (c) {fields}\n"
-    assert parse_start_time(stat) == 22  # starttime is field 22
+    assert host.parse_start_time(stat) == 22  # starttime is field 22
 
 
 def test_this_process():
-    st = process_status()
+    st = host.process_status()
     assert st["VmHWM"] >= st["VmRSS"] > 0
-    assert peak_rss_nbytes() >= rss_nbytes() > 0
-    assert hugetlb_nbytes() >= 0
-    assert process_status(os.getpid()).keys() == st.keys()
-    me = process_start_time(os.getpid())
+    assert host.peak_rss_nbytes() >= host.rss_nbytes() > 0
+    assert host.hugetlb_nbytes() >= 0
+    assert host.process_status(os.getpid()).keys() == st.keys()
+    me = host.process_start_time(os.getpid())
     assert me is not None and me > 0
-    assert process_start_time(os.getpid()) == me
+    assert host.process_start_time(os.getpid()) == me
 
 
 def test_a_process_that_is_gone_has_no_start_time():
     p = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    assert process_start_time(int(p.stdout)) is None
+    assert host.process_start_time(int(p.stdout)) is None
 
 
 def test_peak_rises_with_touched_memory_and_resets():
     script = (
         "import numpy as np\n"
-        "from infinity.host import peak_rss_nbytes, reset_peak_rss\n"
-        "before = peak_rss_nbytes()\n"
+        "from infinity import host\n"
+        "before = host.peak_rss_nbytes()\n"
         "a = np.ones(64 << 20, dtype=np.uint8)\n"
-        "high = peak_rss_nbytes()\n"
+        "high = host.peak_rss_nbytes()\n"
         "del a\n"
-        "ok = reset_peak_rss()\n"
-        "print(high - before, ok, high - peak_rss_nbytes())\n"
+        "ok = host.reset_peak_rss()\n"
+        "print(high - before, ok, high - host.peak_rss_nbytes())\n"
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -85,11 +76,11 @@ def test_peak_rises_with_touched_memory_and_resets():
 
 
 def test_open_fds_sees_a_new_descriptor():
-    before = open_fds()  # the listing's own descriptor is in every listing
+    before = host.open_fds()  # the listing's own descriptor is in every listing
     fd = os.open(os.devnull, os.O_RDONLY)
     try:
-        assert fd in open_fds()
-        assert len(open_fds()) == len(before) + 1
+        assert fd in host.open_fds()
+        assert len(host.open_fds()) == len(before) + 1
     finally:
         os.close(fd)
-    assert open_fds() == before
+    assert host.open_fds() == before
