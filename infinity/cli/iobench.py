@@ -28,7 +28,14 @@ from typing import Any, Literal
 import numpy as np
 
 from infinity import host
-from infinity.aio import HUGE_PAGE_SIZE, AioError, AioHandle, aligned_empty, huge_page_fraction
+from infinity.aio import (
+    HUGE_PAGE_SIZE,
+    AioConfig,
+    AioError,
+    AioHandle,
+    aligned_empty,
+    huge_page_fraction,
+)
 from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
 
 Op = Literal["read", "write"]
@@ -104,29 +111,19 @@ class Setting:
         ring = -(-ring // self.block_size) * self.block_size
         return min(ring, -(-file_nbytes // self.block_size) * self.block_size)
 
+    def config(self) -> AioConfig:
+        """The handle settings of this point (the rest at their defaults); ValueError naming a bad value."""
+        return AioConfig.from_dict(dataclasses.asdict(self))
+
     def handle(self) -> AioHandle:
-        return AioHandle(
-            block_size=self.block_size,
-            queue_depth=self.queue_depth,
-            thread_count=self.thread_count,
-            engine=self.engine,  # type: ignore[arg-type]
-            single_submit=self.single_submit,
-        )
+        return AioHandle(self.config())
 
 
 def check_settings(settings: Sequence[Setting]) -> None:
     """Refuses (naming the value) a setting the engine would refuse, before any file is written."""
-    from infinity.aio import AioConfig
-
     for s in settings:
         try:
-            AioConfig(
-                block_size=s.block_size,
-                queue_depth=s.queue_depth,
-                thread_count=s.thread_count,
-                engine=s.engine,  # type: ignore[arg-type]
-                single_submit=s.single_submit,
-            )
+            s.config()
         except ValueError as e:
             raise SystemExit(f"{s.label}: {e}") from None
 
