@@ -55,7 +55,7 @@ def aligned_empty(
         raise ValueError("pin=True needs CUDA, which is not available; use pin=None")
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    buf = _aio.AlignedBuffer(nbytes, huge_pages, True)
+    buf = _aio.AlignedBuffer(nbytes, huge_pages=huge_pages, prefault=True)
     if pin is None or pin:
         _cuda_pin(buf)
     # frombuffer keeps `buf` alive for as long as the tensor (or a view) lives.

@@ -120,7 +120,7 @@ def open_file(
     """Opens ``path`` for the engine. Errors name the path and say what to fix."""
     p = os.fspath(path)
     try:
-        raw = _aio.open_file(p, mode, create, o_direct)
+        raw = _aio.open_file(p, mode, create=create, direct=o_direct)
     except OSError as e:
         raise _open_error(e, p, mode) from None
     if o_direct and not raw.direct:
@@ -306,7 +306,7 @@ class AioHandle:
             keep.append(k)
         self._sweep_orphans()
         try:
-            raw_req = self._engine.submit(write, segments)
+            raw_req = self._engine.submit(segments, write=write)
         except OSError as e:  # a file or this handle was closed by another thread meanwhile
             op = "pwrite" if write else "pread"
             _, file, offset = items[0]
