@@ -215,6 +215,11 @@ class AioHandle:
     """
 
     def __init__(self, config: AioConfig | None = None, /, **options: Any):
+        if config is not None and not isinstance(config, AioConfig):
+            raise TypeError(
+                f"AioHandle takes an AioConfig (or aio keys as keyword arguments), got "
+                f"{type(config).__name__}; for a DeepSpeed aio dict use AioHandle(**section)"
+            )
         cfg = AioConfig.from_dict(options, base=config) if options else config or AioConfig()
         self._engine, resolved = _start_engine(cfg)
         # What is in use: ``engine`` says which back end "auto" became.

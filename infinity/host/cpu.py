@@ -18,6 +18,8 @@ CPUINFO = "/proc/cpuinfo"
 
 @dataclasses.dataclass(frozen=True)
 class CpuInfo:
+    """What /proc/cpuinfo says of the first processor."""
+
     model: str
     """The model name ('' where the kernel gives none)."""
     flags: frozenset[str]

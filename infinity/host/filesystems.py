@@ -25,6 +25,8 @@ _OCTAL = re.compile(r"\\([0-7]{3})")
 
 @dataclasses.dataclass(frozen=True)
 class Mount:
+    """One /proc/mounts entry."""
+
     device: str
     """What is mounted: '/dev/nvme0n1p1', 'tmpfs', 'overlay', ..."""
     mountpoint: str

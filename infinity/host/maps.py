@@ -17,6 +17,8 @@ from infinity.host._read import read_text
 
 @dataclasses.dataclass(frozen=True)
 class MemoryMap:
+    """One mapping of this process's address space."""
+
     start: int
     """First address of the mapping."""
     end: int

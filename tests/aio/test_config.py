@@ -66,3 +66,10 @@ def test_alias_and_field_agreeing_is_fine():
     assert AioConfig.from_dict({"thread_count": 2, "intra_op_parallelism": 2}).thread_count == 2
     with pytest.raises(ValueError, match="aio.intra_op_parallelism and aio.thread_count"):
         AioConfig.from_dict({"intra_op_parallelism": 2, "thread_count": 3})
+
+
+def test_a_dict_is_not_a_config():
+    with pytest.raises(
+        TypeError, match=r"AioHandle takes an AioConfig .* got dict; .*AioHandle\(\*\*section\)"
+    ):
+        AioHandle({"block_size": 8192})
