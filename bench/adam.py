@@ -40,7 +40,7 @@ import torch
 
 import infinity
 from infinity import _adam
-from infinity.cli.iobench import cpu_model
+from infinity.host import cpu_model, memory_total_nbytes
 from infinity.optim import CPUAdam, foreach_adam_step, get_isa, has_overflow, stream_bound_step
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -266,11 +266,10 @@ def machine() -> dict:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "memory_GiB": round(mem / 2**30, 1),
+        "memory_GiB": round(memory_total_nbytes() / 2**30, 1),
         "isa": get_isa(),
         "threading": _adam.threading_backend(),
         "stream_min_bytes": _adam.stream_min_bytes(),

@@ -49,25 +49,11 @@ import infinity
 from infinity.cli import iobench
 from infinity.cli.fio import FioError, FioJob, fio_path, shmhuge_fits
 from infinity.engine.checkpoint import export_checkpoint
+from infinity.host import hugetlb_nbytes, peak_rss_nbytes, reset_peak_rss, rss_nbytes
 from infinity.models import GPT, GPTConfig, TextCorpus
 
 ROOT = Path(__file__).resolve().parent
 BLOCK, DEPTH = 1 << 20, 32
-
-
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def engine_config(placement: str, swap: Path, sub_group: int) -> dict:
@@ -129,14 +115,14 @@ class Contenders:
 
     def _timed(self, name: str, fn) -> float:
         gc.collect()
-        before = status_kib("VmRSS")
+        before = rss_nbytes()
         reset_peak_rss()
         t0 = time.perf_counter()
         fn()
         dt = time.perf_counter() - t0
         # Pool memory from the hugetlb pool is not in VmRSS/VmHWM: it is counted beside them.
-        self.peak[name] = {"rss_before_gib": before / 2**20, "peak_rss_gib": status_kib("VmHWM") / 2**20,
-                           "hugetlb_gib": status_kib("HugetlbPages") / 2**20}
+        self.peak[name] = {"rss_before_gib": before / 2**30, "peak_rss_gib": peak_rss_nbytes() / 2**30,
+                           "hugetlb_gib": hugetlb_nbytes() / 2**30}
         return dt
 
     def save(self) -> float:

@@ -53,7 +53,7 @@ import torch
 
 import infinity
 from infinity.aio import AioConfig
-from infinity.cli.iobench import cpu_model
+from infinity.host import cpu_model, memory_total_nbytes, mount_of
 from infinity.memory import BufferPool
 from infinity.schedule import PrefetchScheduler
 from infinity.store import TieredStore
@@ -138,22 +138,6 @@ def fio_read_gbps(directory: Path, nbytes: int) -> dict | None:
         return None
     finally:
         path.unlink(missing_ok=True)
-
-
-def fs_type(path: Path) -> str:
-    best, kind = "", "?"
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if (
-                len(parts) > 2
-                and str(path.resolve()).startswith(parts[1])
-                and len(parts[1]) > len(best)
-            ):
-                best, kind = parts[1], parts[2]
-    except OSError:
-        pass
-    return kind
 
 
 class Bench:
@@ -324,11 +308,10 @@ def machine() -> dict:
         ).stdout.strip()
     except OSError:
         commit = ""
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "memory_GiB": round(mem / 2**30, 1),
+        "memory_GiB": round(memory_total_nbytes() / 2**30, 1),
         "kernel": platform.release(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
@@ -463,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         b = Bench(args, directory)
         fio = fio_read_gbps(directory, min(args.units * int(args.unit_mib * MiB), 1 << 30))
         disk = b.disk_gbps()
+        mount = mount_of(directory)
         result = {
             "benchmark": "prefetch",
             "machine": machine(),
@@ -470,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             "disk": {
                 "store_read_GBps": disk,
                 "fio_read": fio,
-                "file_system": fs_type(directory),
+                "file_system": mount.fs_type if mount else "?",
                 "o_direct": True,
                 "note": "loads are relative to store_read_GBps (one unit at a time, nothing else running)",
             },

@@ -42,7 +42,7 @@ import torch
 
 import infinity
 from infinity.aio import AioConfig, AioHandle
-from infinity.cli.iobench import cpu_model
+from infinity.host import cpu_model
 from infinity.memory import BufferPool
 from infinity.store import TieredStore
 

@@ -1,7 +1,9 @@
 """Type stub for infinity._adam, the pybind11 module built from csrc/adam (see csrc/adam/bindings.cc).
 
 Use infinity.optim, not this module: it checks tensors and passes their data
-pointers here. Every function releases the GIL while the kernels run.
+pointers here. Every function releases the GIL while the kernels run. Long
+argument lists, flags and the isa/num_threads options are keyword-only (after
+``*``), as bindings.cc declares them.
 """
 
 FLOAT32: int
@@ -18,6 +20,7 @@ def threading_backend() -> str: ...
 def stream_min_bytes() -> int: ...
 def set_stream_min_bytes(nbytes: int) -> None: ...
 def adam_step(
+    *,
     params: list[int],
     grads: list[int],
     exp_avgs: list[int],
@@ -37,10 +40,13 @@ def adam_step(
     isa: int,
     num_threads: int,
 ) -> None: ...
-def has_overflow(data: list[int], numels: list[int], dtypes: list[int], isa: int, num_threads: int) -> bool: ...
-def sum_squares(data: list[int], numels: list[int], isa: int, num_threads: int) -> float: ...
-def bump_step_counts(ptrs: list[int], is_double: list[int], increment: float) -> list[float]: ...
+def has_overflow(
+    data: list[int], numels: list[int], dtypes: list[int], *, isa: int, num_threads: int
+) -> bool: ...
+def sum_squares(data: list[int], numels: list[int], *, isa: int, num_threads: int) -> float: ...
+def bump_step_counts(ptrs: list[int], *, is_double: list[int], increment: float) -> list[float]: ...
 def stream_bound(
+    *,
     params: list[int],
     grads: list[int],
     exp_avgs: list[int],

@@ -3,6 +3,9 @@
 // kernel. No policy lives here: tensor checks and error messages about
 // tensors are in infinity/optim (Python); the core's std::invalid_argument
 // (hyper-parameters, overlapping buffers, ISA) arrives as ValueError.
+// Long argument lists, flags and the ISA/thread options are keyword-only
+// (py::kw_only): eight lists of ints and six floats in a row are too easy to
+// pass in the wrong order.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -123,7 +126,7 @@ PYBIND11_MODULE(_adam, m) {
         py::gil_scoped_release release;
         ad::adam_step(b.data(), b.size(), h, which, num_threads);
       },
-      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("out_halfs"), py::arg("numels"), py::arg("grad_dtypes"), py::arg("half_dtypes"),
       py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
       py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"), py::arg("isa"),
@@ -147,7 +150,8 @@ PYBIND11_MODULE(_adam, m) {
         py::gil_scoped_release release;
         return ad::has_overflow(ptrs.data(), numels.data(), types.data(), n, which, num_threads);
       },
-      py::arg("data"), py::arg("numels"), py::arg("dtypes"), py::arg("isa"), py::arg("num_threads"),
+      py::arg("data"), py::arg("numels"), py::arg("dtypes"), py::kw_only(), py::arg("isa"),
+      py::arg("num_threads"),
       "True when any element of the arrays is inf or NaN.");
 
   m.def(
@@ -162,7 +166,7 @@ PYBIND11_MODULE(_adam, m) {
         py::gil_scoped_release release;
         return ad::sum_squares(ptrs.data(), numels.data(), n, which, num_threads);
       },
-      py::arg("data"), py::arg("numels"), py::arg("isa"), py::arg("num_threads"),
+      py::arg("data"), py::arg("numels"), py::kw_only(), py::arg("isa"), py::arg("num_threads"),
       "The sum of squares of fp32 arrays, accumulated in double in a fixed order.");
 
   // torch keeps each parameter's step count in its own 0-dim tensor; with
@@ -187,7 +191,7 @@ PYBIND11_MODULE(_adam, m) {
         }
         return before;
       },
-      py::arg("ptrs"), py::arg("is_double"), py::arg("increment"),
+      py::arg("ptrs"), py::kw_only(), py::arg("is_double"), py::arg("increment"),
       "Adds `increment` to each 0-dim step tensor (fp32 or fp64) in place; returns the values before.");
 
   m.def(
@@ -204,7 +208,7 @@ PYBIND11_MODULE(_adam, m) {
         py::gil_scoped_release release;
         ad::stream_bound(b.data(), b.size(), which, num_threads);
       },
-      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("numels"), py::arg("isa"), py::arg("num_threads"),
       "param += grad; exp_avg += grad; exp_avg_sq += grad: the bandwidth bound of a step.");
 }

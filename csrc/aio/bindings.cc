@@ -1,7 +1,8 @@
 // pybind11 face of csrc/aio: converts, releases the GIL around anything that
 // can block, and maps errors to OSError with errno. No policy lives here:
 // buffer validation, fallback decisions and error messages are in
-// infinity/aio (Python).
+// infinity/aio (Python). Flags and options are keyword-only (py::kw_only), so
+// a positional True cannot land in the wrong slot.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -130,8 +131,8 @@ PYBIND11_MODULE(_aio, m) {
   });
 
   py::class_<PyAlignedBuffer>(m, "AlignedBuffer", py::buffer_protocol())
-      .def(py::init<size_t, bool, bool>(), py::arg("nbytes"), py::arg("huge_pages") = true,
-           py::arg("prefault") = true)
+      .def(py::init<size_t, bool, bool>(), py::arg("nbytes"), py::kw_only(),
+           py::arg("huge_pages") = true, py::arg("prefault") = true)
       .def_property_readonly("ptr", &PyAlignedBuffer::ptr)
       .def_property_readonly("nbytes", &PyAlignedBuffer::nbytes)
       .def_property_readonly("mapped_size", &PyAlignedBuffer::mapped_size)
@@ -157,7 +158,7 @@ PYBIND11_MODULE(_aio, m) {
         OpenMode om = parse_mode(mode);
         return without_gil([&] { return File::open(path, om, create, direct); });
       },
-      py::arg("path"), py::arg("mode"), py::arg("create"), py::arg("direct"));
+      py::arg("path"), py::arg("mode"), py::kw_only(), py::arg("create"), py::arg("direct"));
   m.def("file_from_fd", &File::from_fd, py::arg("fd"));
 
   py::class_<Request, std::shared_ptr<Request>>(m, "Request")
@@ -190,8 +191,9 @@ PYBIND11_MODULE(_aio, m) {
            py::arg("backend"), py::arg("submit_batch"), py::arg("overlap_events"))
       .def(
           "submit",
-          [](Engine& e, bool write,
-             const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, std::shared_ptr<File>>>& segs) {
+          [](Engine& e,
+             const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, std::shared_ptr<File>>>& segs,
+             bool write) {
             std::vector<Segment> v;
             v.reserve(segs.size());
             for (auto& [ptr, n, off, f] : segs) {
@@ -201,7 +203,7 @@ PYBIND11_MODULE(_aio, m) {
             }
             return without_gil([&] { return e.submit(write, v); });
           },
-          py::arg("write"), py::arg("segments"))
+          py::arg("segments"), py::kw_only(), py::arg("write"))
       .def(
           "wait_all", [](Engine& e, double t) { return without_gil([&] { return e.wait_all(t); }); },
           py::arg("timeout") = -1.0)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from infinity import _aio
+from infinity.host import memory_maps
 
 DIRECT_ALIGNMENT: int = _aio.DIRECT_ALIGNMENT
 HUGE_PAGE_SIZE: int = _aio.HUGE_PAGE_SIZE
@@ -54,7 +55,7 @@ def aligned_empty(
         raise ValueError("pin=True needs CUDA, which is not available; use pin=None")
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
-    buf = _aio.AlignedBuffer(nbytes, huge_pages, True)
+    buf = _aio.AlignedBuffer(nbytes, huge_pages=huge_pages, prefault=True)
     if pin is None or pin:
         _cuda_pin(buf)
     # frombuffer keeps `buf` alive for as long as the tensor (or a view) lives.
@@ -109,30 +110,12 @@ def huge_page_fraction(buffer: Any) -> float:
         return 0.0
     end = ptr + nbytes
     huge = 0.0
-    try:
-        with open("/proc/self/smaps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return 0.0
-    i = 0
-    while i < len(lines):
-        head = lines[i].split(maxsplit=1)[0]
-        i += 1
-        if "-" not in head or ":" in head:
-            continue
-        lo, hi = (int(x, 16) for x in head.split("-"))
-        fields: dict[str, int] = {}
-        while i < len(lines) and ":" in lines[i].split(maxsplit=1)[0]:
-            key, _, rest = lines[i].partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                fields[key] = int(parts[0]) * 1024
-            i += 1
-        overlap = min(hi, end) - max(lo, ptr)
+    for m in memory_maps(detail=True):
+        overlap = min(m.end, end) - max(m.start, ptr)
         if overlap <= 0:
             continue
-        if fields.get("KernelPageSize", 0) >= HUGE_PAGE_SIZE:
+        if m.fields.get("KernelPageSize", 0) >= HUGE_PAGE_SIZE:
             huge += overlap
-        elif fields.get("AnonHugePages"):
-            huge += overlap * min(1.0, fields["AnonHugePages"] / (hi - lo))
+        elif m.fields.get("AnonHugePages"):
+            huge += overlap * min(1.0, m.fields["AnonHugePages"] / (m.end - m.start))
     return min(1.0, huge / nbytes)

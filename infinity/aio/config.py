@@ -1,15 +1,21 @@
-"""AioConfig: the DeepSpeed ``aio`` section, typed.
+"""AioConfig: the DeepSpeed ``aio`` section, typed; what an AioHandle is built from.
 
 DeepSpeed's keys map one to one: block_size, queue_depth, thread_count
 (``intra_op_parallelism`` is its current name and is accepted as an alias),
 single_submit, overlap_events, use_gds. ``engine`` and ``o_direct`` are ours.
+The dataclass fields are the one list of these settings: validation, the
+known keys (``AioConfig.KEYS``) and the DeepSpeed dict both derive from them,
+and ``from_dict`` is the one place the aliases are resolved.
+
+Threading: immutable; share freely.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal
 
 EngineName = Literal["auto", "io_uring", "threads"]
 ENGINES: tuple[str, ...] = ("auto", "io_uring", "threads")
@@ -51,7 +57,12 @@ def _as_bool(key: str, value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class AioConfig:
-    """Settings of one AioHandle."""
+    """Settings of one AioHandle: the one list of the aio fields.
+
+    Build one from keywords (``AioConfig(block_size=...)``, Python values) or
+    from a DeepSpeed ``aio`` section (``from_dict``, which also takes
+    DeepSpeed's aliases and its tuner's string booleans).
+    """
 
     block_size: int = 1 << 20
     """Bytes per I/O request; large requests are split into pieces of this size."""
@@ -70,57 +81,59 @@ class AioConfig:
     use_gds: bool = False
     """GPUDirect Storage (DeepSpeed key). Not supported: reads bounce through host memory."""
 
+    ALIASES: ClassVar[Mapping[str, str]] = MappingProxyType({"intra_op_parallelism": "thread_count"})
+    """DeepSpeed's other names for fields: alias -> field."""
+    KEYS: ClassVar[tuple[str, ...]]
+    """Every key an ``aio`` section may hold: the fields, each alias after its field."""
+
     def __post_init__(self) -> None:
-        _as_int("block_size", self.block_size, *_LIMITS["block_size"])
-        _as_int("queue_depth", self.queue_depth, *_LIMITS["queue_depth"])
-        _as_int("thread_count", self.thread_count, *_LIMITS["thread_count"])
+        # Values are normalised here, so a JSON 4096.0 or the tuner's "false"
+        # reaches the engine as 4096 or False whichever way the config was built.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _LIMITS:
+                object.__setattr__(self, f.name, _as_int(f.name, value, *_LIMITS[f.name]))
+            elif isinstance(f.default, bool):
+                object.__setattr__(self, f.name, _as_bool(f.name, value))
         if self.engine not in ENGINES:
             raise ValueError(f"aio.engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
 
-    KEYS = (
-        "block_size",
-        "queue_depth",
-        "thread_count",
-        "intra_op_parallelism",
-        "single_submit",
-        "overlap_events",
-        "engine",
-        "o_direct",
-        "use_gds",
-    )
-
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None) -> AioConfig:
-        """Parses a DeepSpeed ``aio`` section. Unknown keys raise, naming them."""
+    def from_dict(cls, section: Mapping[str, Any] | None, *, base: AioConfig | None = None) -> AioConfig:
+        """Parses a DeepSpeed ``aio`` section; keys it does not hold keep ``base``'s values (the defaults).
+
+        The one place DeepSpeed's key names (``ALIASES``) map onto the fields.
+        Unknown keys raise, naming them; so do an alias and its field given
+        different values.
+        """
         section = dict(section or {})
         unknown = sorted(set(section) - set(cls.KEYS))
         if unknown:
             raise ValueError(
                 f"unknown aio key(s) {', '.join(unknown)}; known keys: {', '.join(cls.KEYS)}"
             )
-        if "intra_op_parallelism" in section and "thread_count" in section:
-            a, b = section["intra_op_parallelism"], section["thread_count"]
-            if a != b:
-                raise ValueError(
-                    f"aio.intra_op_parallelism ({a}) and aio.thread_count ({b}) are the same "
-                    "setting and disagree; keep one"
-                )
         kw: dict[str, Any] = {}
-        for key in ("block_size", "queue_depth"):
-            if key in section:
-                kw[key] = _as_int(key, section[key], *_LIMITS[key])
-        tc = section.get("intra_op_parallelism", section.get("thread_count"))
-        if tc is not None:
-            kw["thread_count"] = _as_int("thread_count", tc, *_LIMITS["thread_count"])
-        for key in ("single_submit", "overlap_events", "o_direct", "use_gds"):
-            if key in section:
-                kw[key] = _as_bool(key, section[key])
-        if "engine" in section:
-            kw["engine"] = section["engine"]
-        return cls(**kw)
+        written: dict[str, str] = {}
+        for key, value in section.items():
+            name = cls.ALIASES.get(key, key)
+            if name in kw and kw[name] != value:
+                raise ValueError(
+                    f"aio.{written[name]} and aio.{key} are the same setting and disagree "
+                    f"({kw[name]} vs {value}); keep one"
+                )
+            kw[name], written[name] = value, key
+        return dataclasses.replace(base or cls(), **kw)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``aio`` section a DeepSpeed-style config would hold for these settings."""
         d = dataclasses.asdict(self)
-        d["intra_op_parallelism"] = d.pop("thread_count")
+        for alias, name in self.ALIASES.items():
+            d[alias] = d.pop(name)
         return d
+
+
+AioConfig.KEYS = tuple(
+    key
+    for f in dataclasses.fields(AioConfig)
+    for key in (f.name, *(a for a, n in AioConfig.ALIASES.items() if n == f.name))
+)

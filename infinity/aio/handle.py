@@ -22,6 +22,7 @@ kernel is done, and what close, exit and fork do -- best read in one place.)
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import errno
 import logging
 import os
@@ -119,7 +120,7 @@ def open_file(
     """Opens ``path`` for the engine. Errors name the path and say what to fix."""
     p = os.fspath(path)
     try:
-        raw = _aio.open_file(p, mode, create, o_direct)
+        raw = _aio.open_file(p, mode, create=create, direct=o_direct)
     except OSError as e:
         raise _open_error(e, p, mode) from None
     if o_direct and not raw.direct:
@@ -202,42 +203,27 @@ _live_handles: weakref.WeakSet[AioHandle] = weakref.WeakSet()
 
 
 class AioHandle:
-    """Asynchronous NVMe I/O. The DeepSpeed ``aio`` keys map onto the keyword arguments.
+    """Asynchronous NVMe I/O, built from one AioConfig.
 
-    Requests larger than ``block_size`` are split into block_size pieces, kept
-    ``queue_depth`` deep per worker; ``thread_count`` workers share a request.
+    ``AioHandle(config)``, ``AioHandle(block_size=..., queue_depth=...)`` (the
+    DeepSpeed ``aio`` keys, aliases included, as keyword arguments), or both
+    (the keywords override the config's values): the keywords go through
+    ``AioConfig.from_dict``, so they are checked and named the same way a
+    config file's are. Requests larger than ``block_size`` are split into
+    block_size pieces, kept ``queue_depth`` deep per worker; ``thread_count``
+    workers share a request.
     """
 
-    def __init__(
-        self,
-        *,
-        block_size: int = 1 << 20,
-        queue_depth: int = 32,
-        thread_count: int = 1,
-        engine: Literal["auto", "io_uring", "threads"] = "auto",
-        o_direct: bool = True,
-        single_submit: bool = False,
-        overlap_events: bool = True,
-        intra_op_parallelism: int | None = None,
-    ):
-        if intra_op_parallelism is not None:
-            if thread_count not in (1, intra_op_parallelism):
-                raise ValueError(
-                    f"thread_count={thread_count} and intra_op_parallelism={intra_op_parallelism} "
-                    "are the same setting; pass one"
-                )
-            thread_count = intra_op_parallelism
-        cfg = AioConfig(
-            block_size=block_size,
-            queue_depth=queue_depth,
-            thread_count=thread_count,
-            engine=engine,
-            o_direct=o_direct,
-            single_submit=single_submit,
-            overlap_events=overlap_events,
-        )
+    def __init__(self, config: AioConfig | None = None, /, **options: Any):
+        if config is not None and not isinstance(config, AioConfig):
+            raise TypeError(
+                f"AioHandle takes an AioConfig (or aio keys as keyword arguments), got "
+                f"{type(config).__name__}; for a DeepSpeed aio dict use AioHandle(**section)"
+            )
+        cfg = AioConfig.from_dict(options, base=config) if options else config or AioConfig()
         self._engine, resolved = _start_engine(cfg)
-        self.config = AioConfig(**{**cfg.__dict__, "engine": resolved})
+        # What is in use: ``engine`` says which back end "auto" became.
+        self.config = dataclasses.replace(cfg, engine=resolved)
         self._pid = os.getpid()
         self._closed = False
         # Requests dropped before completion park their buffers here.
@@ -246,15 +232,8 @@ class AioHandle:
 
     @classmethod
     def from_config(cls, config: AioConfig) -> AioHandle:
-        return cls(
-            block_size=config.block_size,
-            queue_depth=config.queue_depth,
-            thread_count=config.thread_count,
-            engine=config.engine,
-            o_direct=config.o_direct,
-            single_submit=config.single_submit,
-            overlap_events=config.overlap_events,
-        )
+        """``AioHandle(config)``."""
+        return cls(config)
 
     @property
     def engine(self) -> str:
@@ -332,7 +311,7 @@ class AioHandle:
             keep.append(k)
         self._sweep_orphans()
         try:
-            raw_req = self._engine.submit(write, segments)
+            raw_req = self._engine.submit(segments, write=write)
         except OSError as e:  # a file or this handle was closed by another thread meanwhile
             op = "pwrite" if write else "pread"
             _, file, offset = items[0]

@@ -12,8 +12,9 @@ import itertools
 import json
 from pathlib import Path
 
+from infinity import host
 from infinity.cli import iobench
-from infinity.cli.fio import fio_path, hugetlb_free_nbytes
+from infinity.cli.fio import fio_path
 
 NAME = "bench"
 HELP = "measure: `infinity bench aio` sweeps the NVMe I/O engine's settings"
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.vs_fio:
         print(
-            f"fio: io_uring, direct={int(direct)}, --iomem=shmhuge where the hugetlb pool has room ({hugetlb_free_nbytes() >> 20} MiB free), else malloc; run right after each of ours"
+            f"fio: io_uring, direct={int(direct)}, --iomem=shmhuge where the hugetlb pool has room ({host.hugetlb_free_nbytes() >> 20} MiB free), else malloc; run right after each of ours"
         )
     try:
         samples = iobench.run_sweep(

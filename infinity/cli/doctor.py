@@ -16,6 +16,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from infinity import host
+
 NAME = "doctor"
 HELP = "check: io_uring, O_DIRECT and space at a path, huge pages, SIMD, torch, CUDA"
 
@@ -52,12 +54,7 @@ def io_uring_report() -> dict[str, Any]:
     built = built_with_io_uring()
     why = io_uring_status()
     report: dict[str, Any] = {"built": built, "usable": built and not why, "why_not": why}
-    try:
-        report["io_uring_disabled_sysctl"] = int(
-            Path("/proc/sys/kernel/io_uring_disabled").read_text()
-        )
-    except (OSError, ValueError):
-        report["io_uring_disabled_sysctl"] = None
+    report["io_uring_disabled_sysctl"] = host.io_uring_disabled()
     if why:
         hints = []
         if not built:
@@ -119,24 +116,12 @@ def path_report(path: Path) -> dict[str, Any]:
 
 
 def memory_report() -> dict[str, Any]:
-    meminfo = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            meminfo[key] = int(rest.split()[0]) if rest.split() else 0
-    except OSError:
-        pass
-    thp = ""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-        thp = text[text.index("[") + 1 : text.index("]")]
-    except (OSError, ValueError):
-        pass
+    meminfo = host.meminfo()
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return {
-        "total_bytes": meminfo.get("MemTotal", 0) * 1024,
-        "available_bytes": meminfo.get("MemAvailable", 0) * 1024,
-        "transparent_huge_pages": thp,
+        "total_bytes": meminfo.get("MemTotal", 0),
+        "available_bytes": meminfo.get("MemAvailable", 0),
+        "transparent_huge_pages": host.transparent_hugepage_mode(),
         "hugetlb_pages_total": meminfo.get("HugePages_Total", 0),
         "hugetlb_pages_free": meminfo.get("HugePages_Free", 0),
         "memlock_limit_bytes": None if soft == resource.RLIM_INFINITY else soft,
@@ -146,22 +131,11 @@ def memory_report() -> dict[str, Any]:
 def cpu_report() -> dict[str, Any]:
     from infinity.aio import crc32c_is_hardware
 
-    flags: set[str] = set()
-    model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-            elif key == "model name" and not model:
-                model = value.strip()
-    except OSError:
-        pass
+    cpu = host.cpu_info()
     return {
-        "model": model,
+        "model": cpu.model,
         "cpus": os.cpu_count(),
-        "simd": [f for f in SIMD_FLAGS if f in flags],
+        "simd": [f for f in SIMD_FLAGS if f in cpu.flags],
         "crc32c_hardware": crc32c_is_hardware(),
     }
 

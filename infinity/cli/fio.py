@@ -3,7 +3,7 @@
 Same file, block size and queue depth as the engine's run; ioengine=io_uring, direct=1. ``iomem``
 picks fio's buffers: ``shmhuge`` (2 MiB pages from the hugetlb pool, the best fio does on a disk
 that caps segments per request) or ``malloc`` (fio's default). ``shmhuge`` needs free pages in
-``vm.nr_hugepages``; :func:`hugetlb_free_nbytes` says whether they are there.
+``vm.nr_hugepages``; :func:`shmhuge_fits` says whether they are there.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from infinity import host
 
 IoMem = Literal["shmhuge", "malloc"]
 
@@ -34,25 +36,10 @@ def fio_version() -> str:
     return r.stdout.strip()
 
 
-def hugetlb_free_nbytes() -> int:
-    """Bytes free in the hugetlb pool (HugePages_Free x Hugepagesize); 0 where unknown."""
-    free = size = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key == "HugePages_Free":
-                free = int(rest.split()[0])
-            elif key == "Hugepagesize":
-                size = int(rest.split()[0]) * 1024
-    except OSError:
-        return 0
-    return free * size
-
-
 def shmhuge_fits(block_size: int, queue_depth: int, jobs: int) -> bool:
     """Whether fio's shmhuge buffers (block x depth per job, in 2 MiB pages) fit in the free pool."""
     per_job = -(-block_size * queue_depth // (2 << 20)) * (2 << 20) + (2 << 20)
-    return per_job * jobs <= hugetlb_free_nbytes()
+    return per_job * jobs <= host.hugetlb_free_nbytes()
 
 
 @dataclass(frozen=True)

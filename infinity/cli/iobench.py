@@ -27,7 +27,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from infinity.aio import HUGE_PAGE_SIZE, AioError, AioHandle, aligned_empty, huge_page_fraction
+from infinity import host
+from infinity.aio import (
+    HUGE_PAGE_SIZE,
+    AioConfig,
+    AioError,
+    AioHandle,
+    aligned_empty,
+    huge_page_fraction,
+)
 from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
 
 Op = Literal["read", "write"]
@@ -103,29 +111,19 @@ class Setting:
         ring = -(-ring // self.block_size) * self.block_size
         return min(ring, -(-file_nbytes // self.block_size) * self.block_size)
 
+    def config(self) -> AioConfig:
+        """The handle settings of this point (the rest at their defaults); ValueError naming a bad value."""
+        return AioConfig.from_dict(dataclasses.asdict(self))
+
     def handle(self) -> AioHandle:
-        return AioHandle(
-            block_size=self.block_size,
-            queue_depth=self.queue_depth,
-            thread_count=self.thread_count,
-            engine=self.engine,  # type: ignore[arg-type]
-            single_submit=self.single_submit,
-        )
+        return AioHandle(self.config())
 
 
 def check_settings(settings: Sequence[Setting]) -> None:
     """Refuses (naming the value) a setting the engine would refuse, before any file is written."""
-    from infinity.aio import AioConfig
-
     for s in settings:
         try:
-            AioConfig(
-                block_size=s.block_size,
-                queue_depth=s.queue_depth,
-                thread_count=s.thread_count,
-                engine=s.engine,  # type: ignore[arg-type]
-                single_submit=s.single_submit,
-            )
+            s.config()
         except ValueError as e:
             raise SystemExit(f"{s.label}: {e}") from None
 
@@ -233,20 +231,10 @@ class TestFile:
         self.path.unlink(missing_ok=True)
 
 
-def can_drop_caches() -> bool:
-    return os.access("/proc/sys/vm/drop_caches", os.W_OK)
-
-
-def drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def page_cache_note(direct: bool) -> str:
     if direct:
         return "bypassed: every run uses O_DIRECT (ours and fio's direct=1)"
-    if can_drop_caches():
+    if host.can_drop_caches():
         return "the file system refuses O_DIRECT: caches dropped before each read, writes fsynced"
     return (
         "NOT defeated: the file system refuses O_DIRECT and /proc/sys/vm/drop_caches is not writable "
@@ -264,8 +252,8 @@ def measure(
     items = [(ring[: min(ring_n, n - off)], off) for off in range(0, n, ring_n)]
     huge = huge_page_fraction(ring)
     with setting.handle() as h, h.open(test_file.path, "rw", create=False) as f:
-        if not f.direct and op == "read" and can_drop_caches():
-            drop_caches()
+        if not f.direct and op == "read" and host.can_drop_caches():
+            host.drop_caches()
         t0 = time.perf_counter()
         (h.pwrite_many if op == "write" else h.pread_many)(items, f).wait()
         if not f.direct and op == "write":
@@ -331,8 +319,8 @@ def run_sweep(
                     bar.update()
                     bar.set_postfix_str(f"{s.label} {op} {gbps:.2f} GB/s")
                     if fio_iomem:
-                        if not direct and op == "read" and can_drop_caches():
-                            drop_caches()
+                        if not direct and op == "read" and host.can_drop_caches():
+                            host.drop_caches()
                         try:
                             fio = fio_job(s, test_file, op, fio_iomem, direct).run()
                         except FioError as e:
@@ -414,17 +402,6 @@ def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
     plt.close(fig)
 
 
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ('' where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
 def machine_info(path: Path) -> dict[str, Any]:
     """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``."""
     import platform
@@ -434,16 +411,13 @@ def machine_info(path: Path) -> dict[str, Any]:
     import infinity
     from infinity.cli.fio import fio_version
 
-    cpu = cpu_model()
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": platform.node(),
         "kernel": platform.release(),
-        "cpu": cpu,
+        "cpu": host.cpu_model(),
         "cpus": os.cpu_count(),
-        "memory_gib": round(
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1
-        ),
+        "memory_gib": round(host.memory_total_nbytes() / (1 << 30), 1),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "infinity": infinity.__version__,
@@ -454,17 +428,10 @@ def machine_info(path: Path) -> dict[str, Any]:
 
 
 def mount_of(path: Path) -> dict[str, str]:
-    """The /proc/mounts entry (device, mount point, type) holding ``path``."""
-    target = os.path.realpath(path if path.exists() else path.parent)
-    found = {"device": "", "mountpoint": "", "type": ""}
-    try:
-        for line in Path("/proc/mounts").read_text().splitlines():
-            dev, mnt, fstype = line.split()[:3]
-            mnt = mnt.replace("\\040", " ")
-            if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
-                found["mountpoint"]
-            ):
-                found = {"device": dev, "mountpoint": mnt, "type": fstype}
-    except OSError:
-        pass
-    return found
+    """The file system holding ``path`` as results record it: device, mount point, type ('' where unknown)."""
+    m = host.mount_of(path)
+    return {
+        "device": m.device if m else "",
+        "mountpoint": m.mountpoint if m else "",
+        "type": m.fs_type if m else "",
+    }

@@ -55,7 +55,7 @@ def join(path: str, key: str) -> str:
 def section_keys(cls: type) -> dict[str, str]:
     """Written key (canonical or alias) -> canonical field name, for one section class."""
     if cls is AioConfig:
-        return {k: ("thread_count" if k == "intra_op_parallelism" else k) for k in AioConfig.KEYS}
+        return {k: AioConfig.ALIASES.get(k, k) for k in AioConfig.KEYS}
     return {k: f.name for k, f in key_fields(cls).items()}
 
 

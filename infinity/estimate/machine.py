@@ -1,6 +1,6 @@
 """MachineView: the memory and disk a run can use here — free RAM, free huge pages, GPUs, free space.
 
-Read from the OS at call time (/proc/meminfo, /proc/self/status, statvfs,
+Read from the OS at call time (infinity.host: /proc/meminfo, /proc/self/status; statvfs,
 torch.cuda.mem_get_info); nothing is allocated. ``machine_view()`` is what
 the estimator checks settings against and what ``infinity doctor`` prints
 (``describe_machine``). Also here: the process baseline — the resident memory
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from infinity.memory import format_nbytes
+from infinity.host import hugetlb_free_nbytes, meminfo, mount_of
+from infinity.memory import format_nbytes, resident_host_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,38 +64,9 @@ class MachineView:
         return next((d for d in self.disks if d.path == p), None)
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                parts = v.split()
-                if parts:
-                    n = int(parts[0])
-                    out[k] = n * 1024 if len(parts) > 1 and parts[1] == "kB" else n
-    except OSError:
-        pass
-    return out
-
-
-def process_status() -> dict[str, int]:
-    """VmRSS, VmHWM and HugetlbPages of this process, in bytes (hugetlb pages are not in VmRSS)."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM", "HugetlbPages"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 def process_rss_nbytes() -> int:
-    st = process_status()
-    return st.get("VmRSS", 0) + st.get("HugetlbPages", 0)
+    """This process's resident memory now: VmRSS plus hugetlb pages (which VmRSS leaves out)."""
+    return resident_host_nbytes()
 
 
 def runtime_baseline_nbytes() -> int:
@@ -124,38 +96,23 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def _fs_type(path: Path) -> str:
-    best, fs = "", "?"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, fs = mnt, parts[2]
-    except OSError:
-        pass
-    return fs
-
-
 def disk_info(path: str | os.PathLike) -> DiskInfo:
     existing = _nearest_existing(Path(path))
     usage = shutil.disk_usage(existing)
+    mount = mount_of(existing)
     return DiskInfo(
         path=os.fspath(path),
         existing=str(existing),
         free_nbytes=usage.free,
         total_nbytes=usage.total,
-        fs_type=_fs_type(existing.resolve()),
+        fs_type=mount.fs_type if mount else "?",
         device=os.stat(existing).st_dev,
     )
 
 
 def machine_view(nvme_paths: Iterable[str | os.PathLike] = ()) -> MachineView:
     """The machine now: memory, huge pages, GPUs (when CUDA works) and free space at each path."""
-    info = _meminfo()
-    huge = info.get("HugePages_Free", 0) * info.get("Hugepagesize", 0)
+    info = meminfo()
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -165,7 +122,7 @@ def machine_view(nvme_paths: Iterable[str | os.PathLike] = ()) -> MachineView:
     return MachineView(
         mem_total_nbytes=info.get("MemTotal", 0),
         mem_available_nbytes=info.get("MemAvailable", info.get("MemFree", 0)),
-        hugetlb_free_nbytes=huge,
+        hugetlb_free_nbytes=hugetlb_free_nbytes(),
         cpu_count=os.cpu_count() or 1,
         gpus=tuple(gpus),
         disks=disks,

@@ -213,7 +213,7 @@ class CPUAdam(torch.optim.Optimizer):
         # succeeded. Tensors are stepped together when they are at the same
         # count: always, unless some parameter skipped steps without a gradient.
         buckets: dict[float, list[int]] = {}
-        for i, done in enumerate(_adam.bump_step_counts(step_ptrs, step_is_double, 0.0)):
+        for i, done in enumerate(_adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=0.0)):
             buckets.setdefault(done, []).append(i)
         beta1, beta2 = group["betas"]
         for done, idx in buckets.items():
@@ -233,5 +233,5 @@ class CPUAdam(torch.optim.Optimizer):
                 bias_correction=bool(group["bias_correction"]),
                 num_threads=self.num_threads,
             )
-        _adam.bump_step_counts(step_ptrs, step_is_double, 1.0)
+        _adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=1.0)
         _bump_versions(params)

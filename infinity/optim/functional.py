@@ -20,6 +20,7 @@ version counters (``CPUAdam`` does, for its parameters).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -92,6 +93,21 @@ def _check_one(
     return n, g_code, h_code
 
 
+class _Pointers(NamedTuple):
+    """The tensors of a step as the kernel takes them: its keyword arguments, one entry per tensor."""
+
+    params: list[int]
+    grads: list[int]
+    exp_avgs: list[int]
+    exp_avg_sqs: list[int]
+    out_halfs: list[int]
+    """0 where no 16-bit copy is written."""
+    numels: list[int]
+    grad_dtypes: list[int]
+    half_dtypes: list[int]
+    """-1 where no 16-bit copy is written."""
+
+
 def _gather(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -99,7 +115,7 @@ def _gather(
     exp_avg_sqs: Sequence[torch.Tensor],
     out_halves: Sequence[torch.Tensor | None] | None,
     single: bool,
-) -> tuple[list[int], list[int], list[int], list[int], list[int], list[int], list[int], list[int]]:
+) -> _Pointers:
     """Checks every tensor and returns the kernel's argument lists (pointers, sizes, dtype codes).
 
     The common case (everything right) takes one combined test per parameter:
@@ -148,15 +164,15 @@ def _gather(
         numels.append(n)
         g_codes.append(g_code)
         h_codes.append(h_code)
-    return (
-        [t.data_ptr() for t in params],
-        [t.data_ptr() for t in grads],
-        [t.data_ptr() for t in exp_avgs],
-        [t.data_ptr() for t in exp_avg_sqs],
-        [0 if t is None else t.data_ptr() for t in halves],
-        numels,
-        g_codes,
-        h_codes,
+    return _Pointers(
+        params=[t.data_ptr() for t in params],
+        grads=[t.data_ptr() for t in grads],
+        exp_avgs=[t.data_ptr() for t in exp_avgs],
+        exp_avg_sqs=[t.data_ptr() for t in exp_avg_sqs],
+        out_halfs=[0 if t is None else t.data_ptr() for t in halves],
+        numels=numels,
+        grad_dtypes=g_codes,
+        half_dtypes=h_codes,
     )
 
 
@@ -194,11 +210,12 @@ def adam_step(
     _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads)
 
 
-def _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads) -> None:
+def _run(ptrs: _Pointers, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads) -> None:
     """The kernel call shared by adam_step and foreach_adam_step (``ptrs`` from _gather)."""
     _adam.adam_step(
-        *ptrs, float(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-        bool(adamw), bool(bias_correction), kernel.isa_code, _threads(num_threads),
+        **ptrs._asdict(), step=float(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
+        eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
+        bias_correction=bool(bias_correction), isa=kernel.isa_code, num_threads=_threads(num_threads),
     )
 
 
@@ -245,7 +262,7 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads:
         ptrs.append(t.data_ptr())
         numels.append(t.numel())
         codes.append(code)
-    return _adam.has_overflow(ptrs, numels, codes, kernel.isa_code, _threads(num_threads))
+    return _adam.has_overflow(ptrs, numels, codes, isa=kernel.isa_code, num_threads=_threads(num_threads))
 
 
 def sum_squares(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> float:
@@ -265,7 +282,7 @@ def sum_squares(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: 
             raise _explain(f"tensors[{i}]", t, (_F32,), None)
         ptrs.append(t.data_ptr())
         numels.append(t.numel())
-    return _adam.sum_squares(ptrs, numels, kernel.isa_code, _threads(num_threads))
+    return _adam.sum_squares(ptrs, numels, isa=kernel.isa_code, num_threads=_threads(num_threads))
 
 
 def stream_bound_step(
@@ -287,8 +304,11 @@ def stream_bound_step(
     """
     single = isinstance(param, torch.Tensor)
     seqs = [(t,) if single else t for t in (param, grad, exp_avg, exp_avg_sq)]
-    p, g, m, v, _h, numels, g_codes, _hc = _gather(*seqs, None, single)
-    for i, code in enumerate(g_codes):
+    ptrs = _gather(*seqs, None, single)
+    for i, code in enumerate(ptrs.grad_dtypes):
         if code != _adam.FLOAT32:
-            raise _explain("grad" if single else f"grad[{i}]", seqs[1][i], (_F32,), numels[i])
-    _adam.stream_bound(p, g, m, v, numels, kernel.isa_code, _threads(num_threads))
+            raise _explain("grad" if single else f"grad[{i}]", seqs[1][i], (_F32,), ptrs.numels[i])
+    _adam.stream_bound(
+        params=ptrs.params, grads=ptrs.grads, exp_avgs=ptrs.exp_avgs, exp_avg_sqs=ptrs.exp_avg_sqs,
+        numels=ptrs.numels, isa=kernel.isa_code, num_threads=_threads(num_threads),
+    )

@@ -36,6 +36,7 @@ import socket
 import time
 from pathlib import Path
 
+from infinity.host import process_start_time
 from infinity.memory import format_nbytes
 from infinity.store.errors import SwapSpaceError
 
@@ -54,21 +55,6 @@ _seq = itertools.count()
 def new_store_id(name: str) -> str:
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:48] or "store"
     return f"{DIR_PREFIX}{safe}-{os.getpid()}-{next(_seq)}-{secrets.token_hex(3)}"
-
-
-def process_start_time(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (Linux), or None if it is not running."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    except OSError:
-        return -1  # exists but unreadable: treat as alive with unknown start
-    # The command name (field 2) may contain spaces and parentheses; fields
-    # after its closing parenthesis are plain.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return int(fields[19])
 
 
 def pid_alive(pid: int) -> bool:

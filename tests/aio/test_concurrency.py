@@ -14,6 +14,7 @@ import torch
 from aio_util import random_bytes
 
 from infinity.aio import AioError, AioHandle, aligned_empty
+from infinity.host import open_fds
 
 
 def test_many_outstanding_across_handles_and_threads(engine, nvme_dir):
@@ -176,8 +177,6 @@ def test_wait_with_timeout_on_a_request_in_flight(engine, nvme_dir):
 
 def test_no_descriptor_leaks(engine, nvme_dir):
     """Handles, files, path requests, failures and fd requests all give their descriptors back."""
-    fd_dir = "/proc/self/fd"
-
     def cycle() -> None:
         with AioHandle(engine=engine, block_size=8192, queue_depth=4) as h:
             data = torch.from_numpy(random_bytes(50_000))
@@ -196,11 +195,11 @@ def test_no_descriptor_leaks(engine, nvme_dir):
 
     cycle()  # first use may open lasting descriptors (e.g. the logging machinery)
     gc.collect()
-    before = len(os.listdir(fd_dir))
+    before = len(open_fds())
     for _ in range(5):
         cycle()
     gc.collect()
-    assert len(os.listdir(fd_dir)) == before
+    assert len(open_fds()) == before
 
 
 def _close_while_submitting(engine: str, path, data: torch.Tensor) -> None:

@@ -249,13 +249,15 @@ def test_bad_arguments_are_named(handle, nvme_dir):
         ({"engine": "libaio"}, "aio.engine must be one of auto, io_uring, threads; got 'libaio'"),
         (
             {"thread_count": 2, "intra_op_parallelism": 4},
-            "thread_count=2 and intra_op_parallelism=4 are the same",
+            "aio.thread_count and aio.intra_op_parallelism are the same setting and disagree (2 vs 4)",
         ),
+        ({"single_submit": "yes"}, "aio.single_submit must be true or false, got 'yes'"),
+        ({"blocksize": 4096}, "unknown aio key(s) blocksize; known keys: block_size, queue_depth"),
     ],
 )
 def test_bad_settings_are_named(kwargs, message):
+    """A handle's keywords and a config file's aio section are checked by the same code."""
     with pytest.raises(ValueError, match=re.escape(message)):
         AioHandle(**kwargs)
-    if "intra_op_parallelism" not in kwargs:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            AioConfig.from_dict(kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        AioConfig.from_dict(kwargs)

@@ -16,13 +16,10 @@ import threading
 
 
 def status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmHWM", "VmRSS", "HugetlbPages"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
+    from infinity.host import process_status
+
+    st = process_status()
+    return {k: st[k] for k in ("VmHWM", "VmRSS", "HugetlbPages") if k in st}
 
 
 def disk_nbytes(root: str) -> int:

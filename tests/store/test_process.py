@@ -33,15 +33,8 @@ def _python(script: str, *args: str, **kw) -> subprocess.Popen:
 MEMORY_SCRIPT = """
     import json, sys, torch
     from infinity.memory import BufferPool
+    from infinity.host import process_status as status
     from infinity.store import TieredStore
-
-    def status():
-        out = {}
-        for line in open("/proc/self/status"):
-            k, _, v = line.partition(":")
-            if k in ("VmHWM", "VmRSS", "HugetlbPages"):
-                out[k] = int(v.split()[0]) * 1024
-        return out
 
     # One intra-op thread: on a 2-core machine shared with the I/O threads (and
     # other jobs), torch's spinning OpenMP workers make copies 10x slower.
