@@ -9,7 +9,7 @@ is the one entry point; it returns an ``InfinityConfig`` composed of
 """
 
 from infinity.aio.config import AioConfig
-from infinity.config.errors import ConfigError, InfinityConfigWarning
+from infinity.config.errors import ConfigError
 from infinity.config.loader import load_config, read_config_file
 from infinity.config.optim import (
     SUPPORTED_OPTIMIZERS,
@@ -37,7 +37,6 @@ __all__ = [
     "ConfigError",
     "FP16Config",
     "InfinityConfig",
-    "InfinityConfigWarning",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",

@@ -2,8 +2,8 @@
 
 Steps: read (hjson, as DeepSpeed reads its files: comments, trailing commas,
 commas omitted at line ends; duplicate keys refused, as DeepSpeed does) ->
-canonical tree (schema.py; one InfinityConfigWarning listing every unknown
-key) -> "auto" filled (auto.py) -> batch sizes completed (batch.py) ->
+canonical tree (schema.py; keys outside DeepSpeed's schema refused, all in one
+ConfigError) -> "auto" filled (auto.py) -> batch sizes completed (batch.py) ->
 typed sections built and cross-checked -> keys without effect here reported
 once per process (support.py). The caller's dict is never modified.
 """
@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ import torch
 from infinity.aio.config import AioConfig
 from infinity.config.auto import resolve
 from infinity.config.batch import complete_batch
-from infinity.config.errors import ConfigError, InfinityConfigWarning
+from infinity.config.errors import ConfigError
 from infinity.config.optim import SCHEDULE_PARAMS, SchedulerConfig
 from infinity.config.root import InfinityConfig
 from infinity.config.schema import normalize, subsection
@@ -116,9 +115,8 @@ def load_config(
         )
 
     parsed = normalize(raw)
-    unknown = list(dict.fromkeys(parsed.unknown))
-    if unknown:
-        warnings.warn(_unknown_message(unknown), InfinityConfigWarning, stacklevel=2)
+    if parsed.unknown:
+        raise ConfigError(_unknown_message(parsed.unknown))
     sources = resolve(parsed.tree, auto_values, optimizer)
     sources.update(complete_batch(parsed.tree, world_size))
     cfg = _build(
@@ -128,7 +126,6 @@ def load_config(
         opaque=parsed.opaque,
         auto_filled=tuple(sorted(sources.items())),
         user_keys=frozenset(parsed.user_keys),
-        unknown_keys=tuple(p for p, _ in unknown),
     )
     report_not_acted_on(k for k in parsed.user_keys if k in NOT_ACTED_ON or k in OPAQUE)
     defaulted = sorted(p for p, s in sources.items() if s.startswith("default"))
@@ -139,12 +136,16 @@ def load_config(
     return cfg
 
 
-def _unknown_message(unknown: list[tuple[str, str | None]]) -> str:
-    parts = [f"{path} (did you mean {hint}?)" if hint else path for path, hint in unknown]
+def _unknown_message(unknown: list[str]) -> str:
+    # Refused, not ignored: a misspelt key (zero_optimisation, offload_optimiser) would otherwise
+    # run the defaults -- stage 0, nothing offloaded -- without a word. DeepSpeed's pydantic
+    # sections refuse unknown keys too (extra="forbid").
+    head = "unknown key " if len(unknown) == 1 else f"{len(unknown)} unknown keys in the config: "
     return (
-        f"{len(unknown)} unknown key(s) in the config, ignored: "
-        + "; ".join(parts)
-        + ". infinity reads DeepSpeed's schema; a misspelt key would otherwise silently keep its default"
+        head
+        + "; ".join(unknown)
+        + ". infinity reads DeepSpeed's schema and refuses keys outside it, as DeepSpeed does "
+        "inside its sections: correct the key or remove it"
     )
 
 
