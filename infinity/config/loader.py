@@ -1,7 +1,7 @@
 """load_config: a DeepSpeed-style config (file or dict) in, a validated InfinityConfig out.
 
-Steps: read (hjson, as DeepSpeed reads its files: comments, trailing commas,
-commas omitted at line ends; duplicate keys refused, as DeepSpeed does) ->
+Steps: read (jsonfile.py: hjson, as DeepSpeed reads its files; syntax errors
+shown where they are) ->
 canonical tree (schema.py; keys outside DeepSpeed's schema refused, all in one
 ConfigError) -> "auto" filled (auto.py) -> batch sizes completed (batch.py) ->
 typed sections built and cross-checked -> keys without effect here reported
@@ -10,56 +10,26 @@ once per process (support.py). The caller's dict is never modified.
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import hjson
 import torch
 
 from infinity.aio.config import AioConfig
 from infinity.config.auto import resolve
 from infinity.config.batch import complete_batch
 from infinity.config.errors import ConfigError
+from infinity.config.jsonfile import read_config_file
 from infinity.config.optim import SCHEDULE_PARAMS, SchedulerConfig
 from infinity.config.root import InfinityConfig
 from infinity.config.schema import normalize, subsection
 from infinity.config.support import NOT_ACTED_ON, OPAQUE, report_not_acted_on
 
 logger = logging.getLogger("infinity.config")
-
-
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parses a config file the way DeepSpeed does (hjson), refusing duplicate keys."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist (or is not a file)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from e
-    try:
-        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
-    except hjson.HjsonDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid JSON/hjson: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(p)!r} must hold a JSON object {{...}}; got {type(data).__name__}"
-        )
-    return data
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    counts = collections.Counter(k for k, _ in pairs)
-    dupes = sorted(k for k, n in counts.items() if n > 1)
-    if dupes:
-        raise ConfigError(f"duplicate key(s) in the config: {', '.join(dupes)}")
-    return dict(pairs)
 
 
 def _plain(value: Any) -> Any:
