@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from infinity.memory import format_nbytes
+from infinity.store import nvme_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,30 +125,17 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def _fs_type(path: Path) -> str:
-    best, fs = "", "?"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 3:
-                    mnt = parts[1].replace("\\040", " ")
-                    if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                        best, fs = mnt, parts[2]
-    except OSError:
-        pass
-    return fs
-
-
 def disk_info(path: str | os.PathLike) -> DiskInfo:
-    existing = _nearest_existing(Path(path))
+    """Free space and file system at nvme_path (``~`` expanded as the runtime does), or at its
+    nearest existing parent when it does not exist yet."""
+    existing = _nearest_existing(nvme_path.expand(path))
     usage = shutil.disk_usage(existing)
     return DiskInfo(
         path=os.fspath(path),
         existing=str(existing),
         free_nbytes=usage.free,
         total_nbytes=usage.total,
-        fs_type=_fs_type(existing.resolve()),
+        fs_type=nvme_path.mount_of(existing).fs_type,
         device=os.stat(existing).st_dev,
     )
 
