@@ -9,8 +9,9 @@ is the one entry point; it returns an ``InfinityConfig`` composed of
 """
 
 from infinity.aio.config import AioConfig
-from infinity.config.errors import ConfigError, InfinityConfigWarning
-from infinity.config.loader import load_config, read_config_file
+from infinity.config.errors import ConfigError
+from infinity.config.jsonfile import read_config_file
+from infinity.config.loader import load_config
 from infinity.config.optim import (
     SUPPORTED_OPTIMIZERS,
     SUPPORTED_SCHEDULERS,
@@ -37,7 +38,6 @@ __all__ = [
     "ConfigError",
     "FP16Config",
     "InfinityConfig",
-    "InfinityConfigWarning",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",

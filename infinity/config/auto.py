@@ -11,9 +11,13 @@ In order, the first that applies:
    (h*h, int(0.9*h*h), 10*h); scheduler.params.warmup_max_lr from the
    optimizer's lr (HF's rule), else each param group's own lr;
 3. the batch sizes: left to the batch arithmetic (batch.py);
-4. DeepSpeed's default for the key, where it has one (lr and
-   total_num_steps have none that "auto" may fall back to);
+4. DeepSpeed's default for the key, where it has one (lr,
+   total_num_steps and zero_optimization.stage have none that "auto" may
+   fall back to: stage 0 would run with nothing partitioned or offloaded);
 5. otherwise refused, naming the key and the argument that would fill it.
+A whole section written "auto" takes its defaults, and its keys of rule 4's
+exceptions become "auto" themselves (``"zero_optimization": "auto"`` needs
+``stage=``).
 
 Every argument must fill something: an "auto", or agree with the value the
 config writes (a disagreement is an error, as in HF's trainer). An argument
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -42,7 +47,7 @@ from infinity.config.schema import (
     known_paths,
     subsection,
 )
-from infinity.config.values import AUTO, coerce
+from infinity.config.values import AUTO, coerce, describe, hints, is_internal, section_type
 
 ENABLED_ARGS: dict[str, str] = {"fp16.enabled": "fp16", "bf16.enabled": "bf16"}
 HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
@@ -168,8 +173,15 @@ class _Resolver:
             del node[name]
             self.sources[path] = "the batch arithmetic"
             return
-        if subsection(cls, name, node) is not None:
-            del node[name]
+        sub = subsection(cls, name, node)
+        if sub is not None:
+            # A section written "auto" takes its defaults, except for the keys whose "auto" has
+            # none to fall back to: they become "auto" themselves, filled (or refused) in turn.
+            needed = keys_without_auto_default(sub)
+            if needed:
+                node[name] = needed
+            else:
+                del node[name]
             self.sources[path] = "defaults"
             return
         if default is not dataclasses.MISSING and meta.get("auto_default", True):
@@ -177,9 +189,10 @@ class _Resolver:
             self.sources[path] = "default " + DEFAULT_TEXT.get(path, repr(default))
             return
         reader = " (nor an optimizer to read it from)" if path in FROM_OPTIMIZER else ""
+        value = describe(tp, meta) if typing.get_origin(tp) is Literal else "a value"
         self.problems.append(
             f'{path} is "auto" and no {arg}= was given to initialize(){reader}; '
-            f"pass {arg}=..., or write a value in the config"
+            f"pass {arg}=..., or write {value} in the config"
         )
 
     def fill_warmup_max_lr(
@@ -218,6 +231,22 @@ class _Resolver:
                 f"{self.label(arg)}{self.args[arg]!r} was given but the config sets {path} to "
                 f'{value!r}; write "auto" there to take the argument, or drop the argument'
             )
+
+
+def keys_without_auto_default(cls: type) -> dict[str, Any]:
+    """The keys of section ``cls`` (nested) whose "auto" may not take the default, each as "auto"."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if is_internal(f):
+            continue
+        sub = section_type(hints(cls)[f.name])
+        if sub is not None:
+            nested = keys_without_auto_default(sub)
+            if nested:
+                out[f.name] = nested
+        elif f.default is not dataclasses.MISSING and not f.metadata.get("auto_default", True):
+            out[f.name] = AUTO
+    return out
 
 
 def canonical_args(args: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

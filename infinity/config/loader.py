@@ -1,66 +1,35 @@
 """load_config: a DeepSpeed-style config (file or dict) in, a validated InfinityConfig out.
 
-Steps: read (hjson, as DeepSpeed reads its files: comments, trailing commas,
-commas omitted at line ends; duplicate keys refused, as DeepSpeed does) ->
-canonical tree (schema.py; one InfinityConfigWarning listing every unknown
-key) -> "auto" filled (auto.py) -> batch sizes completed (batch.py) ->
+Steps: read (jsonfile.py: hjson, as DeepSpeed reads its files; syntax errors
+shown where they are) ->
+canonical tree (schema.py; keys outside DeepSpeed's schema refused, all in one
+ConfigError) -> "auto" filled (auto.py) -> batch sizes completed (batch.py) ->
 typed sections built and cross-checked -> keys without effect here reported
 once per process (support.py). The caller's dict is never modified.
 """
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import hjson
 import torch
 
 from infinity.aio.config import AioConfig
 from infinity.config.auto import resolve
 from infinity.config.batch import complete_batch
-from infinity.config.errors import ConfigError, InfinityConfigWarning
+from infinity.config.errors import ConfigError
+from infinity.config.jsonfile import read_config_file
 from infinity.config.optim import SCHEDULE_PARAMS, SchedulerConfig
 from infinity.config.root import InfinityConfig
 from infinity.config.schema import normalize, subsection
 from infinity.config.support import NOT_ACTED_ON, OPAQUE, report_not_acted_on
 
 logger = logging.getLogger("infinity.config")
-
-
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parses a config file the way DeepSpeed does (hjson), refusing duplicate keys."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist (or is not a file)")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {str(p)!r}: {e.strerror or e}") from e
-    try:
-        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
-    except hjson.HjsonDecodeError as e:
-        raise ConfigError(f"config file {str(p)!r} is not valid JSON/hjson: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(p)!r} must hold a JSON object {{...}}; got {type(data).__name__}"
-        )
-    return data
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    counts = collections.Counter(k for k, _ in pairs)
-    dupes = sorted(k for k, n in counts.items() if n > 1)
-    if dupes:
-        raise ConfigError(f"duplicate key(s) in the config: {', '.join(dupes)}")
-    return dict(pairs)
 
 
 def _plain(value: Any) -> Any:
@@ -116,9 +85,8 @@ def load_config(
         )
 
     parsed = normalize(raw)
-    unknown = list(dict.fromkeys(parsed.unknown))
-    if unknown:
-        warnings.warn(_unknown_message(unknown), InfinityConfigWarning, stacklevel=2)
+    if parsed.unknown:
+        raise ConfigError(_unknown_message(parsed.unknown))
     sources = resolve(parsed.tree, auto_values, optimizer)
     sources.update(complete_batch(parsed.tree, world_size))
     cfg = _build(
@@ -128,7 +96,6 @@ def load_config(
         opaque=parsed.opaque,
         auto_filled=tuple(sorted(sources.items())),
         user_keys=frozenset(parsed.user_keys),
-        unknown_keys=tuple(p for p, _ in unknown),
     )
     report_not_acted_on(k for k in parsed.user_keys if k in NOT_ACTED_ON or k in OPAQUE)
     defaulted = sorted(p for p, s in sources.items() if s.startswith("default"))
@@ -139,12 +106,16 @@ def load_config(
     return cfg
 
 
-def _unknown_message(unknown: list[tuple[str, str | None]]) -> str:
-    parts = [f"{path} (did you mean {hint}?)" if hint else path for path, hint in unknown]
+def _unknown_message(unknown: list[str]) -> str:
+    # Refused, not ignored: a misspelt key (zero_optimisation, offload_optimiser) would otherwise
+    # run the defaults -- stage 0, nothing offloaded -- without a word. DeepSpeed's pydantic
+    # sections refuse unknown keys too (extra="forbid").
+    head = "unknown key " if len(unknown) == 1 else f"{len(unknown)} unknown keys in the config: "
     return (
-        f"{len(unknown)} unknown key(s) in the config, ignored: "
-        + "; ".join(parts)
-        + ". infinity reads DeepSpeed's schema; a misspelt key would otherwise silently keep its default"
+        head
+        + "; ".join(unknown)
+        + ". infinity reads DeepSpeed's schema and refuses keys outside it, as DeepSpeed does "
+        "inside its sections: correct the key or remove it"
     )
 
 

@@ -92,8 +92,6 @@ class InfinityConfig:
     """(key path, where its value came from) for every "auto" that load_config filled."""
     user_keys: frozenset[str] = internal(frozenset())
     """Key paths present in the user's config (canonical names)."""
-    unknown_keys: tuple[str, ...] = internal(())
-    """Key paths load_config did not recognise (warned about, ignored)."""
 
     def __post_init__(self) -> None:
         check_section(self)

@@ -6,8 +6,10 @@ the un-prefixed ``prefetch_bucket_size``...) are merged under the canonical
 name (two spellings that disagree are an error), DeepSpeed's legacy forms are
 translated (``"zero_optimization": true``, ``cpu_offload``,
 ``cpu_offload_param``), known sections this runtime does not read are set
-aside verbatim, and every other key is collected as unknown with a "did you
-mean" suggestion. Values are not checked here; the sections do that.
+aside verbatim, and every other key is collected as unknown, with a "did you
+mean" suggestion or else the keys its section takes (the loader refuses
+them, as DeepSpeed's pydantic sections do). Values are not checked here; the
+sections do that.
 """
 
 from __future__ import annotations
@@ -123,8 +125,8 @@ class Parsed:
     """Canonical key paths the user wrote."""
     opaque: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Known-but-unread sections, verbatim."""
-    unknown: list[tuple[str, str | None]] = dataclasses.field(default_factory=list)
-    """(key path, suggestion) for keys not in the schema."""
+    unknown: list[str] = dataclasses.field(default_factory=list)
+    """One line per key not in the schema: its path, its value, and a suggestion or the valid keys."""
 
 
 def normalize(raw: Mapping[str, Any]) -> Parsed:
@@ -155,7 +157,7 @@ def _walk(cls: type, section: Any, path: str, parsed: Parsed) -> dict[str, Any]:
             elif full in REFUSED:
                 raise ConfigError(REFUSED[full])
             else:
-                parsed.unknown.append((full, suggest(key, path, keys)))
+                parsed.unknown.append(_unknown(cls, key, value, path, keys))
             continue
         canon = keys[key]
         value = _read_value(cls, canon, value, join(path, canon), parsed, section)
@@ -248,6 +250,25 @@ def _legacy_offload(
         out[target] = {"device": "cpu"}
         written_as[target] = key
         parsed.user_keys.add(join(path, f"{target}.device"))
+
+
+def _unknown(cls: type, key: str, value: Any, path: str, keys: Mapping[str, str]) -> str:
+    """'<path> = <value> (did you mean <key>?)', or with the keys the section takes instead."""
+    shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    where = f"{join(path, key)} = {shown}"
+    hint = suggest(key, path, keys)
+    if hint is not None:
+        return f"{where} (did you mean {hint}?)"
+    return f"{where} ({path or 'the top level'} takes {', '.join(valid_keys(cls, path))})"
+
+
+def valid_keys(cls: type, path: str) -> list[str]:
+    """The canonical keys a section takes, with the DeepSpeed sections under it kept unread."""
+    names = set(section_keys(cls).values())
+    names |= {p[len(path) + 1 :] if path else p for p in OPAQUE if _parent(p) == path}
+    return sorted(names)
 
 
 def suggest(key: str, path: str, keys_here: Mapping[str, str]) -> str | None:

@@ -101,6 +101,4 @@ def render(cfg: InfinityConfig) -> str:
     ignored = cfg.ignored_keys()
     if ignored:
         lines.append("  accepted, no effect here: " + ", ".join(ignored))
-    if cfg.unknown_keys:
-        lines.append("  unknown, ignored: " + ", ".join(cfg.unknown_keys))
     return "\n".join(lines)

@@ -116,7 +116,7 @@ OPAQUE: frozenset[str] = frozenset(
         "pipeline",
         "progressive_layer_drop",
         "quantize_training",
-        "seq_parallel_comm_data_type",
+        "seq_parallel_communication_data_type",
         "sequence_parallel_size",
         "sparse_attention",
         "tensor_parallel",

@@ -86,8 +86,9 @@ class ZeroConfig:
 
     PATH: ClassVar[str] = "zero_optimization"
 
-    stage: ZeroStage = knob(0)
-    """0 none; 1 optimizer state; 2 + gradients; 3 + parameters partitioned across ranks."""
+    stage: ZeroStage = knob(0, auto_default=False)
+    """0 none; 1 optimizer state; 2 + gradients; 3 + parameters partitioned across ranks. "auto" needs
+    stage= (Accelerate fills it from its plugin's zero_stage): its default would run nothing offloaded."""
     offload_param: OffloadParamConfig = knob(OffloadParamConfig())
     """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = knob(OffloadOptimizerConfig())

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,7 +20,7 @@ from infinity.engine.overlap import GatedShardSource, OverlappedStep
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
-from infinity.store import TieredStore
+from infinity.store import TieredStore, nvme_path
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
@@ -79,47 +77,6 @@ def train_dtype(cfg: InfinityConfig) -> torch.dtype:
     return FP32
 
 
-def rank_path(path: Path | str | None, rank: int) -> str | None:
-    """``nvme_path/rank<N>``: each rank swaps in its own directory, made here inside an existing nvme_path."""
-    if path is None:
-        return None
-    base = os.fspath(path)
-    if not os.path.isdir(base):
-        raise ConfigError(
-            f"nvme_path '{base}' does not exist or is not a directory; create it (mkdir -p {base}) "
-            "or point nvme_path at a directory on a local NVMe drive"
-        )
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"nvme_path '{base}' is not writable by this process; fix its permissions or point "
-            "nvme_path at a writable directory on a local NVMe drive"
-        )
-    d = os.path.join(base, f"rank{rank}")
-    os.makedirs(d, exist_ok=True)
-    return d
-
-
-def check_nvme_space(needs: list[tuple[Path | str, int, str]]) -> None:
-    """Refuses a run whose swap files cannot fit: ``needs`` = (nvme_path, bytes, what) per store,
-    summed per file system, compared with the space free there — before anything is written."""
-    by_dev: dict[int, list[tuple[str, int, str]]] = {}
-    for path, nbytes, what in needs:
-        if nbytes:
-            by_dev.setdefault(os.stat(path).st_dev, []).append((os.fspath(path), nbytes, what))
-    for entries in by_dev.values():
-        path = entries[0][0]
-        st = os.statvfs(path)
-        free = st.f_bavail * st.f_frsize
-        total = sum(n for _, n, _ in entries)
-        if total > free:
-            parts = " + ".join(f"{what} {n}" for _, n, what in entries)
-            raise ConfigError(
-                f"not enough free space at nvme_path '{path}': this rank needs {total} bytes of swap "
-                f"files ({parts}) and {free} bytes are free; free space there, point nvme_path at a "
-                "larger drive, or keep less on NVMe (offload_param.max_in_cpu, offload_*.device)"
-            )
-
-
 def build_runtime(
     model: nn.Module,
     cfg: InfinityConfig,
@@ -169,13 +126,13 @@ def build_runtime(
     needs = []
     swapped_per_element = state_bytes_per_element(stage, dtype, zero.offload_optimizer.grads_in_host)
     if stage == 3 and zero.offload_param.device == "nvme":
-        needs.append((rank_path(zero.offload_param.nvme_path, group.rank),
+        needs.append((nvme_path.rank_dir(zero.offload_param.nvme_path, group.rank, o_direct=cfg.aio.o_direct),
                       sum(u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), "parameters"))
     if zero.offload_optimizer.device == "nvme":
-        needs.append((rank_path(zero.offload_optimizer.nvme_path, group.rank),
+        needs.append((nvme_path.rank_dir(zero.offload_optimizer.nvme_path, group.rank, o_direct=cfg.aio.o_direct),
                       sum(u.layout.shard_numel for u in units) * swapped_per_element,
                       "optimizer state"))
-    check_nvme_space(needs)
+    nvme_path.check_space(needs)
 
     param_store = None
     if stage == 3:
@@ -343,7 +300,7 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
             f"raise zero_optimization.offload_param.buffer_count or buffer_size to at least "
             f"{math.ceil(largest.layout.shard_numel / offload.buffer_count)} elements"
         )
-    path = rank_path(offload.nvme_path, group.rank)
+    path = nvme_path.rank_dir(offload.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(int(offload.buffer_count), buffer_nbytes, pin=_pin(offload.pin_memory), name="params")
     store = TieredStore(path, pool=pool, aio=cfg.aio, name="params")
     store.reserve(sum(u.layout.shard_nbytes for u in nvme_units))
@@ -368,7 +325,7 @@ def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_eleme
     sub = max(min(int(zero.sub_group_size), sum(u.layout.shard_numel for u in units)), largest)
     buffer_nbytes = -(-sub * per_element // 4096) * 4096
     count = 3
-    path = rank_path(off.nvme_path, group.rank)
+    path = nvme_path.rank_dir(off.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(count, buffer_nbytes, pin=_pin(off.pin_memory), name="optimizer")
     store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer")
     store.reserve(sum(u.layout.shard_numel for u in units) * per_element)

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from infinity.config import InfinityConfig
+from infinity.config import ConfigError, InfinityConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime, train_dtype
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
 from infinity.optim.lr_schedules import build_scheduler
+from infinity.store.errors import NvmePathError
 from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.engine")
@@ -55,7 +56,10 @@ class Engine:
             LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
         )
         choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
-        self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
+        try:
+            self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
+        except NvmePathError as e:  # nvme_path is a key of the config: refused like the others
+            raise ConfigError(str(e)) from None
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
         # The prefetch scheduler (stage 3) learns one trace step per forward + backward.
         self._trace = self.runtime.shard_source if hasattr(self.runtime.shard_source, "step_open") else None

@@ -188,7 +188,7 @@ def check_fit(
     Pinned pools of 2 MiB or more may come from free hugetlb pages, which
     MemAvailable does not count. ``engine_checks``: leave out what initialize refuses
     by itself before allocating (Problem.engine_refuses; with one rank per node and no
-    zero.Init files, the swap space — build.py check_nvme_space sees exactly that).
+    zero.Init files, the swap space — the engine's nvme_path.check_space sees exactly that).
     """
     reasons = []
     cpu = plan.device_type == "cpu"

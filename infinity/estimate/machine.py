@@ -19,6 +19,7 @@ import torch
 
 from infinity.host import hugetlb_free_nbytes, meminfo, mount_of
 from infinity.memory import format_nbytes, resident_host_nbytes
+from infinity.store import nvme_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,9 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def disk_info(path: str | os.PathLike) -> DiskInfo:
-    existing = _nearest_existing(Path(path))
+    """Free space and file system at nvme_path (``~`` expanded as the runtime does), or at its
+    nearest existing parent when it does not exist yet."""
+    existing = _nearest_existing(nvme_path.expand(path))
     usage = shutil.disk_usage(existing)
     mount = mount_of(existing)
     return DiskInfo(

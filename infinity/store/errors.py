@@ -39,3 +39,10 @@ class SwapSpaceError(StoreError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class NvmePathError(SwapSpaceError, ValueError):
+    """nvme_path cannot take the swap files: missing, a file, not writable, or too small (see nvme_path.py).
+
+    A ValueError too: it is a setting to fix, refused before anything is written.
+    """

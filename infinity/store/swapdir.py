@@ -1,6 +1,7 @@
 """SwapDir: a store's own directory under nvme_path, owned through a locked lock file.
 
-Layout: ``<nvme_path>/<store id>/`` holds the swap files and ``infinity.lock``.
+Layout: ``<nvme_path>/<store id>/`` holds the swap files and ``infinity.lock``
+(``nvme_path`` checked, and ``~`` expanded, by nvme_path.py).
 The store id is unique per process and per store (name, pid, a per-process
 sequence number and a random suffix), so two stores in one process — a
 teacher and a student — never share files.
@@ -39,6 +40,7 @@ from pathlib import Path
 from infinity.host import process_start_time
 from infinity.memory import format_nbytes
 from infinity.store.errors import SwapSpaceError
+from infinity.store.nvme_path import check_directory
 
 log = logging.getLogger("infinity.store")
 
@@ -67,47 +69,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def check_directory(path: Path) -> None:
-    """Raises SwapSpaceError unless ``path`` is an existing, writable directory."""
-    p = str(path)
-    if not path.exists():
-        raise SwapSpaceError(
-            errno.ENOENT,
-            f"nvme_path '{p}' does not exist; create it (mkdir -p {p}) or point nvme_path at a "
-            "directory on a local NVMe drive",
-            p,
-        )
-    if not path.is_dir():
-        raise SwapSpaceError(errno.ENOTDIR, f"nvme_path '{p}' is not a directory", p)
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise SwapSpaceError(
-            errno.EACCES,
-            f"nvme_path '{p}' is not writable by this process (uid {os.geteuid()}); "
-            "change its owner or mode, or choose another directory",
-            p,
-        )
-
-
-def free_nbytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def space_error(path: Path, needed: int, free: int, what: str) -> SwapSpaceError:
-    return SwapSpaceError(
-        errno.ENOSPC,
-        f"not enough free space in nvme_path '{path}': {what} needs {format_nbytes(needed)} "
-        f"({needed} bytes) more there and the file system has {format_nbytes(free)} ({free} bytes) "
-        "free; free some space, point nvme_path at a larger drive, or list several drives in nvme_path",
-        str(path),
-    )
-
-
 class SwapDir:
     """The directory of one store on one drive, created under ``root`` and owned until close()."""
 
     def __init__(self, root: Path, store_id: str, store_name: str):
-        check_directory(root)
+        root = check_directory(root)
         reclaim_stale(root)
         self.root = root
         self.path = root / store_id

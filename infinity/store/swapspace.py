@@ -33,7 +33,8 @@ from typing import NamedTuple
 from infinity.aio import DIRECT_ALIGNMENT, AioFile
 from infinity.memory import RangeAllocator, format_nbytes, round_up
 from infinity.store.errors import SwapSpaceError
-from infinity.store.swapdir import SwapDir, free_nbytes, space_error
+from infinity.store.nvme_path import expand, free_nbytes, space_error
+from infinity.store.swapdir import SwapDir
 
 GROW_STEP_MAX = 1 << 30
 
@@ -75,7 +76,7 @@ class SwapSpace:
     ):
         if not roots:
             raise ValueError("SwapSpace needs at least one directory")
-        if len({os.path.realpath(r) for r in roots}) != len(roots):
+        if len({os.path.realpath(expand(r)) for r in roots}) != len(roots):
             raise ValueError(f"nvme_path lists the same directory twice: {[str(r) for r in roots]}")
         if stripe_nbytes <= 0 or stripe_nbytes % DIRECT_ALIGNMENT:
             raise ValueError(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -37,8 +36,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio import AioConfig
+from infinity.config import ConfigError
 from infinity.memory import BufferPool, FreedMemory
 from infinity.store import TieredStore
+from infinity.store.errors import NvmePathError
+from infinity.store.nvme_path import rank_dir
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.layout import make_layout
 
@@ -65,10 +67,13 @@ class InitStore:
     def __init__(self, *, home: str, nvme_path: str | None, aio: AioConfig, group: DataParallelGroup):
         self.home = home
         self.group = group
+        path = None
+        if nvme_path:
+            try:
+                path = rank_dir(nvme_path, group.rank, o_direct=aio.o_direct)
+            except NvmePathError as e:  # a key of the config: refused like the others
+                raise ConfigError(str(e)) from None
         pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else 4096)
-        path = os.path.join(nvme_path, f"rank{group.rank}") if nvme_path else None
-        if path:
-            os.makedirs(path, exist_ok=True)
         self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
         self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id

@@ -301,3 +301,36 @@ def test_batch_arguments_fill_auto_batch_keys():
 def test_non_optimizer_is_refused():
     with pytest.raises(ConfigError, match="optimizer= must be a torch.optim.Optimizer; got dict"):
         load_config(_adam_auto(), optimizer={"lr": 1})
+
+
+def test_stage_auto_with_nothing_to_fill_it_is_refused_naming_the_key():
+    # It used to take the default, 0: a run with nothing partitioned or offloaded.
+    with pytest.raises(
+        ConfigError,
+        match=r'^zero_optimization\.stage is "auto" and no stage= was given to initialize\(\); '
+        r"pass stage=\.\.\., or write one of 0, 1, 2, 3 in the config$",
+    ):
+        load_config({"zero_optimization": {"stage": "auto", "offload_param": {"device": "cpu"}}})
+    # as in Accelerate, whose plugin fills zero_optimization.stage from its zero_stage
+    cfg = load_config({"zero_optimization": {"stage": "auto"}}, stage=3)
+    assert cfg.zero_optimization.stage == 3
+    assert dict(cfg.auto_filled)["zero_optimization.stage"] == "stage="
+
+
+def test_a_section_written_as_auto_needs_the_keys_that_have_no_auto_default():
+    with pytest.raises(
+        ConfigError, match=r'^zero_optimization\.stage is "auto" and no stage= was given'
+    ):
+        load_config({"zero_optimization": "auto"})
+    assert load_config({"zero_optimization": "auto"}, stage=2).zero_optimization.stage == 2
+    with pytest.raises(ConfigError, match=r'^optimizer\.params\.lr is "auto" and no lr= was given'):
+        load_config({"optimizer": "auto"})
+    cfg = load_config({"optimizer": "auto"}, lr=0.01)
+    assert (cfg.optimizer.type, cfg.optimizer.params.lr) == ("adamw", 0.01)
+    # sections with a default for every key still take their defaults
+    assert (
+        load_config(
+            {"zero_optimization": {"stage": 3, "offload_param": "auto"}}
+        ).zero_optimization.offload_param.device
+        == "none"
+    )

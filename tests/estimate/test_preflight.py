@@ -99,7 +99,7 @@ def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, s
 
 
 def test_one_ranks_swap_space_is_left_to_the_engines_own_check(nvme_dir, small_machine):
-    """With one rank per node build.py's check_nvme_space refuses exactly this, before writing."""
+    """With one rank per node the engine's nvme_path.check_space refuses exactly this, before writing."""
     small_machine(disk=1 << 20)
     assert preflight(GPT(MODEL), load_config(_config(nvme_dir))) is not None
 

@@ -36,8 +36,12 @@ def test_missing_nvme_path_is_named():
 def test_nvme_path_that_is_a_file_is_refused(nvme_dir):
     f = nvme_dir / "a-file"
     f.write_text("x")
-    with pytest.raises(SwapSpaceError, match="is not a directory"):
+    with pytest.raises(SwapSpaceError, match="is a file, not a directory"):
         TieredStore(f, pool=_pool())
+    fifo = nvme_dir / "a-fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SwapSpaceError, match=f"nvme_path '{fifo}' is not a directory"):
+        TieredStore(fifo, pool=_pool())
 
 
 def test_non_writable_nvme_path_is_named():

@@ -1,0 +1,226 @@
+"""nvme_path: the one place a swap folder the user named is resolved and checked, and ``rank<N>`` joined.
+
+Every caller goes through here -- the engine (each rank's folder and the
+space its swap files need), zero.Init, a store's SwapDir, the estimator's
+view of the disk -- so one path gets one answer and one message everywhere:
+
+- ``~`` is expanded (the config keeps what the user wrote);
+- the path must exist, be a directory (a regular file there is "a file, not a
+  directory") and be writable by this process;
+- ``rank_dir`` makes ``<nvme_path>/rank<N>`` (DESIGN: each rank swaps its own
+  shards there) and probes it for O_DIRECT. A file system that refuses
+  O_DIRECT (ramfs; tmpfs before Linux 6.6) keeps working buffered, as the aio
+  engine falls back (DESIGN, csrc/aio), and is named with its type once per
+  process -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
+- ``check_space`` compares what will be written with the space free, summed
+  per file system, and names a file system that reports no size (ramfs,
+  where swap files would fill host memory) as such.
+
+Refusals are NvmePathError (a SwapSpaceError and a ValueError) naming the
+path, what is wrong and the fix, raised before any swap file is written.
+Threading: the once-per-process record of O_DIRECT reports is guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+from infinity import host
+from infinity.host import Mount
+from infinity.memory import format_nbytes
+from infinity.store.errors import NvmePathError, SwapSpaceError
+
+log = logging.getLogger("infinity.store")
+
+PathArg = str | os.PathLike
+
+_UNKNOWN_MOUNT = Mount(device="", mountpoint="", fs_type="?")
+
+
+def expand(path: PathArg) -> Path:
+    """``path`` with ``~`` expanded (nothing else: relative paths stay relative to the working directory)."""
+    return Path(os.path.expanduser(os.fspath(path)))
+
+
+def mount_of(path: PathArg) -> Mount:
+    """The mount holding ``path`` (``~`` expanded; it need not exist yet); fs_type "?" where unknown."""
+    return host.mount_of(expand(path).absolute()) or _UNKNOWN_MOUNT
+
+
+def _named(raw: PathArg, p: Path) -> str:
+    """'<as written>' and, where ~ was expanded, what it became."""
+    written = os.fspath(raw)
+    return f"'{written}'" if written == str(p) else f"'{written}' ({p})"
+
+
+def check_directory(path: PathArg) -> Path:
+    """The expanded ``path``; NvmePathError unless it is an existing directory this process can write."""
+    p = expand(path)
+    name = _named(path, p)
+    if not p.exists():
+        raise NvmePathError(
+            errno.ENOENT,
+            f"nvme_path {name} does not exist; create it (mkdir -p {p}) or point nvme_path at a "
+            "directory on a local NVMe drive",
+            str(p),
+        )
+    if not p.is_dir():
+        what = "a file, not a directory" if p.is_file() else "not a directory"
+        raise NvmePathError(
+            errno.ENOTDIR,
+            f"nvme_path {name} is {what}; point nvme_path at a directory (each rank's swap files go "
+            "in rank<N>/ below it)",
+            str(p),
+        )
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise NvmePathError(
+            errno.EACCES,
+            f"nvme_path {name} is not writable by this process (uid {os.geteuid()}); change its "
+            "owner or mode, or choose another directory",
+            str(p),
+        )
+    return p
+
+
+def rank_dir(path: PathArg, rank: int, *, o_direct: bool = True) -> Path:
+    """``<nvme_path>/rank<rank>``, created inside a checked nvme_path and probed for O_DIRECT.
+
+    ``o_direct``: the run's ``aio.o_direct``; a file system refusing it is reported (once).
+    """
+    d = check_directory(path) / f"rank{rank}"
+    if d.exists() and not d.is_dir():
+        raise NvmePathError(
+            errno.ENOTDIR,
+            f"'{d}', rank {rank}'s folder under nvme_path, is a file, not a directory; remove it or "
+            "point nvme_path elsewhere",
+            str(d),
+        )
+    try:
+        d.mkdir(exist_ok=True)
+    except OSError as e:
+        raise NvmePathError(
+            e.errno or errno.EIO, f"cannot create '{d}' under nvme_path: {e.strerror}", str(d)
+        ) from None
+    if o_direct and not probe_o_direct(d):
+        _report_buffered(path, d)
+    return d
+
+
+def probe_o_direct(directory: Path) -> bool:
+    """Whether files in ``directory`` open with O_DIRECT (an empty probe file, removed at once)."""
+    probe = directory / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        # Created first, then opened direct: ramfs creates the file even as it refuses O_DIRECT.
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except OSError as e:
+        raise NvmePathError(
+            e.errno or errno.EIO,
+            f"cannot create a file in '{directory}' under nvme_path: {e.strerror}",
+            str(directory),
+        ) from None
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise NvmePathError(
+                e.errno or errno.EIO,
+                f"cannot open a file in '{directory}' under nvme_path: {e.strerror}",
+                str(directory),
+            ) from None
+        return False
+    finally:
+        os.unlink(probe)
+    return True
+
+
+_reported: set[str] = set()
+_lock = threading.Lock()
+
+
+def _report_buffered(path: PathArg, d: Path) -> None:
+    m = mount_of(d)
+    with _lock:
+        if m.mountpoint in _reported:
+            return
+        _reported.add(m.mountpoint)
+    log.warning(
+        "nvme_path %s is on a %s file system (mounted at %s), which refuses O_DIRECT: swap files "
+        "there are read and written through the page cache (slower, and the cache takes host "
+        "memory). Point nvme_path at a local disk (ext4, xfs) for direct I/O, or set aio.o_direct "
+        "to false if buffered I/O is meant",
+        _named(path, expand(path)),
+        m.fs_type,
+        m.mountpoint or "?",
+    )
+
+
+def _forget_reports() -> None:
+    """Test hook: makes the next refusal of O_DIRECT reported again."""
+    with _lock:
+        _reported.clear()
+
+
+def free_nbytes(path: PathArg) -> int:
+    st = os.statvfs(expand(path))
+    return st.f_bavail * st.f_frsize
+
+
+def _reports_no_size(path: PathArg) -> bool:
+    return os.statvfs(expand(path)).f_blocks == 0
+
+
+def check_space(needs: Iterable[tuple[PathArg, int, str]]) -> None:
+    """Refuses a run whose swap files cannot fit: ``needs`` = (folder, bytes, what) per store,
+    summed per file system and compared with the space free there -- before anything is written."""
+    by_dev: dict[int, list[tuple[Path, int, str]]] = {}
+    for path, nbytes, what in needs:
+        if nbytes:
+            p = expand(path)
+            by_dev.setdefault(os.stat(p).st_dev, []).append((p, nbytes, what))
+    for entries in by_dev.values():
+        path = entries[0][0]
+        total = sum(n for _, n, _ in entries)
+        parts = " + ".join(f"{what} {n}" for _, n, what in entries)
+        m = mount_of(path)
+        if _reports_no_size(path):
+            raise NvmePathError(
+                errno.ENOSPC,
+                f"nvme_path '{path}' is on a {m.fs_type} file system (mounted at {m.mountpoint}) that "
+                f"reports no size, so whether this rank's {total} bytes of swap files ({parts}) fit "
+                "cannot be checked (on ramfs they would fill host memory); point nvme_path at a "
+                "directory on a local disk",
+                str(path),
+            )
+        free = free_nbytes(path)
+        if total > free:
+            raise NvmePathError(
+                errno.ENOSPC,
+                f"not enough free space at nvme_path '{path}' ({m.fs_type} at {m.mountpoint}): this "
+                f"rank needs {total} bytes of swap files ({parts}) and {free} bytes are free; free "
+                "space there, point nvme_path at a larger drive, or keep less on NVMe "
+                "(offload_param.max_in_cpu, offload_*.device)",
+                str(path),
+            )
+
+
+def space_error(path: Path, needed: int, free: int, what: str) -> SwapSpaceError:
+    """The error of a swap space that cannot grow by ``needed`` bytes where ``free`` are free."""
+    m = mount_of(path)
+    why = (
+        f"the {m.fs_type} file system there reports no size"
+        if _reports_no_size(path)
+        else f"the {m.fs_type} file system has {format_nbytes(free)} ({free} bytes) free"
+    )
+    return SwapSpaceError(
+        errno.ENOSPC,
+        f"not enough free space in nvme_path '{path}': {what} needs {format_nbytes(needed)} "
+        f"({needed} bytes) more there and {why}; free some space, point nvme_path at a larger "
+        "drive, or list several drives in nvme_path",
+        str(path),
+    )
