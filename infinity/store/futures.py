@@ -189,6 +189,10 @@ class StoreFuture:
     def done(self) -> bool:
         return self._done
 
+    def follow(self, op: IoOp) -> None:
+        """Makes ``op`` the op whose completion settles this future: waiting on it drives ``op``."""
+        self._op = op
+
     def cancel(self) -> bool:
         return False  # store transitions cannot be undone half way
 
@@ -285,16 +289,33 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
+Settlement = tuple[StoreFuture | None, Any, BaseException | None]
+"""(future, value, exception) decided under the store lock, settled by ``settle`` after it."""
+
+
+def settle(settlements: list[Settlement]) -> None:
+    """Settles futures decided under the store lock; called after releasing it, so that their
+    callbacks may call the store (see [Note: completing ops]). A future settled already is left."""
+    for fut, value, exc in settlements:
+        if fut is None or fut.done():
+            continue
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+
+
 def done_future(value: Any = None, label: str = "") -> StoreFuture:
     f = StoreFuture(label=label)
     f.set_result(value)
     return f
 
 
-def gather(futures: Sequence[StoreFuture], store: Any, label: str) -> StoreFuture:
-    """A future that completes when all of ``futures`` have; it raises the first failure."""
-    out = StoreFuture(store, None, label)
-    out._store = None  # waiting is counted by the dependencies
+def gather(futures: Sequence[StoreFuture], label: str) -> StoreFuture:
+    """A future that completes when all of ``futures`` have; it raises the first failure.
+
+    It has no store of its own: waiting on it drives (and is counted by) its dependencies."""
+    out = StoreFuture(None, None, label)
     out._deps = tuple(futures)
     if not futures:
         out.set_result(None)

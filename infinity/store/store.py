@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import functools
 import logging
 import os
 import threading
@@ -42,19 +41,20 @@ import time
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from infinity.aio import AioConfig, AioHandle, aligned_empty, crc32c
+from infinity.aio import AioConfig, aligned_empty, crc32c
 from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.store.device import DeviceTier
 from infinity.store.errors import IntegrityError, StoreIOError, StoreStateError
-from infinity.store.futures import IoOp, Reaper, StoreFuture, done_future, gather
+from infinity.store.futures import IoOp, Reaper, StoreFuture, done_future, gather, settle
+from infinity.store.handles import AioHandleLike, IoHandles
 from infinity.store.record import IN_IO, RESIDENT, KeyRecord, KeySpec, Residency, Slot
 from infinity.store.stats import StoreStats, Traffic
 from infinity.store.swapdir import new_store_id
-from infinity.store.swapspace import SwapSpace
+from infinity.store.swapspace import SwapSpace, open_swap
 
 log = logging.getLogger("infinity.store")
 
@@ -62,14 +62,6 @@ Tier = Literal["host", "device"]
 Home = Literal["nvme", "cpu"]
 ALIGN = 4096
 DEFAULT_FILE_NBYTES = 16 << 30
-
-
-def _paths(nvme_path: Any) -> list[Path]:
-    if nvme_path is None:
-        return []
-    if isinstance(nvme_path, (str, os.PathLike)):
-        return [Path(nvme_path)]
-    return [Path(p) for p in nvme_path]
 
 
 def _key_label(keys: Sequence[KeyRecord]) -> str:
@@ -95,7 +87,7 @@ class TieredStore:
         nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
         *,
         pool: BufferPool,
-        aio: AioConfig | Any = None,
+        aio: AioConfig | AioHandleLike | None = None,
         device: torch.device | str = "cpu",
         name: str = "store",
         integrity: bool = False,
@@ -122,50 +114,26 @@ class TieredStore:
         self._closing = False
         self._init_counters()
 
-        aio = AioConfig() if aio is None else aio
-        if isinstance(aio, AioConfig):
-            self._rio = AioHandle.from_config(aio)
-            self._wio = AioHandle.from_config(aio)  # writes never queue ahead of reads
-            self._own_aio = True
-        else:
-            self._rio = self._wio = aio
-            self._own_aio = False
-        roots = _paths(nvme_path)
-        self._swap: SwapSpace | None = None
+        self._io = IoHandles.open(aio)
+        self._rio: AioHandleLike = self._io.read
+        self._wio: AioHandleLike = self._io.write
         try:
-            if roots:
-                block = self._rio.config.block_size
-                if stripe_nbytes is not None and (stripe_nbytes <= 0 or stripe_nbytes % block):
-                    raise ValueError(
-                        f"stripe_nbytes must be a positive multiple of aio.block_size ({block}), "
-                        f"got {stripe_nbytes}: a block-sized piece must lie on one drive"
-                    )
-                self._swap = SwapSpace(
-                    roots,
-                    store_id=self.id,
-                    store_name=name,
-                    # bound to the handle, not the store: SwapSpace outlives it in the finalizer
-                    open_file=functools.partial(_open_existing, self._rio),
-                    stripe_nbytes=stripe_nbytes or block,
-                    file_nbytes=file_nbytes,
-                )
+            self._swap: SwapSpace | None = open_swap(
+                nvme_path,
+                handle=self._rio,
+                store_id=self.id,
+                store_name=name,
+                stripe_nbytes=stripe_nbytes,
+                file_nbytes=file_nbytes,
+            )
         except BaseException:
-            self._close_handles()
+            self._io.close()
             raise
-        if self._own_aio and self._rio.engine == "io_uring":
-            self._register_pool_buffers()
+        self._io.register_pool(pool.slab, name)
         self._reaper = Reaper(self._finish, name)
         pool.add_reclaimer(self._reclaim)
         self._finalizer = weakref.finalize(
-            self,
-            _finalize,
-            self._records,
-            self._ops,
-            self._swap,
-            self._reaper,
-            self._own_aio,
-            self._rio,
-            self._wio,
+            self, _finalize, self._records, self._ops, self._swap, self._reaper, self._io
         )
 
     def _init_counters(self) -> None:
@@ -177,19 +145,6 @@ class TieredStore:
         self._pool_wait_s = 0.0
         self._evicting_nbytes = 0  # bytes of background write-backs that will free their room
         self._n = collections.Counter()
-
-    def _register_pool_buffers(self) -> None:
-        # io_uring fixed buffers spare the kernel a page pin per request. It
-        # needs RLIMIT_MEMLOCK room; without it requests still work, unpinned.
-        try:
-            for h in {id(self._rio): self._rio, id(self._wio): self._wio}.values():
-                h.register_buffers([self.pool.slab])
-        except (OSError, RuntimeError) as e:
-            log.info(
-                "store '%s': io_uring fixed buffers not registered (%s); continuing without",
-                self.name,
-                e,
-            )
 
     # -- registration --------------------------------------------------------
 
@@ -517,7 +472,7 @@ class TieredStore:
             for r in dirty:
                 r.error = None
             futs = self._submit_write(dirty, background=False) if dirty else []
-            return gather(futs + writing, self, f"flush_all of store '{self.name}'")
+            return gather(futs + writing, f"flush_all of store '{self.name}'")
 
     # -- stats / close -------------------------------------------------------
 
@@ -593,7 +548,7 @@ class TieredStore:
         self._reaper.stop()
         self.pool.remove_reclaimer(self._reclaim)
         self._finalizer.detach()
-        self._close_handles()
+        self._io.close()
         if self._swap is not None:
             self._swap.close()
 
@@ -686,7 +641,7 @@ class TieredStore:
                 to_load = []
         if prepared is not None and prepared is not True:
             self._submit_read(*prepared)
-        self._resolve(res)
+        settle(res)
         if to_load:
             self._load(to_load, overwrite)
         return futs
@@ -784,7 +739,7 @@ class TieredStore:
             if abort:
                 self._abort_loads([r for g in groups[i:] for r in g], self._closed_error())
                 return
-            self._resolve(res)
+            settle(res)
 
     def _abort_loads(self, recs: list[KeyRecord], exc: BaseException) -> None:
         res = []
@@ -796,7 +751,7 @@ class TieredStore:
                     rec.pending_dirty = False
                     waiters, rec.waiters = rec.waiters, []
                     res.extend((f, None, exc) for f, _t in waiters)
-        self._resolve(res)
+        settle(res)
 
     def _serve(self, rec: KeyRecord, fut: StoreFuture, tier: Tier, res: list) -> None:
         """Resolves a fetch of a key whose data is in host memory (or starts its device copy)."""
@@ -854,7 +809,7 @@ class TieredStore:
         for rec in recs:
             rec.op = op
             for fut, _tier in rec.waiters:
-                fut._op = op
+                fut.follow(op)
         self._read.start()
         self._ops.add(op)
         return op, self._items(recs, slot)
@@ -889,9 +844,9 @@ class TieredStore:
             )
             for rec in group:
                 rec.op = op
-                rec.write_future._op = op
+                rec.write_future.follow(op)
                 for fut, _tier in rec.waiters:
-                    fut._op = op
+                    fut.follow(op)
                 futs.append(rec.write_future)
             self._write.start()
             self._ops.add(op)
@@ -927,7 +882,7 @@ class TieredStore:
                 self._feed_pool()
         finally:
             try:
-                self._resolve(res)  # before finished: whoever waits on it finds its future settled
+                settle(res)  # before finished: whoever waits on it finds its future settled
             finally:
                 op.set_finished()
 
@@ -1019,7 +974,7 @@ class TieredStore:
         op = IoOp("h2d", req, [rec], rec.nbytes)
         rec.op = op
         for fut, _tier in rec.waiters:
-            fut._op = op
+            fut.follow(op)
         self._h2d.start()
         self._ops.add(op)
         self._reaper.add(op)
@@ -1173,30 +1128,12 @@ class TieredStore:
                 f"but the key was registered as {rec.dtype} {rec.shape}"
             )
 
-    def _resolve(self, res: list) -> None:
-        for fut, value, exc in res:
-            if fut is None or fut.done():
-                continue
-            if exc is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(exc)
-
     def _count_wait(self, seconds: float) -> None:
         with self._stats_lock:
             self._wait_s += seconds
 
-    def _close_handles(self) -> None:
-        if self._own_aio:
-            self._rio.close()
-            self._wio.close()
 
-
-def _open_existing(handle: Any, path: str) -> Any:
-    return handle.open(path, "rw", create=False)
-
-
-def _finalize(records, ops, swap, reaper, own_aio, rio, wio) -> None:
+def _finalize(records, ops, swap, reaper, io: IoHandles) -> None:
     """A store dropped without close(): wait for its I/O, give its regions back, remove its files."""
     for op in list(ops):
         op.wait_io(None)
@@ -1205,8 +1142,6 @@ def _finalize(records, ops, swap, reaper, own_aio, rio, wio) -> None:
         if rec.slot is not None and not rec.slot.region.released:
             rec.slot.members = 0
             rec.slot.region.release()
-    if own_aio:
-        rio.close()
-        wio.close()
+    io.close()
     if swap is not None:
         swap.close()
