@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("infinity.store")
 
@@ -154,6 +154,13 @@ class IoOp:
 
     def wait_finished(self, timeout: float | None = None) -> bool:
         return self._finished or _wait_for(lambda: self._finished, timeout)
+
+
+class Outcome(NamedTuple):
+    """How an op's request ended, found by whoever completes the op, before it takes the store lock."""
+
+    error: BaseException | None  # None: it succeeded
+    crcs: list[int] | None = None  # integrity mode: each key's CRC32C, in op.recs order
 
 
 class StoreFuture:

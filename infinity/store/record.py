@@ -97,6 +97,13 @@ class Slot:
         self.members = 0  # records whose host view lies in this region
 
 
+def key_label(recs: list[KeyRecord]) -> str:
+    """How messages name a group of keys: the key, or how many and the first and last."""
+    if len(recs) == 1:
+        return f"key {recs[0].key!r}"
+    return f"{len(recs)} keys {recs[0].key!r} … {recs[-1].key!r}"
+
+
 class KeyRecord(TrackedRecord):
     """Everything the store knows about one key (see [Note: residency])."""
 
