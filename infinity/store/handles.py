@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from infinity.aio import AioConfig, AioFile, AioHandle
+from infinity.aio.handle import FileArg
 
 log = logging.getLogger("infinity.store")
 
@@ -46,11 +47,11 @@ class AioHandleLike(Protocol):
 
     def open(self, path: str, mode: str = "rw", *, create: bool = True) -> AioFile: ...
 
-    def pread_many(self, items: Iterable[tuple], file: Any = None) -> IoRequest: ...
+    def pread_many(self, items: Iterable[tuple], file: FileArg | None = None) -> IoRequest: ...
 
-    def pwrite_many(self, items: Iterable[tuple], file: Any = None) -> IoRequest: ...
+    def pwrite_many(self, items: Iterable[tuple], file: FileArg | None = None) -> IoRequest: ...
 
-    def register_buffers(self, buffers: Iterable[Any]) -> None: ...
+    def register_buffers(self, buffers: Iterable[torch.Tensor]) -> None: ...
 
     def close(self) -> None: ...
 
