@@ -35,6 +35,8 @@ from infinity.store.errors import StoreStateError
 from infinity.store.tracked import StateEnum, TrackedRecord
 
 if TYPE_CHECKING:
+    from infinity.memory import PoolRegion
+    from infinity.store.futures import IoOp, StoreFuture
     from infinity.store.swapspace import Extent
 
 
@@ -92,7 +94,7 @@ class Slot:
 
     __slots__ = ("region", "members")
 
-    def __init__(self, region):
+    def __init__(self, region: PoolRegion):
         self.region = region
         self.members = 0  # records whose host view lies in this region
 
@@ -153,11 +155,12 @@ class KeyRecord(TrackedRecord):
         self.host: torch.Tensor | None = None  # typed view of the resident host copy
         self.device: torch.Tensor | None = None  # device copy (CUDA)
         self.device_dirty = False
-        self.waiters: list = []  # (future, tier) resolved when the current transition ends
+        # (future, "host" | "device") of fetches resolved when the current transition ends
+        self.waiters: list[tuple[StoreFuture, str]] = []
         self.pending_dirty = False  # a fetch(overwrite=True) waits: become DIRTY when resident
         self.evict_after_write = False
-        self.write_future = None  # the future of the write in flight (WRITING)
-        self.op = None  # the I/O op in flight for this key
+        self.write_future: StoreFuture | None = None  # the future of the write in flight (WRITING)
+        self.op: IoOp | None = None  # the I/O op in flight for this key
         self.crc: int | None = None  # CRC32C of the data at home (integrity mode)
         self.error: BaseException | None = None  # a failed write-back, raised by flush/close
 
