@@ -13,28 +13,22 @@ future yet; a drop then only bumps ``gen`` and the submitting thread gives
 the hold back when its fetch returns.
 
 Each ``to_*`` method asserts the states it may leave and raises
-ScheduleError naming the key and both states otherwise.
+ScheduleError naming the key and both states otherwise (the TrackedRecord
+pattern, infinity/store/tracked.py).
 
 Threading: records are only touched under their scheduler's lock.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Hashable
-from typing import Any
 
 from infinity.schedule.errors import ScheduleError
+from infinity.store import StateEnum, StoreFuture, TrackedRecord
 
 
-class UnitState(enum.Enum):
-    """The scheduler's side of a key (the store has its own residency state)."""
-
-    def __new__(cls, value: str, doc: str) -> UnitState:
-        obj = object.__new__(cls)
-        obj._value_ = value
-        obj.__doc__ = doc
-        return obj
+class UnitState(StateEnum):
+    """The scheduler's side of a key (the store's side is its Residency)."""
 
     IDLE = ("idle", "The scheduler holds nothing for it (the store may still cache it).")
     PREFETCHED = (
@@ -53,11 +47,14 @@ DISCRETIONARY = (UnitState.PREFETCHED, UnitState.KEPT)
 """Held on the scheduler's own judgement, so dropped first when room is needed."""
 
 
-class UnitRecord:
+class UnitRecord(TrackedRecord):
+    """What the scheduler knows about one key (see [Note: unit states])."""
+
+    transition_error = ScheduleError
+    transition_name = "scheduler transition"
+
     __slots__ = (
-        "key",
         "nbytes",
-        "state",
         "users",
         "future",
         "submitting",
@@ -68,24 +65,15 @@ class UnitRecord:
     )
 
     def __init__(self, key: Hashable, nbytes: int):
-        self.key = key
+        super().__init__(key, UnitState.IDLE)
         self.nbytes = nbytes
-        self.state = UnitState.IDLE
         self.users = 0  # callers holding it (acquires not yet released)
-        self.future: Any = None  # the StoreFuture of the scheduler's hold
+        self.future: StoreFuture | None = None  # the StoreFuture of the scheduler's hold
         self.submitting = False  # a thread is inside store.fetch for it; no future yet
         self.gen = 0  # bumped whenever it becomes live or is dropped
         self.read_step = -1  # the step in which our fetch last caused a read from NVMe
         self.read_used = True  # that read's data has been handed to a caller
         self.moves = False  # its prefetch moved data (counts against the bucket while PREFETCHED)
-
-    def _move(self, to: UnitState, allowed: tuple[UnitState, ...]) -> None:
-        if self.state not in allowed:
-            raise ScheduleError(
-                f"key {self.key!r}: illegal scheduler transition {self.state.value} → {to.value} "
-                f"(allowed only from {', '.join(s.value for s in allowed)})"
-            )
-        self.state = to
 
     def to_prefetched(self) -> None:
         self._move(UnitState.PREFETCHED, (UnitState.IDLE,))

@@ -16,6 +16,7 @@ from infinity.store.record import KeySpec, Residency
 from infinity.store.stats import StoreStats, TierTraffic
 from infinity.store.store import TieredStore
 from infinity.store.swapdir import reclaim_stale
+from infinity.store.tracked import StateEnum, TrackedRecord
 
 __all__ = [
     "IntegrityError",
@@ -25,9 +26,11 @@ __all__ = [
     "StoreFuture",
     "StoreIOError",
     "StoreStateError",
+    "StateEnum",
     "StoreStats",
     "SwapSpaceError",
     "TierTraffic",
     "TieredStore",
+    "TrackedRecord",
     "reclaim_stale",
 ]

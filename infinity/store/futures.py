@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger("infinity.store")
 
@@ -156,6 +156,13 @@ class IoOp:
         return self._finished or _wait_for(lambda: self._finished, timeout)
 
 
+class Outcome(NamedTuple):
+    """How an op's request ended, found by whoever completes the op, before it takes the store lock."""
+
+    error: BaseException | None  # None: it succeeded
+    crcs: list[int] | None = None  # integrity mode: each key's CRC32C, in op.recs order
+
+
 class StoreFuture:
     """A store operation's result: ``result(timeout=None)``, ``done()``, ``exception()``,
     ``add_done_callback()``.
@@ -188,6 +195,10 @@ class StoreFuture:
 
     def done(self) -> bool:
         return self._done
+
+    def follow(self, op: IoOp) -> None:
+        """Makes ``op`` the op whose completion settles this future: waiting on it drives ``op``."""
+        self._op = op
 
     def cancel(self) -> bool:
         return False  # store transitions cannot be undone half way
@@ -285,16 +296,33 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
+Settlement = tuple[StoreFuture | None, Any, BaseException | None]
+"""(future, value, exception) decided under the store lock, settled by ``settle`` after it."""
+
+
+def settle(settlements: list[Settlement]) -> None:
+    """Settles futures decided under the store lock; called after releasing it, so that their
+    callbacks may call the store (see [Note: completing ops]). A future settled already is left."""
+    for fut, value, exc in settlements:
+        if fut is None or fut.done():
+            continue
+        if exc is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(exc)
+
+
 def done_future(value: Any = None, label: str = "") -> StoreFuture:
     f = StoreFuture(label=label)
     f.set_result(value)
     return f
 
 
-def gather(futures: Sequence[StoreFuture], store: Any, label: str) -> StoreFuture:
-    """A future that completes when all of ``futures`` have; it raises the first failure."""
-    out = StoreFuture(store, None, label)
-    out._store = None  # waiting is counted by the dependencies
+def gather(futures: Sequence[StoreFuture], label: str) -> StoreFuture:
+    """A future that completes when all of ``futures`` have; it raises the first failure.
+
+    It has no store of its own: waiting on it drives (and is counted by) its dependencies."""
+    out = StoreFuture(None, None, label)
     out._deps = tuple(futures)
     if not futures:
         out.set_result(None)

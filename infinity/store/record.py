@@ -17,8 +17,9 @@ with holds cannot be evicted, written, flushed or unregistered. A resident key
 with no holds is a cache entry (in the store's LRU) until the pool needs room.
 
 Each ``to_*`` method asserts the states it may leave from and raises
-StoreStateError naming the key and both states otherwise; the store checks
-user-visible rules (holds, pending I/O) before calling them.
+StoreStateError naming the key and both states otherwise (the TrackedRecord
+pattern, tracked.py); the store checks user-visible rules (holds, pending I/O)
+before calling them.
 
 Threading: records are only touched under their store's lock.
 """
@@ -26,25 +27,21 @@ Threading: records are only touched under their store's lock.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from infinity.store.errors import StoreStateError
+from infinity.store.tracked import StateEnum, TrackedRecord
 
 if TYPE_CHECKING:
+    from infinity.memory import PoolRegion
+    from infinity.store.futures import IoOp, StoreFuture
     from infinity.store.swapspace import Extent
 
 
-class Residency(enum.Enum):
+class Residency(StateEnum):
     """Where a key's data is (see [Note: residency]); each member's ``__doc__`` says what it means."""
-
-    def __new__(cls, value: str, doc: str) -> Residency:
-        obj = object.__new__(cls)
-        obj._value_ = value
-        obj.__doc__ = doc
-        return obj
 
     AT_REST = (
         "at rest",
@@ -97,21 +94,28 @@ class Slot:
 
     __slots__ = ("region", "members")
 
-    def __init__(self, region):
+    def __init__(self, region: PoolRegion):
         self.region = region
         self.members = 0  # records whose host view lies in this region
 
 
-class KeyRecord:
+def key_label(recs: list[KeyRecord]) -> str:
+    """How messages name a group of keys: the key, or how many and the first and last."""
+    if len(recs) == 1:
+        return f"key {recs[0].key!r}"
+    return f"{len(recs)} keys {recs[0].key!r} … {recs[-1].key!r}"
+
+
+class KeyRecord(TrackedRecord):
     """Everything the store knows about one key (see [Note: residency])."""
 
+    transition_error = StoreStateError
+
     __slots__ = (
-        "key",
         "shape",
         "dtype",
         "nbytes",
         "home",
-        "state",
         "holds",
         "dirty",
         "written",
@@ -134,12 +138,11 @@ class KeyRecord:
     def __init__(
         self, key: Any, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, home: str
     ):
-        self.key = key
+        super().__init__(key, Residency.AT_REST)
         self.shape = shape
         self.dtype = dtype
         self.nbytes = nbytes
         self.home = home
-        self.state = Residency.AT_REST
         self.holds = 0
         self.dirty = False  # the resident copy is newer than home
         self.written = (
@@ -152,11 +155,12 @@ class KeyRecord:
         self.host: torch.Tensor | None = None  # typed view of the resident host copy
         self.device: torch.Tensor | None = None  # device copy (CUDA)
         self.device_dirty = False
-        self.waiters: list = []  # (future, tier) resolved when the current transition ends
+        # (future, "host" | "device") of fetches resolved when the current transition ends
+        self.waiters: list[tuple[StoreFuture, str]] = []
         self.pending_dirty = False  # a fetch(overwrite=True) waits: become DIRTY when resident
         self.evict_after_write = False
-        self.write_future = None  # the future of the write in flight (WRITING)
-        self.op = None  # the I/O op in flight for this key
+        self.write_future: StoreFuture | None = None  # the future of the write in flight (WRITING)
+        self.op: IoOp | None = None  # the I/O op in flight for this key
         self.crc: int | None = None  # CRC32C of the data at home (integrity mode)
         self.error: BaseException | None = None  # a failed write-back, raised by flush/close
 
@@ -188,14 +192,6 @@ class KeyRecord:
         )
 
     # -- transitions ---------------------------------------------------------
-
-    def _move(self, to: Residency, allowed: tuple[Residency, ...]) -> None:
-        if self.state not in allowed:
-            raise StoreStateError(
-                f"key {self.key!r}: illegal transition {self.state.value} → {to.value} "
-                f"(allowed only from {', '.join(s.value for s in allowed)})"
-            )
-        self.state = to
 
     def to_reading(self) -> None:
         self._move(Residency.READING, (Residency.AT_REST,))

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from infinity.aio import DIRECT_ALIGNMENT, AioFile
 from infinity.memory import RangeAllocator, format_nbytes, round_up
 from infinity.store.errors import SwapSpaceError
+from infinity.store.handles import AioHandleLike
 from infinity.store.nvme_path import expand, free_nbytes, space_error
 from infinity.store.swapdir import SwapDir
 
@@ -224,3 +226,48 @@ class SwapSpace:
             files.clear()
         for d in self.dirs:
             d.close()
+
+
+def open_swap(
+    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None,
+    *,
+    handle: AioHandleLike,
+    store_id: str,
+    store_name: str,
+    stripe_nbytes: int | None,
+    file_nbytes: int,
+) -> SwapSpace | None:
+    """A store's swap space under ``nvme_path`` (a directory, or one per drive), None without one.
+
+    Files are opened on ``handle``; the stripe unit defaults to its block_size
+    and must be a multiple of it, so a block-sized piece lies on one drive."""
+    roots = _paths(nvme_path)
+    if not roots:
+        return None
+    block = handle.config.block_size
+    if stripe_nbytes is not None and (stripe_nbytes <= 0 or stripe_nbytes % block):
+        raise ValueError(
+            f"stripe_nbytes must be a positive multiple of aio.block_size ({block}), "
+            f"got {stripe_nbytes}: a block-sized piece must lie on one drive"
+        )
+    return SwapSpace(
+        roots,
+        store_id=store_id,
+        store_name=store_name,
+        # bound to the handle, not the store: SwapSpace outlives it in the finalizer
+        open_file=functools.partial(_open_existing, handle),
+        stripe_nbytes=stripe_nbytes or block,
+        file_nbytes=file_nbytes,
+    )
+
+
+def _paths(nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[Path]:
+    if nvme_path is None:
+        return []
+    if isinstance(nvme_path, (str, os.PathLike)):
+        return [Path(nvme_path)]
+    return [Path(p) for p in nvme_path]
+
+
+def _open_existing(handle: AioHandleLike, path: str) -> AioFile:
+    return handle.open(path, "rw", create=False)

@@ -118,3 +118,18 @@ def test_integrity_covers_write_back_of_overwritten_keys(make_store):
     assert torch.equal(store.fetch("g").result(10), torch.full((2048,), 3.0))
     assert store.stats().integrity_checks == 1
     store.release("g")
+
+
+def test_a_write_whose_copy_fails_gives_its_region_back(make_store):
+    store = make_store()
+    store.register("k", (1024,), torch.float32)
+    # Right dtype and size, so the write is admitted; copying out of a meta tensor then raises.
+    fut = store.write("k", torch.empty(1024, device="meta"))
+    with pytest.raises(NotImplementedError):
+        fut.result()
+    assert store.spec("k").state is Residency.AT_REST and not store.spec("k").holds
+    assert store.pool.stats().in_use == 0
+    assert store._check_invariants() == 0
+    store.write("k", torch.ones(1024)).result()  # the key is writable again
+    assert torch.equal(store.fetch("k").result(), torch.ones(1024))
+    store.release("k")
