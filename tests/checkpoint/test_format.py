@@ -122,3 +122,42 @@ def test_client_state_round_trip_without_pickle(saved, tmp_path):
     assert back["inf"] == math.inf
     assert torch.equal(back["t"], state["t"]) and torch.equal(back["half"], state["half"])
     assert torch.equal(back["np"], torch.arange(3))
+
+
+def test_files_are_private_to_their_owner(saved, nvme_dir, monkeypatch):
+    """A checkpoint holds weights, moments, RNG and client state: like the swap files, its files are
+    0600 and its directories 0700 (the hidden directory it is written in, the manifest, ``latest`` and
+    the directories the save creates), whatever the umask."""
+    import os
+    import stat
+
+    from infinity.engine.checkpoint import atomic
+
+    engine, _ = saved
+    modes = {}
+
+    def record(p):
+        st = p.stat()
+        modes[p] = (stat.S_IMODE(st.st_mode), 0o700 if stat.S_ISDIR(st.st_mode) else 0o600)
+
+    publish = atomic.publish
+
+    def spy(tmp, final, nonce):  # the hidden directory, complete, just before it is renamed into place
+        for p in [tmp, *tmp.iterdir()]:
+            record(p)
+        return publish(tmp, final, nonce)
+
+    monkeypatch.setattr(atomic, "publish", spy)
+    root = nvme_dir / "new" / "ckpt"
+    old = os.umask(0o022)
+    try:
+        engine.save_checkpoint(root, tag="a")
+        engine.save_checkpoint(root, tag="a")  # replacing a checkpoint too
+    finally:
+        os.umask(old)
+    for p in [nvme_dir / "new", root, *root.rglob("*")]:
+        record(p)
+    assert any(atomic.PARTIAL in p.name for p in modes) and root / "latest" in modes
+    assert root / "a" / "manifest.json" in modes
+    wrong = {str(p): oct(m) for p, (m, want) in modes.items() if m != want}
+    assert not wrong, f"readable or writable by others: {wrong}"

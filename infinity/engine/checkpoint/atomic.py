@@ -12,6 +12,9 @@
    ``<tag>`` missing names that copy).
 4. Last, rank 0 points ``latest`` at the tag: temporary file, fsync,
    rename, fsync ``<root>``.
+Every file is created 0600 and every directory 0700 (FILE_MODE, DIR_MODE),
+as the swap files are: a checkpoint holds the weights, the optimizer state,
+the RNG and the client state, which are no other local user's business.
 A process killed at any point therefore leaves: the previous checkpoint and
 ``latest`` untouched (steps 1-3), or the new checkpoint complete but not yet
 ``latest`` (between 3 and 4). What it leaves behind is a ``.partial-``
@@ -42,6 +45,9 @@ log = logging.getLogger("infinity.checkpoint")
 PARTIAL = ".partial-"
 REPLACED = ".replaced-"
 
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -58,6 +64,31 @@ def validate_tag(tag: str) -> str:
 
 def partial_dir(root: Path, tag: str, nonce: str) -> Path:
     return root / f".{tag}{PARTIAL}{nonce}"
+
+
+def make_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents with DIR_MODE (``mkdir -p`` gives parents the umask's
+    mode); existing directories keep theirs. Raises NotADirectoryError naming a component that is a file."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        if p.exists() or p.is_symlink():
+            what = "a file" if p.is_file() else "a dangling link or a special file"
+            where = "" if p == path else f", so the checkpoint directory '{path}' cannot be created"
+            raise NotADirectoryError(
+                f"'{p}' is {what}, not a directory{where}; save the checkpoint to a directory (it is created "
+                "if missing), or move that file away"
+            )
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
 
 
 def fsync_path(path: Path | str, *, directory: bool = False) -> None:
@@ -85,7 +116,7 @@ def space_error(path: Path | str, need_nbytes: int, what: str) -> CheckpointSpac
 def write_durably(path: Path, data: bytes, what: str) -> None:
     """Creates ``path`` (never over an existing file), writes ``data`` and fsyncs it."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
         raise FileExistsError(f"{path} already exists; another save is writing the same checkpoint") from None
     try:

@@ -192,12 +192,12 @@ def _prepare(engine: Any, client_state: Any) -> _Prepared:
 
 
 def _make_directory(root: Path, tag: str, tmp: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
+    atomic.make_dirs(root)
     for stale in atomic.leftovers(root):
         if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
             log.info("removing '%s', left by an interrupted save of the same tag", stale)
             shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(atomic.DIR_MODE)
     atomic.fsync_path(root, directory=True)
 
 
