@@ -5,6 +5,7 @@ schedule, loss scale, RNG)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -208,3 +209,25 @@ def test_verify_false_still_checks_each_tensor_as_it_lands(setup, tmp_path):
         engine.load_checkpoint(bad.parent, verify=False)
     engine.load_checkpoint(ckpt)  # a good load repairs it
     assert engine.global_steps == N_STEPS
+
+
+@pytest.mark.parametrize("content", ["../other/good", "ABSOLUTE", ".good", "good/", "latest"])
+def test_latest_naming_something_else_than_a_tag_is_refused(setup, tmp_path, content):
+    """``latest`` is followed like a tag given by hand: a path out of the checkpoint root (relative or
+    absolute), a hidden or nested name is refused, naming the file and what it holds, although a good
+    checkpoint is where it points."""
+    engine, _, ckpt = setup
+    good = tmp_path / "other" / "good"
+    shutil.copytree(ckpt, good)
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(good, root / ".good")
+    shutil.copytree(good, root / "good")
+    text = str(good) if content == "ABSOLUTE" else content
+    (root / "latest").write_text(text + "\n")
+    err = refused(engine, root, CheckpointCorruptError, "latest")
+    assert f"'{root / 'latest'}'" in str(err) and repr(text) in str(err), str(err)
+    from infinity.engine.checkpoint import export_checkpoint
+
+    with pytest.raises(CheckpointCorruptError, match=re.escape(repr(text))):
+        export_checkpoint(root, tmp_path / "m.safetensors")

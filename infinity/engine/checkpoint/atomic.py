@@ -34,6 +34,7 @@ import shutil
 from pathlib import Path
 
 from infinity.engine.checkpoint.errors import (
+    CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     CheckpointSpaceError,
@@ -52,9 +53,15 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def is_tag(tag: str) -> bool:
+    """A tag names a directory directly in the checkpoint root: never a path out of it, a hidden name
+    (the partial directories of saves in progress) or ``latest``."""
+    return bool(tag) and not tag.startswith(".") and "/" not in tag and "\0" not in tag and tag != LATEST
+
+
 def validate_tag(tag: str) -> str:
     tag = str(tag)
-    if not tag or tag.startswith(".") or "/" in tag or "\0" in tag or tag == LATEST:
+    if not is_tag(tag):
         raise ValueError(
             f"checkpoint tag {tag!r} is not usable as a directory name: it must be non-empty, must not "
             f"start with '.', contain '/' or be {LATEST!r}"
@@ -180,11 +187,29 @@ def write_latest(root: Path, tag: str, nonce: str) -> None:
 
 
 def read_latest(root: Path) -> str | None:
+    """The tag ``root/latest`` names, or None without that file. Raises CheckpointCorruptError naming the
+    file and its content where that is not a tag (a path out of ``root`` is never followed)."""
+    path = root / LATEST
     try:
-        text = (root / LATEST).read_text().strip()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    return text or None
+    except IsADirectoryError:
+        raise CheckpointCorruptError(
+            f"'{path}' is a directory; it must be a file holding the tag of a checkpoint in '{root}' (remove "
+            "or rename that directory, or pass tag=...)",
+            path=str(path),
+        ) from None
+    text = raw.decode("utf-8", "replace").strip()
+    if not is_tag(text):
+        raise CheckpointCorruptError(
+            f"'{path}' holds {text!r}, which is not the tag of a checkpoint in '{root}': a tag is the name of a "
+            "directory directly in that root (not empty, no '/', not starting with '.'), and a path elsewhere "
+            f"is never followed; write a tag there (complete checkpoints: {', '.join(complete_tags(root)) or 'none'}) "
+            "or pass tag=...",
+            path=str(path),
+        )
+    return text
 
 
 def leftovers(root: Path) -> list[Path]:
