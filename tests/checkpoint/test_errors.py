@@ -217,6 +217,7 @@ def test_latest_naming_something_else_than_a_tag_is_refused(setup, tmp_path, con
     absolute), a hidden or nested name is refused, naming the file and what it holds, although a good
     checkpoint is where it points."""
     engine, _, ckpt = setup
+    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
     good = tmp_path / "other" / "good"
     shutil.copytree(ckpt, good)
     root = tmp_path / "root"
@@ -231,3 +232,70 @@ def test_latest_naming_something_else_than_a_tag_is_refused(setup, tmp_path, con
 
     with pytest.raises(CheckpointCorruptError, match=re.escape(repr(text))):
         export_checkpoint(root, tmp_path / "m.safetensors")
+
+
+def flip_bit_at(path, needle: bytes, *, after: int = 0) -> None:
+    """Flips the lowest bit of the byte ``after`` bytes past the end of ``needle`` (first match)."""
+    data = bytearray(Path(path).read_bytes())
+    at = data.index(needle) + len(needle) + after
+    data[at] ^= 1
+    Path(path).write_bytes(bytes(data))
+
+
+def _client_state_and_its_checksum(bad: Path) -> None:
+    """The client state changed in the rank file, and the manifest's CRC32C of that file updated to match."""
+    import json
+
+    from infinity.aio import crc32c
+
+    rank = bad / "rank-00000.safetensors"
+    flip_bit_at(rank, b'client_state\\": {\\"epoch\\": ')  # 3 -> 2, inside the JSON string in __metadata__
+    m = json.loads((bad / "manifest.json").read_bytes())
+    m["files"][rank.name]["crc32c"] = crc32c(rank.read_bytes())
+    (bad / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+# what is changed: (the file to be named, how)
+TAMPERED = {
+    "manifest-global_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"global_steps": ')),
+    "manifest-skipped_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"skipped_steps": ')),
+    "manifest-micro_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"micro_steps": ')),
+    "part-header-metadata": ("part-00000-of-00001.safetensors",
+                             lambda bad: flip_bit_at(bad / "part-00000-of-00001.safetensors", b'"partition":"')),
+    "client-state": ("manifest.json", _client_state_and_its_checksum),
+}
+
+
+@pytest.mark.parametrize("what", list(TAMPERED))
+def test_a_tampered_small_file_is_named_and_changes_nothing(setup, tmp_path, what):
+    """Everything a load trusts is checksummed: the manifest (counters, layout, the other files' sizes and
+    checksums), each part file's header, each rank file whole (RNG, client state). One flipped bit, or a
+    change with its checksum updated beside it, raises before anything changes, naming the file."""
+    engine, _, _ = setup
+    ckpt = engine.save_checkpoint(tmp_path / "saved", client_state={"epoch": 3})
+    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
+    bad = copy_of(ckpt, tmp_path)
+    name, tamper = TAMPERED[what]
+    tamper(bad)
+    err = refused(engine, bad.parent, CheckpointCorruptError, re.escape(str(bad / name)))
+    assert "CRC32C" in str(err) or "checksum" in str(err), str(err)
+
+
+def test_a_version_1_checkpoint_loads_with_a_warning(setup, tmp_path, caplog):
+    """Format version 1 had no manifest or part-header checksums: still read, saying that they are trusted."""
+    import json
+    import logging
+
+    engine, _, _ = setup
+    ckpt = engine.save_checkpoint(tmp_path / "saved")
+    steps = engine.global_steps
+    train(engine, steps, 1)
+    old = copy_of(ckpt, tmp_path)
+    m = json.loads((old / "manifest.json").read_bytes())
+    del m["manifest_crc32c"]
+    m["version"] = 1
+    (old / "manifest.json").write_text(json.dumps(m, indent=1))
+    with caplog.at_level(logging.WARNING, logger="infinity.checkpoint"):
+        engine.load_checkpoint(old.parent)
+    assert engine.global_steps == steps
+    assert any("format version 1" in r.getMessage() and "trusted" in r.getMessage() for r in caplog.records)

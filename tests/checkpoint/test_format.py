@@ -32,9 +32,13 @@ def test_files_manifest_and_checksums(saved):
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["global_step3", "latest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "manifest.json", "part-00000-of-00001.safetensors", "rank-00000.safetensors"]
-    m = json.loads((ckpt / "manifest.json").read_text())
+    raw = (ckpt / "manifest.json").read_bytes()
+    m = json.loads(raw)
     assert (m["format"], m["version"], m["world_size"], m["stage"], m["partitions"]) == (
-        "infinity.checkpoint", 1, 1, 3, 1)
+        "infinity.checkpoint", 2, 1, 3, 1)
+    # The last field is the CRC32C of every byte before it.
+    field = raw.rindex(b',\n "manifest_crc32c": ')
+    assert list(m)[-1] == "manifest_crc32c" and crc32c(raw[:field]) == m["manifest_crc32c"]
     assert (m["global_steps"], m["micro_steps"], m["train_dtype"]) == (N_STEPS, 2 * N_STEPS, "float32")
     assert m["config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
     slots = {s["name"]: s for u in m["units"] for s in u["slots"]}
@@ -57,6 +61,7 @@ def test_shards_are_aligned_safetensors_holding_the_store_contents(saved):
     with safe_open(str(ckpt / "rank-00000.safetensors"), "pt") as f:
         state = json.loads(f.metadata()["state"])
     crcs = state["part"]["crc32c"]
+    assert crc32c(part.read_bytes()[: header.data_start]) == state["part"]["header_crc32c"]  # the whole header
     shards = snapshot(engine)["shards"]
     with safe_open(str(part), "pt") as f:  # readable by the safetensors package itself
         assert f.metadata()["kind"] == "part"

@@ -39,6 +39,7 @@ from infinity.engine.checkpoint.format import (
     Header,
     build_header,
     dtype_name,
+    manifest_bytes,
     part_name,
     rank_name,
 )
@@ -149,9 +150,11 @@ def _capture_small(engine: Any, client_state: Any, param_names: list[str],
 
 
 def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_file: str | None,
-               part_crcs: dict[str, int] | None) -> bytes:
-    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors."""
-    state = {**state, "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs}}
+               part_crcs: dict[str, int] | None, header_crc: int | None) -> bytes:
+    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors and
+    of its part's header."""
+    state = {**state, "part": None if part_file is None else
+             {"file": part_file, "crc32c": part_crcs, "header_crc32c": header_crc}}
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
     return safetensors.torch.save(tensors, metadata=meta)
 
@@ -205,7 +208,7 @@ def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bo
     """This rank's part file (if it owns a partition) and rank file; returns [part bytes, rank file bytes,
     rank file CRC32C] for the manifest."""
     rank = engine.group.rank
-    crcs = part_file = None
+    crcs = part_file = header_crc = None
     if rank < prep.partitions:
         part_file = part_name(rank, prep.partitions)
         entries = prep.layout.entries
@@ -216,7 +219,8 @@ def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bo
                 ([SaveItem(entries[p.name], p.ref, p.tensor) for p in g] for g in prep.groups),
                 file_nbytes=prep.layout.file_nbytes, progress=bar,
             )
-    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs)
+        header_crc = crc32c(prep.header)
+    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs, header_crc)
     atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
     return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
 
@@ -231,7 +235,7 @@ def _publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonc
         files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
     _check_files_present(tmp, files)
     manifest = _manifest(engine, tag, prep.partitions, files, prep.small[2])
-    atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
+    atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
     atomic.fsync_path(tmp, directory=True)
     atomic.publish(tmp, root / tag, nonce)
     atomic.write_latest(root, tag, nonce)
