@@ -148,7 +148,7 @@ def test_full_disk(setup, tmp_path):
         with pytest.raises(CheckpointSpaceError, match=rf"no space left.*{disk}") as info:
             engine.save_checkpoint(disk / "ckpt", tag="second")
         assert "free space there or save the checkpoint to another directory" in str(info.value)
-        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["first", "latest"]
+        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == [".infinity-save.lock", "first", "latest"]
         assert (disk / "ckpt" / "latest").read_text().strip() == "first"
         assert first.name == "first"
         engine.load_checkpoint(disk / "ckpt")  # "first" is the state the engine was in
@@ -299,3 +299,24 @@ def test_a_version_1_checkpoint_loads_with_a_warning(setup, tmp_path, caplog):
         engine.load_checkpoint(old.parent)
     assert engine.global_steps == steps
     assert any("format version 1" in r.getMessage() and "trusted" in r.getMessage() for r in caplog.records)
+
+
+def test_save_into_a_file_says_so(setup, tmp_path):
+    """A save_dir (or a directory on its way) that is a file, or a tag that names a file, is refused naming
+    it, and the file is left alone; a load from a file says the same."""
+    engine, _, _ = setup
+    f = tmp_path / "ckpt"
+    f.write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"'{f}' is a file, not a directory;")):
+        engine.save_checkpoint(f)
+    with pytest.raises(NotADirectoryError, match=re.escape(
+            f"'{f}' is a file, not a directory, so the checkpoint directory '{f / 'sub'}' cannot be created")):
+        engine.save_checkpoint(f / "sub")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "t").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"'{root / 't'}' is a file, not a directory, so checkpoint 't'")):
+        engine.save_checkpoint(root, tag="t")
+    assert f.read_text() == "not a directory" and (root / "t").read_text() == "a file"
+    assert not [p for p in root.iterdir() if ".partial-" in p.name]
+    refused(engine, f, CheckpointNotFoundError, re.escape(f"'{f}' is a file, not a directory"))

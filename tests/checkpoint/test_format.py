@@ -29,7 +29,7 @@ def saved(nvme_dir):
 
 def test_files_manifest_and_checksums(saved):
     engine, ckpt = saved
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["global_step3", "latest"]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [".infinity-save.lock", "global_step3", "latest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "manifest.json", "part-00000-of-00001.safetensors", "rank-00000.safetensors"]
     raw = (ckpt / "manifest.json").read_bytes()

@@ -7,6 +7,7 @@ everything else in JSON. See format.py for the layout on disk.
 """
 
 from infinity.engine.checkpoint.errors import (
+    CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
@@ -21,6 +22,7 @@ from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import save_checkpoint
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointIncompleteError",

@@ -33,21 +33,19 @@ import os
 import shutil
 from pathlib import Path
 
+from infinity.engine.checkpoint import lock
 from infinity.engine.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     CheckpointSpaceError,
 )
-from infinity.engine.checkpoint.format import LATEST, MANIFEST
+from infinity.engine.checkpoint.format import DIR_MODE, FILE_MODE, LATEST, MANIFEST
 
 log = logging.getLogger("infinity.checkpoint")
 
 PARTIAL = ".partial-"
 REPLACED = ".replaced-"
-
-FILE_MODE = 0o600
-DIR_MODE = 0o700
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -229,7 +227,20 @@ def complete_tags(root: Path) -> list[str]:
 
 
 def warn_leftovers(root: Path) -> None:
+    """Logs each hidden directory in ``root``: being written by a save in progress (see [Note: one save
+    per root] in lock.py), or left by an interrupted one (a warning: it can be deleted)."""
+    owner = lock.current_owner(root)
     for p in leftovers(root):
+        if owner is not None and p.name == owner.get("dir"):
+            running = lock.is_running(owner)
+            if running:
+                log.info("ignoring '%s': a save in progress is writing it (%s)", p, lock.describe(owner))
+                continue
+            if running is None:
+                log.warning("ignoring '%s': not a checkpoint yet; it is being written by a save on another host (%s) "
+                            "unless that save was interrupted: leave it while that save may run", p,
+                            lock.describe(owner))
+                continue
         kind = "an interrupted save" if PARTIAL in p.name else "an interrupted replacement of a checkpoint"
         log.warning(
             "ignoring '%s': left incomplete by %s (the process was killed or failed mid-save); it is not a "
@@ -245,6 +256,11 @@ def resolve(path: Path | str, tag: str | None, *, warn: bool = True) -> Path:
     CheckpointNotFoundError / CheckpointIncompleteError saying what is there."""
     root = Path(path)
     if not root.is_dir():
+        if root.exists():
+            raise CheckpointNotFoundError(
+                f"'{root}' is a file, not a directory: pass the checkpoint directory (or the directory holding "
+                f"'{LATEST}') that save_checkpoint wrote"
+            )
         raise CheckpointNotFoundError(f"checkpoint directory '{root}' does not exist")
     if tag is None and (root / MANIFEST).is_file():
         return root

@@ -50,6 +50,9 @@ VERSION = 2
 CHECKSUMMED_SINCE = 2  # the first version with manifest_crc32c and the part headers' CRC32C
 MANIFEST = "manifest.json"
 LATEST = "latest"
+# Who may read a checkpoint: its owner only, as with the swap files (weights, moments, RNG, client state).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 ALIGN = 4096
 MAX_HEADER_NBYTES = 100 << 20  # the safetensors package's own limit
 

@@ -3,7 +3,8 @@
 Phases (each ends in ``agree``, see collective.py):
 1. Capture the small state in memory (RNG, counters, client state, ...): a
    client_state that a checkpoint cannot hold fails here, before any file.
-2. Rank 0 creates the hidden directory (see [Note: publishing a checkpoint]).
+2. Rank 0 takes the root's lock ([Note: one save per root] in lock.py) and
+   creates the hidden directory (see [Note: publishing a checkpoint]).
 3. Each rank < partitions writes its part file (units in order, a unit's
    master / exp_avg / exp_avg_sq fetched from the stores and written with the
    aio engine, never the full model in memory); every rank writes its rank
@@ -11,7 +12,8 @@ Phases (each ends in ``agree``, see collective.py):
 4. Rank 0 checks every rank's file is there, writes manifest.json, renames
    the directory into place, then points ``latest`` at it.
 On an exception in any phase every rank raises, and rank 0 removes the
-hidden directory; a killed process leaves it for loaders to skip.
+hidden directory and releases the lock; a killed process leaves the
+directory for loaders to skip (and its lock is released by the kernel).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
 from infinity.engine.checkpoint.format import (
     ALIGN,
+    DIR_MODE,
     FORMAT,
     MANIFEST,
     VERSION,
@@ -43,6 +46,7 @@ from infinity.engine.checkpoint.format import (
     part_name,
     rank_name,
 )
+from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.state import (
@@ -194,14 +198,27 @@ def _prepare(engine: Any, client_state: Any) -> _Prepared:
     return _Prepared(partitions, groups, header, layout, small)
 
 
-def _make_directory(root: Path, tag: str, tmp: Path) -> None:
+def _make_directory(root: Path, tag: str, tmp: Path) -> SaveLock:
+    """Rank 0: the root, its lock ([Note: one save per root]) and the hidden directory of this save."""
     atomic.make_dirs(root)
-    for stale in atomic.leftovers(root):
-        if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
-            log.info("removing '%s', left by an interrupted save of the same tag", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(atomic.DIR_MODE)
-    atomic.fsync_path(root, directory=True)
+    final = root / tag
+    if final.exists() and not final.is_dir():
+        raise NotADirectoryError(
+            f"'{final}' is a file, not a directory, so checkpoint '{tag}' cannot be saved there; move the file "
+            "away or choose another tag"
+        )
+    save_lock = SaveLock(root, tag, tmp)
+    try:
+        for stale in atomic.leftovers(root):
+            if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
+                log.info("removing '%s', left by an interrupted save of the same tag", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(DIR_MODE)
+        atomic.fsync_path(root, directory=True)
+    except BaseException:
+        save_lock.release()
+        raise
+    return save_lock
 
 
 def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
@@ -271,14 +288,29 @@ def save_checkpoint(
 
     nonce = shared_nonce(group)
     tmp = atomic.partial_dir(root, tag, nonce)
-    err = None
+    err, save_lock = None, None
     if group.rank == 0:
         try:
-            _make_directory(root, tag, tmp)
+            save_lock = _make_directory(root, tag, tmp)
         except Exception as e:
             err = e
-    agree(group, err, f"creating '{tmp}'")
+    try:
+        agree(group, err, f"creating '{tmp}'")
+        sizes = _write_and_publish(engine, prep, root, tmp, tag, nonce, progress)
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+    total = sum(a + b for a, b, _ in sizes)
+    dt = time.perf_counter() - t0
+    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
+             total / 1e9 / max(dt, 1e-9))
+    return root / tag
 
+
+def _write_and_publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
+                       progress: bool | None) -> list[list[int]]:
+    """Phases 3 and 4; returns every rank's [part bytes, rank file bytes, rank file CRC32C]."""
+    group = engine.group
     err, info = None, [0, 0, 0]
     try:
         info = _write_files(engine, prep, tmp, tag, progress)
@@ -299,11 +331,7 @@ def save_checkpoint(
             err = e
             shutil.rmtree(tmp, ignore_errors=True)
     agree(group, err, f"publishing checkpoint '{tag}'")
-    total = sum(a + b for a, b, _ in sizes)
-    dt = time.perf_counter() - t0
-    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
-             total / 1e9 / max(dt, 1e-9))
-    return root / tag
+    return sizes
 
 
 def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:

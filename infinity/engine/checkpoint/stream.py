@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from infinity.aio import AioError, AioFile, AioHandle, aligned_empty
-from infinity.engine.checkpoint.atomic import FILE_MODE, space_error
+from infinity.engine.checkpoint.atomic import space_error
 from infinity.engine.checkpoint.crc import Checksummer, PendingCrc
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
-from infinity.engine.checkpoint.format import ALIGN, Entry, round_up
+from infinity.engine.checkpoint.format import ALIGN, FILE_MODE, Entry, round_up
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.window import (
     DEFAULT_INFLIGHT_NBYTES,
