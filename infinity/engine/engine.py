@@ -221,6 +221,21 @@ class Engine:
         self._check_open()
         return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
 
+    def checkpoint_parts(self) -> checkpoint.TrainingParts:
+        """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace
+        (see [Note: the checkpoint's view of an engine] in infinity/engine/checkpoint/target.py)."""
+        rt = self.runtime
+        return checkpoint.TrainingParts(
+            units=rt.unit_map.units,
+            params=rt.params,
+            param_store=rt.param_store,
+            state_store=rt.state_store,
+            optimizer=rt.optimizer,
+            passthrough=rt.passthrough,
+            partitioner=rt.partitioner,
+            trace=self._trace,
+        )
+
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 
     def synchronize(self) -> None:

@@ -20,6 +20,7 @@ from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_mode
 from infinity.engine.checkpoint.load import load_checkpoint
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import save_checkpoint
+from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 
 __all__ = [
     "CheckpointBusyError",
@@ -31,6 +32,8 @@ __all__ = [
     "CheckpointPeerError",
     "CheckpointReader",
     "CheckpointSpaceError",
+    "CheckpointTarget",
+    "TrainingParts",
     "export_checkpoint",
     "load_checkpoint",
     "save_16bit_model",
