@@ -14,7 +14,8 @@ Phases, each ending in ``agree`` across ranks:
    (fetched with overwrite, then written home), rebuild the 16-bit or module
    parameters from the masters, then restore counters, schedule, loss scale,
    hyperparameters, buffers and RNG.
-Any error in phases 1-2, on any rank, leaves every engine untouched. Phase 3
+What is restored follows DeepSpeed's switches, see [Note: what a load
+restores] in scope.py. Any error in phases 1-2, on any rank, leaves every engine untouched. Phase 3
 checks each tensor's CRC32C again where it reads it whole; a mismatch there
 (the file changed since phase 2, or the drive misread) says that the state is
 partly loaded. ``verify=False`` skips phase 2 (half the reads) and accepts
@@ -50,10 +51,16 @@ from infinity.engine.checkpoint.model import (
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import param_names, partitions_of, unit_state_refs
+from infinity.engine.checkpoint.scope import (
+    Hyperparameters,
+    LoadScope,
+    hyperparameters,
+    messages,
+    schedule_differences,
+)
 from infinity.engine.checkpoint.state import (
     check_param_groups,
     param_group_of,
-    restore_hyperparameters,
     restore_rng,
     restore_scheduler,
 )
@@ -76,6 +83,8 @@ class _Plan:
     apply_nbytes: int
     small: dict[str, Any]  # decoded small state, applied last
     writes: list[StoreFuture]  # 16-bit shards written home during the apply, awaited at its end
+    scope: LoadScope
+    said: list[tuple[int, str]]  # (log level, line): which hyperparameters and schedule are in use
 
 
 def load_checkpoint(
@@ -83,21 +92,27 @@ def load_checkpoint(
     load_dir: str | os.PathLike,
     tag: str | None = None,
     *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
     verify_checksums: bool = True,
     progress: bool | None = None,
 ) -> Any:
     """Restores the state saved by save_checkpoint (``tag`` default: what ``latest`` names); returns the
-    client_state this rank saved. Every rank must call it. See [Note: a failed load changes nothing]."""
+    client_state this rank saved. Every rank must call it. The switches are DeepSpeed's (see [Note: what a
+    load restores] in scope.py); see also [Note: a failed load changes nothing]."""
     group = engine.group
     err = None
     reader = None
     handle = None
     try:
+        scope = LoadScope.of(load_optimizer_states=load_optimizer_states,
+                             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
         engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
         parts = engine.checkpoint_parts()
-        plan = _plan(engine, parts, reader, handle)
+        plan = _plan(engine, parts, reader, handle, scope)
     except Exception as e:
         err = e
     try:
@@ -118,14 +133,18 @@ def load_checkpoint(
             reader.close()
         if handle is not None:
             handle.close()
-    log.info("loaded checkpoint '%s'", reader.dir)
+    if group.rank == 0:
+        for level, line in plan.said:
+            log.log(level, line)
+    log.info("loaded checkpoint '%s'%s", reader.dir, " (the module's weights and buffers only)" if scope.module_only else "")
     return plan.small["client_state"]
 
 
 # -- phase 1 ------------------------------------------------------------------
 
 
-def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle) -> _Plan:
+def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+          scope: LoadScope) -> _Plan:
     m = reader.manifest
     rank = engine.group.rank
     passthrough = parts.passthrough is not None
@@ -151,29 +170,45 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
                         live_buffers)
     names = param_names(engine, parts)
     opt = engine.optimizer
-    check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
-                       param_group_of(opt.param_groups, parts.params), names)
-    _check_scheduler(es, engine.lr_scheduler)
+    scheduler = engine.lr_scheduler
+    if scope.optimizer_states or scope.lr_scheduler_states:
+        check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
+                           param_group_of(opt.param_groups, parts.params), names)
+    if scope.lr_scheduler_states:
+        _check_scheduler(es, scheduler)
     writes: list[StoreFuture] = []
     if passthrough:
-        groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names)
+        groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names, scope)
     else:
-        groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle)
+        groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
         optimizer_state = None
     rank0_tensors = reader.rank(0)[1]
     own = rank < reader.world_size
     state, tensors = reader.rank(rank if own else 0)
+    lr_state = decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler") if scope.lr_scheduler_states else None
+    restored = lr_state is not None and scheduler is not None
+    if scope.module_only:
+        hyper = Hyperparameters([{} for _ in opt.param_groups], [], [])
+    else:
+        hyper = hyperparameters([decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
+                                opt.param_groups, scope=scope, scheduled=scheduler is not None,
+                                schedule_restored=restored)
+    said = messages(hyper, schedule=None if scheduler is None else type(scheduler).__qualname__,
+                    schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
+                    schedule_kept=not scope.lr_scheduler_states and not scope.module_only
+                    and scheduler is not None and es["lr_scheduler"] is not None)
     small = {
         "client_state": decode(state["client_state"], tensors, "client_state"),
-        "rng": (state["rng"], tensors) if own else None,
-        "param_steps": None if passthrough else _param_steps(engine, parts, reader, own),
+        "rng": (state["rng"], tensors) if own and scope.run_state else None,
+        "param_steps": _param_steps(engine, parts, reader, own) if scope.optimizer_states and not passthrough else None,
         "buffers": {n: tensors[f"buffer.{n}"] for n in live_buffers},  # this rank's, else rank 0's
-        "lr_scheduler": decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler"),
+        "lr_scheduler": lr_state,
         "engine": es,
         "optimizer_state": optimizer_state,
-        "counters": _counters(engine, m),
+        "counters": _counters(engine, m) if scope.run_state else None,
+        "hyper": hyper,
     }
-    return _Plan(groups, checks, nbytes, small, writes)
+    return _Plan(groups, checks, nbytes, small, writes, scope, said)
 
 
 def _check_scheduler(es: dict[str, Any], scheduler: Any) -> None:
@@ -220,8 +255,8 @@ def _param_steps(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpo
     return steps
 
 
-def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader,
-                handle: AioHandle) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
+def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+                scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
     rank = 0 if engine.stage == 0 else engine.group.rank
     p_old = reader.partitions
     groups, checks, nbytes, writes = [], {}, 0, []
@@ -234,6 +269,11 @@ def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpoi
         items = []
         for role, ref in unit_state_refs(parts, unit):
             name = f"u{unit.index}.{role}"
+            if role != "master" and not scope.optimizer_states:
+                if not scope.module_only:  # the moments start afresh: no pieces, so zeros
+                    items.append(LoadItem(name, s_new * 4, [], ref=ref))
+                    nbytes += s_new * 4
+                continue
             pieces = []
             for q in [rank] if same else range(p_old):
                 lo, hi = max(lo_new, q * s_old), min(end, (q + 1) * s_old)
@@ -277,7 +317,7 @@ def _after_master(parts: TrainingParts, unit: ParamUnit, writes: list[StoreFutur
 
 
 def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-                      param_names: list[str]) -> tuple[list[LoadGroup], list[Check], int, Any]:
+                      param_names: list[str], scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, Any]:
     m = reader.manifest
     saved = {p["name"]: p for p in m.get("params") or []}
     for name, p in zip(param_names, parts.params, strict=True):
@@ -289,7 +329,7 @@ def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: Ai
             )
     es = reader.engine_state()
     live_type = type(parts.passthrough).__qualname__
-    if es.get("optimizer_type") != live_type:
+    if scope.optimizer_states and es.get("optimizer_type") != live_type:
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer is a {es.get('optimizer_type')} and this engine's a {live_type}; use the same optimizer"
         )
@@ -307,6 +347,8 @@ def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: Ai
         dest = p.data if direct else torch.empty(p.shape, dtype=p.dtype)
         groups.append(LoadGroup([item(f"param.{name}", dest)], None if direct else (lambda d, p=p: p.data.copy_(d[0]))))
         nbytes += dest.numel() * dest.element_size()
+    if not scope.optimizer_states:
+        return groups, checks, nbytes, None
     tensors = {}
     for name, e in reader.part(0).entries.items():
         if name.startswith("optim."):
@@ -345,21 +387,34 @@ def _apply(engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: 
     _read_shards(parts, plan, handle, bar)
     s = plan.small
     es = s["engine"]
-    if s["optimizer_state"] is not None:
-        parts.passthrough.load_state_dict(s["optimizer_state"])
-    else:
-        restore_hyperparameters(es["param_groups"], engine.optimizer.param_groups)
+    scope = plan.scope
+    # What the param groups hold now, by position: torch's load_state_dict replaces them with the
+    # checkpoint's, and only the values the scope restores (s["hyper"]) may change.
+    before = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    if parts.passthrough is not None:
+        if scope.optimizer_states:
+            parts.passthrough.load_state_dict(s["optimizer_state"])
+        elif not scope.module_only:
+            parts.passthrough.state.clear()  # momentum and the like start afresh
+    elif scope.optimizer_states:
         parts.optimizer.param_steps[:] = s["param_steps"]
-    restore_scheduler(s["lr_scheduler"], engine.lr_scheduler)
-    engine.loss_scaler.load_state_dict(es["loss_scaler"])
+    elif not scope.module_only:
+        parts.optimizer.param_steps[:] = [0] * len(parts.optimizer.param_steps)
+    for g, old, values in zip(engine.optimizer.param_groups, before, s["hyper"].values, strict=True):
+        g.update(old)
+        g.update(values)
+    if scope.lr_scheduler_states:
+        restore_scheduler(s["lr_scheduler"], engine.lr_scheduler)
+    if scope.optimizer_states:
+        engine.loss_scaler.load_state_dict(es["loss_scaler"])
     _, live_buffers = state_dict_names(engine.module)
     with torch.no_grad():
         for name, b in live_buffers.items():
             b.copy_(s["buffers"][name])
-    for k, v in s["counters"].items():
+    for k, v in (s["counters"] or {}).items():
         setattr(engine, k, v)
     if s["rng"] is not None:
         restore_rng(*s["rng"])
-    else:
+    elif scope.run_state:
         log.info("rank %d did not exist when the checkpoint was saved: its RNG state is not restored", engine.group.rank)
 
