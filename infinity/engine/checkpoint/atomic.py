@@ -1,6 +1,9 @@
 """The directory protocol that makes a checkpoint appear whole or not at all.
 
 [Note: publishing a checkpoint]
+0. Rank 0 takes the root's lock ([Note: one save per root] in lock.py),
+   removes what interrupted saves of the same tag left, and creates the
+   hidden directory; it holds the lock until step 4 is done.
 1. Every rank writes its files into ``<root>/.<tag>.partial-<nonce>/`` (a
    hidden name no loader takes for a checkpoint) and fsyncs each file.
 2. After all ranks report success, rank 0 writes ``manifest.json`` there
@@ -19,7 +22,8 @@ A process killed at any point therefore leaves: the previous checkpoint and
 ``latest`` untouched (steps 1-3), or the new checkpoint complete but not yet
 ``latest`` (between 3 and 4). What it leaves behind is a ``.partial-``
 directory, which loaders ignore with a warning. A directory is a checkpoint
-only if it has a non-hidden name and a ``manifest.json``.
+only if it has a non-hidden name and a ``manifest.json``; ``latest`` must hold
+such a name (never a path: one out of the root is refused, not followed).
 
 Threading: called by one thread per rank; only rank 0 renames.
 """
