@@ -14,8 +14,9 @@ Phases, each ending in ``agree`` across ranks:
    (fetched with overwrite, then written home), rebuild the 16-bit or module
    parameters from the masters, then restore counters, schedule, loss scale,
    hyperparameters, buffers and RNG.
-What is restored follows DeepSpeed's switches, see [Note: what a load
-restores] in scope.py. Any error in phases 1-2, on any rank, leaves every engine untouched. Phase 3
+What is restored follows DeepSpeed's switches ([Note: what a load restores]
+in scope.py). Any error in phases 1-2, on any rank, leaves every engine
+untouched. Phase 3
 checks each tensor's CRC32C again where it reads it whole; a mismatch there
 (the file changed since phase 2, or the drive misread) says that the state is
 partly loaded. ``verify=False`` skips phase 2 (half the reads) and accepts
@@ -170,12 +171,11 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
                         live_buffers)
     names = param_names(engine, parts)
     opt = engine.optimizer
-    scheduler = engine.lr_scheduler
     if scope.optimizer_states or scope.lr_scheduler_states:
         check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
                            param_group_of(opt.param_groups, parts.params), names)
     if scope.lr_scheduler_states:
-        _check_scheduler(es, scheduler)
+        _check_scheduler(es, engine.lr_scheduler)
     writes: list[StoreFuture] = []
     if passthrough:
         groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names, scope)
@@ -186,17 +186,7 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
     own = rank < reader.world_size
     state, tensors = reader.rank(rank if own else 0)
     lr_state = decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler") if scope.lr_scheduler_states else None
-    restored = lr_state is not None and scheduler is not None
-    if scope.module_only:
-        hyper = Hyperparameters([{} for _ in opt.param_groups], [], [])
-    else:
-        hyper = hyperparameters([decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
-                                opt.param_groups, scope=scope, scheduled=scheduler is not None,
-                                schedule_restored=restored)
-    said = messages(hyper, schedule=None if scheduler is None else type(scheduler).__qualname__,
-                    schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
-                    schedule_kept=not scope.lr_scheduler_states and not scope.module_only
-                    and scheduler is not None and es["lr_scheduler"] is not None)
+    hyper, said = _what_is_used(engine, es, lr_state, scope)
     small = {
         "client_state": decode(state["client_state"], tensors, "client_state"),
         "rng": (state["rng"], tensors) if own and scope.run_state else None,
@@ -209,6 +199,25 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
         "hyper": hyper,
     }
     return _Plan(groups, checks, nbytes, small, writes, scope, said)
+
+
+def _what_is_used(engine: CheckpointTarget, es: dict[str, Any], lr_state: Any,
+                  scope: LoadScope) -> tuple[Hyperparameters, list[tuple[int, str]]]:
+    """The param group values the load sets, and the log lines saying which values are in use where
+    the checkpoint's and this engine's differ. ``lr_state``: the decoded scheduler state to restore."""
+    opt, scheduler = engine.optimizer, engine.lr_scheduler
+    restored = lr_state is not None and scheduler is not None
+    if scope.module_only:
+        hyper = Hyperparameters([{} for _ in opt.param_groups], [], [])
+    else:
+        hyper = hyperparameters([decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
+                                opt.param_groups, scope=scope, scheduled=scheduler is not None,
+                                schedule_restored=restored)
+    said = messages(hyper, schedule=None if scheduler is None else type(scheduler).__qualname__,
+                    schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
+                    schedule_kept=not scope.lr_scheduler_states and not scope.module_only
+                    and scheduler is not None and es["lr_scheduler"] is not None)
+    return hyper, said
 
 
 def _check_scheduler(es: dict[str, Any], scheduler: Any) -> None:
