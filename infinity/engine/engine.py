@@ -209,13 +209,28 @@ class Engine:
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, progress=progress)
 
     def load_checkpoint(
-        self, load_dir: Any, tag: str | None = None, *, verify: bool = True, progress: bool | None = None
+        self,
+        load_dir: Any,
+        tag: str | None = None,
+        *,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        verify: bool = True,
+        progress: bool | None = None,
     ) -> Any:
         """Restores a checkpoint (default: the one ``load_dir/latest`` names), with any world size;
-        returns this rank's client_state. On error the engine is left as it was (``verify=False`` halves
-        the reads but gives up that promise for corrupt data found mid-load). Every rank must call it."""
+        returns this rank's client_state. DeepSpeed's switches: ``load_optimizer_states=False`` loads the
+        weights with fresh Adam moments and keeps this engine's hyperparameters; ``load_lr_scheduler_states
+        =False`` keeps this engine's lr schedule; ``load_module_only=True`` loads the weights (and buffers)
+        only. A log line names every hyperparameter that differs and which value is used. On error the
+        engine is left as it was (``verify=False`` halves the reads but gives up that promise for corrupt
+        data found mid-load). Every rank must call it."""
         self._check_open()
-        return checkpoint.load_checkpoint(self, load_dir, tag, verify_checksums=verify, progress=progress)
+        return checkpoint.load_checkpoint(
+            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            verify_checksums=verify, progress=progress)
 
     def save_16bit_model(
         self, save_dir: Any, save_filename: str = "model.safetensors", *, progress: bool | None = None
@@ -224,6 +239,21 @@ class Engine:
         ``model.load_state_dict(safetensors.torch.load_file(path))`` takes. Every rank must call it."""
         self._check_open()
         return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
+
+    def checkpoint_parts(self) -> checkpoint.TrainingParts:
+        """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace
+        (see [Note: the checkpoint's view of an engine] in infinity/engine/checkpoint/target.py)."""
+        rt = self.runtime
+        return checkpoint.TrainingParts(
+            units=rt.unit_map.units,
+            params=rt.params,
+            param_store=rt.param_store,
+            state_store=rt.state_store,
+            optimizer=rt.optimizer,
+            passthrough=rt.passthrough,
+            partitioner=rt.partitioner,
+            trace=self._trace,
+        )
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------
 

@@ -83,10 +83,10 @@ def snapshot(engine) -> dict:
     """Everything a load could change: weights, buffers, optimizer shards, step counts, counters,
     hyperparameters, scheduler and loss scale, RNG (after the optimizer step still running behind, if any)."""
     engine.synchronize()
-    rt = engine.runtime
+    parts = engine.checkpoint_parts()
     shards = {}
-    for unit in rt.unit_map.units:
-        for role, ref in unit_state_refs(engine, unit):
+    for unit in parts.units:
+        for role, ref in unit_state_refs(parts, unit):
             t = ref.store.fetch(ref.key).result()
             shards[(unit.index, role)] = t.clone()
             ref.store.release(ref.key)
@@ -94,7 +94,7 @@ def snapshot(engine) -> dict:
         "weights": weights(engine),
         "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
         "shards": shards,
-        "param_steps": list(rt.optimizer.param_steps),
+        "param_steps": list(parts.optimizer.param_steps),
         "counters": (engine.global_steps, engine.micro_steps, engine.skipped_steps),
         "lr": engine.get_lr(),
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

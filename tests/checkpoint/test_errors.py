@@ -5,6 +5,7 @@ schedule, loss scale, RNG)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -147,7 +148,7 @@ def test_full_disk(setup, tmp_path):
         with pytest.raises(CheckpointSpaceError, match=rf"no space left.*{disk}") as info:
             engine.save_checkpoint(disk / "ckpt", tag="second")
         assert "free space there or save the checkpoint to another directory" in str(info.value)
-        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == ["first", "latest"]
+        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == [".infinity-save.lock", "first", "latest"]
         assert (disk / "ckpt" / "latest").read_text().strip() == "first"
         assert first.name == "first"
         engine.load_checkpoint(disk / "ckpt")  # "first" is the state the engine was in
@@ -208,3 +209,114 @@ def test_verify_false_still_checks_each_tensor_as_it_lands(setup, tmp_path):
         engine.load_checkpoint(bad.parent, verify=False)
     engine.load_checkpoint(ckpt)  # a good load repairs it
     assert engine.global_steps == N_STEPS
+
+
+@pytest.mark.parametrize("content", ["../other/good", "ABSOLUTE", ".good", "good/", "latest"])
+def test_latest_naming_something_else_than_a_tag_is_refused(setup, tmp_path, content):
+    """``latest`` is followed like a tag given by hand: a path out of the checkpoint root (relative or
+    absolute), a hidden or nested name is refused, naming the file and what it holds, although a good
+    checkpoint is where it points."""
+    engine, _, ckpt = setup
+    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
+    good = tmp_path / "other" / "good"
+    shutil.copytree(ckpt, good)
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copytree(good, root / ".good")
+    shutil.copytree(good, root / "good")
+    text = str(good) if content == "ABSOLUTE" else content
+    (root / "latest").write_text(text + "\n")
+    err = refused(engine, root, CheckpointCorruptError, "latest")
+    assert f"'{root / 'latest'}'" in str(err) and repr(text) in str(err), str(err)
+    from infinity.engine.checkpoint import export_checkpoint
+
+    with pytest.raises(CheckpointCorruptError, match=re.escape(repr(text))):
+        export_checkpoint(root, tmp_path / "m.safetensors")
+
+
+def flip_bit_at(path, needle: bytes, *, after: int = 0) -> None:
+    """Flips the lowest bit of the byte ``after`` bytes past the end of ``needle`` (first match)."""
+    data = bytearray(Path(path).read_bytes())
+    at = data.index(needle) + len(needle) + after
+    data[at] ^= 1
+    Path(path).write_bytes(bytes(data))
+
+
+def _client_state_and_its_checksum(bad: Path) -> None:
+    """The client state changed in the rank file, and the manifest's CRC32C of that file updated to match."""
+    import json
+
+    from infinity.aio import crc32c
+
+    rank = bad / "rank-00000.safetensors"
+    flip_bit_at(rank, b'client_state\\": {\\"epoch\\": ')  # 3 -> 2, inside the JSON string in __metadata__
+    m = json.loads((bad / "manifest.json").read_bytes())
+    m["files"][rank.name]["crc32c"] = crc32c(rank.read_bytes())
+    (bad / "manifest.json").write_text(json.dumps(m, indent=1))
+
+
+# what is changed: (the file to be named, how)
+TAMPERED = {
+    "manifest-global_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"global_steps": ')),
+    "manifest-skipped_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"skipped_steps": ')),
+    "manifest-micro_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"micro_steps": ')),
+    "part-header-metadata": ("part-00000-of-00001.safetensors",
+                             lambda bad: flip_bit_at(bad / "part-00000-of-00001.safetensors", b'"partition":"')),
+    "client-state": ("manifest.json", _client_state_and_its_checksum),
+}
+
+
+@pytest.mark.parametrize("what", list(TAMPERED))
+def test_a_tampered_small_file_is_named_and_changes_nothing(setup, tmp_path, what):
+    """Everything a load trusts is checksummed: the manifest (counters, layout, the other files' sizes and
+    checksums), each part file's header, each rank file whole (RNG, client state). One flipped bit, or a
+    change with its checksum updated beside it, raises before anything changes, naming the file."""
+    engine, _, _ = setup
+    ckpt = engine.save_checkpoint(tmp_path / "saved", client_state={"epoch": 3})
+    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
+    bad = copy_of(ckpt, tmp_path)
+    name, tamper = TAMPERED[what]
+    tamper(bad)
+    err = refused(engine, bad.parent, CheckpointCorruptError, re.escape(str(bad / name)))
+    assert "CRC32C" in str(err) or "checksum" in str(err), str(err)
+
+
+def test_a_version_1_checkpoint_loads_with_a_warning(setup, tmp_path, caplog):
+    """Format version 1 had no manifest or part-header checksums: still read, saying that they are trusted."""
+    import json
+    import logging
+
+    engine, _, _ = setup
+    ckpt = engine.save_checkpoint(tmp_path / "saved")
+    steps = engine.global_steps
+    train(engine, steps, 1)
+    old = copy_of(ckpt, tmp_path)
+    m = json.loads((old / "manifest.json").read_bytes())
+    del m["manifest_crc32c"]
+    m["version"] = 1
+    (old / "manifest.json").write_text(json.dumps(m, indent=1))
+    with caplog.at_level(logging.WARNING, logger="infinity.checkpoint"):
+        engine.load_checkpoint(old.parent)
+    assert engine.global_steps == steps
+    assert any("format version 1" in r.getMessage() and "trusted" in r.getMessage() for r in caplog.records)
+
+
+def test_save_into_a_file_says_so(setup, tmp_path):
+    """A save_dir (or a directory on its way) that is a file, or a tag that names a file, is refused naming
+    it, and the file is left alone; a load from a file says the same."""
+    engine, _, _ = setup
+    f = tmp_path / "ckpt"
+    f.write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"'{f}' is a file, not a directory;")):
+        engine.save_checkpoint(f)
+    with pytest.raises(NotADirectoryError, match=re.escape(
+            f"'{f}' is a file, not a directory, so the checkpoint directory '{f / 'sub'}' cannot be created")):
+        engine.save_checkpoint(f / "sub")
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "t").write_text("a file")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"'{root / 't'}' is a file, not a directory, so checkpoint 't'")):
+        engine.save_checkpoint(root, tag="t")
+    assert f.read_text() == "not a directory" and (root / "t").read_text() == "a file"
+    assert not [p for p in root.iterdir() if ".partial-" in p.name]
+    refused(engine, f, CheckpointNotFoundError, re.escape(f"'{f}' is a file, not a directory"))

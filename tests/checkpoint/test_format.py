@@ -29,12 +29,16 @@ def saved(nvme_dir):
 
 def test_files_manifest_and_checksums(saved):
     engine, ckpt = saved
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["global_step3", "latest"]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [".infinity-save.lock", "global_step3", "latest"]
     assert sorted(p.name for p in ckpt.iterdir()) == [
         "manifest.json", "part-00000-of-00001.safetensors", "rank-00000.safetensors"]
-    m = json.loads((ckpt / "manifest.json").read_text())
+    raw = (ckpt / "manifest.json").read_bytes()
+    m = json.loads(raw)
     assert (m["format"], m["version"], m["world_size"], m["stage"], m["partitions"]) == (
-        "infinity.checkpoint", 1, 1, 3, 1)
+        "infinity.checkpoint", 2, 1, 3, 1)
+    # The last field is the CRC32C of every byte before it.
+    field = raw.rindex(b',\n "manifest_crc32c": ')
+    assert list(m)[-1] == "manifest_crc32c" and crc32c(raw[:field]) == m["manifest_crc32c"]
     assert (m["global_steps"], m["micro_steps"], m["train_dtype"]) == (N_STEPS, 2 * N_STEPS, "float32")
     assert m["config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
     slots = {s["name"]: s for u in m["units"] for s in u["slots"]}
@@ -57,6 +61,7 @@ def test_shards_are_aligned_safetensors_holding_the_store_contents(saved):
     with safe_open(str(ckpt / "rank-00000.safetensors"), "pt") as f:
         state = json.loads(f.metadata()["state"])
     crcs = state["part"]["crc32c"]
+    assert crc32c(part.read_bytes()[: header.data_start]) == state["part"]["header_crc32c"]  # the whole header
     shards = snapshot(engine)["shards"]
     with safe_open(str(part), "pt") as f:  # readable by the safetensors package itself
         assert f.metadata()["kind"] == "part"
@@ -122,3 +127,42 @@ def test_client_state_round_trip_without_pickle(saved, tmp_path):
     assert back["inf"] == math.inf
     assert torch.equal(back["t"], state["t"]) and torch.equal(back["half"], state["half"])
     assert torch.equal(back["np"], torch.arange(3))
+
+
+def test_files_are_private_to_their_owner(saved, nvme_dir, monkeypatch):
+    """A checkpoint holds weights, moments, RNG and client state: like the swap files, its files are
+    0600 and its directories 0700 (the hidden directory it is written in, the manifest, ``latest`` and
+    the directories the save creates), whatever the umask."""
+    import os
+    import stat
+
+    from infinity.engine.checkpoint import atomic
+
+    engine, _ = saved
+    modes = {}
+
+    def record(p):
+        st = p.stat()
+        modes[p] = (stat.S_IMODE(st.st_mode), 0o700 if stat.S_ISDIR(st.st_mode) else 0o600)
+
+    publish = atomic.publish
+
+    def spy(tmp, final, nonce):  # the hidden directory, complete, just before it is renamed into place
+        for p in [tmp, *tmp.iterdir()]:
+            record(p)
+        return publish(tmp, final, nonce)
+
+    monkeypatch.setattr(atomic, "publish", spy)
+    root = nvme_dir / "new" / "ckpt"
+    old = os.umask(0o022)
+    try:
+        engine.save_checkpoint(root, tag="a")
+        engine.save_checkpoint(root, tag="a")  # replacing a checkpoint too
+    finally:
+        os.umask(old)
+    for p in [nvme_dir / "new", root, *root.rglob("*")]:
+        record(p)
+    assert any(atomic.PARTIAL in p.name for p in modes) and root / "latest" in modes
+    assert root / "a" / "manifest.json" in modes
+    wrong = {str(p): oct(m) for p, (m, want) in modes.items() if m != want}
+    assert not wrong, f"readable or writable by others: {wrong}"

@@ -7,6 +7,7 @@ everything else in JSON. See format.py for the layout on disk.
 """
 
 from infinity.engine.checkpoint.errors import (
+    CheckpointBusyError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointIncompleteError,
@@ -19,8 +20,10 @@ from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_mode
 from infinity.engine.checkpoint.load import load_checkpoint
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import save_checkpoint
+from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointIncompleteError",
@@ -29,6 +32,8 @@ __all__ = [
     "CheckpointPeerError",
     "CheckpointReader",
     "CheckpointSpaceError",
+    "CheckpointTarget",
+    "TrainingParts",
     "export_checkpoint",
     "load_checkpoint",
     "save_16bit_model",

@@ -1,6 +1,9 @@
 """The directory protocol that makes a checkpoint appear whole or not at all.
 
 [Note: publishing a checkpoint]
+0. Rank 0 takes the root's lock ([Note: one save per root] in lock.py),
+   removes what interrupted saves of the same tag left, and creates the
+   hidden directory; it holds the lock until step 4 is done.
 1. Every rank writes its files into ``<root>/.<tag>.partial-<nonce>/`` (a
    hidden name no loader takes for a checkpoint) and fsyncs each file.
 2. After all ranks report success, rank 0 writes ``manifest.json`` there
@@ -12,11 +15,15 @@
    ``<tag>`` missing names that copy).
 4. Last, rank 0 points ``latest`` at the tag: temporary file, fsync,
    rename, fsync ``<root>``.
+Every file is created 0600 and every directory 0700 (FILE_MODE, DIR_MODE),
+as the swap files are: a checkpoint holds the weights, the optimizer state,
+the RNG and the client state, which are no other local user's business.
 A process killed at any point therefore leaves: the previous checkpoint and
 ``latest`` untouched (steps 1-3), or the new checkpoint complete but not yet
 ``latest`` (between 3 and 4). What it leaves behind is a ``.partial-``
 directory, which loaders ignore with a warning. A directory is a checkpoint
-only if it has a non-hidden name and a ``manifest.json``.
+only if it has a non-hidden name and a ``manifest.json``; ``latest`` must hold
+such a name (never a path: one out of the root is refused, not followed).
 
 Threading: called by one thread per rank; only rank 0 renames.
 """
@@ -30,12 +37,14 @@ import os
 import shutil
 from pathlib import Path
 
+from infinity.engine.checkpoint import lock
 from infinity.engine.checkpoint.errors import (
+    CheckpointCorruptError,
     CheckpointIncompleteError,
     CheckpointNotFoundError,
     CheckpointSpaceError,
 )
-from infinity.engine.checkpoint.format import LATEST, MANIFEST
+from infinity.engine.checkpoint.format import DIR_MODE, FILE_MODE, LATEST, MANIFEST
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -46,9 +55,15 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def is_tag(tag: str) -> bool:
+    """A tag names a directory directly in the checkpoint root: never a path out of it, a hidden name
+    (the partial directories of saves in progress) or ``latest``."""
+    return bool(tag) and not tag.startswith(".") and "/" not in tag and "\0" not in tag and tag != LATEST
+
+
 def validate_tag(tag: str) -> str:
     tag = str(tag)
-    if not tag or tag.startswith(".") or "/" in tag or "\0" in tag or tag == LATEST:
+    if not is_tag(tag):
         raise ValueError(
             f"checkpoint tag {tag!r} is not usable as a directory name: it must be non-empty, must not "
             f"start with '.', contain '/' or be {LATEST!r}"
@@ -58,6 +73,31 @@ def validate_tag(tag: str) -> str:
 
 def partial_dir(root: Path, tag: str, nonce: str) -> Path:
     return root / f".{tag}{PARTIAL}{nonce}"
+
+
+def make_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents with DIR_MODE (``mkdir -p`` gives parents the umask's
+    mode); existing directories keep theirs. Raises NotADirectoryError naming a component that is a file."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        if p.exists() or p.is_symlink():
+            what = "a file" if p.is_file() else "a dangling link or a special file"
+            where = "" if p == path else f", so the checkpoint directory '{path}' cannot be created"
+            raise NotADirectoryError(
+                f"'{p}' is {what}, not a directory{where}; save the checkpoint to a directory (it is created "
+                "if missing), or move that file away"
+            )
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
 
 
 def fsync_path(path: Path | str, *, directory: bool = False) -> None:
@@ -85,7 +125,7 @@ def space_error(path: Path | str, need_nbytes: int, what: str) -> CheckpointSpac
 def write_durably(path: Path, data: bytes, what: str) -> None:
     """Creates ``path`` (never over an existing file), writes ``data`` and fsyncs it."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
         raise FileExistsError(f"{path} already exists; another save is writing the same checkpoint") from None
     try:
@@ -149,11 +189,29 @@ def write_latest(root: Path, tag: str, nonce: str) -> None:
 
 
 def read_latest(root: Path) -> str | None:
+    """The tag ``root/latest`` names, or None without that file. Raises CheckpointCorruptError naming the
+    file and its content where that is not a tag (a path out of ``root`` is never followed)."""
+    path = root / LATEST
     try:
-        text = (root / LATEST).read_text().strip()
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    return text or None
+    except IsADirectoryError:
+        raise CheckpointCorruptError(
+            f"'{path}' is a directory; it must be a file holding the tag of a checkpoint in '{root}' (remove "
+            "or rename that directory, or pass tag=...)",
+            path=str(path),
+        ) from None
+    text = raw.decode("utf-8", "replace").strip()
+    if not is_tag(text):
+        raise CheckpointCorruptError(
+            f"'{path}' holds {text!r}, which is not the tag of a checkpoint in '{root}': a tag is the name of a "
+            "directory directly in that root (not empty, no '/', not starting with '.'), and a path elsewhere "
+            f"is never followed; write a tag there (complete checkpoints: {', '.join(complete_tags(root)) or 'none'}) "
+            "or pass tag=...",
+            path=str(path),
+        )
+    return text
 
 
 def leftovers(root: Path) -> list[Path]:
@@ -173,7 +231,20 @@ def complete_tags(root: Path) -> list[str]:
 
 
 def warn_leftovers(root: Path) -> None:
+    """Logs each hidden directory in ``root``: being written by a save in progress (see [Note: one save
+    per root] in lock.py), or left by an interrupted one (a warning: it can be deleted)."""
+    owner = lock.current_owner(root)
     for p in leftovers(root):
+        if owner is not None and p.name == owner.get("dir"):
+            running = lock.is_running(owner)
+            if running:
+                log.info("ignoring '%s': a save in progress is writing it (%s)", p, lock.describe(owner))
+                continue
+            if running is None:
+                log.warning("ignoring '%s': not a checkpoint yet; it is being written by a save on another host (%s) "
+                            "unless that save was interrupted: leave it while that save may run", p,
+                            lock.describe(owner))
+                continue
         kind = "an interrupted save" if PARTIAL in p.name else "an interrupted replacement of a checkpoint"
         log.warning(
             "ignoring '%s': left incomplete by %s (the process was killed or failed mid-save); it is not a "
@@ -189,6 +260,11 @@ def resolve(path: Path | str, tag: str | None, *, warn: bool = True) -> Path:
     CheckpointNotFoundError / CheckpointIncompleteError saying what is there."""
     root = Path(path)
     if not root.is_dir():
+        if root.exists():
+            raise CheckpointNotFoundError(
+                f"'{root}' is a file, not a directory: pass the checkpoint directory (or the directory holding "
+                f"'{LATEST}') that save_checkpoint wrote"
+            )
         raise CheckpointNotFoundError(f"checkpoint directory '{root}' does not exist")
     if tag is None and (root / MANIFEST).is_file():
         return root

@@ -49,5 +49,9 @@ class CheckpointSpaceError(CheckpointError, OSError):
         return str(self.strerror)
 
 
+class CheckpointBusyError(CheckpointError):
+    """Another process is saving into the same checkpoint directory (see [Note: one save per root])."""
+
+
 class CheckpointPeerError(CheckpointError):
     """Another rank failed during a collective save or load; its own exception says why."""

@@ -32,6 +32,7 @@ from infinity.engine.checkpoint.format import build_header, parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
+from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 
 log = logging.getLogger("infinity.checkpoint")
@@ -227,7 +228,7 @@ def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, writer: Str
 # -- from a live engine -------------------------------------------------------------
 
 
-def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
+def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
                      *, progress: bool | None = None) -> Path:
     """Rank 0 writes the live parameters, in the dtype they train in, and the buffers to
     ``save_dir/save_filename``; under stage 3 every rank takes part in the gathers (every rank must call it)."""
@@ -239,7 +240,8 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     try:
         engine.synchronize()  # the live values are those after an optimizer step still in flight
         _check_out_path(out)
-        layout, slots = _layout_live(engine)
+        parts = engine.checkpoint_parts()
+        layout, slots = _layout_live(engine, parts)
         if group.rank == 0:
             handle = AioHandle.from_config(engine.config.aio)
             output = _Output(out, handle, layout)
@@ -251,7 +253,7 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
         bar = Progress(output.header.file_nbytes if output else 0, f"save {out.name}", progress if output else False)
         with bar, torch_threads(1):
             append = output.writer.append if output is not None else (lambda t: None)
-            for full in _live_values(engine, slots):
+            for full in _live_values(engine, parts, slots):
                 append(full)
                 bar.update(full.numel() * full.element_size())
             if output is not None:
@@ -271,20 +273,19 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike, save_filename: st
     return out
 
 
-def _layout_live(engine: Any):
-    rt = engine.runtime
+def _layout_live(engine: CheckpointTarget, parts: TrainingParts):
     names, buffers = state_dict_names(engine.module)
     layout: Layout = []
     slots = []  # (unit or None, slot index or param, alias?) in output order
-    if rt.passthrough is not None:
-        params = [(names.get(id(p), [f"<unnamed {i}>"]), p) for i, p in enumerate(rt.params)]
+    if parts.passthrough is not None:
+        params = [(names.get(id(p), [f"<unnamed {i}>"]), p) for i, p in enumerate(parts.params)]
         layout += [(n[0], p.dtype, tuple(p.shape)) for n, p in params]
         slots += [(None, p) for _, p in params]
         for n, p in params:
             layout += [(a, p.dtype, tuple(p.shape)) for a in n[1:]]
             slots += [(None, p)] * (len(n) - 1)
     else:
-        infos = describe_units(engine.module, rt.unit_map.units)
+        infos = describe_units(engine.module, parts.units)
         for info in infos:
             layout += [(s.name, engine.dtype, s.shape) for s in info.slots]
             slots += [(info.index, k) for k in range(len(info.slots))]
@@ -296,29 +297,29 @@ def _layout_live(engine: Any):
     return layout, slots
 
 
-def _live_values(engine: Any, slots: list[tuple[Any, Any]]) -> Iterator[torch.Tensor]:
+def _live_values(engine: CheckpointTarget, parts: TrainingParts,
+                 slots: list[tuple[Any, Any]]) -> Iterator[torch.Tensor]:
     """Each output parameter's values on CPU in output order; under stage 3 a unit is gathered once for
     its run of consecutive slots (every rank runs the same gathers)."""
-    rt = engine.runtime
-    units = rt.unit_map.units
+    units = parts.units
     full, held = None, None
     for ui, k in slots:
         if ui is None:
             yield k.detach().cpu().contiguous()
             continue
         unit = units[ui]
-        if rt.param_store is None:  # stages 0-2: the module holds every parameter whole
+        if parts.param_store is None:  # stages 0-2: the module holds every parameter whole
             yield unit.params[k].detach().cpu().contiguous()
             continue
         if held != ui:
-            full = _gather_unit(engine, unit)
+            full = _gather_unit(engine, parts, unit)
             held = ui
         s = unit.layout.slots[k]
         yield full[s.offset : s.offset + s.numel]
 
 
-def _gather_unit(engine: Any, unit: Any) -> torch.Tensor:
-    store = engine.runtime.param_store
+def _gather_unit(engine: CheckpointTarget, parts: TrainingParts, unit: Any) -> torch.Tensor:
+    store = parts.param_store
     device = collective_device(engine.group)
     shard = store.fetch(unit.key).result()
     try:

@@ -5,7 +5,9 @@ A checkpoint is a directory ``<root>/<tag>/`` holding
 - ``manifest.json``: what the checkpoint is (format version, world size,
   stage, partitions, the units with their parameters' names, shapes and
   dtypes, counters, the resolved config) and every other file's size, plus
-  the CRC32C of the small ones. Written last, by rank 0.
+  the CRC32C of the rank files. Its last field, ``manifest_crc32c``, is the
+  CRC32C of every byte before it (see ``manifest_bytes``). Written last, by
+  rank 0.
 - ``part-RRRRR-of-PPPPP.safetensors``, one per partition: that partition's
   flat fp32 shards of every unit (``u<i>.master``, ``u<i>.exp_avg``,
   ``u<i>.exp_avg_sq``), written by the rank owning it with the aio engine.
@@ -14,8 +16,14 @@ A checkpoint is a directory ``<root>/<tag>/`` holding
   each tensor can be read or written with O_DIRECT straight into pool memory.
 - ``rank-RRRRR.safetensors``, one per rank: that rank's small state (RNG,
   step counts per parameter, client state, module buffers, the CRC32C of each
-  tensor of its part file; rank 0's also the scheduler, loss scaler and
-  hyperparameters) as JSON in ``__metadata__`` plus small tensors.
+  tensor of its part file and of that file's header; rank 0's also the
+  scheduler, loss scaler and hyperparameters) as JSON in ``__metadata__``
+  plus small tensors.
+
+So every byte a load trusts is under a checksum: the manifest's own, which
+covers the rank files' CRC32C, which cover the part files' headers and
+tensors. (Format version 1 had no manifest or header checksums; it is still
+read, with a warning.)
 
 Only JSON and safetensors are ever parsed: loading executes nothing from a
 checkpoint (no pickle). Headers are parsed here rather than by the
@@ -29,15 +37,22 @@ import dataclasses
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from infinity.aio import crc32c
+
 FORMAT = "infinity.checkpoint"
-VERSION = 1
+VERSION = 2
+CHECKSUMMED_SINCE = 2  # the first version with manifest_crc32c and the part headers' CRC32C
 MANIFEST = "manifest.json"
 LATEST = "latest"
+# Who may read a checkpoint: its owner only, as with the swap files (weights, moments, RNG, client state).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 ALIGN = 4096
 MAX_HEADER_NBYTES = 100 << 20  # the safetensors package's own limit
 
@@ -56,6 +71,27 @@ DTYPE_CODES: dict[torch.dtype, str] = {
 }
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+MANIFEST_CRC = "manifest_crc32c"
+_MANIFEST_TRAILER = re.compile(rb',\n "manifest_crc32c": (\d+)\n\}\n?\Z')
+
+
+def manifest_bytes(doc: Mapping[str, object]) -> bytes:
+    """manifest.json: ``doc`` as indented JSON with one more, last field, ``manifest_crc32c``: the CRC32C of
+    the file's bytes before that field. Any JSON reader reads it; ``manifest_crc`` checks it."""
+    if MANIFEST_CRC in doc or not doc:
+        raise ValueError(f"a manifest must be a non-empty mapping without {MANIFEST_CRC!r}")
+    head = json.dumps(doc, indent=1).encode()[:-2]  # without the closing "\n}"
+    return head + b',\n "%s": %d\n}\n' % (MANIFEST_CRC.encode(), crc32c(head))
+
+
+def manifest_crc(raw: bytes) -> tuple[int, int] | None:
+    """(saved, computed) CRC32C of manifest.json's bytes ``raw``, or None where it does not end in the
+    field ``manifest_bytes`` writes."""
+    m = _MANIFEST_TRAILER.search(raw, max(0, len(raw) - 64))
+    if m is None:
+        return None
+    return int(m.group(1)), crc32c(raw[: m.start()])
 
 
 def part_name(partition: int, partitions: int) -> str:
@@ -198,8 +234,9 @@ def parse_header(blob: bytes, *, file_nbytes: int, path: str) -> Header:
     return Header(entries, meta, data_start, data_start + end_max)
 
 
-def read_header(path: str) -> Header:
-    """Reads and validates the header of the safetensors file at ``path`` (buffered reads; small)."""
+def read_header_bytes(path: str) -> tuple[bytes, int]:
+    """(the whole header of the safetensors file at ``path``, the file's size); buffered reads, small.
+    Raises ValueError naming ``path`` where the header's length does not fit the file."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
@@ -208,7 +245,12 @@ def read_header(path: str) -> Header:
         need = header_nbytes_needed(prefix)
         if need > min(size, MAX_HEADER_NBYTES + 8):
             raise ValueError(f"{path}: header length {need - 8} does not fit a file of {size} bytes")
-        blob = prefix + f.read(need - 8)
+        return prefix + f.read(need - 8), size
+
+
+def read_header(path: str) -> Header:
+    """Reads and validates the header of the safetensors file at ``path`` (buffered reads; small)."""
+    blob, size = read_header_bytes(path)
     return parse_header(blob, file_nbytes=size, path=path)
 
 

@@ -14,7 +14,9 @@ Phases, each ending in ``agree`` across ranks:
    (fetched with overwrite, then written home), rebuild the 16-bit or module
    parameters from the masters, then restore counters, schedule, loss scale,
    hyperparameters, buffers and RNG.
-Any error in phases 1-2, on any rank, leaves every engine untouched. Phase 3
+What is restored follows DeepSpeed's switches ([Note: what a load restores]
+in scope.py). Any error in phases 1-2, on any rank, leaves every engine
+untouched. Phase 3
 checks each tensor's CRC32C again where it reads it whole; a mismatch there
 (the file changed since phase 2, or the drive misread) says that the state is
 partly loaded. ``verify=False`` skips phase 2 (half the reads) and accepts
@@ -49,18 +51,26 @@ from infinity.engine.checkpoint.model import (
 )
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
-from infinity.engine.checkpoint.save import partitions_of, unit_state_refs
+from infinity.engine.checkpoint.save import param_names, partitions_of, unit_state_refs
+from infinity.engine.checkpoint.scope import (
+    Hyperparameters,
+    LoadScope,
+    hyperparameters,
+    messages,
+    schedule_differences,
+)
 from infinity.engine.checkpoint.state import (
     check_param_groups,
     param_group_of,
-    restore_hyperparameters,
     restore_rng,
     restore_scheduler,
 )
 from infinity.engine.checkpoint.stream import LoadGroup, LoadItem, Piece, read_into
+from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.values import decode
 from infinity.store import StoreFuture
+from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -74,27 +84,36 @@ class _Plan:
     apply_nbytes: int
     small: dict[str, Any]  # decoded small state, applied last
     writes: list[StoreFuture]  # 16-bit shards written home during the apply, awaited at its end
+    scope: LoadScope
+    said: list[tuple[int, str]]  # (log level, line): which hyperparameters and schedule are in use
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: CheckpointTarget,
     load_dir: str | os.PathLike,
     tag: str | None = None,
     *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
     verify_checksums: bool = True,
     progress: bool | None = None,
 ) -> Any:
     """Restores the state saved by save_checkpoint (``tag`` default: what ``latest`` names); returns the
-    client_state this rank saved. Every rank must call it. See [Note: a failed load changes nothing]."""
+    client_state this rank saved. Every rank must call it. The switches are DeepSpeed's (see [Note: what a
+    load restores] in scope.py); see also [Note: a failed load changes nothing]."""
     group = engine.group
     err = None
     reader = None
     handle = None
     try:
+        scope = LoadScope.of(load_optimizer_states=load_optimizer_states,
+                             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
         engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
-        plan = _plan(engine, reader, handle)
+        parts = engine.checkpoint_parts()
+        plan = _plan(engine, parts, reader, handle, scope)
     except Exception as e:
         err = e
     try:
@@ -108,70 +127,97 @@ def load_checkpoint(
                 except Exception as e:
                     err = e
                 agree(group, err, "verifying the checkpoint's checksums")
-            _apply(engine, plan, handle, bar)
+            _apply(engine, parts, plan, handle, bar)
         agree(group, None, "loading the checkpoint")
     finally:
         if reader is not None:
             reader.close()
         if handle is not None:
             handle.close()
-    log.info("loaded checkpoint '%s'", reader.dir)
+    if group.rank == 0:
+        for level, line in plan.said:
+            log.log(level, line)
+    log.info("loaded checkpoint '%s'%s", reader.dir, " (the module's weights and buffers only)" if scope.module_only else "")
     return plan.small["client_state"]
 
 
 # -- phase 1 ------------------------------------------------------------------
 
 
-def _plan(engine: Any, reader: CheckpointReader, handle: AioHandle) -> _Plan:
-    rt = engine.runtime
+def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+          scope: LoadScope) -> _Plan:
     m = reader.manifest
     rank = engine.group.rank
-    passthrough = rt.passthrough is not None
+    passthrough = parts.passthrough is not None
     if passthrough != (m.get("optimizer") == "passthrough"):
         raise CheckpointMismatchError(
             f"the checkpoint was saved with {'a torch optimizer stepping whole parameters (stage 0)' if not passthrough else 'the partitioned Adam'}"
             f" and this engine runs {'the partitioned Adam' if not passthrough else 'a torch optimizer on whole parameters'}; "
             "load it into an engine with the same optimizer and stage"
         )
-    if rt.partitioner is not None and rt.partitioner.gathered_units():
+    if parts.partitioner is not None and parts.partitioner.gathered_units():
         raise RuntimeError(
             "load_checkpoint() was called while parameters are gathered (inside GatheredParameters or a forward "
             "pass); call it between training steps"
         )
     if not passthrough:  # parameters first: the most telling difference
         zero = engine.config.zero_optimization
-        check_units_match(reader.units, describe_units(engine.module, rt.unit_map.units),
+        check_units_match(reader.units, describe_units(engine.module, parts.units),
                           saved_threshold=m.get("persistence_threshold"),
                           live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0)
     es = reader.engine_state()
-    names, live_buffers = state_dict_names(engine.module)
+    _, live_buffers = state_dict_names(engine.module)
     check_buffers_match({n: (parse_dtype_name(b["dtype"], n), tuple(b["shape"])) for n, b in m["buffers"].items()},
                         live_buffers)
-    param_names = [names.get(id(p), [f"<unnamed {i}>"])[0] for i, p in enumerate(rt.params)]
+    names = param_names(engine, parts)
     opt = engine.optimizer
-    check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
-                       param_group_of(opt.param_groups, rt.params), param_names)
-    _check_scheduler(es, engine.lr_scheduler)
+    if scope.optimizer_states or scope.lr_scheduler_states:
+        check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
+                           param_group_of(opt.param_groups, parts.params), names)
+    if scope.lr_scheduler_states:
+        _check_scheduler(es, engine.lr_scheduler)
     writes: list[StoreFuture] = []
     if passthrough:
-        groups, checks, nbytes, optimizer_state = _plan_passthrough(engine, reader, handle, param_names)
+        groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names, scope)
     else:
-        groups, checks, nbytes, writes = _plan_units(engine, reader, handle)
+        groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
         optimizer_state = None
     rank0_tensors = reader.rank(0)[1]
     own = rank < reader.world_size
     state, tensors = reader.rank(rank if own else 0)
+    lr_state = decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler") if scope.lr_scheduler_states else None
+    hyper, said = _what_is_used(engine, es, lr_state, scope)
     small = {
         "client_state": decode(state["client_state"], tensors, "client_state"),
-        "rng": (state["rng"], tensors) if own else None,
-        "param_steps": None if passthrough else _param_steps(engine, reader, own),
+        "rng": (state["rng"], tensors) if own and scope.run_state else None,
+        "param_steps": _param_steps(engine, parts, reader, own) if scope.optimizer_states and not passthrough else None,
         "buffers": {n: tensors[f"buffer.{n}"] for n in live_buffers},  # this rank's, else rank 0's
-        "lr_scheduler": decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler"),
+        "lr_scheduler": lr_state,
         "engine": es,
         "optimizer_state": optimizer_state,
-        "counters": _counters(engine, m),
+        "counters": _counters(engine, m) if scope.run_state else None,
+        "hyper": hyper,
     }
-    return _Plan(groups, checks, nbytes, small, writes)
+    return _Plan(groups, checks, nbytes, small, writes, scope, said)
+
+
+def _what_is_used(engine: CheckpointTarget, es: dict[str, Any], lr_state: Any,
+                  scope: LoadScope) -> tuple[Hyperparameters, list[tuple[int, str]]]:
+    """The param group values the load sets, and the log lines saying which values are in use where
+    the checkpoint's and this engine's differ. ``lr_state``: the decoded scheduler state to restore."""
+    opt, scheduler = engine.optimizer, engine.lr_scheduler
+    restored = lr_state is not None and scheduler is not None
+    if scope.module_only:
+        hyper = Hyperparameters([{} for _ in opt.param_groups], [], [])
+    else:
+        hyper = hyperparameters([decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
+                                opt.param_groups, scope=scope, scheduled=scheduler is not None,
+                                schedule_restored=restored)
+    said = messages(hyper, schedule=None if scheduler is None else type(scheduler).__qualname__,
+                    schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
+                    schedule_kept=not scope.lr_scheduler_states and not scope.module_only
+                    and scheduler is not None and es["lr_scheduler"] is not None)
+    return hyper, said
 
 
 def _check_scheduler(es: dict[str, Any], scheduler: Any) -> None:
@@ -192,7 +238,7 @@ def _check_scheduler(es: dict[str, Any], scheduler: Any) -> None:
             )
 
 
-def _counters(engine: Any, m: dict[str, Any]) -> dict[str, int]:
+def _counters(engine: CheckpointTarget, m: dict[str, Any]) -> dict[str, int]:
     saved_gas = (m.get("config") or {}).get("gradient_accumulation_steps")
     micro = int(m["micro_steps"])
     if saved_gas != engine.gradient_accumulation_steps:
@@ -200,11 +246,11 @@ def _counters(engine: Any, m: dict[str, Any]) -> dict[str, int]:
     return {"global_steps": int(m["global_steps"]), "micro_steps": micro, "skipped_steps": int(m["skipped_steps"])}
 
 
-def _param_steps(engine: Any, reader: CheckpointReader, own: bool) -> list[int]:
+def _param_steps(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, own: bool) -> list[int]:
     """This rank's step counts: its own when the partitioning is unchanged, else the largest over the
     saved ranks (a parameter's count is kept by the ranks holding part of it, 0 elsewhere)."""
-    n = len(engine.runtime.optimizer.param_steps)
-    same = own and reader.partitions == partitions_of(engine) and reader.world_size == engine.group.world_size
+    n = len(parts.optimizer.param_steps)
+    same = own and reader.partitions == partitions_of(parts) and reader.world_size == engine.group.world_size
     ranks = [engine.group.rank] if same else range(reader.world_size)
     steps = [0] * n
     for r in ranks:
@@ -218,21 +264,25 @@ def _param_steps(engine: Any, reader: CheckpointReader, own: bool) -> list[int]:
     return steps
 
 
-def _plan_units(engine: Any, reader: CheckpointReader,
-                handle: AioHandle) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
-    rt = engine.runtime
+def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+                scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
     rank = 0 if engine.stage == 0 else engine.group.rank
     p_old = reader.partitions
     groups, checks, nbytes, writes = [], {}, 0, []
-    for unit, saved in zip(rt.unit_map.units, reader.units, strict=True):
+    for unit, saved in zip(parts.units, reader.units, strict=True):
         s_new, s_old = unit.layout.shard_numel, saved.shard_numel
         same = p_old == unit.layout.world_size and s_old == s_new
         # Flat elements [lo_new, end) of the unit go to this rank's shard; beyond the saved data: zeros.
         lo_new = rank * s_new
         end = lo_new + s_new if same else min(lo_new + s_new, saved.numel)
         items = []
-        for role, ref in unit_state_refs(engine, unit):
+        for role, ref in unit_state_refs(parts, unit):
             name = f"u{unit.index}.{role}"
+            if role != "master" and not scope.optimizer_states:
+                if not scope.module_only:  # the moments start afresh: no pieces, so zeros
+                    items.append(LoadItem(name, s_new * 4, [], ref=ref))
+                    nbytes += s_new * 4
+                continue
             pieces = []
             for q in [rank] if same else range(p_old):
                 lo, hi = max(lo_new, q * s_old), min(end, (q + 1) * s_old)
@@ -246,18 +296,17 @@ def _plan_units(engine: Any, reader: CheckpointReader,
             crc = reader.part_crc(rank, name) if same else None
             items.append(LoadItem(name, s_new * 4, pieces, ref=ref, crc=crc, path=reader.part_path(rank if same else 0)))
             nbytes += s_new * 4
-        groups.append(LoadGroup(items, _after_master(engine, unit, writes)))
+        groups.append(LoadGroup(items, _after_master(parts, unit, writes)))
     return groups, list(checks.values()), nbytes, writes
 
 
-def _after_master(engine: Any, unit: Any, writes: list[StoreFuture]):
+def _after_master(parts: TrainingParts, unit: ParamUnit, writes: list[StoreFuture]):
     """What the parameters need once a unit's master is loaded: the 16-bit shard (stage 3, 16-bit), or the
     module's parameters (stages 0-2, all-gathered); nothing when the fp32 stage-3 shard is the master."""
-    rt = engine.runtime
-    if rt.param_store is not None:
-        if unit_state_refs(engine, unit)[0][1].store is rt.param_store:
+    if parts.param_store is not None:
+        if unit_state_refs(parts, unit)[0][1].store is parts.param_store:
             return None
-        store = rt.param_store
+        store = parts.param_store
 
         def to_param_shard(dests: list[torch.Tensor]) -> None:
             t = store.fetch(unit.key, overwrite=True).result()
@@ -270,17 +319,17 @@ def _after_master(engine: Any, unit: Any, writes: list[StoreFuture]):
                 writes.append(store.evict(unit.key))
 
         return to_param_shard
-    on_updated = rt.optimizer.on_updated
+    on_updated = parts.optimizer.on_updated
     if on_updated is None:
         return None
     return lambda dests: on_updated(unit.index, dests[0])
 
 
-def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
-                      param_names: list[str]) -> tuple[list[LoadGroup], list[Check], int, Any]:
+def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+                      param_names: list[str], scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, Any]:
     m = reader.manifest
     saved = {p["name"]: p for p in m.get("params") or []}
-    for name, p in zip(param_names, engine.runtime.params, strict=True):
+    for name, p in zip(param_names, parts.params, strict=True):
         if name not in saved:
             raise CheckpointMismatchError(f"parameter {name!r} of this model is not in the checkpoint; load a checkpoint of this model")
         if tuple(saved[name]["shape"]) != tuple(p.shape):
@@ -288,8 +337,8 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
                 f"parameter {name!r} has shape {saved[name]['shape']} in the checkpoint but {list(p.shape)} in this model"
             )
     es = reader.engine_state()
-    live_type = type(engine.runtime.passthrough).__qualname__
-    if es.get("optimizer_type") != live_type:
+    live_type = type(parts.passthrough).__qualname__
+    if scope.optimizer_states and es.get("optimizer_type") != live_type:
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer is a {es.get('optimizer_type')} and this engine's a {live_type}; use the same optimizer"
         )
@@ -302,11 +351,13 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
         checks.append(Check(reader.part_path(0), f, e, crc))
         return LoadItem(name, e.nbytes, [Piece(f, e.begin, 0, e.nbytes)], tensor=dest, crc=crc, path=reader.part_path(0))
 
-    for name, p in zip(param_names, engine.runtime.params, strict=True):
+    for name, p in zip(param_names, parts.params, strict=True):
         direct = p.data.device.type == "cpu" and p.data.is_contiguous()
         dest = p.data if direct else torch.empty(p.shape, dtype=p.dtype)
         groups.append(LoadGroup([item(f"param.{name}", dest)], None if direct else (lambda d, p=p: p.data.copy_(d[0]))))
         nbytes += dest.numel() * dest.element_size()
+    if not scope.optimizer_states:
+        return groups, checks, nbytes, None
     tensors = {}
     for name, e in reader.part(0).entries.items():
         if name.startswith("optim."):
@@ -314,7 +365,7 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
             groups.append(LoadGroup([item(name, tensors[name])]))
             nbytes += e.nbytes
     state = decode(es["optimizer_state"], tensors, "optimizer state")
-    live = engine.runtime.passthrough.state_dict()["param_groups"]
+    live = parts.passthrough.state_dict()["param_groups"]
     if [len(g["params"]) for g in state["param_groups"]] != [len(g["params"]) for g in live]:
         raise CheckpointMismatchError("the checkpoint's optimizer param groups hold other parameters than this engine's")
     return groups, checks, nbytes, state
@@ -323,46 +374,56 @@ def _plan_passthrough(engine: Any, reader: CheckpointReader, handle: AioHandle,
 # -- phase 3 ------------------------------------------------------------------
 
 
-def _read_shards(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+def _read_shards(parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
     """Reads every shard into its store key, with nothing else holding a copy of one meanwhile: persistent
     units let go of theirs (gathered again afterwards, from the loaded values) and a prefetch step left
     open by a forward without backward gives back what it read ahead (its copies would be stale)."""
-    rt = engine.runtime
-    source = rt.shard_source
-    if source is not None and getattr(source, "step_open", False):
-        source.abort_step()
-    if rt.partitioner is not None:
-        rt.partitioner.release_persistent()
+    if parts.trace is not None and parts.trace.step_open:
+        parts.trace.abort_step()
+    if parts.partitioner is not None:
+        parts.partitioner.release_persistent()
     try:
         with torch.no_grad(), torch_threads(1):  # see [Note: torch threads] in threads.py
             read_into(handle, plan.groups, progress=bar)
         for fut in plan.writes:
             fut.result()
     finally:
-        if rt.partitioner is not None:
-            rt.partitioner.gather_persistent()
+        if parts.partitioner is not None:
+            parts.partitioner.gather_persistent()
 
 
-def _apply(engine: Any, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
-    rt = engine.runtime
-    _read_shards(engine, plan, handle, bar)
+def _apply(engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+    _read_shards(parts, plan, handle, bar)
     s = plan.small
     es = s["engine"]
-    if s["optimizer_state"] is not None:
-        rt.passthrough.load_state_dict(s["optimizer_state"])
-    else:
-        restore_hyperparameters(es["param_groups"], engine.optimizer.param_groups)
-        rt.optimizer.param_steps[:] = s["param_steps"]
-    restore_scheduler(s["lr_scheduler"], engine.lr_scheduler)
-    engine.loss_scaler.load_state_dict(es["loss_scaler"])
+    scope = plan.scope
+    # What the param groups hold now, by position: torch's load_state_dict replaces them with the
+    # checkpoint's, and only the values the scope restores (s["hyper"]) may change.
+    before = [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+    if parts.passthrough is not None:
+        if scope.optimizer_states:
+            parts.passthrough.load_state_dict(s["optimizer_state"])
+        elif not scope.module_only:
+            parts.passthrough.state.clear()  # momentum and the like start afresh
+    elif scope.optimizer_states:
+        parts.optimizer.param_steps[:] = s["param_steps"]
+    elif not scope.module_only:
+        parts.optimizer.param_steps[:] = [0] * len(parts.optimizer.param_steps)
+    for g, old, values in zip(engine.optimizer.param_groups, before, s["hyper"].values, strict=True):
+        g.update(old)
+        g.update(values)
+    if scope.lr_scheduler_states:
+        restore_scheduler(s["lr_scheduler"], engine.lr_scheduler)
+    if scope.optimizer_states:
+        engine.loss_scaler.load_state_dict(es["loss_scaler"])
     _, live_buffers = state_dict_names(engine.module)
     with torch.no_grad():
         for name, b in live_buffers.items():
             b.copy_(s["buffers"][name])
-    for k, v in s["counters"].items():
+    for k, v in (s["counters"] or {}).items():
         setattr(engine, k, v)
     if s["rng"] is not None:
         restore_rng(*s["rng"])
-    else:
+    elif scope.run_state:
         log.info("rank %d did not exist when the checkpoint was saved: its RNG state is not restored", engine.group.rank)
 

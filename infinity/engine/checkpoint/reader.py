@@ -1,10 +1,11 @@
 """CheckpointReader: a checkpoint directory opened for reading, every cheap check done up front.
 
 Opening resolves the directory (``latest`` or a tag), parses manifest.json,
-and checks that each file it lists exists with the size saved. Rank files
-are read whole and their CRC32C compared on first use; part files' headers
-are parsed and their tensors' offsets checked against the file. Tensor data
-is not read here: load.py and export.py stream it.
+compares its CRC32C, and checks that each file it lists exists with the
+size saved. Rank files are read whole and their CRC32C compared on first
+use; part files' headers are compared with their CRC32C, parsed, and their
+tensors' offsets checked against the file. Tensor data is not read here:
+load.py and export.py stream it.
 
 Nothing here changes an engine. Errors are CheckpointError subclasses that
 name the file and say what to do.
@@ -13,6 +14,7 @@ name the file and say what to do.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -27,18 +29,23 @@ from infinity.engine.checkpoint.errors import (
     CheckpointNotFoundError,
 )
 from infinity.engine.checkpoint.format import (
+    CHECKSUMMED_SINCE,
     FORMAT,
     MANIFEST,
+    MANIFEST_CRC,
     VERSION,
     Entry,
     Header,
+    manifest_crc,
     parse_header,
     part_name,
     rank_name,
-    read_header,
+    read_header_bytes,
     tensors_from_bytes,
 )
 from infinity.engine.checkpoint.model import UnitInfo
+
+log = logging.getLogger("infinity.checkpoint")
 
 _REQUIRED = ("world_size", "stage", "partitions", "units", "files", "global_steps", "micro_steps", "skipped_steps")
 
@@ -46,7 +53,8 @@ _REQUIRED = ("world_size", "stage", "partitions", "units", "files", "global_step
 def read_manifest(ckpt: Path) -> dict[str, Any]:
     p = ckpt / MANIFEST
     try:
-        doc = json.loads(p.read_bytes())
+        raw = p.read_bytes()
+        doc = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"'{p}' is missing: '{ckpt}' is not a complete checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -58,14 +66,39 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
             path=str(p),
         )
     version = doc.get("version")
-    if not isinstance(version, int) or version > VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointCorruptError(f"'{p}' has no valid format version ({version!r}): the manifest is corrupt",
+                                     path=str(p))
+    if version > VERSION:
         raise CheckpointError(
             f"'{p}' has format version {version!r}; this infinity reads versions up to {VERSION}: upgrade infinity"
         )
+    if version >= CHECKSUMMED_SINCE:
+        _check_manifest_crc(p, raw)
+    else:
+        log.warning("'%s' has format version %d, which has no checksum of the manifest or of the part files' "
+                    "headers: they are trusted as they are; save the checkpoint again to have them checked", p, version)
     missing = [k for k in _REQUIRED if k not in doc]
     if missing:
         raise CheckpointCorruptError(f"'{p}' lacks the field(s) {', '.join(missing)}: the manifest is corrupt", path=str(p))
     return doc
+
+
+def _check_manifest_crc(p: Path, raw: bytes) -> None:
+    crcs = manifest_crc(raw)
+    if crcs is None:
+        raise CheckpointCorruptError(
+            f"'{p}' does not end in its checksum field {MANIFEST_CRC!r}: the manifest was edited or damaged; "
+            "restore it from a copy or load another checkpoint",
+            path=str(p),
+        )
+    saved, got = crcs
+    if saved != got:
+        raise CheckpointCorruptError(
+            f"checkpoint file '{p}' is corrupt: CRC32C {got:#010x}, but {saved:#010x} was saved (a bit flipped, "
+            "or the manifest was edited); restore it from a copy or load another checkpoint",
+            path=str(p),
+        )
 
 
 class CheckpointReader:
@@ -145,16 +178,32 @@ class CheckpointReader:
         return state["engine"]
 
     def part(self, q: int) -> Header:
-        """The parsed header of part ``q`` (offsets checked against the file's size)."""
+        """The parsed header of part ``q``, its CRC32C compared (offsets checked against the file's size)."""
         if q not in self._parts:
             name = part_name(q, self.partitions)
             p = self.dir / name
             self._check_size(name)
+            want = self._part_header_crc(q)
             try:
-                self._parts[q] = read_header(str(p))
+                blob, size = read_header_bytes(str(p))
+                if want is not None and crc32c(blob) != want:
+                    raise ValueError(f"its header ({len(blob)} bytes) has CRC32C {crc32c(blob):#010x}, but "
+                                     f"{want:#010x} was saved; restore the file from a copy or load another checkpoint")
+                self._parts[q] = parse_header(blob, file_nbytes=size, path=str(p))
             except ValueError as e:
                 raise CheckpointCorruptError(f"checkpoint file '{p}' is corrupt: {e}", path=str(p)) from None
         return self._parts[q]
+
+    def _part_header_crc(self, q: int) -> int | None:
+        """The CRC32C saved for part ``q``'s header (in rank q's file), None in a version-1 checkpoint."""
+        if int(self.manifest["version"]) < CHECKSUMMED_SINCE:
+            return None
+        state, _ = self.rank(q)
+        try:
+            return int(state["part"]["header_crc32c"])
+        except (KeyError, TypeError, ValueError):
+            p = self.dir / rank_name(q)
+            raise CheckpointCorruptError(f"'{p}' has no checksum of the header of its part file", path=str(p)) from None
 
     def entry(self, q: int, name: str, dtype: torch.dtype, numel: int) -> Entry:
         e = self.part(q).entries.get(name)

@@ -3,7 +3,8 @@
 Phases (each ends in ``agree``, see collective.py):
 1. Capture the small state in memory (RNG, counters, client state, ...): a
    client_state that a checkpoint cannot hold fails here, before any file.
-2. Rank 0 creates the hidden directory (see [Note: publishing a checkpoint]).
+2. Rank 0 takes the root's lock ([Note: one save per root] in lock.py) and
+   creates the hidden directory (see [Note: publishing a checkpoint]).
 3. Each rank < partitions writes its part file (units in order, a unit's
    master / exp_avg / exp_avg_sq fetched from the stores and written with the
    aio engine, never the full model in memory); every rank writes its rank
@@ -11,7 +12,8 @@ Phases (each ends in ``agree``, see collective.py):
 4. Rank 0 checks every rank's file is there, writes manifest.json, renames
    the directory into place, then points ``latest`` at it.
 On an exception in any phase every rank raises, and rank 0 removes the
-hidden directory; a killed process leaves it for loaders to skip.
+hidden directory and releases the lock; a killed process leaves the
+directory for loaders to skip (and its lock is released by the kernel).
 """
 
 from __future__ import annotations
@@ -33,15 +35,18 @@ from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
 from infinity.engine.checkpoint.format import (
     ALIGN,
+    DIR_MODE,
     FORMAT,
     MANIFEST,
     VERSION,
     Header,
     build_header,
     dtype_name,
+    manifest_bytes,
     part_name,
     rank_name,
 )
+from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.state import (
@@ -51,8 +56,10 @@ from infinity.engine.checkpoint.state import (
     param_group_of,
 )
 from infinity.engine.checkpoint.stream import SaveItem, write_part
+from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.values import TensorSink, encode
 from infinity.engine.checkpoint.window import StoreRef
+from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -70,66 +77,64 @@ class _Planned:
     tensor: torch.Tensor | None = None
 
 
-def unit_state_refs(engine: Any, unit: Any) -> list[tuple[str, StoreRef]]:
+def unit_state_refs(parts: TrainingParts, unit: ParamUnit) -> list[tuple[str, StoreRef]]:
     """(role, where it lives) of a unit shard's fp32 state: the master (in the parameter store when the
     fp32 stage-3 shard is its own master), exp_avg and exp_avg_sq."""
-    rt = engine.runtime
-    ss = rt.state_store
+    ss = parts.state_store
     i = unit.index
-    master = StoreRef(ss, (i, "master")) if (i, "master") in ss else StoreRef(rt.param_store, unit.key)
+    master = StoreRef(ss, (i, "master")) if (i, "master") in ss else StoreRef(parts.param_store, unit.key)
     return [("master", master), ("exp_avg", StoreRef(ss, (i, "m"))), ("exp_avg_sq", StoreRef(ss, (i, "v")))]
 
 
-def partitions_of(engine: Any) -> int:
-    units = engine.runtime.unit_map.units
-    return units[0].layout.world_size if units else 1
+def partitions_of(parts: TrainingParts) -> int:
+    return parts.units[0].layout.world_size if parts.units else 1
 
 
-def _plan_units(engine: Any) -> list[list[_Planned]]:
+def _plan_units(parts: TrainingParts) -> list[list[_Planned]]:
     groups = []
-    for u in engine.runtime.unit_map.units:
+    for u in parts.units:
         shape = (u.layout.shard_numel,)
-        groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref) for role, ref in unit_state_refs(engine, u)])
+        groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref) for role, ref in unit_state_refs(parts, u)])
     return groups
 
 
-def _plan_passthrough(engine: Any, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
+def _plan_passthrough(parts: TrainingParts, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
     """Stage 0 with a torch optimizer of the user's: the parameters whole, and the optimizer's tensors."""
     groups = [[_Planned(f"param.{n}", p.dtype, tuple(p.shape), tensor=p.data)] for n, p in
-              zip(param_names, engine.runtime.params, strict=True)]
+              zip(param_names, parts.params, strict=True)]
     sink = TensorSink("optim.", copy=False)
-    skeleton = encode(engine.runtime.passthrough.state_dict(), sink, "optimizer.state_dict()")
+    skeleton = encode(parts.passthrough.state_dict(), sink, "optimizer.state_dict()")
     groups += [[_Planned(n, t.dtype, tuple(t.shape), tensor=t)] for n, t in sink.tensors.items()]
     return groups, skeleton
 
 
-def _param_names(engine: Any) -> list[str]:
+def param_names(engine: CheckpointTarget, parts: TrainingParts) -> list[str]:
+    """Each trained parameter's first state_dict name, in the optimizer's order."""
     names, _ = state_dict_names(engine.module)
-    return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(engine.runtime.params)]
+    return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(parts.params)]
 
 
-def _capture_small(engine: Any, client_state: Any, param_names: list[str],
+def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, param_names: list[str],
                    extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's small state (JSON, tensors) and rank 0's additions to the manifest. Raises TypeError
     for a client_state a checkpoint cannot hold, before anything is written."""
     sink = TensorSink("t.")
-    rt = engine.runtime
     state: dict[str, Any] = {
         "rank": engine.group.rank,
         "rng": capture_rng(sink),
         "client_state": encode(client_state, sink, "client_state"),
-        "param_steps": list(rt.optimizer.param_steps) if rt.optimizer is not None else None,
+        "param_steps": list(parts.optimizer.param_steps) if parts.optimizer is not None else None,
     }
     manifest_extra: dict[str, Any] = {}
     _, buffers = state_dict_names(engine.module)
     if engine.group.rank == 0:
         manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
-        if rt.passthrough is not None:
+        if parts.passthrough is not None:
             aliases, _ = state_dict_names(engine.module)
             manifest_extra["params"] = [
                 {"name": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape),
                  "aliases": [n] + [a for a in aliases.get(id(p), []) if a != n]}
-                for n, p in zip(param_names, rt.params, strict=True)
+                for n, p in zip(param_names, parts.params, strict=True)
             ]
         opt = engine.optimizer
         state["engine"] = {
@@ -137,7 +142,7 @@ def _capture_small(engine: Any, client_state: Any, param_names: list[str],
             "lr_scheduler": capture_scheduler(engine.lr_scheduler, sink),
             "lr_scheduler_type": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__qualname__,
             "param_groups": capture_hyperparameters(opt.param_groups),
-            "param_group_of": param_group_of(opt.param_groups, rt.params),
+            "param_group_of": param_group_of(opt.param_groups, parts.params),
             "param_names": param_names,
             **extra,
         }
@@ -149,9 +154,11 @@ def _capture_small(engine: Any, client_state: Any, param_names: list[str],
 
 
 def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_file: str | None,
-               part_crcs: dict[str, int] | None) -> bytes:
-    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors."""
-    state = {**state, "part": None if part_file is None else {"file": part_file, "crc32c": part_crcs}}
+               part_crcs: dict[str, int] | None, header_crc: int | None) -> bytes:
+    """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors and
+    of its part's header."""
+    state = {**state, "part": None if part_file is None else
+             {"file": part_file, "crc32c": part_crcs, "header_crc32c": header_crc}}
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
     return safetensors.torch.save(tensors, metadata=meta)
 
@@ -165,47 +172,62 @@ class _Prepared:
     header: bytes
     layout: Header
     small: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]
+    parts: TrainingParts
 
 
-def _prepare(engine: Any, client_state: Any) -> _Prepared:
+def _prepare(engine: CheckpointTarget, client_state: Any) -> _Prepared:
     # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
     # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
     # read through the store (window.py), so their current values are saved, and stay cached.
     engine.synchronize()
+    parts = engine.checkpoint_parts()
     rank = engine.group.rank
-    param_names = _param_names(engine)
-    partitions = partitions_of(engine)
+    names = param_names(engine, parts)
+    partitions = partitions_of(parts)
     writes_part = rank < partitions
-    if engine.runtime.passthrough is not None:
-        groups, skeleton = _plan_passthrough(engine, param_names) if writes_part else ([], None)
-        extra = {"optimizer_state": skeleton, "optimizer_type": type(engine.runtime.passthrough).__qualname__}
+    if parts.passthrough is not None:
+        groups, skeleton = _plan_passthrough(parts, names) if writes_part else ([], None)
+        extra = {"optimizer_state": skeleton, "optimizer_type": type(parts.passthrough).__qualname__}
     else:
-        groups, extra = (_plan_units(engine) if writes_part else []), {}
-    small = _capture_small(engine, client_state, param_names, extra)
+        groups, extra = (_plan_units(parts) if writes_part else []), {}
+    small = _capture_small(engine, parts, client_state, names, extra)
     header, layout = build_header(
         [(p.name, p.dtype, p.shape) for g in groups for p in g],
         {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
          "partitions": str(partitions)},
         align=ALIGN,
     )
-    return _Prepared(partitions, groups, header, layout, small)
+    return _Prepared(partitions, groups, header, layout, small, parts)
 
 
-def _make_directory(root: Path, tag: str, tmp: Path) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in atomic.leftovers(root):
-        if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
-            log.info("removing '%s', left by an interrupted save of the same tag", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir()
-    atomic.fsync_path(root, directory=True)
+def _make_directory(root: Path, tag: str, tmp: Path) -> SaveLock:
+    """Rank 0: the root, its lock ([Note: one save per root]) and the hidden directory of this save."""
+    atomic.make_dirs(root)
+    final = root / tag
+    if final.exists() and not final.is_dir():
+        raise NotADirectoryError(
+            f"'{final}' is a file, not a directory, so checkpoint '{tag}' cannot be saved there; move the file "
+            "away or choose another tag"
+        )
+    save_lock = SaveLock(root, tag, tmp)
+    try:
+        for stale in atomic.leftovers(root):
+            if stale.name.startswith(f".{tag}{atomic.PARTIAL}"):
+                log.info("removing '%s', left by an interrupted save of the same tag", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(DIR_MODE)
+        atomic.fsync_path(root, directory=True)
+    except BaseException:
+        save_lock.release()
+        raise
+    return save_lock
 
 
-def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
+def _write_files(engine: CheckpointTarget, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
     """This rank's part file (if it owns a partition) and rank file; returns [part bytes, rank file bytes,
     rank file CRC32C] for the manifest."""
     rank = engine.group.rank
-    crcs = part_file = None
+    crcs = part_file = header_crc = None
     if rank < prep.partitions:
         part_file = part_name(rank, prep.partitions)
         entries = prep.layout.entries
@@ -216,12 +238,13 @@ def _write_files(engine: Any, prep: _Prepared, tmp: Path, tag: str, progress: bo
                 ([SaveItem(entries[p.name], p.ref, p.tensor) for p in g] for g in prep.groups),
                 file_nbytes=prep.layout.file_nbytes, progress=bar,
             )
-    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs)
+        header_crc = crc32c(prep.header)
+    blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs, header_crc)
     atomic.write_durably(tmp / rank_name(rank), blob, f"rank file '{rank_name(rank)}'")
     return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
 
 
-def _publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
+def _publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
              sizes: list[list[int]]) -> None:
     """Rank 0: manifest, rename into place, then ``latest`` ([Note: publishing a checkpoint])."""
     files = {}
@@ -230,15 +253,15 @@ def _publish(engine: Any, prep: _Prepared, root: Path, tmp: Path, tag: str, nonc
             files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
         files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
     _check_files_present(tmp, files)
-    manifest = _manifest(engine, tag, prep.partitions, files, prep.small[2])
-    atomic.write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode(), MANIFEST)
+    manifest = _manifest(engine, prep.parts, tag, prep.partitions, files, prep.small[2])
+    atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
     atomic.fsync_path(tmp, directory=True)
     atomic.publish(tmp, root / tag, nonce)
     atomic.write_latest(root, tag, nonce)
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: CheckpointTarget,
     save_dir: str | os.PathLike,
     tag: str | None = None,
     client_state: Any = None,
@@ -267,14 +290,29 @@ def save_checkpoint(
 
     nonce = shared_nonce(group)
     tmp = atomic.partial_dir(root, tag, nonce)
-    err = None
+    err, save_lock = None, None
     if group.rank == 0:
         try:
-            _make_directory(root, tag, tmp)
+            save_lock = _make_directory(root, tag, tmp)
         except Exception as e:
             err = e
-    agree(group, err, f"creating '{tmp}'")
+    try:
+        agree(group, err, f"creating '{tmp}'")
+        sizes = _write_and_publish(engine, prep, root, tmp, tag, nonce, progress)
+    finally:
+        if save_lock is not None:
+            save_lock.release()
+    total = sum(a + b for a, b, _ in sizes)
+    dt = time.perf_counter() - t0
+    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
+             total / 1e9 / max(dt, 1e-9))
+    return root / tag
 
+
+def _write_and_publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
+                       progress: bool | None) -> list[list[int]]:
+    """Phases 3 and 4; returns every rank's [part bytes, rank file bytes, rank file CRC32C]."""
+    group = engine.group
     err, info = None, [0, 0, 0]
     try:
         info = _write_files(engine, prep, tmp, tag, progress)
@@ -295,11 +333,7 @@ def save_checkpoint(
             err = e
             shutil.rmtree(tmp, ignore_errors=True)
     agree(group, err, f"publishing checkpoint '{tag}'")
-    total = sum(a + b for a, b, _ in sizes)
-    dt = time.perf_counter() - t0
-    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
-             total / 1e9 / max(dt, 1e-9))
-    return root / tag
+    return sizes
 
 
 def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
@@ -316,10 +350,10 @@ def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
             raise OSError(f"'{p}' has {size} bytes; its rank wrote {f['nbytes']}")
 
 
-def _manifest(engine: Any, tag: str, partitions: int, files: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def _manifest(engine: CheckpointTarget, parts: TrainingParts, tag: str, partitions: int, files: dict[str, Any],
+              extra: dict[str, Any]) -> dict[str, Any]:
     from infinity import __version__
 
-    rt = engine.runtime
     zero = engine.config.zero_optimization
     return {
         "format": FORMAT,
@@ -333,11 +367,11 @@ def _manifest(engine: Any, tag: str, partitions: int, files: dict[str, Any], ext
         "partitions": partitions,
         "train_dtype": dtype_name(engine.dtype),
         "persistence_threshold": int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0,
-        "optimizer": "partitioned_adam" if rt.optimizer is not None else "passthrough",
+        "optimizer": "partitioned_adam" if parts.optimizer is not None else "passthrough",
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
-        "units": [u.to_json() for u in describe_units(engine.module, rt.unit_map.units)],
+        "units": [u.to_json() for u in describe_units(engine.module, parts.units)],
         "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
         "buffers": extra.get("buffers", {}),
         "files": files,

@@ -78,12 +78,6 @@ def check_param_groups(saved_groups: list[Any], saved_of: list[Any], param_group
             )
 
 
-def restore_hyperparameters(saved_groups: list[Any], param_groups: list[dict[str, Any]]) -> None:
-    for g, saved in zip(param_groups, saved_groups, strict=True):
-        for k, v in decode(saved, {}, "optimizer.param_groups").items():
-            g[k] = v
-
-
 def capture_scheduler(scheduler: Any, sink: TensorSink) -> Any:
     if scheduler is None:
         return None

@@ -27,7 +27,7 @@ from infinity.aio import AioError, AioFile, AioHandle, aligned_empty
 from infinity.engine.checkpoint.atomic import space_error
 from infinity.engine.checkpoint.crc import Checksummer, PendingCrc
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
-from infinity.engine.checkpoint.format import ALIGN, Entry, round_up
+from infinity.engine.checkpoint.format import ALIGN, FILE_MODE, Entry, round_up
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.window import (
     DEFAULT_INFLIGHT_NBYTES,
@@ -60,7 +60,7 @@ class SaveItem:
 
 def create_allocated(path: Path, nbytes: int, what: str) -> None:
     """Creates ``path`` with ``nbytes`` allocated on disk, so that a full disk is found before any write."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as e:
