@@ -20,9 +20,10 @@ from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.engine import checkpoint
-from infinity.engine.build import Runtime, build_runtime, train_dtype
+from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
+from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.zero.collectives import DataParallelGroup
 
@@ -39,7 +40,10 @@ class Engine:
         lr_scheduler: Any = None,
         group: DataParallelGroup | None = None,
         device: torch.device | None = None,
+        plan: RuntimePlan | None = None,
     ):
+        """``plan``: what to allocate (initialize passes the one its pre-flight check read); by
+        default plan_runtime's for this rank."""
         self.module = model
         self.config = config
         self.group = group or DataParallelGroup()
@@ -55,7 +59,7 @@ class Engine:
             LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
         )
         choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
-        self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
+        self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device, plan=plan)
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
         # The prefetch scheduler (stage 3) learns one trace step per forward + backward.
         self._trace = self.runtime.shard_source if hasattr(self.runtime.shard_source, "step_open") else None
