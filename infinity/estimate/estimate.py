@@ -22,11 +22,11 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
 from infinity.config.auto import HIDDEN_SIZE_KEYS
-from infinity.estimate import rules
 from infinity.estimate.activations import Activations, gpt_activations
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.model import describe_model
 from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
+from infinity.estimate.runtime_plan import itemsize, train_dtype
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.models import GPTConfig
@@ -362,7 +362,7 @@ def estimate_memory(
     if spec.gpt is not None and (micro_batch is not None or seq is not None):
         mb = micro_batch or cfg.train_micro_batch_size_per_gpu
         acts = gpt_activations(spec.gpt, micro_batch=mb, seq=seq or spec.gpt.seq_len,
-                               itemsize=rules.itemsize(rules.param_dtype(cfg)))
+                               itemsize=itemsize(train_dtype(cfg)))
     own = cfg.zero_optimization
     selected = Setting(own.stage, own.offload_param.device, own.offload_optimizer.device) if config is not None else None
 
@@ -381,7 +381,7 @@ def estimate_memory(
     return MemoryEstimate(
         model=spec.description,
         num_params=spec.num_params,
-        dtype=str(rules.param_dtype(cfg)).removeprefix("torch."),
+        dtype=str(train_dtype(cfg)).removeprefix("torch."),
         device_type=device,
         nodes=nodes,
         ranks_per_node=gpus_per_node,

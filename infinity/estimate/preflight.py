@@ -1,7 +1,8 @@
 """preflight: the check infinity.initialize runs before it allocates anything.
 
-It plans the run exactly as ``estimate_memory`` does (same rules, the
-config's own setting), measures what the process already holds (its
+It itemises the RuntimePlan the engine will allocate (initialize makes it
+once, for this check and for the engine) exactly as ``estimate_memory``
+itemises a setting, measures what the process already holds (its
 baseline and the model as built are allocated: only what comes after must
 still fit), reads the machine, and raises PreflightError — with the plan,
 the shortfall and the fix, naming the key to change — when host memory,
@@ -28,7 +29,6 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
-from infinity.estimate import rules
 from infinity.estimate.activations import gpt_activations
 from infinity.estimate.estimate import check_fit, config_for, speed_key
 from infinity.estimate.machine import (
@@ -39,6 +39,7 @@ from infinity.estimate.machine import (
 from infinity.estimate.model import describe_model
 from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
 from infinity.estimate.report import items_table
+from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.zero import init as zero_init_mod
@@ -72,11 +73,13 @@ def preflight(
     device: torch.device | str = "cpu",
     group: DataParallelGroup | None = None,
     machine: MachineView | None = None,
+    runtime: RuntimePlan | None = None,
 ) -> PreflightResult | None:
     """Checks that ``model`` trained under ``cfg`` fits; raises PreflightError (table + fix) if not.
 
     Returns the plan it checked, or None when ``cfg.preflight`` is false.
-    ``machine`` replaces the machine read from the OS (tests).
+    ``machine`` replaces the machine read from the OS (tests). ``runtime``: the RuntimePlan the
+    engine will allocate (initialize's), checked as it is; by default plan_runtime's.
     """
     if not cfg.preflight:
         log.warning(
@@ -94,14 +97,14 @@ def preflight(
     acts = None
     if spec.gpt is not None:
         acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
-                               itemsize=rules.itemsize(rules.param_dtype(cfg)))
+                               itemsize=itemsize(train_dtype(cfg)))
 
-    def plan(c: InfinityConfig, changes=()) -> SettingPlan:
+    def plan(c: InfinityConfig, changes=(), runtime: RuntimePlan | None = None) -> SettingPlan:
         return plan_setting(spec, c, world_size=group.world_size, device_type=device_type,
                             baseline_nbytes=max(0, held - spec.built_nbytes), activations=acts,
-                            checkpointing=False, zero_init=zinit, changes=changes)
+                            checkpointing=False, zero_init=zinit, changes=changes, runtime=runtime)
 
-    own = plan(cfg)
+    own = plan(cfg, runtime=runtime)
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
     fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
     failed = torch.tensor([0 if fit.ok else 1], dtype=torch.int32)

@@ -68,17 +68,21 @@ def test_too_little_host_memory_is_refused_before_anything_is_allocated(nvme_dir
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def _fix_when_short(model, cfg, small_machine, short_nbytes: int) -> str:
+    """The refusal's fix on a machine with ``short_nbytes`` less RAM than the run needs."""
+    est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
+    small_machine(ram=est.focus.plan.ram_nbytes - est.baseline_nbytes - short_nbytes)
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(model, cfg)
+    return str(e.value).split("Fix:")[1]
+
+
 def test_the_fix_names_a_setting_that_fits(nvme_dir, small_machine):
     """Optimizer state in host memory does not fit 16 MiB less than it needs; on NVMe it does."""
     cfg = _config(nvme_dir, stage=3, p="cpu", o="cpu")
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(MODEL, n_layer=4, d_model=256, n_head=4))  # 3.2M parameters: 51 MB of state
-    est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
-    need = est.focus.plan.ram_nbytes
-    small_machine(ram=need - est.baseline_nbytes - (16 << 20))
-    with pytest.raises(PreflightError) as e:
-        infinity.initialize(model, cfg)
-    fix = str(e.value).split("Fix:")[1]
+    fix = _fix_when_short(model, cfg, small_machine, 16 << 20)
     assert "offload_optimizer.device=nvme" in fix or "offload_param.device=nvme" in fix
     assert "fits" in fix
 
