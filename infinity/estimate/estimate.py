@@ -192,10 +192,7 @@ def check_fit(
     """
     reasons = []
     cpu = plan.device_type == "cpu"
-    per_rank_host = plan.ram_nbytes if cpu else plan.host_nbytes
-    need = per_rank_host * ranks_per_node - held_nbytes
-    huge = min(machine.hugetlb_free_nbytes, plan.pinned_pool_nbytes * ranks_per_node)
-    avail = machine.mem_available_nbytes + huge
+    need, avail = _host_need(plan, machine, ranks_per_node, held_nbytes)
     host_ok = need <= avail
     if not host_ok:
         what = "host memory (device is the CPU: device + host)" if cpu else "host memory"
@@ -237,6 +234,20 @@ def check_fit(
         reasons.append(f"config: {pr.message}; {pr.fix}")
     ok = host_ok and device_ok and nvme_ok and not problems
     return Fit(ok, host_ok, device_ok, nvme_ok, tuple(reasons))
+
+
+def _host_need(plan: SettingPlan, machine: MachineView, ranks_per_node: int, held_nbytes: int) -> tuple[int, int]:
+    """(host memory the node's ranks still need, host memory available to them)."""
+    per_rank_host = plan.ram_nbytes if plan.device_type == "cpu" else plan.host_nbytes
+    huge = min(machine.hugetlb_free_nbytes, plan.pinned_pool_nbytes * ranks_per_node)
+    return per_rank_host * ranks_per_node - held_nbytes, machine.mem_available_nbytes + huge
+
+
+def host_shortfall_nbytes(plan: SettingPlan, machine: MachineView, *, ranks_per_node: int,
+                          held_nbytes: int = 0) -> int:
+    """How much more host memory ``plan`` needs than ``machine`` has (0 when it fits; see check_fit)."""
+    need, avail = _host_need(plan, machine, ranks_per_node, held_nbytes)
+    return max(0, need - avail)
 
 
 def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate], ranks: int) -> str:

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.estimate import rules
 from infinity.estimate.activations import gpt_activations
-from infinity.estimate.estimate import check_fit, config_for, speed_key
+from infinity.estimate.estimate import check_fit, config_for, host_shortfall_nbytes, speed_key
 from infinity.estimate.machine import (
     MachineView,
     machine_view,
@@ -147,6 +148,7 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
     for pr in own.problems:
         if not pr.engine_refuses:
             out.append(pr.fix)
+    out += _pool_fixes(own, host_shortfall_nbytes(own, view, ranks_per_node=ranks, held_nbytes=held * ranks), ranks)
 
     def fits(p: SettingPlan) -> bool:
         return check_fit(p, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True).ok
@@ -184,6 +186,27 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
     if candidates:
         best = min(candidates, key=speed_key)
         out.append(f"{'or ' if out else ''}set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)")
+    return out
+
+
+def _pool_fixes(own: SettingPlan, short_nbytes: int, ranks: int) -> list[str]:
+    """Host memory is short, and a pool bigger than the run needs could give it back alone: name the
+    keys that size the pool (the parameter pool's are buffer_count and buffer_size)."""
+    out: list[str] = []
+    rt = own.runtime
+    if short_nbytes <= 0 or rt is None:
+        return out
+    for label, store in (("parameter pool", rt.param_store), ("optimizer pool", rt.state_store)):
+        pool = store.pool if store is not None else None
+        if pool is None or not pool.keys:
+            continue
+        mapped = rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True)
+        if (mapped - rules.mapped_nbytes(pool.need_nbytes, huge_pages=True)) * ranks >= short_nbytes:
+            out.append(
+                f"the {label} is what does not fit: {pool.count} × {format_nbytes(pool.buffer_nbytes)} buffers "
+                f"({format_nbytes(mapped)}) where it needs {format_nbytes(pool.need_nbytes)} at once; lower "
+                + " or ".join(pool.keys)
+            )
     return out
 
 

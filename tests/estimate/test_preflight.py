@@ -119,6 +119,16 @@ def test_a_parameter_pool_the_optimizer_step_would_stall_on_is_refused(nvme_dir)
     assert "offload_param.buffer_size" in msg and "sub_group_size" in msg
 
 
+def test_a_parameter_pool_too_big_for_memory_names_both_of_its_keys(nvme_dir, small_machine):
+    """A 1 GiB parameter pool (4 × 2^26 fp32 elements) for a model that needs a few MiB of it: host memory
+    is short by less than the pool could give back, and the fix names buffer_count as well as buffer_size."""
+    cfg = _config(nvme_dir)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=4, buffer_size=1 << 26)
+    fix = _fix_when_short(GPT(MODEL), cfg, small_machine, 256 << 20)
+    assert "the parameter pool is what does not fit" in fix
+    assert "zero_optimization.offload_param.buffer_count or zero_optimization.offload_param.buffer_size" in fix
+
+
 def test_preflight_false_skips_the_check_with_a_warning(nvme_dir, small_machine, caplog):
     small_machine(ram=1 << 20, disk=1 << 20)
     cfg = _config(nvme_dir)
