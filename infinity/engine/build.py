@@ -1,15 +1,17 @@
-"""Wiring: from a model and a resolved config to units, stores, the optimizer and the hooks.
+"""Wiring: from a model and its RuntimePlan to stores, the optimizer and the hooks.
 
+Every size comes from the plan (infinity.estimate.runtime_plan, [Note: one
+sizing model]): this module allocates what it says, in order, and decides no
+size itself — the estimate and the pre-flight check read the same plan.
 Memory is bounded throughout: parameters are moved into their home one unit
-at a time (from the module, or from zero.Init's store), and the only large
-host allocations are the buffer pools sized by the config.
+at a time (from the module, or from zero.Init's store) through one staging
+buffer, and the only large host allocations are the plan's buffer pools.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.optimizers import OptimizerChoice
 from infinity.engine.overlap import GatedShardSource, OverlappedStep
+from infinity.estimate.runtime_plan import RuntimePlan, StorePlan, plan_runtime
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
@@ -29,27 +32,34 @@ from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
-from infinity.zero.units import UnitMap, build_units
+from infinity.zero.units import UnitMap
 
 log = logging.getLogger("infinity.engine")
 
 FP32 = torch.float32
-CACHED_FLAT_BUFFERS = 4  # of the largest unit's fp32 size, kept for reuse by TensorCache
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Runtime:
-    unit_map: UnitMap
-    params: list[nn.Parameter]
-    optimizer: PartitionedAdam | None
-    passthrough: torch.optim.Optimizer | None
-    reducer: GradReducer | None
-    grad_hooks: GradHooks | None
-    partitioner: Stage3Partitioner | None
-    param_store: TieredStore | None
-    state_store: TieredStore | None
-    shard_source: PrefetchScheduler | StoreShardSource | None
-    cache: TensorCache
+    """What build_runtime made. A piece the config does not use is absent (None): a passthrough
+    optimizer has only ``params`` and ``passthrough``; stages 0-2 have no parameter store,
+    partitioner or shard source."""
+
+    plan: RuntimePlan | None = None
+    """The plan it was built from (None for a passthrough optimizer, which needs none)."""
+    unit_map: UnitMap = dataclasses.field(default_factory=lambda: UnitMap([], {}, {}))
+    params: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    """Every parameter, in the units' order (the optimizer's)."""
+    optimizer: PartitionedAdam | None = None
+    passthrough: torch.optim.Optimizer | None = None
+    """The user's optimizer, stepped as it is (initialize's optimizer= that is not Adam-family)."""
+    reducer: GradReducer | None = None
+    grad_hooks: GradHooks | None = None
+    partitioner: Stage3Partitioner | None = None
+    param_store: TieredStore | None = None
+    state_store: TieredStore | None = None
+    shard_source: PrefetchScheduler | StoreShardSource | None = None
+    cache: TensorCache | None = None
     overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
 
     def close(self) -> None:
@@ -66,15 +76,8 @@ class Runtime:
         for store in (self.param_store, self.state_store):
             if store is not None:
                 store.close()
-        self.cache.clear()
-
-
-def train_dtype(cfg: InfinityConfig) -> torch.dtype:
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    if cfg.fp16.enabled:
-        return torch.float16
-    return FP32
+        if self.cache is not None:
+            self.cache.clear()
 
 
 def build_runtime(
@@ -84,115 +87,138 @@ def build_runtime(
     *,
     group: DataParallelGroup,
     device: torch.device,
+    plan: RuntimePlan | None = None,
 ) -> Runtime:
-    zero = cfg.zero_optimization
-    stage = zero.stage
-    dtype = train_dtype(cfg)
+    """Allocates and wires what ``plan`` says (made here when not given: plan_runtime for this rank)."""
+    stage = cfg.zero_optimization.stage
     params = list(dict.fromkeys(model.parameters()))
     if stage == 3 and not params:
         raise ValueError(
             f"zero_optimization.stage=3 partitions parameters, but {type(model).__name__} has none; "
             "give initialize() a model with parameters"
         )
-    init_store = zero_init.init_store_of(params)
-
     if choice.passthrough is not None:
         model.to(device)
-        return Runtime(UnitMap([], {}, {}), params, None, choice.passthrough, None, None, None, None, None, None,
-                       TensorCache(device, cap_nbytes=0))
+        return Runtime(params=params, passthrough=choice.passthrough)
 
     # Floating-point parameters train in the precision the config asks for.
     for p in params:
         if not p.is_floating_point():
             raise ValueError(f"parameter of dtype {p.dtype} cannot be trained; only floating-point parameters")
-    layout_world = 1 if stage == 0 else group.world_size
-    threshold = int(zero.stage3_param_persistence_threshold) if stage == 3 else 0
     with torch.no_grad():
         if stage < 3:
             model.to(device)
-        unit_map = build_units(model, world_size=layout_world, persistence_threshold=threshold,
-                               device=device, dtype=dtype,
-                               shape_of=init_store.shape if init_store is not None else None)
-    units = unit_map.units
-    # Reused full-size buffers (gathers for world size > 1, flat fp32 grads):
-    # at most a few of the largest unit's flat fp32 size stay cached.
-    largest_numel = max((u.layout.padded_numel for u in units), default=0)
-    cache = TensorCache(device, cap_nbytes=CACHED_FLAT_BUFFERS * 4 * largest_numel)
-    flat_params = [p for u in units for p in u.params]
-    index_of = {id(p): i for i, p in enumerate(flat_params)}
-    shard_rank = 0 if stage == 0 else group.rank
-
-    homes: dict[int, str] = _param_homes(units, cfg, dtype) if stage == 3 else {}
-    needs = []
-    swapped_per_element = state_bytes_per_element(stage, dtype, zero.offload_optimizer.grads_in_host)
-    if stage == 3 and zero.offload_param.device == "nvme":
-        needs.append((nvme_path.rank_dir(zero.offload_param.nvme_path, group.rank, o_direct=cfg.aio.o_direct),
-                      sum(u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), "parameters"))
-    if zero.offload_optimizer.device == "nvme":
-        needs.append((nvme_path.rank_dir(zero.offload_optimizer.nvme_path, group.rank, o_direct=cfg.aio.o_direct),
-                      sum(u.layout.shard_numel for u in units) * swapped_per_element,
-                      "optimizer state"))
-    nvme_path.check_space(needs)
-
-    param_store = None
-    if stage == 3:
-        param_store = _param_store(units, homes, cfg, dtype, group)
-        for unit in units:
-            param_store.register(unit.key, (unit.layout.shard_numel,), dtype, home=homes[unit.index])
-
-    state_store = _state_store(units, cfg, group, swapped_per_element)
-    shards = []
-    for unit in units:
-        segs = tuple(
-            ShardSegment(index_of[id(unit.params[s.slot])], s.slot, s.shard_lo, s.shard_hi)
-            for s in unit.layout.segments(shard_rank)
-        )
-        shards.append(ShardSpec(unit.index, unit.layout.shard_numel, dtype, segs,
-                                param_key=unit.key if stage == 3 else None))
-
-    on_updated = None
-    if stage < 3:
-        on_updated = _resident_param_writer(units, group, stage, cache)
+    plan = plan or plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
+    _check_plan(plan, stage, group, device)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)
+    flat_params = [p for u in plan.units for p in u.params]
+    param_store, state_store = _stores(plan, cfg)
     optimizer = PartitionedAdam(
         choice.param_groups,
         choice.defaults,
         flat_params,
-        shards,
+        _shard_specs(plan, flat_params),
         state_store=state_store,
         param_store=param_store,
-        state_home="nvme" if zero.offload_optimizer.device == "nvme" else "cpu",
-        grad_home="cpu" if zero.offload_optimizer.grads_in_host else None,
+        state_home=plan.optimizer.state_home,
+        grad_home=plan.optimizer.grad_home,
         adamw=choice.adamw,
-        sub_group_numel=int(zero.sub_group_size),
-        on_updated=on_updated,
+        sub_group_numel=plan.optimizer.sub_group_numel,
+        on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
     )
-
-    # Move the starting values home, one unit at a time.
-    with torch.no_grad():
-        for unit in units:
-            full = _full_values(unit, init_store)
-            lo, hi = unit.layout.shard_range(shard_rank)
-            shard = full[lo:hi]
-            if stage == 3:
-                param_store.write(unit.key, shard.to(dtype)).result()
-                optimizer.init_state(unit.index, None if dtype == FP32 else shard)
-            else:
-                optimizer.init_state(unit.index, shard)
-                for p in unit.params:
-                    p.data = p.data.to(device=device, dtype=dtype)
-            del full, shard
+    init_store = zero_init.init_store_of(params)
+    _move_home(plan, init_store, param_store, optimizer)
     if init_store is not None:
         for p in params:
             init_store.forget(p)
     trim_heap()  # the starting values passed through host memory one unit at a time
+    return _wire(model, plan, group, cache, optimizer, param_store, state_store)
 
+
+def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device: torch.device) -> None:
+    """A plan made elsewhere (initialize makes it once for the pre-flight check) must be this rank's."""
+    made = (plan.stage, plan.world_size, plan.rank, plan.device)
+    if made != (stage, group.world_size, group.rank, device):
+        raise ValueError(
+            f"the runtime plan is for stage {plan.stage}, rank {plan.rank} of {plan.world_size} on {plan.device}; "
+            f"this engine is stage {stage}, rank {group.rank} of {group.world_size} on {device}"
+        )
+
+
+def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None, TieredStore]:
+    """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store —
+    after checking that every swap file fits and that the parameter pool holds the largest layer."""
+    o_direct = cfg.aio.o_direct
+    nvme_path.check_space([(nvme_path.rank_dir(r.nvme_path, plan.rank, o_direct=o_direct), r.nbytes, r.what)
+                           for r in plan.swap_reserves])
+    param_store = None
+    if plan.param_store is not None:
+        if plan.param_pool_refusal is not None:
+            raise ConfigError(plan.param_pool_refusal.message())
+        param_store = _open_store(plan.param_store, plan.rank, cfg)
+        for unit in plan.units:
+            param_store.register(unit.key, (unit.layout.shard_numel,), plan.dtype,
+                                 home=plan.shards[unit.index].param_home)
+    return param_store, _open_store(plan.state_store, plan.rank, cfg)
+
+
+def _open_store(sp: StorePlan, rank: int, cfg: InfinityConfig) -> TieredStore:
+    path = None
+    if sp.nvme_path is not None:
+        path = nvme_path.rank_dir(sp.nvme_path, rank, o_direct=cfg.aio.o_direct)
+    pool = BufferPool(sp.pool.count, sp.pool.buffer_nbytes, pin=sp.pool.pin, name=sp.pool.name)
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name=sp.name)
+    if path is not None:
+        store.reserve(sp.reserve_nbytes)
+    return store
+
+
+def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[ShardSpec]:
+    """This rank's shard of every unit, as the optimizer sees it, with the plan's state keys."""
+    index_of = {id(p): i for i, p in enumerate(flat_params)}
+    shards = []
+    for unit in plan.units:
+        segs = tuple(
+            ShardSegment(index_of[id(unit.params[s.slot])], s.slot, s.shard_lo, s.shard_hi)
+            for s in unit.layout.segments(plan.shard_rank)
+        )
+        shards.append(ShardSpec(unit.index, unit.layout.shard_numel, plan.dtype, segs,
+                                param_key=unit.key if plan.stage == 3 else None,
+                                state_keys=plan.optimizer.state_keys))
+    return shards
+
+
+def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None, optimizer: PartitionedAdam) -> None:
+    """Moves the starting values home, one unit at a time, through one staging buffer."""
+    staging = torch.empty(plan.staging_numel, dtype=FP32)
+    with torch.no_grad():
+        for unit in plan.units:
+            full = _full_values(unit, init_store, staging)
+            lo, hi = unit.layout.shard_range(plan.shard_rank)
+            shard = full[lo:hi]
+            if plan.stage == 3:
+                param_store.write(unit.key, shard.to(plan.dtype)).result()
+                optimizer.init_state(unit.index, None if plan.dtype == FP32 else shard)
+            else:
+                optimizer.init_state(unit.index, shard)
+                for p in unit.params:
+                    p.data = p.data.to(device=plan.device, dtype=plan.dtype)
+            del full, shard
+
+
+def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,
+          optimizer: PartitionedAdam, param_store: TieredStore | None, state_store: TieredStore) -> Runtime:
+    """The gradient path, and at stage 3 the shard source and the partitioner's hooks."""
+    unit_map, units, stage = plan.unit_map, plan.units, plan.stage
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
     overlap = OverlappedStep()
     if stage == 3:
-        shard_source = _prefetch_scheduler(model, unit_map, param_store, homes, cfg, dtype, group, overlap)
+        shard_source = _prefetch_scheduler(plan, param_store, overlap)
         overlap.on_unit_done = shard_source.poke
         gated = GatedShardSource(shard_source, overlap, {u.key: u.index for u in units})
         partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group,
@@ -200,31 +226,23 @@ def build_runtime(
         partitioner.install()
     if grad_hooks is not None:
         grad_hooks.install()
-    return Runtime(unit_map, flat_params, optimizer, None, reducer, grad_hooks, partitioner,
-                   param_store, state_store, shard_source, cache, overlap)
+    return Runtime(plan=plan, unit_map=unit_map, params=optimizer.params, optimizer=optimizer,
+                   reducer=reducer, grad_hooks=grad_hooks, partitioner=partitioner, param_store=param_store,
+                   state_store=state_store, shard_source=shard_source, cache=cache, overlap=overlap)
 
 
-def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dict[int, str], cfg: InfinityConfig,
-                        dtype: torch.dtype, group: DataParallelGroup, overlap: OverlappedStep) -> PrefetchScheduler:
-    """The stage-3 shard source: reads ahead of the recorded trace within DeepSpeed's budgets."""
-    zero = cfg.zero_optimization
-    units = unit_map.units
-    partitioned = [u for u in units if not u.persistent]
-    largest = max(partitioned, key=lambda u: u.layout.shard_nbytes, default=None)
-    index_of_key = {u.key: u.index for u in units}
-    # DeepSpeed's budgets count gathered elements; the scheduler holds this rank's shards.
-    w = group.world_size
+def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, overlap: OverlappedStep) -> PrefetchScheduler:
+    """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets."""
+    sched = plan.schedule
+    index_of_key = {u.key: u.index for u in plan.units}
     try:
-        return PrefetchScheduler.for_engine(
+        return PrefetchScheduler.for_budget(
             store,
-            prefetch_bucket_size=zero.stage3_prefetch_bucket_size / w,
-            max_live_parameters=zero.stage3_max_live_parameters / w,
-            max_reuse_distance=zero.stage3_max_reuse_distance / w,
-            itemsize=torch.empty((), dtype=dtype).element_size(),
-            largest_unit_nbytes=largest.layout.shard_nbytes if largest else 0,
-            largest_unit=repr(largest.module_name) if largest else "the largest unit",
-            working_set_nbytes=_working_set(model, unit_map, lambda u: True),
-            pool_working_set_nbytes=_working_set(model, unit_map, lambda u: homes[u.index] == "nvme"),
+            sched.budget,
+            largest_unit_nbytes=sched.largest_unit_nbytes,
+            largest_unit=sched.largest_unit,
+            working_set_nbytes=sched.working_set_nbytes,
+            pool_working_set_nbytes=sched.pool_working_set_nbytes,
             tier="device",
             ready=lambda key: overlap.is_done(index_of_key[key]),
         )
@@ -232,109 +250,13 @@ def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dic
         raise ConfigError(str(e)) from None
 
 
-def _working_set(model: nn.Module, unit_map: UnitMap, counts) -> int:
-    """The most shard bytes the partitioner holds at once: the heaviest root-to-leaf chain of
-    modules' units (each frame holds its module's units while its children run), plus the largest
-    unit again for a unit kept across backward (a tied weight is held from its first use in
-    backward to its last)."""
-
-    def nbytes(units) -> int:
-        return sum(u.layout.shard_nbytes for u in units if not u.persistent and counts(u))
-
-    def chain(m: nn.Module) -> int:
-        return nbytes(unit_map.uses.get(m, ())) + max((chain(c) for c in m.children()), default=0)
-
-    largest = max((u.layout.shard_nbytes for u in unit_map.units if not u.persistent and counts(u)), default=0)
-    return chain(model) + largest
-
-
-def _full_values(unit: ParamUnit, init_store) -> torch.Tensor:
-    """The unit's whole flat buffer in fp32 (padded with zeros), from the module or zero.Init."""
-    full = torch.zeros(unit.layout.padded_numel, dtype=FP32)
+def _full_values(unit: ParamUnit, init_store, staging: torch.Tensor) -> torch.Tensor:
+    """The unit's whole flat buffer in fp32 (padded with zeros), from the module or zero.Init, in ``staging``."""
+    full = staging[: unit.layout.padded_numel].zero_()
     for p, s in zip(unit.params, unit.layout.slots, strict=True):
         value = init_store.full(p) if init_store is not None and p in init_store else p.data
         full[s.offset : s.offset + s.numel].copy_(value.reshape(-1))
     return full
-
-
-def _param_homes(units: list[ParamUnit], cfg: InfinityConfig, dtype: torch.dtype) -> dict[int, str]:
-    offload = cfg.zero_optimization.offload_param
-    homes = {}
-    in_cpu = 0
-    kept = 0
-    for unit in units:
-        if unit.persistent or offload.device != "nvme":
-            homes[unit.index] = "cpu"
-            continue
-        # DeepSpeed's max_in_cpu: the first max_in_cpu parameter elements stay in host memory.
-        if in_cpu + unit.layout.shard_numel <= offload.max_in_cpu:
-            homes[unit.index] = "cpu"
-            in_cpu += unit.layout.shard_numel
-            kept += 1
-        else:
-            homes[unit.index] = "nvme"
-    if offload.device == "nvme" and kept:
-        total = sum(u.layout.shard_numel for u in units if not u.persistent)
-        log.warning(
-            "offload_param.max_in_cpu=%d keeps %d of %d parameter elements in host memory instead of on NVMe "
-            "(DeepSpeed's meaning of the key); set it to 0 to keep them all on NVMe",
-            offload.max_in_cpu, in_cpu, total,
-        )
-    return homes
-
-
-def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGroup) -> TieredStore:
-    offload = cfg.zero_optimization.offload_param
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nvme_units = [u for u in units if homes[u.index] == "nvme"]
-    if not nvme_units:
-        return TieredStore(None, pool=BufferPool(1, 4096), aio=cfg.aio, name="params")
-    buffer_nbytes = int(offload.buffer_size) * itemsize
-    capacity = int(offload.buffer_count) * buffer_nbytes
-    largest = max(nvme_units, key=lambda u: u.layout.shard_nbytes)
-    if largest.layout.shard_nbytes > capacity:
-        raise ConfigError(
-            f"the parameter buffer pool (offload_param.buffer_count={offload.buffer_count} x buffer_size="
-            f"{offload.buffer_size} elements = {capacity} bytes) cannot hold layer {largest.module_name!r}, "
-            f"whose shard is {largest.layout.shard_nbytes} bytes ({largest.layout.shard_numel} elements); "
-            f"raise zero_optimization.offload_param.buffer_count or buffer_size to at least "
-            f"{math.ceil(largest.layout.shard_numel / offload.buffer_count)} elements"
-        )
-    path = nvme_path.rank_dir(offload.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
-    pool = BufferPool(int(offload.buffer_count), buffer_nbytes, pin=_pin(offload.pin_memory), name="params")
-    store = TieredStore(path, pool=pool, aio=cfg.aio, name="params")
-    store.reserve(sum(u.layout.shard_nbytes for u in nvme_units))
-    return store
-
-
-def state_bytes_per_element(stage: int, dtype: torch.dtype, grads_in_host: bool = False) -> int:
-    """Swapped optimizer state per element: fp32 m, v and (unless ``grads_in_host``) the accumulated
-    grad, plus an fp32 master unless the stage-3 fp32 parameter shard is its own master (see
-    PartitionedAdam)."""
-    return (12 if stage == 3 and dtype == FP32 else 16) - (4 if grads_in_host else 0)
-
-
-def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_element: int) -> TieredStore:
-    zero = cfg.zero_optimization
-    off = zero.offload_optimizer
-    if off.device != "nvme":
-        return TieredStore(None, pool=BufferPool(1, 4096), aio=cfg.aio, name="optimizer")
-    # A sub-group's arrays (m, v, g and maybe master: 12-16 bytes per element) for the
-    # update in progress, the next one being read and the last being written.
-    largest = max((u.layout.shard_numel for u in units), default=0)
-    sub = max(min(int(zero.sub_group_size), sum(u.layout.shard_numel for u in units)), largest)
-    buffer_nbytes = -(-sub * per_element // 4096) * 4096
-    count = 3
-    path = nvme_path.rank_dir(off.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
-    pool = BufferPool(count, buffer_nbytes, pin=_pin(off.pin_memory), name="optimizer")
-    store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer")
-    store.reserve(sum(u.layout.shard_numel for u in units) * per_element)
-    return store
-
-
-def _pin(pin_memory: bool) -> bool | None:
-    """pin_memory: true pins the pool when CUDA is present (None = where it can); false never pins."""
-    return None if pin_memory else False
 
 
 def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, stage: int, cache: TensorCache):

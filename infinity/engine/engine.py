@@ -20,9 +20,10 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine import checkpoint
-from infinity.engine.build import Runtime, build_runtime, train_dtype
+from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
+from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
 from infinity.zero.collectives import DataParallelGroup
@@ -40,7 +41,10 @@ class Engine:
         lr_scheduler: Any = None,
         group: DataParallelGroup | None = None,
         device: torch.device | None = None,
+        plan: RuntimePlan | None = None,
     ):
+        """``plan``: what to allocate (initialize passes the one its pre-flight check read); by
+        default plan_runtime's for this rank."""
         self.module = model
         self.config = config
         self.group = group or DataParallelGroup()
@@ -57,7 +61,8 @@ class Engine:
         )
         choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
         try:
-            self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device)
+            self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device,
+                                                  plan=plan)
         except NvmePathError as e:  # nvme_path is a key of the config: refused like the others
             raise ConfigError(str(e)) from None
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough

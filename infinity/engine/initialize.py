@@ -11,7 +11,7 @@ from torch import nn
 
 from infinity.config import load_config
 from infinity.engine.engine import Engine
-from infinity.estimate import preflight
+from infinity.estimate import plan_runtime, preflight
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -45,6 +45,8 @@ def initialize(
     group = _bootstrap_distributed()
     cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, **auto_values)
     device = compute_device()
+    # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]).
+    plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
-    preflight(model, cfg, device=device, group=group)
-    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)
+    preflight(model, cfg, device=device, group=group, runtime=plan)
+    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)

@@ -3,8 +3,9 @@
 ``estimate_memory(model_or_param_count, ...)`` itemises what the runtime
 allocates for every setting (stage × offload) and checks each against this
 machine; ``preflight(model, cfg)`` is the check ``infinity.initialize`` runs
-before allocating anything. The allocation rules live in one place
-(``rules.py``), each mirroring named runtime code.
+before allocating anything. Both read the RuntimePlan (``plan_runtime``): every
+sizing decision the engine acts on, made in one place (runtime_plan.py), which
+the engine allocates as it is.
 """
 
 from infinity.estimate.activations import Activations, gpt_activations
@@ -20,6 +21,7 @@ from infinity.estimate.machine import (
 )
 from infinity.estimate.plan import Item, Problem, Setting, SettingPlan, all_settings
 from infinity.estimate.preflight import PreflightError, PreflightResult, preflight
+from infinity.estimate.runtime_plan import RuntimePlan, plan_runtime
 from infinity.estimate.tune import tune
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "PreflightError",
     "PreflightResult",
     "Problem",
+    "RuntimePlan",
     "Setting",
     "SettingEstimate",
     "SettingPlan",
@@ -41,6 +44,7 @@ __all__ = [
     "estimate_memory",
     "gpt_activations",
     "machine_view",
+    "plan_runtime",
     "preflight",
     "process_rss_nbytes",
     "runtime_baseline_nbytes",

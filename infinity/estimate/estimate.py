@@ -22,11 +22,11 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
 from infinity.config.auto import HIDDEN_SIZE_KEYS
-from infinity.estimate import rules
 from infinity.estimate.activations import Activations, gpt_activations
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.model import describe_model
 from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
+from infinity.estimate.runtime_plan import itemsize, train_dtype
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.models import GPTConfig
@@ -192,10 +192,7 @@ def check_fit(
     """
     reasons = []
     cpu = plan.device_type == "cpu"
-    per_rank_host = plan.ram_nbytes if cpu else plan.host_nbytes
-    need = per_rank_host * ranks_per_node - held_nbytes
-    huge = min(machine.hugetlb_free_nbytes, plan.pinned_pool_nbytes * ranks_per_node)
-    avail = machine.mem_available_nbytes + huge
+    need, avail = _host_need(plan, machine, ranks_per_node, held_nbytes)
     host_ok = need <= avail
     if not host_ok:
         what = "host memory (device is the CPU: device + host)" if cpu else "host memory"
@@ -237,6 +234,20 @@ def check_fit(
         reasons.append(f"config: {pr.message}; {pr.fix}")
     ok = host_ok and device_ok and nvme_ok and not problems
     return Fit(ok, host_ok, device_ok, nvme_ok, tuple(reasons))
+
+
+def _host_need(plan: SettingPlan, machine: MachineView, ranks_per_node: int, held_nbytes: int) -> tuple[int, int]:
+    """(host memory the node's ranks still need, host memory available to them)."""
+    per_rank_host = plan.ram_nbytes if plan.device_type == "cpu" else plan.host_nbytes
+    huge = min(machine.hugetlb_free_nbytes, plan.pinned_pool_nbytes * ranks_per_node)
+    return per_rank_host * ranks_per_node - held_nbytes, machine.mem_available_nbytes + huge
+
+
+def host_shortfall_nbytes(plan: SettingPlan, machine: MachineView, *, ranks_per_node: int,
+                          held_nbytes: int = 0) -> int:
+    """How much more host memory ``plan`` needs than ``machine`` has (0 when it fits; see check_fit)."""
+    need, avail = _host_need(plan, machine, ranks_per_node, held_nbytes)
+    return max(0, need - avail)
 
 
 def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate], ranks: int) -> str:
@@ -362,7 +373,7 @@ def estimate_memory(
     if spec.gpt is not None and (micro_batch is not None or seq is not None):
         mb = micro_batch or cfg.train_micro_batch_size_per_gpu
         acts = gpt_activations(spec.gpt, micro_batch=mb, seq=seq or spec.gpt.seq_len,
-                               itemsize=rules.itemsize(rules.param_dtype(cfg)))
+                               itemsize=itemsize(train_dtype(cfg)))
     own = cfg.zero_optimization
     selected = Setting(own.stage, own.offload_param.device, own.offload_optimizer.device) if config is not None else None
 
@@ -381,7 +392,7 @@ def estimate_memory(
     return MemoryEstimate(
         model=spec.description,
         num_params=spec.num_params,
-        dtype=str(rules.param_dtype(cfg)).removeprefix("torch."),
+        dtype=str(train_dtype(cfg)).removeprefix("torch."),
         device_type=device,
         nodes=nodes,
         ranks_per_node=gpus_per_node,

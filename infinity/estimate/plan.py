@@ -1,7 +1,9 @@
 """SettingPlan: the itemised bytes one setting (stage × offload) allocates per rank, by tier and phase.
 
-Items are built from the rules in rules.py (each mirrors named runtime code);
-this module only applies them to one setting and adds them up. Two phases
+Items are read from the setting's RuntimePlan — the very plan the engine
+allocates (runtime_plan.py, [Note: one sizing model]) — plus what only the
+estimator reports: the model as built, transients and activations, the
+baseline, measured overheads and allocator slack (rules.py). Two phases
 matter for a peak: ``init`` (inside initialize: the model as the user built it
 is still resident while the stores fill) and ``train`` (forward, backward,
 step); ``run`` items exist in both. A tier's peak is the larger phase sum.
@@ -22,7 +24,14 @@ from infinity.config import InfinityConfig
 from infinity.estimate import rules
 from infinity.estimate.activations import Activations
 from infinity.estimate.model import ModelSpec
-from infinity.memory import format_nbytes, round_up
+from infinity.estimate.runtime_plan import (
+    FP32_NBYTES,
+    PoolPlan,
+    RuntimePlan,
+    partitioner_working_set,
+    plan_runtime,
+)
+from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.zero.unit import ParamUnit
 
 Tier = Literal["device", "host", "nvme"]
@@ -88,7 +97,7 @@ class Item:
     detail: str = ""
     """What it is and which code allocates it."""
     key: str | None = None
-    """The config key that sizes it (the fix when it is too big)."""
+    """The config key that sizes it (the fix when it is too big); several: ", "-separated."""
     counted: bool = True
     """False for budgets shown for sizing that live inside another item."""
     heap: bool = False
@@ -120,6 +129,8 @@ class SettingPlan:
     """Bytes a rank moves to and from NVMe per optimizer step (the speed ranking's first key)."""
     changes: tuple[tuple[str, int, int], ...] = ()
     """(config key, the config's value, the value planned) for a tuned setting."""
+    runtime: RuntimePlan | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The plan the engine would allocate for this setting, which the items are read from."""
 
     def keys(self) -> str:
         """The config keys that select this plan (setting, plus tuned sizes)."""
@@ -162,6 +173,11 @@ def _sum(units: Sequence[ParamUnit], attr: str, pred=lambda u: True) -> int:
     return sum(getattr(u.layout, attr) for u in units if pred(u))
 
 
+def _pool_nbytes(pool: PoolPlan) -> int:
+    """Host memory a pool maps: its capacity in one slab, with huge pages."""
+    return rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True)
+
+
 def plan_setting(
     spec: ModelSpec,
     cfg: InfinityConfig,
@@ -173,10 +189,13 @@ def plan_setting(
     checkpointing: bool,
     zero_init: bool,
     changes: Sequence[tuple[str, int, int]] = (),
+    runtime: RuntimePlan | None = None,
 ) -> SettingPlan:
     """Itemises what ``cfg`` (one setting) allocates per rank (see the module docstring).
-    ``changes``: the sizing keys tune.py changed (recorded in the plan)."""
-    p = _Planner(spec, cfg, world_size, device_type)
+    ``changes``: the sizing keys tune.py changed (recorded in the plan). ``runtime``: the setting's
+    RuntimePlan when one is made already (initialize's); else plan_runtime's for rank 0."""
+    runtime = runtime or plan_runtime(spec.module, cfg, world_size=world_size)
+    p = _Planner(spec, cfg, runtime, device_type)
     p.add(Item("process baseline", "host", baseline_nbytes, "run",
                "torch and infinity imported, torch._dynamo loaded by the first optimizer"
                + (", the CUDA context" if p.cuda else "")))
@@ -200,28 +219,28 @@ def plan_setting(
         nvme_by_path=tuple(p.nvme_paths.items()),
         nvme_traffic_nbytes=p.nvme_traffic,
         changes=tuple(changes),
+        runtime=runtime,
     )
 
 
 class _Planner:
     """The items of one plan, built section by section (one method per part of the runtime)."""
 
-    def __init__(self, spec: ModelSpec, cfg: InfinityConfig, world_size: int, device_type: str):
+    def __init__(self, spec: ModelSpec, cfg: InfinityConfig, runtime: RuntimePlan, device_type: str):
         self.spec = spec
         self.cfg = cfg
+        self.rt = runtime
         self.zero = cfg.zero_optimization
-        self.stage = self.zero.stage
-        self.dtype = rules.param_dtype(cfg)
-        self.b = rules.itemsize(self.dtype)
+        self.stage = runtime.stage
+        self.dtype = runtime.dtype
+        self.b = runtime.itemsize
         self.dname = str(self.dtype).removeprefix("torch.")
-        self.unit_map = rules.unit_map_for(spec.module, cfg, world_size)
-        self.units = self.unit_map.units
+        self.unit_map = runtime.unit_map
+        self.units = runtime.units
         numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
-        params = [p for u in self.units for p in u.params]
-        self.numels = [numels[id(p)] for p in params]
-        self.grad_numels = [numels[id(p)] for p in params if p.requires_grad]
+        self.grad_numels = [numels[id(p)] for u in self.units for p in u.params if p.requires_grad]
         self.cuda = device_type == "cuda"
-        self.world = world_size
+        self.world = runtime.world_size
         self.block = cfg.aio.block_size
         self.items: list[Item] = []
         self.problems: list[Problem] = []
@@ -243,7 +262,7 @@ class _Planner:
     def model_as_built(self, zinit: bool) -> None:
         """The parameters as the user built them: in the module, or in zero.Init's store."""
         if not zinit:
-            built = self.spec.built_nbytes or self.spec.num_params * rules.FP32_NBYTES
+            built = self.spec.built_nbytes or self.spec.num_params * FP32_NBYTES
             same = self.stage < 3 and self.dtype == torch.float32 and not self.cuda
             self.add(Item("model as built (fp32)", "host", built, "init",
                           "the module's parameters before initialize moves them"
@@ -257,8 +276,10 @@ class _Planner:
                       "(memory/trim.py)"))
         off = self.zero.offload_param
         if off.device == "nvme":
-            self.add(Item("zero.Init pool", "host", rules.pool_nbytes(1, rules.INIT_POOL_NBYTES), "init",
-                          "infinity/zero/init.py: the init store's pool (closed once initialize has every parameter)"))
+            self.add(Item("zero.Init pool", "host",
+                          rules.mapped_nbytes(BufferPool.capacity_for(1, rules.INIT_POOL_NBYTES), huge_pages=True),
+                          "init", "infinity/zero/init.py: the init store's pool (closed once initialize has every "
+                          "parameter)"))
             self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block), off.nvme_path,
                        "each parameter's fp32 shard as built, files grown on demand; removed after initialize",
                        "offload_param.nvme_path", phase="init")
@@ -268,17 +289,17 @@ class _Planner:
                           heap=True))
 
     def optimizer_state(self) -> None:
-        """partitioned_adam.py keys per shard; build.py _state_store's pool and swap reserve."""
-        S = _sum(self.units, "shard_numel")
-        keys = rules.state_keys(self.stage, self.dtype)
-        tier: Tier = "nvme" if self.zero.offload_optimizer.device == "nvme" else "host"
+        """RuntimePlan.optimizer's keys per shard and where they rest; the state store's pool and reserve."""
+        opt, store = self.rt.optimizer, self.rt.state_store
+        S = self.rt.shard_numel
+        keys = opt.state_keys
+        tier: Tier = "nvme" if opt.state_home == "nvme" else "host"
         detail = "fp32, this rank's shards" + (" (swap files)" if tier == "nvme" else " (host tensors)")
         key = "zero_optimization.offload_optimizer.device"
         if "master" in keys:
             self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
         self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
-        grads_in_host = tier == "nvme" and self.zero.offload_optimizer.grads_in_host
-        if grads_in_host:
+        if tier == "nvme" and opt.grad_home == "cpu":
             self.add(Item("gradient partitions (fp32)", "host", S * 4, "run",
                           "fp32, this rank's shards (host tensors); accumulated across micro-batches",
                           "zero_optimization.offload_optimizer.grads_in_host"))
@@ -286,32 +307,29 @@ class _Planner:
             self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
                           detail + "; accumulated across micro-batches", key))
         if tier != "nvme":
-            self.add(Item("optimizer pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
-                          "unused (no NVMe)"))
+            self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run", "unused (no NVMe)"))
             return
-        reserved = rules.optimizer_swap_nbytes(S, self.stage, self.dtype, self.block, grads_in_host)
-        slack = reserved - S * 4 * (len(keys) - grads_in_host)
-        if slack:
-            self.add(Item("optimizer swap reserve", "nvme", slack, "run",
+        reserved = rules.swap_nbytes(store.reserve_nbytes, self.block)
+        if reserved - store.reserve_nbytes:
+            self.add(Item("optimizer swap reserve", "nvme", reserved - store.reserve_nbytes, "run",
                           "rounding of the reserve to 4 KiB and aio.block_size"))
         meta = rules.swap_dir_overhead_nbytes(reserved)
         self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
-        path = str(self.zero.offload_optimizer.nvme_path)
+        path = str(store.nvme_path)
         self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
-        sub = rules.optimizer_pool_numel(self.units, self.zero)
-        per = rules.state_nbytes_per_element(self.stage, self.dtype, grads_in_host)
-        self.add(Item("optimizer pool", "host",
-                      rules.pool_nbytes(rules.OPTIMIZER_POOL_BUFFERS, sub * per), "run",
-                      f"3 sub-groups × {sub:,} elements × {per} B (read ‖ update ‖ write), pinned, huge pages",
-                      "zero_optimization.sub_group_size"))
+        self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run",
+                      f"{store.pool.count} sub-groups × {opt.pool_buffer_numel:,} elements × "
+                      f"{opt.swapped_nbytes_per_element} B (read ‖ update ‖ write), pinned, huge pages",
+                      ", ".join(store.pool.keys)))
         # The step reads every array and writes all but g back.
         self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
 
     def parameter_store(self) -> None:
-        """Stage 3: build.py _param_homes/_param_store, the budgets, what is gathered."""
+        """Stage 3: RuntimePlan's parameter homes, store and pool, the budgets, what is gathered."""
         units, b, dname, off = self.units, self.b, self.dname, self.zero.offload_param
-        homes = rules.param_homes(units, self.zero)
-        nv = [u for u in units if homes[u.index] == "nvme"]
+        store = self.rt.param_store
+        homes = {s.index: s.param_home for s in self.rt.shards}
+        nv = self.rt.nvme_units()
         in_host = _sum(units, "shard_nbytes", lambda u: homes[u.index] == "cpu")
         n_persist = _sum(units, "shard_nbytes", lambda u: u.persistent)
         why = []
@@ -323,65 +341,58 @@ class _Planner:
                       "; ".join(why) or "offload_param.device " + off.device,
                       "zero_optimization.offload_param." + ("max_in_cpu" if off.device == "nvme" else "device")))
         if nv:
-            self.add(Item("parameter pool", "host", rules.pool_nbytes(off.buffer_count, off.buffer_size * b), "run",
+            self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
-                          "huge pages", "zero_optimization.offload_param.buffer_size"))
-            on_disk = _sum(nv, "shard_nbytes")
-            self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(on_disk, self.block), off.nvme_path,
-                       "this rank's shards", "zero_optimization.offload_param.nvme_path")
+                          "huge pages", ", ".join(store.pool.keys)))
+            self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(store.reserve_nbytes, self.block),
+                       store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")
             reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
-            self.nvme_traffic += on_disk * (reads + 1)
-            _check_param_pool(self.problems, units, nv, homes, self.zero, b,
-                              rules.pool_capacity(off.buffer_count, off.buffer_size * b))
+            self.nvme_traffic += store.reserve_nbytes * (reads + 1)
+            _check_param_pool(self.problems, self.rt, self.zero, b)
             where = "inside the parameter pool (host)"
         else:
-            self.add(Item("parameter pool", "host", rules.pool_nbytes(1, rules.EMPTY_POOL_NBYTES), "run",
+            self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           "unused (no parameter on NVMe)"))
             where = "on the device" if self.cuda else "in host memory"
-        self._scheduler(homes, nv, where)
+        self._scheduler(bool(nv), where)
         self.add(self._grad_in_flight())
 
-    def _scheduler(self, homes: dict[int, str], nv: list[ParamUnit], where: str) -> None:
-        """build.py _prefetch_scheduler: DeepSpeed's budgets per rank, the partitioner's working set
+    def _scheduler(self, nv: bool, where: str) -> None:
+        """RuntimePlan.schedule: DeepSpeed's budgets per rank, the partitioner's working set
         (schedule/budget.py check_serves refuses a live budget or a pool below it), what is gathered."""
-        units, b, dname, zero, off = self.units, self.b, self.dname, self.zero, self.zero.offload_param
+        units, b, zero, sched = self.units, self.b, self.zero, self.rt.schedule
         total = _sum(units, "shard_nbytes", lambda u: not u.persistent)
-        budgets = {}
+        budgets = {"stage3_prefetch_bucket_size": sched.budget.prefetch_bucket_nbytes,
+                   "stage3_max_live_parameters": sched.budget.max_live_nbytes}
         for label, key, numel in (
             ("prefetch budget", "stage3_prefetch_bucket_size", zero.stage3_prefetch_bucket_size),
             ("live-parameter budget", "stage3_max_live_parameters", zero.stage3_max_live_parameters),
         ):
-            budgets[key] = rules.schedule_budget_nbytes(numel, self.world, self.dtype)
             self.add(Item(label, "host" if nv else "device", min(budgets[key], total), "train",
                           f"{key} {numel:,} elements / {self.world} rank(s) × {b} B, the prefetch scheduler's; "
                           f"{where}, not added", f"zero_optimization.{key}", counted=False))
-        model = self.spec.module
-        working = rules.partitioner_working_set(model, self.unit_map, lambda u: True)
-        largest = max((u.layout.shard_nbytes for u in units if not u.persistent), default=0)
-        _check_scheduler(self.problems, zero, self.world, b, budgets["stage3_max_live_parameters"],
-                         max(working, largest),
-                         rules.pool_capacity(off.buffer_count, off.buffer_size * b) if nv else None,
-                         rules.partitioner_working_set(model, self.unit_map, lambda u: homes[u.index] == "nvme"))
+        working = sched.working_set_nbytes
+        _check_scheduler(self.problems, zero, self.world, b, sched.budget.max_live_nbytes,
+                         max(working, sched.largest_unit_nbytes),
+                         self.rt.param_store.pool.capacity_nbytes if nv else None, sched.pool_working_set_nbytes)
         if self.cuda or self.world > 1:
-            self.add(Item(f"persistent parameters, gathered ({dname})", "device",
+            self.add(Item(f"persistent parameters, gathered ({self.dname})", "device",
                           sum(u.full_nbytes for u in units if u.persistent), "train",
                           "gathered once, kept for the whole run",
                           "zero_optimization.stage3_param_persistence_threshold", heap=True))
             if self.world > 1:
-                held = rules.partitioner_working_set(model, self.unit_map, lambda u: True, full=True)
+                held = partitioner_working_set(self.spec.module, self.unit_map, full=True)
                 detail = "the units the partitioner holds at once, gathered from every rank"
             else:  # the scheduler keeps up to its live budget on the device (tier "device")
-                held = max(working, min(budgets["stage3_max_live_parameters"], total))
+                held = max(working, min(sched.budget.max_live_nbytes, total))
                 detail = "what the prefetch scheduler keeps on the device: its live budget, at least the working set"
-            self.add(Item(f"gathered parameters ({dname})", "device", held, "train", detail,
+            self.add(Item(f"gathered parameters ({self.dname})", "device", held, "train", detail,
                           "zero_optimization.stage3_max_live_parameters", heap=True))
-
 
     def resident_parameters(self) -> None:
         """Stages 0-2: parameters stay in the module; stages 0-1 keep whole grads in p.grad."""
         phase: Phase = "run" if self.cuda else "train"  # on a CPU device they are the model as built
-        self.add(Item(f"parameters in the module ({self.dname})", "device",
-                      rules.resident_param_nbytes(self.numels, self.dtype, self.stage), phase,
+        self.add(Item(f"parameters in the module ({self.dname})", "device", self.rt.resident_param_nbytes, phase,
                       "stages 0-2 keep every parameter resident", heap=True))
         if self.stage <= 1:
             self.add(Item("gradient accumulators (fp32)", "device",
@@ -397,13 +408,15 @@ class _Planner:
                     heap=True)
 
     def flat_buffers_and_init(self) -> None:
-        """The TensorCache's flat buffers; build.py's per-unit temporaries while moving the model home."""
-        flat = rules.flat_buffers_nbytes(self.units, self.stage, self.world, self.dtype, caching=not self.cuda)
+        """The TensorCache's flat buffers; the staging of starting values while moving the model home."""
+        flat = rules.flat_buffers_nbytes(self.units, self.stage, self.world, self.dtype,
+                                         cap_nbytes=self.rt.tensor_cache_cap_nbytes, caching=not self.cuda)
         if flat:
             self.add(Item("flat buffers (TensorCache)", "device", flat, "train",
                           "fp32 flat grads / gathers in use" if self.cuda else
                           "fp32 flat grads / gathers, reused; cached up to 4 × the largest unit", heap=True))
-        self.add(Item("initialisation transient", "host", rules.init_transient_nbytes(self.units, self.dtype), "init",
+        # The staging buffer, and at most one unit's values converted to the parameter dtype.
+        self.add(Item("initialisation transient", "host", self.rt.staging_numel * (FP32_NBYTES + self.b), "init",
                       "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
 
     def activations(self, a: Activations, checkpointing: bool) -> None:
@@ -432,30 +445,38 @@ class _Planner:
                                   "phase: freed memory the heap keeps (measured)"))
 
 
-def _check_param_pool(problems, units, nv, homes, zero, b, capacity) -> None:
-    """The parameter pool must hold the largest NVMe shard (build.py refuses otherwise) and a whole
-    sub-group of NVMe shards (the step's read of it waits for pool space until its timeout)."""
+def _raise_pool(off, b: int, need_nbytes: int) -> str:
+    """The fix for a parameter pool below ``need_nbytes``: either of its two keys, with the value that works."""
+    size = math.ceil(need_nbytes / b / off.buffer_count)
+    count = math.ceil(need_nbytes / BufferPool.capacity_for(1, off.buffer_size * b))
+    return (f"raise zero_optimization.offload_param.buffer_size to at least {size:,} "
+            f"or zero_optimization.offload_param.buffer_count to at least {count:,}")
+
+
+def _check_param_pool(problems: list[Problem], rt: RuntimePlan, zero, b: int) -> None:
+    """The parameter pool must hold the largest NVMe shard (RuntimePlan.param_pool_refusal: initialize
+    refuses otherwise) and a whole sub-group of NVMe shards (the step's read of it waits for pool space
+    until its timeout)."""
     off = zero.offload_param
-    largest = max(nv, key=lambda u: u.layout.shard_nbytes)
-    if largest.layout.shard_nbytes > capacity:
+    capacity = rt.param_store.pool.capacity_nbytes
+    refusal = rt.param_pool_refusal
+    if refusal is not None:
         problems.append(Problem(
             f"the parameter pool ({off.buffer_count} × {off.buffer_size:,} elements) cannot hold layer "
-            f"{largest.module_name!r}, whose shard is {largest.layout.shard_numel:,} elements; initialize refuses it",
-            f"raise zero_optimization.offload_param.buffer_size to at least "
-            f"{math.ceil(largest.layout.shard_numel / off.buffer_count):,}",
+            f"{refusal.layer!r}, whose shard is {refusal.shard_numel:,} elements; initialize refuses it",
+            _raise_pool(off, b, refusal.shard_nbytes),
             engine_refuses=True,
         ))
         return
-    need = rules.step_param_pool_need(units, homes, int(zero.sub_group_size))
+    need = max(rt.sub_group_param_nbytes(), default=0)
     if need > capacity:
-        sub = max(u.layout.shard_numel for u in nv)
+        sub = max(u.layout.shard_numel for u in rt.nvme_units())
         problems.append(Problem(
             f"the optimizer step holds {format_nbytes(need)} of parameter shards at once (a sub-group of "
             f"sub_group_size {int(zero.sub_group_size):,}), more than the parameter pool's "
             f"{format_nbytes(capacity)}: it would wait for pool space until it times out",
-            f"raise zero_optimization.offload_param.buffer_size to at least "
-            f"{math.ceil(need / b / off.buffer_count):,}, or lower zero_optimization.sub_group_size "
-            f"(to {sub:,}, the largest shard, it needs {format_nbytes(rules.step_param_pool_need(units, homes, sub))})",
+            f"{_raise_pool(off, b, need)}, or lower zero_optimization.sub_group_size "
+            f"(to {sub:,}, the largest shard, it needs {format_nbytes(max(rt.sub_group_param_nbytes(sub)))})",
         ))
 
 
@@ -476,10 +497,8 @@ def _check_scheduler(problems, zero, world: int, b: int, live_nbytes: int, worki
     if pool_capacity is not None and pool_working > 0 and not pool_refused:
         need = round_up(pool_working, 4096)
         if pool_capacity < need:
-            off = zero.offload_param
             problems.append(Problem(
                 f"the parameter pool ({format_nbytes(pool_capacity)}) cannot hold the units the model holds at "
                 f"once ({format_nbytes(need)}): the prefetch scheduler refuses it",
-                f"raise zero_optimization.offload_param.buffer_size to at least "
-                f"{math.ceil(need / b / off.buffer_count):,}",
+                _raise_pool(zero.offload_param, b, need),
             ))

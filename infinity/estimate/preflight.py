@@ -1,7 +1,8 @@
 """preflight: the check infinity.initialize runs before it allocates anything.
 
-It plans the run exactly as ``estimate_memory`` does (same rules, the
-config's own setting), measures what the process already holds (its
+It itemises the RuntimePlan the engine will allocate (initialize makes it
+once, for this check and for the engine) exactly as ``estimate_memory``
+itemises a setting, measures what the process already holds (its
 baseline and the model as built are allocated: only what comes after must
 still fit), reads the machine, and raises PreflightError — with the plan,
 the shortfall and the fix, naming the key to change — when host memory,
@@ -30,7 +31,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig
 from infinity.estimate import rules
 from infinity.estimate.activations import gpt_activations
-from infinity.estimate.estimate import check_fit, config_for, speed_key
+from infinity.estimate.estimate import check_fit, config_for, host_shortfall_nbytes, speed_key
 from infinity.estimate.machine import (
     MachineView,
     machine_view,
@@ -39,6 +40,7 @@ from infinity.estimate.machine import (
 from infinity.estimate.model import describe_model
 from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
 from infinity.estimate.report import items_table
+from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.zero import init as zero_init_mod
@@ -72,11 +74,13 @@ def preflight(
     device: torch.device | str = "cpu",
     group: DataParallelGroup | None = None,
     machine: MachineView | None = None,
+    runtime: RuntimePlan | None = None,
 ) -> PreflightResult | None:
     """Checks that ``model`` trained under ``cfg`` fits; raises PreflightError (table + fix) if not.
 
     Returns the plan it checked, or None when ``cfg.preflight`` is false.
-    ``machine`` replaces the machine read from the OS (tests).
+    ``machine`` replaces the machine read from the OS (tests). ``runtime``: the RuntimePlan the
+    engine will allocate (initialize's), checked as it is; by default plan_runtime's.
     """
     if not cfg.preflight:
         log.warning(
@@ -94,14 +98,14 @@ def preflight(
     acts = None
     if spec.gpt is not None:
         acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
-                               itemsize=rules.itemsize(rules.param_dtype(cfg)))
+                               itemsize=itemsize(train_dtype(cfg)))
 
-    def plan(c: InfinityConfig, changes=()) -> SettingPlan:
+    def plan(c: InfinityConfig, changes=(), runtime: RuntimePlan | None = None) -> SettingPlan:
         return plan_setting(spec, c, world_size=group.world_size, device_type=device_type,
                             baseline_nbytes=max(0, held - spec.built_nbytes), activations=acts,
-                            checkpointing=False, zero_init=zinit, changes=changes)
+                            checkpointing=False, zero_init=zinit, changes=changes, runtime=runtime)
 
-    own = plan(cfg)
+    own = plan(cfg, runtime=runtime)
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
     fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
     failed = torch.tensor([0 if fit.ok else 1], dtype=torch.int32)
@@ -144,6 +148,7 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
     for pr in own.problems:
         if not pr.engine_refuses:
             out.append(pr.fix)
+    out += _pool_fixes(own, host_shortfall_nbytes(own, view, ranks_per_node=ranks, held_nbytes=held * ranks), ranks)
 
     def fits(p: SettingPlan) -> bool:
         return check_fit(p, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True).ok
@@ -181,6 +186,27 @@ def _fixes(spec, cfg, own, view, plan, ranks, held, world_size) -> list[str]:
     if candidates:
         best = min(candidates, key=speed_key)
         out.append(f"{'or ' if out else ''}set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)")
+    return out
+
+
+def _pool_fixes(own: SettingPlan, short_nbytes: int, ranks: int) -> list[str]:
+    """Host memory is short, and a pool bigger than the run needs could give it back alone: name the
+    keys that size the pool (the parameter pool's are buffer_count and buffer_size)."""
+    out: list[str] = []
+    rt = own.runtime
+    if short_nbytes <= 0 or rt is None:
+        return out
+    for label, store in (("parameter pool", rt.param_store), ("optimizer pool", rt.state_store)):
+        pool = store.pool if store is not None else None
+        if pool is None or not pool.keys:
+            continue
+        mapped = rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True)
+        if (mapped - rules.mapped_nbytes(pool.need_nbytes, huge_pages=True)) * ranks >= short_nbytes:
+            out.append(
+                f"the {label} is what does not fit: {pool.count} × {format_nbytes(pool.buffer_nbytes)} buffers "
+                f"({format_nbytes(mapped)}) where it needs {format_nbytes(pool.need_nbytes)} at once; lower "
+                + " or ".join(pool.keys)
+            )
     return out
 
 

@@ -1,10 +1,14 @@
-"""The allocation rules: what the runtime allocates for one setting, per rank — kept in this one place.
+"""What the estimator adds to a RuntimePlan: how memory behaves around what the runtime allocates.
 
-Every function here mirrors a named piece of runtime code; its docstring says
-which. When that code changes, change the rule here. Two tests guard the
-mirror: tests/estimate/test_rules.py builds real runtimes and compares these
-numbers with their pools, home tensors, caches and swap files byte for byte,
-and tests/estimate/test_reality.py trains in subprocesses and compares the
+The runtime's own sizing decisions (pools, homes, keys, reserves, caches,
+budgets) are not here: they are the RuntimePlan (runtime_plan.py), which the
+engine allocates and plan.py itemises. What is here the runtime does not
+decide: how the allocator and the OS account for a buffer (huge pages, swap
+files rounded to blocks, file-system metadata), the transient tensors that
+autograd and gradient reduction make and free step after step, what zero.Init
+leaves on the heap, and overheads measured on this machine. Each says where it
+comes from: "measured" (with what), or the code or system whose behaviour it
+models. tests/estimate/test_reality.py trains in subprocesses and compares the
 whole estimate with the peak RSS and swap-file bytes the OS reports.
 
 Conventions: sizes in bytes unless named ``*_numel``; "shard" is one rank's
@@ -14,34 +18,17 @@ part of a unit (infinity.zero.layout), padded to a multiple of 4 KiB.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from infinity.aio import DIRECT_ALIGNMENT, HUGE_PAGE_SIZE
-from infinity.config import InfinityConfig, ZeroConfig
+from infinity.estimate.runtime_plan import FP32_NBYTES, itemsize
 from infinity.memory import round_up
 from infinity.zero.init import init_store_of
 from infinity.zero.layout import make_layout
 from infinity.zero.unit import ParamUnit
-from infinity.zero.units import UnitMap, build_units
-
-FP32_NBYTES = 4
-
-CACHED_FLAT_BUFFERS = 4
-"""infinity/engine/build.py CACHED_FLAT_BUFFERS: the TensorCache keeps up to this many
-of the largest unit's flat fp32 size."""
-
-OPTIMIZER_POOL_BUFFERS = 3
-"""infinity/engine/build.py _state_store: ``count = 3`` sub-groups in the optimizer pool
-(the one being read, the one being updated, the one being written)."""
-
-STATE_NBYTES_PER_ELEMENT = 16
-"""The most optimizer-state bytes per element: fp32 master, m, v, g (see state_nbytes_per_element)."""
-
-EMPTY_POOL_NBYTES = DIRECT_ALIGNMENT
-"""infinity/engine/build.py: a store without NVMe still gets ``BufferPool(1, 4096)``."""
 
 INIT_POOL_NBYTES = 64 << 20
 """infinity/zero/init.py _INIT_POOL_NBYTES: zero.Init's pool when parameters wait on NVMe."""
@@ -67,73 +54,6 @@ activations are freed and made again every step), so peak RSS exceeds the live t
 share of them — up to ~7% here, and it moves by ±3% of the training phase from run to run."""
 
 
-def param_dtype(cfg: InfinityConfig) -> torch.dtype:
-    """infinity/engine/build.py train_dtype: the precision parameters train in."""
-    if cfg.bf16.enabled:
-        return torch.bfloat16
-    if cfg.fp16.enabled:
-        return torch.float16
-    return torch.float32
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def unit_map_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> UnitMap:
-    """infinity/engine/build.py build_runtime: the units the engine cuts the model into.
-
-    Calls the engine's own infinity.zero.units.build_units (layout world 1 at
-    stage 0, the persistence threshold only at stage 3, zero.Init's true shapes)
-    with the meta device, so nothing is allocated and the model is not touched.
-    """
-    zero = cfg.zero_optimization
-    store = init_store_of(list(model.parameters()))
-    return build_units(
-        model,
-        world_size=1 if zero.stage == 0 else world_size,
-        persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
-        device=torch.device("meta"),
-        dtype=param_dtype(cfg),
-        shape_of=store.shape if store is not None else None,
-    )
-
-
-def units_for(model: nn.Module, cfg: InfinityConfig, world_size: int) -> list[ParamUnit]:
-    return unit_map_for(model, cfg, world_size).units
-
-
-def partitioner_working_set(
-    model: nn.Module, unit_map: UnitMap, counts: Callable[[ParamUnit], bool], *, full: bool = False
-) -> int:
-    """infinity/engine/build.py _working_set: the most (non-persistent) unit bytes the stage-3
-    partitioner holds at once — the heaviest root-to-leaf chain of modules' units (a frame holds its
-    module's units while its children run) plus the largest unit again (a tied weight held across
-    backward). ``full``: gathered units (world size > 1) instead of this rank's shards."""
-
-    def size(u: ParamUnit) -> int:
-        return u.full_nbytes if full else u.layout.shard_nbytes
-
-    def chain(m: nn.Module) -> int:
-        own = sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
-        return own + max((chain(c) for c in m.children()), default=0)
-
-    largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
-    return chain(model) + largest
-
-
-def schedule_budget_nbytes(numel: float, world_size: int, dtype: torch.dtype) -> int:
-    """infinity/engine/build.py _prefetch_scheduler + schedule/budget.py from_deepspeed: a DeepSpeed
-    budget (elements, gathered) as this rank's bytes — ``numel / world_size × itemsize``."""
-    return int(numel / world_size) * itemsize(dtype)
-
-
-def resident_param_nbytes(numels: Sequence[int], dtype: torch.dtype, stage: int) -> int:
-    """infinity/engine/build.py build_runtime, stages 0-2: ``p.data = p.data.to(device, dtype)`` —
-    every parameter stays whole in the module (unpadded); stage 3 keeps none there."""
-    return 0 if stage == 3 else sum(numels) * itemsize(dtype)
-
-
 def grad_accumulator_nbytes(units: Sequence[ParamUnit], stage: int) -> int:
     """infinity/zero/grads.py GradReducer (``deferred``), stages 0-1: every unit's whole gradient
     accumulates in a flat fp32 buffer (padded, from the TensorCache) until the window's end,
@@ -148,19 +68,6 @@ def grad_in_flight_nbytes(grad_numels: Sequence[int], dtype: torch.dtype) -> int
     return max(grad_numels, default=0) * (b + (FP32_NBYTES if b < FP32_NBYTES else 0))
 
 
-def init_transient_nbytes(units: Sequence[ParamUnit], dtype: torch.dtype) -> int:
-    """infinity/engine/build.py _full_values and the loop after it: one unit's flat fp32 values
-    (padded) and its shard converted to the parameter dtype, at a time."""
-    largest = max((u.layout.padded_numel for u in units), default=0)
-    return largest * (FP32_NBYTES + itemsize(dtype))
-
-
-def optimizer_swap_nbytes(shard_numel: int, stage: int, dtype: torch.dtype, block_size: int,
-                          grads_in_host: bool = False) -> int:
-    """infinity/engine/build.py _state_store: ``store.reserve(total shard elements × per element)``."""
-    return swap_nbytes(shard_numel * state_nbytes_per_element(stage, dtype, grads_in_host), block_size)
-
-
 def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
     """csrc/aio/aligned_buffer.cc AlignedBuffer: what an aligned_empty buffer maps (and prefaults).
 
@@ -172,18 +79,6 @@ def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
     if huge_pages and nbytes >= HUGE_PAGE_SIZE:
         return round_up(nbytes, HUGE_PAGE_SIZE)
     return round_up(nbytes, DIRECT_ALIGNMENT)
-
-
-def pool_capacity(count: int, size: int) -> int:
-    """infinity/memory/pool.py BufferPool.capacity: ``count × round_up(size, 4 KiB)`` bytes (for the
-    parameter pool, build.py _param_store passes size = offload_param.buffer_size × itemsize)."""
-    return count * round_up(size, DIRECT_ALIGNMENT)
-
-
-def pool_nbytes(count: int, size: int) -> int:
-    """infinity/memory/pool.py BufferPool: its capacity in one slab, allocated with huge pages
-    (see mapped_nbytes)."""
-    return mapped_nbytes(pool_capacity(count, size), huge_pages=True)
 
 
 def swap_nbytes(total: int, block_size: int) -> int:
@@ -237,94 +132,8 @@ def swap_growth_nbytes(sizes: Sequence[int], block_size: int) -> int:
     return capacity
 
 
-def state_keys(stage: int, dtype: torch.dtype) -> tuple[str, ...]:
-    """infinity/optim/partitioned_adam.py PartitionedAdam._keys: fp32 m, v, g per shard, plus an
-    fp32 master unless the shard is a stage-3 fp32 parameter (which is its own master)."""
-    if stage == 3 and dtype == torch.float32:
-        return ("m", "v", "g")
-    return ("master", "m", "v", "g")
-
-
-def state_nbytes_per_element(stage: int, dtype: torch.dtype, grads_in_host: bool = False) -> int:
-    """infinity/engine/build.py state_bytes_per_element: 12 or 16 (less the grad's 4 when
-    offload_optimizer.grads_in_host) — the optimizer pool's buffer size per element and the swap
-    space reserved per element."""
-    swapped = [k for k in state_keys(stage, dtype) if not (grads_in_host and k == "g")]
-    return FP32_NBYTES * len(swapped)
-
-
-def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> dict[int, str]:
-    """infinity/engine/build.py _param_homes: stage-3 shards at rest in "cpu" or "nvme".
-
-    Persistent units and every unit unless offload_param is nvme stay in host
-    memory; with nvme, units are kept in host memory greedily while their
-    shards fit in ``max_in_cpu`` elements (DeepSpeed's meaning of the key).
-    """
-    offload = zero.offload_param
-    homes = {}
-    in_cpu = 0
-    for unit in units:
-        if unit.persistent or offload.device != "nvme":
-            homes[unit.index] = "cpu"
-        elif in_cpu + unit.layout.shard_numel <= offload.max_in_cpu:
-            homes[unit.index] = "cpu"
-            in_cpu += unit.layout.shard_numel
-        else:
-            homes[unit.index] = "nvme"
-    return homes
-
-
-def optimizer_pool_numel(units: Sequence[ParamUnit], zero: ZeroConfig) -> int:
-    """infinity/engine/build.py _state_store: elements per optimizer-pool buffer,
-    ``max(min(sub_group_size, all shards), largest shard)``."""
-    total = sum(u.layout.shard_numel for u in units)
-    largest = max((u.layout.shard_numel for u in units), default=0)
-    return max(min(int(zero.sub_group_size), total), largest)
-
-
-def sub_groups(units: Sequence[ParamUnit], sub_group_numel: int) -> list[list[ParamUnit]]:
-    """infinity/optim/partitioned_adam.py _split: consecutive shards, at most
-    ``sub_group_numel`` elements a group (a larger shard is a group of its own)."""
-    groups: list[list[ParamUnit]] = []
-    size = 0
-    for u in units:
-        if not groups or size + u.layout.shard_numel > sub_group_numel:
-            groups.append([])
-            size = 0
-        groups[-1].append(u)
-        size += u.layout.shard_numel
-    return groups
-
-
-def _group_nvme_nbytes(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> list[int]:
-    return [
-        sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in g if homes.get(u.index) == "nvme")
-        for g in sub_groups(units, sub_group_numel)
-    ]
-
-
-def step_param_pool_need(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
-    """infinity/optim/partitioned_adam.py step/_fetch: the parameter-pool bytes one sub-group's
-    NVMe shards take. The read-issuing thread fetches a whole sub-group before the step uses any of
-    it, so a sub-group the pool cannot hold at once waits for room forever (until its timeout)."""
-    return max(_group_nvme_nbytes(units, homes, sub_group_numel), default=0)
-
-
-def step_param_pool_overlap(units: Sequence[ParamUnit], homes: dict[int, str], sub_group_numel: int) -> int:
-    """partitioned_adam.py step: with room for two consecutive sub-groups, the read of i+1 runs
-    while i is updated (less, and the step's reads and updates take turns)."""
-    per = _group_nvme_nbytes(units, homes, sub_group_numel)
-    return max([a + b for a, b in zip(per, per[1:], strict=False)] + per, default=0)
-
-
-def tensor_cache_cap(units: Sequence[ParamUnit]) -> int:
-    """infinity/engine/build.py: ``TensorCache(cap_nbytes=CACHED_FLAT_BUFFERS × 4 × largest padded numel)``."""
-    largest = max((u.layout.padded_numel for u in units), default=0)
-    return CACHED_FLAT_BUFFERS * FP32_NBYTES * largest
-
-
 def flat_buffers_nbytes(
-    units: Sequence[ParamUnit], stage: int, world_size: int, dtype: torch.dtype, *, caching: bool
+    units: Sequence[ParamUnit], stage: int, world_size: int, dtype: torch.dtype, *, cap_nbytes: int, caching: bool
 ) -> int:
     """Peak bytes of the TensorCache's flat buffers (zero/buffers.py) beyond those counted as
     their own items (stages 0-1's gradient accumulators, stage 3's gathered units):
@@ -336,8 +145,8 @@ def flat_buffers_nbytes(
       parameter dtype to all-gather updated shards into;
     - stage 3 with world size > 1 (partitioner.py _ungather): released gathers, kept for reuse.
     In use: one of each at a time. Cached: buffers put back, reused by (numel, dtype), at most
-    the cap (CACHED_FLAT_BUFFERS × the largest unit's fp32 size) — on CUDA none
-    (TensorCache.put keeps nothing there: ``caching`` False).
+    the cap (RuntimePlan.tensor_cache_cap_nbytes) — on CUDA none (TensorCache.put keeps nothing
+    there: ``caching`` False).
     """
     b = itemsize(dtype)
     largest_flat = max((u.layout.padded_numel for u in units), default=0)
@@ -357,7 +166,7 @@ def flat_buffers_nbytes(
         cacheable += sum(u.full_nbytes for u in units if not u.persistent)
     if not caching:
         return in_use
-    return in_use + min(tensor_cache_cap(units), cacheable)
+    return in_use + min(cap_nbytes, cacheable)
 
 
 def zero_init_param_nbytes(model: nn.Module) -> list[int]:

@@ -14,10 +14,10 @@ big or too small for the largest layer. The rules here:
 - ``offload_param.max_in_cpu``: 0 — every partitioned parameter on NVMe.
 - ``offload_param.buffer_size``: what the parameter pool should hold, with
   the buffer count kept: two consecutive sub-groups of shards (the step then
-  reads one while it updates the other, rules.step_param_pool_overlap), and
-  one sub-group plus the partitioner's working set of NVMe units (the
+  reads one while it updates the other; RuntimePlan.sub_group_param_nbytes),
+  and one sub-group plus the partitioner's working set of NVMe units (the
   stage-3 step runs behind the next forward, which holds those meanwhile;
-  rules.partitioner_working_set); rounded up to 1 Mi elements.
+  SchedulePlan.pool_working_set_nbytes); rounded up to 1 Mi elements.
 - ``stage3_max_live_parameters``: raised to the partitioner's working set
   where it is below it (the prefetch scheduler refuses it otherwise).
 """
@@ -28,11 +28,15 @@ import dataclasses
 import math
 
 from infinity.config import InfinityConfig
-from infinity.estimate import rules
 from infinity.estimate.model import ModelSpec
+from infinity.estimate.runtime_plan import (
+    OPTIMIZER_POOL_BUFFERS,
+    STATE_NBYTES_PER_ELEMENT,
+    plan_runtime,
+)
 from infinity.memory import round_up
 
-SUB_GROUP_TARGET = (1 << 30) // (rules.OPTIMIZER_POOL_BUFFERS * rules.STATE_NBYTES_PER_ELEMENT)
+SUB_GROUP_TARGET = (1 << 30) // (OPTIMIZER_POOL_BUFFERS * STATE_NBYTES_PER_ELEMENT)
 """Elements per optimizer sub-group that make a 1 GiB optimizer pool."""
 
 _ROUND = 1 << 20
@@ -42,8 +46,8 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     """``cfg`` with its NVMe sizing keys set by the rules above, and the (key, old, new) changes."""
     zero = cfg.zero_optimization
     off = zero.offload_param
-    unit_map = rules.unit_map_for(spec.module, cfg, world_size)
-    units = unit_map.units
+    base = plan_runtime(spec.module, cfg, world_size=world_size)
+    units = base.units
     changes: list[tuple[str, int, int]] = []
     sub = int(zero.sub_group_size)
     largest = max((u.layout.shard_numel for u in units), default=0)
@@ -55,29 +59,35 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
             sub = target
     new_off = off
     live = zero.stage3_max_live_parameters
-    if zero.stage == 3:
-        working = rules.partitioner_working_set(spec.module, unit_map, lambda u: True)
-        itemsize = rules.itemsize(rules.param_dtype(cfg))
-        if rules.schedule_budget_nbytes(live, world_size, rules.param_dtype(cfg)) < working:
-            new_live = round_up(-(-working // itemsize) * world_size, _ROUND)
-            changes.append(("zero_optimization.stage3_max_live_parameters", live, new_live))
-            live = new_live
+    if zero.stage == 3 and base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes:
+        new_live = round_up(-(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND)
+        changes.append(("zero_optimization.stage3_max_live_parameters", live, new_live))
+        live = new_live
     if off.device == "nvme" and zero.stage == 3:
         if off.max_in_cpu:
             changes.append(("zero_optimization.offload_param.max_in_cpu", off.max_in_cpu, 0))
         new_off = dataclasses.replace(off, max_in_cpu=0)
-        homes = rules.param_homes(units, dataclasses.replace(zero, offload_param=new_off))
-        nv = sorted((u.layout.shard_nbytes for u in units if homes[u.index] == "nvme"), reverse=True)
-        if nv:
-            held = round_up(rules.partitioner_working_set(spec.module, unit_map, lambda u: homes[u.index] == "nvme"),
-                            4096)
-            need = max(rules.step_param_pool_overlap(units, homes, sub),
-                       rules.step_param_pool_need(units, homes, sub) + held)
-            size = round_up(math.ceil(need / off.buffer_count / itemsize), _ROUND)
+        planned = plan_runtime(spec.module, _with(cfg, sub, new_off, live), world_size=world_size,
+                               unit_map=base.unit_map)
+        if planned.nvme_units():
+            held = round_up(planned.schedule.pool_working_set_nbytes, 4096)
+            per_group = planned.sub_group_param_nbytes()
+            need = max(_two_consecutive(per_group), max(per_group) + held)
+            size = round_up(math.ceil(need / off.buffer_count / base.itemsize), _ROUND)
             if size != off.buffer_size:
                 changes.append(("zero_optimization.offload_param.buffer_size", off.buffer_size, size))
                 new_off = dataclasses.replace(new_off, buffer_size=size)
     if not changes:
         return cfg, []
-    new_zero = dataclasses.replace(zero, sub_group_size=sub, offload_param=new_off, stage3_max_live_parameters=live)
-    return dataclasses.replace(cfg, zero_optimization=new_zero), changes
+    return _with(cfg, sub, new_off, live), changes
+
+
+def _with(cfg: InfinityConfig, sub_group_size: int, offload_param, max_live: int) -> InfinityConfig:
+    zero = dataclasses.replace(cfg.zero_optimization, sub_group_size=sub_group_size, offload_param=offload_param,
+                               stage3_max_live_parameters=max_live)
+    return dataclasses.replace(cfg, zero_optimization=zero)
+
+
+def _two_consecutive(per_group: list[int]) -> int:
+    """The most parameter-pool bytes two consecutive sub-groups take (one read while the other is updated)."""
+    return max([a + b for a, b in zip(per_group, per_group[1:], strict=False)] + per_group, default=0)

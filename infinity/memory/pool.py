@@ -185,6 +185,11 @@ class BufferPool:
     ``"zero_optimization.offload_param.buffer_count / buffer_size"``.
     """
 
+    @staticmethod
+    def capacity_for(count: int, size: int) -> int:
+        """The bytes ``BufferPool(count, size)`` holds: each buffer is rounded up to 4 KiB (O_DIRECT)."""
+        return count * round_up(size, DIRECT_ALIGNMENT)
+
     def __init__(
         self,
         count: int,
@@ -206,7 +211,7 @@ class BufferPool:
         self.name = name
         self.count = count
         self.buffer_size = round_up(size, DIRECT_ALIGNMENT)
-        self.capacity = count * self.buffer_size
+        self.capacity = self.capacity_for(count, size)
         self.config_hint = config_hint
         self._slab = aligned_empty(self.capacity, torch.uint8, huge_pages=huge_pages, pin=pin)
         self._alloc = RangeAllocator(self.capacity, granule=DIRECT_ALIGNMENT)

@@ -1,8 +1,9 @@
 """PartitionedAdam: Adam/AdamW over this rank's flat shards, its state in a TieredStore (host or NVMe).
 
-For every unit shard the optimizer keeps fp32 ``m``, ``v`` and the
-accumulated gradient ``g`` in ``state_store`` and, unless the parameters are
-fp32 stage-3 shards (which are their own master copy), an fp32 ``master``.
+For every unit shard the optimizer keeps the fp32 arrays its ShardSpec names
+(``state_keys``, from the runtime plan) in ``state_store``: ``m``, ``v``, the
+accumulated gradient ``g`` and, unless the parameters are fp32 stage-3 shards
+(which are their own master copy), an fp32 ``master``.
 The step streams sub-groups of units (at most ``sub_group_numel`` elements
 each): the reads of sub-group i+1 are issued before sub-group i is updated,
 and i's dirty state is evicted (written back asynchronously) right after —
@@ -56,6 +57,9 @@ class ShardSpec:
     param_dtype: torch.dtype
     segments: tuple[ShardSegment, ...]
     param_key: Hashable | None = None  # the shard in the parameter store (stage 3), else None
+    state_keys: tuple[str, ...] = dataclasses.field(kw_only=True)
+    """The fp32 arrays kept for it in the state store, as the plan says (infinity.estimate.runtime_plan):
+    "m", "v", "g" and "master", which only an fp32 shard in the parameter store (its own master) lacks."""
 
 
 class PartitionedAdam(torch.optim.Optimizer):
@@ -89,9 +93,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.param_steps = [0] * len(self.params)
         self._sumsq: dict[int, float] = {}
         self._open_grads: dict[int, torch.Tensor] = {}
-        self._master_in_param_store = {
-            s.index: s.param_key is not None and s.param_dtype == torch.float32 for s in self.shards
-        }
+        self._master_in_param_store = {s.index: _master_in_param_store(s) for s in self.shards}
         self.sub_group_numel = sub_group_numel
         self._issue_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.sub_groups = _split(self.shards, sub_group_numel)
@@ -107,8 +109,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         return [where.get(id(p)) for p in self.params]
 
     def _keys(self, s: ShardSpec) -> list[tuple[int, str]]:
-        names = ["m", "v", "g"] if self._master_in_param_store[s.index] else ["master", "m", "v", "g"]
-        return [(s.index, n) for n in names]
+        return [(s.index, n) for n in s.state_keys]
 
     def _register(self, home: str, grad_home: str) -> None:
         specs = []
@@ -311,13 +312,35 @@ def _flush_unheld(store: TieredStore, key: Hashable) -> None:
         store.flush(key)
 
 
-def _split(shards: Sequence[ShardSpec], limit: int) -> list[list[ShardSpec]]:
-    groups: list[list[ShardSpec]] = []
+def _master_in_param_store(s: ShardSpec) -> bool:
+    """Whether the shard's parameter copy is its fp32 master: the state keys say so (no "master"), and
+    only an fp32 shard in the parameter store can be one (a 16-bit copy, or none, needs its own)."""
+    missing = {"m", "v", "g"} - set(s.state_keys)
+    if missing:
+        raise ValueError(f"shard {s.index}: state_keys {s.state_keys} lack {sorted(missing)}")
+    own_master = s.param_key is not None and s.param_dtype == torch.float32
+    if ("master" not in s.state_keys) != own_master:
+        raise ValueError(
+            f"shard {s.index} ({s.param_dtype}, {'in' if s.param_key is not None else 'not in'} the parameter "
+            f"store) {'needs' if not own_master else 'is its own'} fp32 master; state_keys {s.state_keys} "
+            f"{'lack' if not own_master else 'add'} one"
+        )
+    return own_master
+
+
+def split_sub_groups(numels: Sequence[int], limit: int) -> list[list[int]]:
+    """The step's sub-groups: positions of consecutive shards of ``numels`` elements, at most ``limit``
+    elements a group (a shard larger than that is a group of its own)."""
+    groups: list[list[int]] = []
     size = math.inf
-    for s in shards:
-        if size + s.numel > limit or not groups:
+    for i, n in enumerate(numels):
+        if size + n > limit or not groups:
             groups.append([])
             size = 0
-        groups[-1].append(s)
-        size += s.numel
+        groups[-1].append(i)
+        size += n
     return groups
+
+
+def _split(shards: Sequence[ShardSpec], limit: int) -> list[list[ShardSpec]]:
+    return [[shards[i] for i in g] for g in split_sub_groups([s.numel for s in shards], limit)]

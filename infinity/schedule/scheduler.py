@@ -29,7 +29,7 @@ pool rounds each region up to 4 KiB, which the budgets do not count).
   is in the way. So ``live ≤ max(max_live, in_use)``, and while ``in_use``
   exceeds max_live the scheduler holds nothing of its own (no prefetch, no
   keep); each such fetch is counted in ``over_budget_demands``. The
-  engine-facing ``for_engine`` refuses budgets that would let this happen
+  engine-facing ``for_engine``/``for_budget`` refuse budgets that would let this happen
   (ScheduleBudget.check_serves), so under the engine max_live is never
   exceeded.
 - a unit is kept at its last release only if it is used again within
@@ -188,6 +188,24 @@ class PrefetchScheduler:
         max_live_parameters: float,
         max_reuse_distance: float,
         itemsize: int,
+        **kw: Any,
+    ) -> PrefetchScheduler:
+        """From DeepSpeed's element counts (stage3_prefetch_bucket_size, stage3_max_live_parameters,
+        stage3_max_reuse_distance) and the parameters' itemsize; the rest as ``for_budget``."""
+        budget = ScheduleBudget.from_deepspeed(
+            prefetch_bucket_size=prefetch_bucket_size,
+            max_live_parameters=max_live_parameters,
+            max_reuse_distance=max_reuse_distance,
+            itemsize=itemsize,
+        )
+        return cls.for_budget(store, budget, **kw)
+
+    @classmethod
+    def for_budget(
+        cls,
+        store: TieredStore,
+        budget: ScheduleBudget,
+        *,
         largest_unit_nbytes: int,
         working_set_nbytes: int | None = None,
         pool_working_set_nbytes: int | None = None,
@@ -195,19 +213,12 @@ class PrefetchScheduler:
         tier: Tier = "device",
         **kw: Any,
     ) -> PrefetchScheduler:
-        """From DeepSpeed's element counts (stage3_prefetch_bucket_size, stage3_max_live_parameters,
-        stage3_max_reuse_distance) and the parameters' itemsize; refuses budgets it could not keep
+        """The engine's scheduler under ``budget`` (bytes); refuses a budget it could not keep
         (ScheduleConfigError naming the key to raise, see ScheduleBudget.check_serves).
 
         ``working_set_nbytes``: the most unit bytes the partitioner holds at once;
         ``pool_working_set_nbytes``: the part of it on NVMe, which needs the store's pool
         (default: all of it if the store has swap directories, else none)."""
-        budget = ScheduleBudget.from_deepspeed(
-            prefetch_bucket_size=prefetch_bucket_size,
-            max_live_parameters=max_live_parameters,
-            max_reuse_distance=max_reuse_distance,
-            itemsize=itemsize,
-        )
         budget.check_serves(
             largest_unit_nbytes=largest_unit_nbytes,
             working_set_nbytes=working_set_nbytes,
@@ -225,7 +236,7 @@ class PrefetchScheduler:
             max_live_nbytes=budget.max_live_nbytes,
             max_reuse_distance_nbytes=budget.max_reuse_distance_nbytes,
             tier=tier,
-            budget_itemsize=itemsize,
+            budget_itemsize=budget.itemsize,
             **kw,
         )
 

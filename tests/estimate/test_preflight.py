@@ -68,17 +68,21 @@ def test_too_little_host_memory_is_refused_before_anything_is_allocated(nvme_dir
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def _fix_when_short(model, cfg, small_machine, short_nbytes: int) -> str:
+    """The refusal's fix on a machine with ``short_nbytes`` less RAM than the run needs."""
+    est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
+    small_machine(ram=est.focus.plan.ram_nbytes - est.baseline_nbytes - short_nbytes)
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(model, cfg)
+    return str(e.value).split("Fix:")[1]
+
+
 def test_the_fix_names_a_setting_that_fits(nvme_dir, small_machine):
     """Optimizer state in host memory does not fit 16 MiB less than it needs; on NVMe it does."""
     cfg = _config(nvme_dir, stage=3, p="cpu", o="cpu")
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(MODEL, n_layer=4, d_model=256, n_head=4))  # 3.2M parameters: 51 MB of state
-    est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
-    need = est.focus.plan.ram_nbytes
-    small_machine(ram=need - est.baseline_nbytes - (16 << 20))
-    with pytest.raises(PreflightError) as e:
-        infinity.initialize(model, cfg)
-    fix = str(e.value).split("Fix:")[1]
+    fix = _fix_when_short(model, cfg, small_machine, 16 << 20)
     assert "offload_optimizer.device=nvme" in fix or "offload_param.device=nvme" in fix
     assert "fits" in fix
 
@@ -113,6 +117,16 @@ def test_a_parameter_pool_the_optimizer_step_would_stall_on_is_refused(nvme_dir)
     msg = str(e.value)
     assert "optimizer step holds" in msg
     assert "offload_param.buffer_size" in msg and "sub_group_size" in msg
+
+
+def test_a_parameter_pool_too_big_for_memory_names_both_of_its_keys(nvme_dir, small_machine):
+    """A 1 GiB parameter pool (4 × 2^26 fp32 elements) for a model that needs a few MiB of it: host memory
+    is short by less than the pool could give back, and the fix names buffer_count as well as buffer_size."""
+    cfg = _config(nvme_dir)
+    cfg["zero_optimization"]["offload_param"].update(buffer_count=4, buffer_size=1 << 26)
+    fix = _fix_when_short(GPT(MODEL), cfg, small_machine, 256 << 20)
+    assert "the parameter pool is what does not fit" in fix
+    assert "zero_optimization.offload_param.buffer_count or zero_optimization.offload_param.buffer_size" in fix
 
 
 def test_preflight_false_skips_the_check_with_a_warning(nvme_dir, small_machine, caplog):

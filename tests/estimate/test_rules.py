@@ -1,9 +1,10 @@
-"""The estimator's rules against a built runtime, byte for byte: units, homes, host tensors, pools, swap, cache.
+"""The plan against a built runtime: the estimator's RuntimePlan is the engine's, and the engine's objects are it.
 
 Each case builds a real engine (infinity.initialize, in this process) and
-compares what its stores and caches hold with the plan's items. When the
-engine's allocation code changes, these fail and name the item that drifted;
-rules.py is then the one place to follow it.
+checks, through the runtime's own objects — its stores' pools, keys, homes and
+swap files, its optimizer's sub-groups, its cache, its scheduler's budgets —
+that it allocated what the estimate's RuntimePlan says, and that the
+estimate's items add up to what those objects hold.
 """
 
 import dataclasses
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 import infinity
-from infinity.estimate import estimate_memory, rules
+from infinity.config import load_config
+from infinity.estimate import estimate_memory, plan_runtime, rules
 from infinity.estimate.plan import Setting
-from infinity.memory import round_up
+from infinity.estimate.runtime_plan import cut_units, param_homes
 from infinity.models import GPT, GPTConfig
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
@@ -54,6 +56,26 @@ def _items(plan, name_prefix, tier=None):
     return sum(i.nbytes for i in plan.items if i.name.startswith(name_prefix) and (tier is None or i.tier == tier))
 
 
+DECISIONS = ("shards", "param_store", "state_store", "optimizer", "swap_reserves", "tensor_cache_cap_nbytes",
+             "staging_numel", "schedule", "param_pool_refusal", "warnings")
+"""Every RuntimePlan field but the units themselves (another model's) and the device (meta for an estimate)."""
+
+
+def _estimate(model, cfg, stage):
+    z = cfg["zero_optimization"]
+    setting = Setting(stage, z.get("offload_param", {}).get("device", "none"),
+                      z.get("offload_optimizer", {}).get("device", "none"))
+    est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0, settings=[setting])
+    return est.settings[0].plan
+
+
+def _check_pool(store, pool_plan, plan, item):
+    """A store's pool is the plan's, and maps what the estimate's item says."""
+    pool = store.pool
+    assert (pool.name, pool.count, pool.capacity) == (pool_plan.name, pool_plan.count, pool_plan.capacity_nbytes)
+    assert rules.mapped_nbytes(pool.capacity, huge_pages=True) == _items(plan, item)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_matches_a_built_runtime(case, nvme_dir):
     kw = dict(CASES[case])
@@ -61,43 +83,43 @@ def test_plan_matches_a_built_runtime(case, nvme_dir):
     cfg = _config(stage, kw.pop("p", "none"), kw.pop("o", "none"), dtype=kw.pop("dtype", "fp32"), nvme=nvme_dir, **kw)
     torch.manual_seed(0)
     model = GPT(MODEL)
-    est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0,
-                          settings=[Setting(stage, cfg["zero_optimization"].get("offload_param", {}).get("device", "none"),
-                                            cfg["zero_optimization"].get("offload_optimizer", {}).get("device", "none"))])
-    plan = est.settings[0].plan
+    plan = _estimate(model, cfg, stage)
+    est = plan.runtime
     engine = infinity.initialize(model, cfg)
     try:
         rt = engine.runtime
         units = rt.unit_map.units
-        # Units: the estimator cuts the model as the engine does.
-        est_units = rules.units_for(GPT(MODEL), engine.config, 1)
-        assert [(u.module_name, u.layout.shard_numel, u.persistent) for u in est_units] == [
+        # The engine allocated from the same decisions the estimate itemised.
+        assert {f: getattr(rt.plan, f) for f in DECISIONS} == {f: getattr(est, f) for f in DECISIONS}
+        assert [(u.module_name, u.layout.shard_numel, u.persistent) for u in est.units] == [
             (u.module_name, u.layout.shard_numel, u.persistent) for u in units
         ]
-        # Optimizer state: home "cpu" tensors in host memory, or reserved swap space.
+        # Optimizer state: the plan's keys per shard, at the plan's homes; host tensors or reserved swap.
         state = rt.state_store
+        opt = est.optimizer
+        assert sorted(state.keys()) == sorted((u.index, k) for u in units for k in opt.state_keys)
+        assert all(state.spec(k).home == (opt.grad_home if k[1] == "g" else opt.state_home) for k in state.keys())
         specs = [state.spec(k) for k in state.keys()]
-        in_host = sum(s.nbytes for s in specs if s.home == "cpu")
         opt_names = ("fp32 master weights", "Adam moments m, v", "gradient partitions (fp32)")
-        assert in_host == sum(_items(plan, n, "host") for n in opt_names)
-        on_disk = sum(s.nbytes for s in specs if s.home == "nvme")
-        assert on_disk == sum(_items(plan, n, "nvme") for n in opt_names)
+        assert sum(s.nbytes for s in specs if s.home == "cpu") == sum(_items(plan, n, "host") for n in opt_names)
+        assert sum(s.nbytes for s in specs if s.home == "nvme") == sum(_items(plan, n, "nvme") for n in opt_names)
         assert state.stats().swap_capacity == (
             _items(plan, "", "nvme") - _items(plan, "parameter swap") - _items(plan, "optimizer swap directory"))
-        assert rules.mapped_nbytes(state.pool.capacity, huge_pages=True) == _items(plan, "optimizer pool")
-        # Parameters: stage 3 shards in the parameter store; else resident in the module.
+        _check_pool(state, est.state_store.pool, plan, "optimizer pool")
+        assert [[s.index for s in g] for g in rt.optimizer.sub_groups] == [list(g) for g in opt.sub_groups]
+        # Parameters: stage 3 shards at the plan's homes in the parameter store; else resident in the module.
         if stage == 3:
             ps = rt.param_store
+            assert {u.key: est.shards[u.index].param_home for u in units} == {k: ps.spec(k).home for k in ps.keys()}
             pspecs = [ps.spec(k) for k in ps.keys()]
             assert sum(s.nbytes for s in pspecs if s.home == "cpu") == _items(plan, "parameter shards in host memory")
-            homes = rules.param_homes(units, engine.config.zero_optimization)
-            assert {u.key: homes[u.index] for u in units} == {k: ps.spec(k).home for k in ps.keys()}
             assert ps.stats().swap_capacity == _items(plan, "parameter swap files")
-            assert rules.mapped_nbytes(ps.pool.capacity, huge_pages=True) == _items(plan, "parameter pool")
+            _check_pool(ps, est.param_store.pool, plan, "parameter pool")
+            assert rt.shard_source.budget == est.schedule.budget
         else:
             resident = sum(p.numel() * p.element_size() for p in model.parameters())
             assert resident == _items(plan, "parameters in the module")
-        assert rt.cache.cap_nbytes == rules.tensor_cache_cap(units)
+        assert rt.cache.cap_nbytes == est.tensor_cache_cap_nbytes
     finally:
         engine.close()
 
@@ -126,17 +148,26 @@ def test_flat_buffer_peak_matches_the_cache_after_training(nvme_dir):
         engine.close()
 
 
-def test_step_pool_need_is_what_the_optimizer_step_holds():
-    """rules.step_param_pool_need mirrors PartitionedAdam.step: a whole sub-group is fetched before
-    it is used (and with room for two, the next one's read overlaps the update)."""
-    units = rules.units_for(GPT(MODEL), _loaded(_config(3, "nvme", "nvme", nvme="/x", sub_group_size=5000)), 1)
-    homes = {u.index: ("cpu" if u.persistent else "nvme") for u in units}
-    groups = rules.sub_groups(units, 5000)
-    per = [sum(round_up(u.layout.shard_nbytes, 4096) for u in g if homes[u.index] == "nvme") for g in groups]
-    assert rules.step_param_pool_need(units, homes, 5000) == max(per)
-    assert rules.step_param_pool_overlap(units, homes, 5000) == max(a + b for a, b in zip(per, per[1:], strict=False))
-    # A group never splits a shard: each shard larger than the limit is a group of its own.
-    assert all(len(g) == 1 for g in rules.sub_groups(units, 1))
+def test_sub_groups_are_the_optimizers_and_their_pool_need_its_keys(nvme_dir):
+    """The plan's sub-groups are the ones the optimizer steps through, and the parameter-pool bytes
+    planned per sub-group are those of its NVMe keys in the parameter store (the step fetches a whole
+    sub-group before it updates any of it)."""
+    torch.manual_seed(0)
+    cfg = _config(3, "nvme", "nvme", nvme=nvme_dir, sub_group_size=5000, stage3_param_persistence_threshold=200)
+    engine = infinity.initialize(GPT(MODEL), cfg)
+    try:
+        rt = engine.runtime
+        groups = [[s.index for s in g] for g in rt.optimizer.sub_groups]
+        assert groups == [list(g) for g in rt.plan.optimizer.sub_groups] and len(groups) > 2
+        ps, units = rt.param_store, rt.unit_map.units
+        # (shards are 4 KiB-padded: a key's pool region is its size)
+        held = [sum(ps.spec(units[i].key).nbytes for i in g if ps.spec(units[i].key).home == "nvme") for g in groups]
+        assert rt.plan.sub_group_param_nbytes() == held
+        assert rt.plan.param_store.pool.need_nbytes >= max(held)
+        # A group never splits a shard: each shard larger than the limit is a group of its own.
+        assert len(rt.plan.sub_group_param_nbytes(1)) == len(units)
+    finally:
+        engine.close()
 
 
 def test_swap_growth_follows_the_swap_space(nvme_dir):
@@ -151,20 +182,14 @@ def test_swap_growth_follows_the_swap_space(nvme_dir):
         assert store.stats().swap_capacity == rules.swap_growth_nbytes(sizes, store._rio.config.block_size)
 
 
-def _loaded(cfg):
-    from infinity.config import load_config
-
-    return load_config(cfg)
-
-
 def test_param_homes_keep_max_in_cpu_elements_in_host_memory():
-    cfg = _loaded(_config(3, "nvme", "nvme", nvme="/x", stage3_param_persistence_threshold=100))
+    cfg = load_config(_config(3, "nvme", "nvme", nvme="/x", stage3_param_persistence_threshold=100))
     zero = cfg.zero_optimization
-    units = rules.units_for(GPT(MODEL), cfg, 1)
+    units = cut_units(GPT(MODEL), cfg, world_size=1, device=torch.device("meta")).units
     big = [u for u in units if not u.persistent]
     budget = big[0].layout.shard_numel + big[1].layout.shard_numel
     zero = dataclasses.replace(zero, offload_param=dataclasses.replace(zero.offload_param, max_in_cpu=budget))
-    homes = rules.param_homes(units, zero)
+    homes = param_homes(units, zero)
     kept = sum(u.layout.shard_numel for u in big if homes[u.index] == "cpu")
     assert kept == budget  # greedy: the first two fit exactly
     assert any(homes[u.index] == "nvme" for u in big)
@@ -176,13 +201,10 @@ def test_the_schedulers_refusals_are_foreseen_exactly(nvme_dir, what):
     """ScheduleBudget.check_serves refuses (after initialize moved the model home) a live budget or a
     parameter pool below the partitioner's working set: the plan flags exactly those configs."""
     torch.manual_seed(0)
-    cfg = _loaded(_config(3, "nvme", "nvme", nvme=nvme_dir, stage3_param_persistence_threshold=200))
-    model = GPT(MODEL)
-    unit_map = rules.unit_map_for(model, cfg, 1)
-    homes = rules.param_homes(unit_map.units, cfg.zero_optimization)
-    everything = rules.partitioner_working_set(model, unit_map, lambda u: True)
-    on_nvme = rules.partitioner_working_set(model, unit_map, lambda u: homes[u.index] == "nvme")
-    assert everything > max(u.layout.shard_nbytes for u in unit_map.units)  # a chain, not one unit
+    cfg = load_config(_config(3, "nvme", "nvme", nvme=nvme_dir, stage3_param_persistence_threshold=200))
+    schedule = plan_runtime(GPT(MODEL), cfg, world_size=1).schedule
+    everything, on_nvme = schedule.working_set_nbytes, schedule.pool_working_set_nbytes
+    assert everything > schedule.largest_unit_nbytes  # a chain, not one unit
     for delta, refused in ((-1024, True), (0, False)):  # 4 KiB of fp32: pool buffers are 4 KiB-granular
         raw = _config(3, "nvme", "nvme", nvme=nvme_dir, stage3_param_persistence_threshold=200, sub_group_size=20_000)
         if what == "live budget":

@@ -139,3 +139,28 @@ def test_isa_from_the_environment():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "INFINITY_ADAM_ISA must be one of scalar, avx2, avx512, got 'avx9000'" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("dtype", "param_key", "keys", "says"),
+    [
+        (torch.bfloat16, "p0", ("m", "v", "g"), "needs fp32 master; state_keys .* lack one"),
+        (torch.float32, None, ("m", "v", "g"), "needs fp32 master"),
+        (torch.float32, "p0", ("master", "m", "v", "g"), "is its own fp32 master; state_keys .* add one"),
+        (torch.float32, None, ("master", "m", "v"), r"lack \['g'\]"),
+    ],
+)
+def test_state_keys_that_do_not_fit_the_shard_are_refused(dtype, param_key, keys, says):
+    """PartitionedAdam registers the keys the plan gives each shard; keys it could not use are refused."""
+    from infinity.memory import BufferPool
+    from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
+    from infinity.store import TieredStore
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    spec = ShardSpec(0, 1024, dtype, (ShardSegment(0, 0, 0, 8),), param_key=param_key, state_keys=keys)
+    with TieredStore(None, pool=BufferPool(1, 4096), name="state") as store:
+        with pytest.raises(ValueError, match=f"shard 0.*{says}"):
+            PartitionedAdam([{"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}],
+                            {}, [p], [spec], state_store=store, param_store=store, state_home="cpu", adamw=True,
+                            sub_group_numel=1024)
+        assert store.keys() == []

@@ -1,0 +1,477 @@
+"""RuntimePlan: every sizing decision the runtime acts on for one rank, made once, in one place.
+
+[Note: one sizing model] infinity.engine.build allocates what a RuntimePlan says
+— the units, each shard's parameter home, the two stores with their pools and
+swap reserves, the optimizer's keys and sub-groups, the tensor cache, the
+prefetch budgets — and refuses what the plan refuses (a parameter pool that
+cannot hold the largest layer). infinity.estimate itemises the same plan
+(plan.py) for ``infinity estimate`` and the pre-flight check, adding only what
+the runtime does not decide (activations, the process baseline, measured
+overheads, allocator slack: rules.py). There is no second copy of these rules,
+so the estimate and what is allocated cannot disagree.
+
+Invariants: making a plan touches neither the model nor memory nor files (the
+units are cut on the device given: "meta" for an estimate); every figure is
+this rank's; sizes are bytes unless named ``*_numel``; a shard is one rank's
+part of a unit, padded to 4 KiB (infinity.zero.layout).
+
+Threading: a plan is immutable. Its UnitMap is the runtime's own: the units
+change state as they are gathered, but their layouts, which the plan is
+computed from, never change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import nn
+
+from infinity.aio import DIRECT_ALIGNMENT
+from infinity.config import InfinityConfig, ZeroConfig
+from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from infinity.memory import BufferPool, round_up
+from infinity.optim.partitioned_adam import split_sub_groups
+from infinity.schedule import ScheduleBudget
+from infinity.zero.init import init_store_of
+from infinity.zero.unit import ParamUnit
+from infinity.zero.units import UnitMap, build_units
+
+Home = Literal["cpu", "nvme"]
+
+FP32_NBYTES = 4
+
+CACHED_FLAT_BUFFERS = 4
+"""The TensorCache keeps up to this many of the largest unit's flat fp32 size for reuse (gathers for
+world size > 1, flat fp32 grads): the few buffers in use at once, not one per unit."""
+
+OPTIMIZER_POOL_BUFFERS = 3
+"""Sub-groups the optimizer pool holds: the one being read, the one being updated and the one being
+written (PartitionedAdam streams read i+1 ‖ update i ‖ write i-1)."""
+
+STATE_KEYS = ("master", "m", "v", "g")
+"""The fp32 arrays PartitionedAdam keeps per shard: master weights, Adam's moments, the gradient."""
+
+STATE_NBYTES_PER_ELEMENT = FP32_NBYTES * len(STATE_KEYS)
+"""The most optimizer-state bytes per element (every array swapped)."""
+
+PARAM_POOL_KEYS = ("zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size")
+OPTIMIZER_POOL_KEYS = ("zero_optimization.sub_group_size",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """A BufferPool allocated once: ``count`` buffers of ``buffer_nbytes`` in one slab."""
+
+    name: str
+    """The pool's name in messages and stats ("params", "optimizer"; "pool" for a store's unused one)."""
+    count: int
+    buffer_nbytes: int
+    """Bytes per buffer as asked; the pool rounds each up to 4 KiB (``capacity_nbytes``)."""
+    pin: bool | None
+    """None pins where CUDA is present (offload_*.pin_memory true); False never pins."""
+    keys: tuple[str, ...] = ()
+    """The config keys that size it: what to lower when it is too big, or raise when too small."""
+    need_nbytes: int = 0
+    """The least capacity the run needs of it: what it must hold at once (0: nothing)."""
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return BufferPool.capacity_for(self.count, self.buffer_nbytes)
+
+
+UNUSED_POOL = PoolPlan("pool", 1, DIRECT_ALIGNMENT, None)
+"""The pool of a store whose keys all live in host memory (a TieredStore always has one): one page."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePlan:
+    """A TieredStore: its pool and, when keys rest on NVMe, where it swaps and what it reserves there."""
+
+    name: str
+    pool: PoolPlan
+    nvme_path: str | None = None
+    """The offload section's nvme_path (this rank swaps in rank<N>/ below it); None: host memory only."""
+    reserve_nbytes: int = 0
+    """Bytes of the keys at home on NVMe, reserved (fallocate) before any is written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapReserve:
+    """Swap-file bytes one store needs at one nvme_path, checked against the free space there before
+    anything is written — for every offload section on NVMe, even when nothing lands there."""
+
+    what: str
+    """"parameters" or "optimizer state" (in the refusal)."""
+    nvme_path: str
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """One unit's shard on this rank."""
+
+    index: int
+    """The unit's index in the UnitMap."""
+    param_home: Home | None
+    """Stage 3: where the parameter shard rests in the parameter store; None at stages 0-2, which keep
+    parameters whole in the module. A placement planner may choose it per unit: the runtime obeys."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPlan:
+    """PartitionedAdam's state: which fp32 arrays each shard has, where they rest, how the step streams them."""
+
+    state_keys: tuple[str, ...]
+    """Per shard: m, v, g, and a master unless the shard is a stage-3 fp32 parameter (its own master)."""
+    state_home: Home
+    """Where master, m and v rest: "nvme" with offload_optimizer.device nvme, else "cpu"."""
+    grad_home: Home
+    """Where g rests: "cpu" with offload_optimizer.grads_in_host, else with the rest."""
+    swapped_nbytes_per_element: int
+    """Bytes per element of the arrays at home on NVMe (0 when none is): the unit of the optimizer
+    pool's buffers and of its swap reserve."""
+    sub_group_numel: int
+    """zero_optimization.sub_group_size: the most elements the step streams at once."""
+    sub_groups: tuple[tuple[int, ...], ...]
+    """The step's sub-groups, as unit indices (split_sub_groups, which the optimizer itself uses)."""
+    pool_buffer_numel: int
+    """Elements per optimizer-pool buffer: a sub-group, no more than every shard, no less than the largest."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulePlan:
+    """The stage-3 prefetch scheduler's budgets and what the partitioner holds under them."""
+
+    budget: ScheduleBudget
+    """DeepSpeed's element budgets as this rank's bytes: ``int(numel / world_size) × itemsize`` (the
+    scheduler holds this rank's shards; DeepSpeed counts gathered elements)."""
+    working_set_nbytes: int
+    """The most shard bytes the partitioner holds at once (partitioner_working_set)."""
+    pool_working_set_nbytes: int
+    """The part of it at home on NVMe, which the parameter pool must hold at once."""
+    largest_unit_nbytes: int
+    largest_unit: str
+    """The largest partitioned unit's module name (repr), for the scheduler's refusals."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTooLarge:
+    """The parameter pool cannot hold the largest layer's shard on NVMe: initialize refuses the config."""
+
+    layer: str
+    shard_numel: int
+    shard_nbytes: int
+    buffer_count: int
+    buffer_size: int
+    """offload_param.buffer_size, in elements."""
+    capacity_nbytes: int
+
+    @property
+    def min_buffer_size(self) -> int:
+        """The buffer_size (elements) that holds the layer with the configured buffer_count."""
+        return math.ceil(self.shard_numel / self.buffer_count)
+
+    def message(self) -> str:
+        return (
+            f"the parameter buffer pool (offload_param.buffer_count={self.buffer_count} x buffer_size="
+            f"{self.buffer_size} elements = {self.capacity_nbytes} bytes) cannot hold layer {self.layer!r}, "
+            f"whose shard is {self.shard_nbytes} bytes ({self.shard_numel} elements); "
+            f"raise zero_optimization.offload_param.buffer_count or buffer_size to at least "
+            f"{self.min_buffer_size} elements"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimePlan:
+    """What one rank allocates and how, for a model under a config (see [Note: one sizing model])."""
+
+    stage: int
+    dtype: torch.dtype
+    """The precision parameters train in (train_dtype)."""
+    world_size: int
+    rank: int
+    device: torch.device
+    """The compute device; the units were cut on it."""
+    unit_map: UnitMap
+    """The units (infinity.zero.units.build_units), cut as the runtime partitions the model."""
+    shards: tuple[ShardPlan, ...]
+    """Per unit, by index."""
+    param_store: StorePlan | None
+    """Stage 3: the parameter store; None at stages 0-2."""
+    state_store: StorePlan
+    optimizer: OptimizerPlan
+    swap_reserves: tuple[SwapReserve, ...]
+    """The free-space check: parameters first, then optimizer state."""
+    tensor_cache_cap_nbytes: int
+    """The TensorCache keeps at most this much: CACHED_FLAT_BUFFERS × the largest unit's flat fp32 size."""
+    staging_numel: int
+    """Starting values move home through one fp32 buffer of this many elements (the largest unit's)."""
+    schedule: SchedulePlan | None
+    """Stage 3: the prefetch scheduler's; None at stages 0-2."""
+    param_pool_refusal: LayerTooLarge | None
+    """The pool check initialize refuses on (None: the pool holds every layer)."""
+    warnings: tuple[str, ...] = ()
+    """What the runtime tells the user about this plan as it allocates it."""
+
+    @property
+    def units(self) -> list[ParamUnit]:
+        return self.unit_map.units
+
+    @property
+    def shard_rank(self) -> int:
+        """The rank whose part of each unit this rank owns (stage 0 keeps whole units: rank 0's)."""
+        return 0 if self.stage == 0 else self.rank
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of every shard of this rank."""
+        return sum(u.layout.shard_numel for u in self.units)
+
+    def nvme_units(self) -> list[ParamUnit]:
+        """The units whose parameter shard rests on NVMe."""
+        return [u for u in self.units if self.shards[u.index].param_home == "nvme"]
+
+    @property
+    def resident_param_nbytes(self) -> int:
+        """Stages 0-2: every parameter whole in the module (unpadded), in the training dtype."""
+        if self.stage == 3:
+            return 0
+        return sum(s.numel for u in self.units for s in u.layout.slots) * self.itemsize
+
+    def sub_group_param_nbytes(self, sub_group_numel: int | None = None) -> list[int]:
+        """Parameter-pool bytes each optimizer sub-group's NVMe shards take (the step fetches a whole
+        sub-group before it updates any of it); ``sub_group_numel``: were sub_group_size that instead."""
+        groups = self.optimizer.sub_groups
+        if sub_group_numel is not None:
+            groups = split_sub_groups([u.layout.shard_numel for u in self.units], sub_group_numel)
+        return _sub_group_nvme_nbytes(self.units, [s.param_home for s in self.shards], groups)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def train_dtype(cfg: InfinityConfig) -> torch.dtype:
+    """The precision parameters train in: bf16 or fp16 when enabled, else fp32."""
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def cut_units(model: nn.Module, cfg: InfinityConfig, *, world_size: int, device: torch.device) -> UnitMap:
+    """The units: whole at stage 0 (layout world 1), the persistence threshold only at stage 3,
+    zero.Init's true shapes where it holds the parameters."""
+    zero = cfg.zero_optimization
+    store = init_store_of(list(dict.fromkeys(model.parameters())))
+    return build_units(
+        model,
+        world_size=1 if zero.stage == 0 else world_size,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
+        device=device,
+        dtype=train_dtype(cfg),
+        shape_of=store.shape if store is not None else None,
+    )
+
+
+def plan_runtime(
+    model: nn.Module,
+    cfg: InfinityConfig,
+    *,
+    world_size: int,
+    rank: int = 0,
+    device: torch.device | str = "meta",
+    unit_map: UnitMap | None = None,
+) -> RuntimePlan:
+    """The plan for ``model`` under ``cfg`` on ``rank`` of ``world_size``. ``unit_map``: the units if
+    already cut for this config (a plan for the same model with other sizes reuses them)."""
+    zero = cfg.zero_optimization
+    dtype = train_dtype(cfg)
+    device = torch.device(device)
+    if unit_map is None:
+        unit_map = cut_units(model, cfg, world_size=world_size, device=device)
+    units = unit_map.units
+    homes = param_homes(units, zero) if zero.stage == 3 else (None,) * len(units)
+    optimizer = _optimizer(units, zero, dtype)
+    shards = tuple(ShardPlan(u.index, homes[u.index]) for u in units)
+    schedule = _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
+    param_store, refusal = None, None
+    if zero.stage == 3:
+        param_store, refusal = _param_store(units, homes, zero.offload_param, dtype, optimizer, schedule)
+    state_store = _state_store(units, zero.offload_optimizer, optimizer)
+    largest_flat = max((u.layout.padded_numel for u in units), default=0)
+    return RuntimePlan(
+        stage=zero.stage,
+        dtype=dtype,
+        world_size=world_size,
+        rank=rank,
+        device=device,
+        unit_map=unit_map,
+        shards=shards,
+        param_store=param_store,
+        state_store=state_store,
+        optimizer=optimizer,
+        swap_reserves=_swap_reserves(zero, param_store, state_store),
+        tensor_cache_cap_nbytes=CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat,
+        staging_numel=largest_flat,
+        schedule=schedule,
+        param_pool_refusal=refusal,
+        warnings=_max_in_cpu_warning(units, homes, zero.offload_param),
+    )
+
+
+def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> tuple[Home, ...]:
+    """Stage-3 shards at rest, by unit index: persistent units, and every unit unless offload_param is
+    nvme, in host memory; with nvme, units stay in host memory greedily while their shards fit in
+    ``max_in_cpu`` elements (DeepSpeed's meaning of the key), the rest on NVMe."""
+    offload = zero.offload_param
+    homes: list[Home] = []
+    in_cpu = 0
+    for unit in units:
+        if unit.persistent or offload.device != "nvme":
+            homes.append("cpu")
+        elif in_cpu + unit.layout.shard_numel <= offload.max_in_cpu:
+            homes.append("cpu")
+            in_cpu += unit.layout.shard_numel
+        else:
+            homes.append("nvme")
+    return tuple(homes)
+
+
+def partitioner_working_set(
+    model: nn.Module, unit_map: UnitMap, counts: Callable[[ParamUnit], bool] = lambda u: True, *, full: bool = False
+) -> int:
+    """The most (non-persistent, ``counts``) unit bytes the stage-3 partitioner holds at once: the
+    heaviest root-to-leaf chain of modules' units (a frame holds its module's units while its children
+    run) plus the largest unit again (a tied weight is held from its first use in backward to its last).
+    ``full``: gathered units (world size > 1) instead of this rank's shards."""
+
+    def size(u: ParamUnit) -> int:
+        return u.full_nbytes if full else u.layout.shard_nbytes
+
+    def chain(m: nn.Module) -> int:
+        own = sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
+        return own + max((chain(c) for c in m.children()), default=0)
+
+    largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
+    return chain(model) + largest
+
+
+def _optimizer(units: Sequence[ParamUnit], zero: ZeroConfig, dtype: torch.dtype) -> OptimizerPlan:
+    off = zero.offload_optimizer
+    keys = STATE_KEYS[1:] if zero.stage == 3 and dtype == torch.float32 else STATE_KEYS
+    home: Home = "nvme" if off.device == "nvme" else "cpu"
+    grad_home: Home = "cpu" if off.grads_in_host else home
+    on_nvme = [k for k in keys if (grad_home if k == "g" else home) == "nvme"]
+    numels = [u.layout.shard_numel for u in units]
+    sub = int(zero.sub_group_size)
+    return OptimizerPlan(
+        state_keys=keys,
+        state_home=home,
+        grad_home=grad_home,
+        swapped_nbytes_per_element=FP32_NBYTES * len(on_nvme),
+        sub_group_numel=sub,
+        sub_groups=tuple(tuple(g) for g in split_sub_groups(numels, sub)),
+        pool_buffer_numel=max(min(sub, sum(numels)), max(numels, default=0)),
+    )
+
+
+def _schedule(model: nn.Module, unit_map: UnitMap, homes: Sequence[Home | None], zero: ZeroConfig,
+              world_size: int, dtype: torch.dtype) -> SchedulePlan:
+    b = itemsize(dtype)
+
+    def per_rank_nbytes(numel: float) -> int:
+        return int(numel / world_size) * b
+
+    partitioned = [u for u in unit_map.units if not u.persistent]
+    largest = max(partitioned, key=lambda u: u.layout.shard_nbytes, default=None)
+    return SchedulePlan(
+        budget=ScheduleBudget(
+            per_rank_nbytes(zero.stage3_prefetch_bucket_size),
+            per_rank_nbytes(zero.stage3_max_live_parameters),
+            per_rank_nbytes(zero.stage3_max_reuse_distance),
+            itemsize=b,
+        ),
+        working_set_nbytes=partitioner_working_set(model, unit_map),
+        pool_working_set_nbytes=partitioner_working_set(model, unit_map, lambda u: homes[u.index] == "nvme"),
+        largest_unit_nbytes=largest.layout.shard_nbytes if largest else 0,
+        largest_unit=repr(largest.module_name) if largest else "the largest unit",
+    )
+
+
+def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: OffloadParamConfig,
+                 dtype: torch.dtype, optimizer: OptimizerPlan,
+                 schedule: SchedulePlan | None) -> tuple[StorePlan, LayerTooLarge | None]:
+    """The parameter store: a pool of offload_param's buffers when any shard rests on NVMe. The pool must
+    hold the largest such shard (else initialize refuses), the partitioner's NVMe working set and a
+    whole sub-group of the step's (need_nbytes)."""
+    nvme = [u for u in units if homes[u.index] == "nvme"]
+    if not nvme:
+        return StorePlan("params", UNUSED_POOL), None
+    largest = max(nvme, key=lambda u: u.layout.shard_nbytes)
+    need = max([largest.layout.shard_nbytes, *_sub_group_nvme_nbytes(units, homes, optimizer.sub_groups),
+                round_up(schedule.pool_working_set_nbytes, DIRECT_ALIGNMENT) if schedule else 0])
+    b = itemsize(dtype)
+    pool = PoolPlan("params", int(off.buffer_count), int(off.buffer_size) * b, _pin(off.pin_memory),
+                    PARAM_POOL_KEYS, need)
+    refusal = None
+    if largest.layout.shard_nbytes > pool.capacity_nbytes:
+        refusal = LayerTooLarge(largest.module_name, largest.layout.shard_numel, largest.layout.shard_nbytes,
+                                int(off.buffer_count), int(off.buffer_size), pool.capacity_nbytes)
+    store = StorePlan("params", pool, off.nvme_path, sum(u.layout.shard_nbytes for u in nvme))
+    return store, refusal
+
+
+def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | None],
+                           sub_groups: Sequence[Sequence[int]]) -> list[int]:
+    return [sum(round_up(units[i].layout.shard_nbytes, DIRECT_ALIGNMENT) for i in g if homes[i] == "nvme")
+            for g in sub_groups]
+
+
+def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan) -> StorePlan:
+    """The optimizer store: with NVMe, a pool of three sub-groups' swapped arrays (read ‖ update ‖ write)
+    and a reserve for every shard's."""
+    if off.device != "nvme":
+        return StorePlan("optimizer", UNUSED_POOL)
+    per = optimizer.swapped_nbytes_per_element
+    largest = max((u.layout.shard_numel for u in units), default=0)
+    pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT),
+                    _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
+                    OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
+    return StorePlan("optimizer", pool, off.nvme_path, sum(u.layout.shard_numel for u in units) * per)
+
+
+def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None, state_store: StorePlan) -> tuple[SwapReserve, ...]:
+    out = []
+    if param_store is not None and zero.offload_param.device == "nvme":
+        out.append(SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes))
+    if zero.offload_optimizer.device == "nvme":
+        out.append(SwapReserve("optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes))
+    return tuple(out)
+
+
+def _pin(pin_memory: bool) -> bool | None:
+    """pin_memory: true pins the pool when CUDA is present (None = where it can); false never pins."""
+    return None if pin_memory else False
+
+
+def _max_in_cpu_warning(units: Sequence[ParamUnit], homes: Sequence[Home | None],
+                        offload: OffloadParamConfig) -> tuple[str, ...]:
+    kept = [u for u in units if not u.persistent and homes[u.index] == "cpu"]
+    if offload.device != "nvme" or not kept:
+        return ()
+    total = sum(u.layout.shard_numel for u in units if not u.persistent)
+    return (
+        f"offload_param.max_in_cpu={offload.max_in_cpu} keeps {sum(u.layout.shard_numel for u in kept)} of "
+        f"{total} parameter elements in host memory instead of on NVMe (DeepSpeed's meaning of the key); "
+        "set it to 0 to keep them all on NVMe",
+    )
