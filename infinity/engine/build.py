@@ -18,7 +18,7 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.optimizers import OptimizerChoice
-from infinity.engine.overlap import GatedShardSource, OverlappedStep
+from infinity.engine.overlap import GatedShardSource, OverlappedStep, StepProgress
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
@@ -230,25 +230,27 @@ def build_runtime(
     trim_heap()  # the starting values passed through host memory one unit at a time
 
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
-    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
-    overlap = OverlappedStep()
     if stage == 3:
-        shard_source = _prefetch_scheduler(model, unit_map, param_store, homes, cfg, dtype, group, overlap)
-        overlap.on_unit_done = shard_source.poke
-        gated = GatedShardSource(shard_source, overlap, {u.key: u.index for u in units})
-        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group,
-                                        grad_hooks=grad_hooks, cache=cache)
+        # [engine/overlap.py: Note: why StepProgress is its own object]
+        progress = StepProgress()
+        shard_source = _prefetch_scheduler(model, unit_map, param_store, homes, cfg, dtype, group, progress)
+        overlap = OverlappedStep(progress, on_unit_done=shard_source.poke)
+        gated = GatedShardSource(shard_source, progress, {u.key: u.index for u in units})
+        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group, cache=cache)
         partitioner.install()
-    if grad_hooks is not None:
-        grad_hooks.install()
+    else:
+        overlap = OverlappedStep()
+    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3,
+                           on_unit_done=partitioner.release_backward if partitioner is not None else None)
+    grad_hooks.install()
     return Runtime(unit_map, flat_params, optimizer, None, reducer, grad_hooks, partitioner,
                    param_store, state_store, shard_source, cache, overlap)
 
 
 def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dict[int, str], cfg: InfinityConfig,
-                        dtype: torch.dtype, group: DataParallelGroup, overlap: OverlappedStep) -> PrefetchScheduler:
+                        dtype: torch.dtype, group: DataParallelGroup, progress: StepProgress) -> PrefetchScheduler:
     """The stage-3 shard source: reads ahead of the recorded trace within DeepSpeed's budgets."""
     zero = cfg.zero_optimization
     units = unit_map.units
@@ -269,7 +271,7 @@ def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dic
             working_set_nbytes=_working_set(model, unit_map, lambda u: True),
             pool_working_set_nbytes=_working_set(model, unit_map, lambda u: homes[u.index] == "nvme"),
             tier="device",
-            ready=lambda key: overlap.is_done(index_of_key[key]),
+            ready=lambda key: progress.is_done(index_of_key[key]),
         )
     except ScheduleConfigError as e:
         raise ConfigError(str(e)) from None

@@ -13,9 +13,10 @@ than as memory; unpacking gathers the unit again, on demand or already
 prefetched. A unit gathered for backward is released once all its parameters'
 grads have been reduced, or at the end of backward.
 
-Gradients are handed to the GradReducer by GradHooks (grad_hooks.py); the
-partitioner releases a unit gathered for backward when GradHooks says its
-grads are done, and everything else at the end of backward.
+Gradients are handed to the GradReducer by GradHooks (grad_hooks.py), which
+is built with ``on_unit_done=partitioner.release_backward``: a unit gathered
+for backward is released once its grads are reduced, everything else at the
+end of backward (a callback the partitioner queues on the autograd engine).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
@@ -35,7 +36,6 @@ from torch import nn
 from infinity.zero import gathered
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
-from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
 
@@ -72,13 +72,17 @@ class _SavedParamRef:
 class _InterceptingParams(dict):
     """A module's ``_parameters`` that gathers a released parameter when forward code reads it."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("on_read",)
+
+    def __init__(self, params: dict[str, Any], on_read: weakref.WeakMethod):
+        super().__init__(params)
+        self.on_read = on_read  # weak: the module must not keep a removed partitioner alive
 
     def __getitem__(self, name: str) -> Any:
         p = dict.__getitem__(self, name)
-        owner = self._owner()
-        if owner is not None and p is not None and owner._frames:
-            owner._on_param_read(p)
+        on_read = self.on_read()
+        if on_read is not None and p is not None:
+            on_read(p)
         return p
 
 
@@ -90,7 +94,6 @@ class Stage3Partitioner:
         *,
         shards: ShardSource,
         group: DataParallelGroup,
-        grad_hooks: GradHooks | None,
         cache: TensorCache,
     ):
         self.root = root
@@ -99,17 +102,13 @@ class Stage3Partitioner:
         self.unit_of = unit_map.unit_of
         self.shards = shards
         self.group = group
-        self.grad_hooks = grad_hooks
-        if grad_hooks is not None:
-            grad_hooks.on_unit_done = self._release_backward
-            grad_hooks.on_backward_end = self._end_of_backward
         self.cache = cache
         self._frames: list[_Frame] = []
         self._saved_hooks: Any = None
         self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
         self._handles: list[Any] = []
-        self._own_callback_queued = False
+        self._end_of_backward_queued = False
         self._installed = False
         # Called with (unit, full fp32 values) when GatheredParameters changed a unit.
         self.on_modified: Any = None
@@ -119,7 +118,7 @@ class Stage3Partitioner:
     def install(self) -> None:
         for unit in self.units:
             for p in unit.params:
-                p.data = unit._placeholder
+                p.data = unit.placeholder
         for unit in self.units:
             if unit.persistent:
                 self._gather(unit)
@@ -127,9 +126,7 @@ class Stage3Partitioner:
             self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
             self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
             if mod._parameters and not isinstance(mod._parameters, _InterceptingParams):
-                d = _InterceptingParams(mod._parameters)
-                d._owner = weakref.ref(self)
-                mod._parameters = d
+                mod._parameters = _InterceptingParams(mod._parameters, weakref.WeakMethod(self._on_param_read))
         gathered.register_partitioner(self.unit_of, self)
         self._installed = True
 
@@ -274,6 +271,8 @@ class Stage3Partitioner:
             self._saved_hooks = None
 
     def _on_param_read(self, p: nn.Parameter) -> None:
+        if not self._frames:
+            return
         entry = self.unit_of.get(p)
         if entry is None:
             return
@@ -306,10 +305,7 @@ class Stage3Partitioner:
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 
     def _hold_for_backward(self, unit: ParamUnit) -> None:
-        if self.grad_hooks is not None:
-            self.grad_hooks.queue_end_of_backward()
-        else:
-            self._queue_own_end_of_backward()
+        self._queue_end_of_backward()
         if unit.backward_held or unit.persistent:
             return
         self._hold(unit)
@@ -318,20 +314,22 @@ class Stage3Partitioner:
 
     # -- backward ---------------------------------------------------------------
 
-    def _queue_own_end_of_backward(self) -> None:
-        # Without gradients to reduce (frozen model), the partitioner still
-        # needs to hear when backward ends to release what it gathered.
-        if not self._own_callback_queued:
-            self._own_callback_queued = True
+    def _queue_end_of_backward(self) -> None:
+        # Idempotent within one backward. GradHooks queues its own callback (the
+        # reductions left at the end); neither needs the other's to run first:
+        # reducing reads the grads, not the gathered parameters.
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _release_backward(self, unit: ParamUnit) -> None:
+    def release_backward(self, unit: ParamUnit) -> None:
+        """The unit's grads are reduced: let go of what backward gathered of it (GradHooks' on_unit_done)."""
         if unit.backward_held:
             unit.backward_held = False
             self._unhold(unit)
 
     def _end_of_backward(self) -> None:
-        self._own_callback_queued = False
+        self._end_of_backward_queued = False
         for unit in self._backward_units:
-            self._release_backward(unit)
+            self.release_backward(unit)
         self._backward_units.clear()
