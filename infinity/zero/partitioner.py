@@ -18,6 +18,10 @@ is built with ``on_unit_done=partitioner.release_backward``: a unit gathered
 for backward is released once its grads are reduced, everything else at the
 end of backward (a callback the partitioner queues on the autograd engine).
 
+GatheredParameters: the partitioner is the ParamOwner of its parameters
+(``PARAM_OWNERS`` holds it while installed; see [Note: finding a parameter's
+owner] in owners.py).
+
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
 """
@@ -27,15 +31,15 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from infinity.zero import gathered
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.gathered import PARAM_OWNERS
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
 
@@ -86,6 +90,22 @@ class _InterceptingParams(dict):
         return p
 
 
+@dataclasses.dataclass
+class _UserHold:
+    """The units one GatheredParameters context holds gathered (a UserGather)."""
+
+    partitioner: Stage3Partitioner
+    units: list[ParamUnit]
+    modifier_rank: int | None
+
+    def release(self, *, commit: bool) -> None:
+        try:
+            if commit and self.modifier_rank is not None:
+                self.partitioner.write_back(self.units, src=self.modifier_rank)
+        finally:
+            self.partitioner.unhold_for_user(self.units)
+
+
 class Stage3Partitioner:
     def __init__(
         self,
@@ -127,7 +147,7 @@ class Stage3Partitioner:
             self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
             if mod._parameters and not isinstance(mod._parameters, _InterceptingParams):
                 mod._parameters = _InterceptingParams(mod._parameters, weakref.WeakMethod(self._on_param_read))
-        gathered.register_partitioner(self.unit_of, self)
+        PARAM_OWNERS.add(self)
         self._installed = True
 
     def remove(self) -> None:
@@ -141,7 +161,7 @@ class Stage3Partitioner:
         for mod in self.root.modules():
             if isinstance(mod._parameters, _InterceptingParams):
                 mod._parameters = dict(mod._parameters)
-        gathered.unregister_partitioner(self.unit_of)
+        PARAM_OWNERS.discard(self)
         self._installed = False
 
     # -- gather / release -------------------------------------------------------
@@ -218,8 +238,23 @@ class Stage3Partitioner:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
 
+    # -- GatheredParameters (ParamOwner) -------------------------------------------
+
+    def __contains__(self, p: object) -> bool:
+        return p in self.unit_of
+
+    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _UserHold:
+        units: list[ParamUnit] = []
+        for p in params:
+            unit = self.unit_of[p][0]
+            if all(unit is not u for u in units):
+                units.append(unit)
+        units.sort(key=lambda u: u.index)  # the same order on every rank
+        self.hold_for_user(units)
+        return _UserHold(self, units, modifier_rank)
+
     def hold_for_user(self, units: list[ParamUnit]) -> None:
-        """GatheredParameters: gather (persistent units are always gathered)."""
+        """Gathers ``units`` until unhold_for_user (persistent units are always gathered)."""
         for unit in units:
             self._hold(unit)
 
