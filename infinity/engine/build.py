@@ -18,7 +18,7 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.optimizers import OptimizerChoice
-from infinity.engine.overlap import GatedShardSource, OverlappedStep, StepProgress
+from infinity.engine.overlap import GatedMasters, GatedShardSource, OverlappedStep, StepProgress
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
@@ -29,6 +29,7 @@ from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
+from infinity.zero.resident import ResidentParams
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
@@ -53,12 +54,15 @@ class Runtime:
     shard_source: PrefetchScheduler | StoreShardSource | None
     cache: TensorCache
     overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
+    resident: ResidentParams | None = None  # stages 0-2: what GatheredParameters asks of whole parameters
 
     def close(self) -> None:
         self.overlap.synchronize()
         if self.partitioner is not None:
             self.partitioner.release_all()
             self.partitioner.remove()
+        if self.resident is not None:
+            self.resident.remove()
         if isinstance(self.shard_source, PrefetchScheduler):
             self.shard_source.close()
         if self.grad_hooks is not None:
@@ -141,8 +145,11 @@ def build_runtime(
 
     if choice.passthrough is not None:
         model.to(device)
-        return Runtime(UnitMap([], {}, {}), params, None, choice.passthrough, None, None, None, None, None, None,
-                       TensorCache(device, cap_nbytes=0))
+        no_units = UnitMap([], {}, {})
+        resident = ResidentParams(params, no_units, group, masters=None)
+        resident.install()
+        return Runtime(no_units, params, None, choice.passthrough, None, None, None, None, None, None,
+                       TensorCache(device, cap_nbytes=0), resident=resident)
 
     # Floating-point parameters train in the precision the config asks for.
     for p in params:
@@ -232,21 +239,26 @@ def build_runtime(
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
     partitioner = None
     shard_source = None
+    resident = None
     if stage == 3:
         # [engine/overlap.py: Note: why StepProgress is its own object]
         progress = StepProgress()
         shard_source = _prefetch_scheduler(model, unit_map, param_store, homes, cfg, dtype, group, progress)
         overlap = OverlappedStep(progress, on_unit_done=shard_source.poke)
         gated = GatedShardSource(shard_source, progress, {u.key: u.index for u in units})
-        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group, cache=cache)
+        # fp32 stage-3 shards are their own masters (PartitionedAdam): nothing more to tell the optimizer.
+        masters = None if dtype == FP32 else GatedMasters(optimizer, overlap)
+        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group, cache=cache, masters=masters)
         partitioner.install()
     else:
         overlap = OverlappedStep()
+        resident = ResidentParams(params, unit_map, group, masters=optimizer)
+        resident.install()
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3,
                            on_unit_done=partitioner.release_backward if partitioner is not None else None)
     grad_hooks.install()
     return Runtime(unit_map, flat_params, optimizer, None, reducer, grad_hooks, partitioner,
-                   param_store, state_store, shard_source, cache, overlap)
+                   param_store, state_store, shard_source, cache, overlap, resident)
 
 
 def _prefetch_scheduler(model, unit_map: UnitMap, store: TieredStore, homes: dict[int, str], cfg: InfinityConfig,

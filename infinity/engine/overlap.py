@@ -9,7 +9,8 @@ a shard. So the step's I/O — two thirds of a step's bytes with the optimizer
 on NVMe — hides behind forward compute instead of adding to it.
 
 Everything else that touches training state (backward, the next step,
-checkpoints, close) first waits for the whole step: ``synchronize()``.
+checkpoints, close, a change made under GatheredParameters) first waits for the
+whole step: ``synchronize()``.
 
 [Note: why StepProgress is its own object]
 Two parties watch the step and are built around it: the prefetch scheduler
@@ -30,6 +31,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from infinity.zero.masters import MasterCopy
 from infinity.zero.partitioner import ShardSource
 
 
@@ -144,3 +146,15 @@ class GatedShardSource:
     def mark_dirty(self, key: Hashable) -> None:
         self.inner.mark_dirty(key)
 
+
+class GatedMasters:
+    """A MasterCopy that changes a master only once no step is in flight (the step thread reads and
+    writes the optimizer state meanwhile)."""
+
+    def __init__(self, inner: MasterCopy, step: OverlappedStep):
+        self.inner = inner
+        self.step = step
+
+    def overwrite_master(self, index: int, values: torch.Tensor, changed: torch.Tensor) -> None:
+        self.step.synchronize()
+        self.inner.overwrite_master(index, values, changed)

@@ -1,14 +1,17 @@
 """GatheredParameters: DeepSpeed's context for reading (or changing) partitioned parameters whole.
 
 Inside the context the given parameters have their full shape and values on
-every rank. With ``modifier_rank`` set, that rank's values at exit are
-broadcast and written back to every rank's shard. Every rank must enter it,
-with the same parameters.
+every rank. With ``modifier_rank`` set, that rank's values at exit become
+every rank's: the parameters (or their shards) and the fp32 master copy the
+optimizer keeps (see [Note: changes made under GatheredParameters reach the
+fp32 master] in masters.py), in every precision and at every stage. Every
+rank must enter it, with the same parameters.
 
 The context does the collectives; what to gather and where a change goes is
 the business of each parameter's owner (a ``ParamOwner``), found through
 ``PARAM_OWNERS`` (see [Note: finding a parameter's owner] in owners.py):
-an engine's Stage3Partitioner, or zero.Init's store before ``initialize``. Parameters no owner holds are left as they are.
+an engine's Stage3Partitioner or ResidentParams, or zero.Init's store before
+``initialize``. Parameters no owner holds are left as they are.
 
 Threading: the training thread, outside forward and backward.
 """
@@ -29,18 +32,19 @@ class UserGather(Protocol):
 
     def release(self, *, commit: bool) -> None:
         """Ends the gather. ``commit``: the modifier rank's values (if one was named) become every
-        rank's. Every rank calls it, in the same order."""
+        rank's, parameters and fp32 masters alike. Every rank calls it, in the same order."""
         ...
 
 
 class ParamOwner(Protocol):
-    """What holds the data of some parameters (Stage3Partitioner, InitStore)."""
+    """What holds the data of some parameters (Stage3Partitioner, ResidentParams, InitStore)."""
 
     def __contains__(self, p: object) -> bool: ...
 
     def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> UserGather:
-        """Makes ``params`` (all this owner's) whole on this rank until the returned gather is released.
-        Every rank calls it, with the same parameters in the same order."""
+        """Makes ``params`` (all this owner's) whole on this rank until the returned gather is released;
+        with ``modifier_rank``, keeps what it needs to tell a change made meanwhile. Every rank calls it,
+        with the same parameters in the same order."""
         ...
 
 

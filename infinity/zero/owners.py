@@ -2,8 +2,9 @@
 
 [Note: finding a parameter's owner]
 A partitioned parameter's data lives away from it — in zero.Init's InitStore
-until ``initialize``, then in an engine's units (Stage3Partitioner).
-DeepSpeed's API hands over bare parameters
+until ``initialize``, then in an engine's units (Stage3Partitioner), or, at
+stages 0-2, in the module with its fp32 master in the optimizer
+(ResidentParams). DeepSpeed's API hands over bare parameters
 (``GatheredParameters(module.weight)``), so something must lead from a
 parameter to its owner, and a tensor leads nowhere by itself. Hanging the
 owner on the parameter is ruled out (STYLE: no metadata on nn.Parameter), and

@@ -20,7 +20,9 @@ end of backward (a callback the partitioner queues on the autograd engine).
 
 GatheredParameters: the partitioner is the ParamOwner of its parameters
 (``PARAM_OWNERS`` holds it while installed; see [Note: finding a parameter's
-owner] in owners.py).
+owner] in owners.py). A change made on the modifier rank is broadcast into
+every rank's gathered buffer, written to its shard, and handed to ``masters``
+(16-bit training: the optimizer's fp32 masters; see masters.py).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
@@ -40,6 +42,7 @@ from torch import nn
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.gathered import PARAM_OWNERS
+from infinity.zero.masters import MasterCopy, ShardSnapshot
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
 
@@ -97,11 +100,12 @@ class _UserHold:
     partitioner: Stage3Partitioner
     units: list[ParamUnit]
     modifier_rank: int | None
+    snapshots: list[ShardSnapshot]  # empty unless a change must reach separate fp32 masters
 
     def release(self, *, commit: bool) -> None:
         try:
             if commit and self.modifier_rank is not None:
-                self.partitioner.write_back(self.units, src=self.modifier_rank)
+                self.partitioner.write_back(self.units, src=self.modifier_rank, snapshots=self.snapshots)
         finally:
             self.partitioner.unhold_for_user(self.units)
 
@@ -115,7 +119,10 @@ class Stage3Partitioner:
         shards: ShardSource,
         group: DataParallelGroup,
         cache: TensorCache,
+        masters: MasterCopy | None,
     ):
+        """``masters``: where a change made under GatheredParameters must also go (the optimizer's fp32
+        masters in 16-bit training); None where the parameter shards are their own masters."""
         self.root = root
         self.units = unit_map.units
         self.uses = unit_map.uses
@@ -123,6 +130,7 @@ class Stage3Partitioner:
         self.shards = shards
         self.group = group
         self.cache = cache
+        self.masters = masters
         self._frames: list[_Frame] = []
         self._saved_hooks: Any = None
         self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
@@ -130,8 +138,6 @@ class Stage3Partitioner:
         self._handles: list[Any] = []
         self._end_of_backward_queued = False
         self._installed = False
-        # Called with (unit, full fp32 values) when GatheredParameters changed a unit.
-        self.on_modified: Any = None
 
     # -- install / remove -----------------------------------------------------
 
@@ -251,7 +257,10 @@ class Stage3Partitioner:
                 units.append(unit)
         units.sort(key=lambda u: u.index)  # the same order on every rank
         self.hold_for_user(units)
-        return _UserHold(self, units, modifier_rank)
+        snapshots = []
+        if modifier_rank is not None and self.masters is not None:
+            snapshots = [ShardSnapshot(u, self._own_slice(u)) for u in units]
+        return _UserHold(self, units, modifier_rank, snapshots)
 
     def hold_for_user(self, units: list[ParamUnit]) -> None:
         """Gathers ``units`` until unhold_for_user (persistent units are always gathered)."""
@@ -262,21 +271,28 @@ class Stage3Partitioner:
         for unit in units:
             self._unhold(unit)
 
-    def write_back(self, units: list[ParamUnit], *, src: int) -> None:
-        """GatheredParameters(modifier_rank=src): rank ``src``'s gathered values become every rank's shard."""
+    def write_back(self, units: list[ParamUnit], *, src: int, snapshots: Sequence[ShardSnapshot] = ()) -> None:
+        """Rank ``src``'s gathered values become every rank's shard; ``snapshots`` (taken when the
+        units were gathered) tell which elements changed, and those reach the fp32 masters."""
         for unit in units:
             full = unit.full
             self.group.broadcast(full, src=src)
-            lo, hi = unit.layout.shard_range(self.group.rank)
             shard = self.shards.acquire(unit.key)
             try:
                 if shard.data_ptr() != full.data_ptr():
-                    shard.copy_(full[lo:hi])
+                    shard.copy_(self._own_slice(unit))
                 self.shards.mark_dirty(unit.key)
             finally:
                 self.shards.release(unit.key)
-            if self.on_modified is not None:
-                self.on_modified(unit, full[lo:hi].float())
+        for snap in snapshots:
+            if self.masters is None:
+                raise RuntimeError("shard snapshots were taken for a partitioner without fp32 masters")
+            snap.commit(self._own_slice(snap.unit), self.masters)
+
+    def _own_slice(self, unit: ParamUnit) -> torch.Tensor:
+        """This rank's shard of a gathered unit, as a view of its full buffer."""
+        lo, hi = unit.layout.shard_range(self.group.rank)
+        return unit.full[lo:hi]
 
     def gathered_units(self) -> list[ParamUnit]:
         return [u for u in self.units if u.state is UnitState.GATHERED and not u.persistent]
