@@ -96,12 +96,27 @@ class GatheredParameters:
                     break
             else:
                 by_owner.append((owner, [p]))
-        for owner, owned in by_owner:
-            self._held.append(owner.gather_for_user(owned, modifier_rank=self.modifier_rank))
+        try:
+            for owner, owned in by_owner:
+                self._held.append(owner.gather_for_user(owned, modifier_rank=self.modifier_rank))
+        except BaseException:
+            self._release(commit=False)  # __exit__ is not called when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._release(commit=exc[0] is None)
+
+    def _release(self, *, commit: bool) -> None:
+        """Releases every gather, also after one fails (held units would stay gathered for good);
+        the first error is raised."""
         held, self._held = self._held, []
+        error: BaseException | None = None
         with torch.no_grad():
             for gather in held:
-                gather.release(commit=exc[0] is None)
+                try:
+                    gather.release(commit=commit)
+                except BaseException as e:
+                    error = error or e
+        if error is not None:
+            raise error

@@ -47,8 +47,9 @@ class ShardSnapshot:
     """One unit's slice of this rank's master shard as it was when a GatheredParameters context began."""
 
     def __init__(self, unit: ParamUnit, before: torch.Tensor):
+        """``before``: a copy of the slice, which the snapshot keeps."""
         self.unit = unit
-        self.before = before.clone()
+        self.before = before
 
     def commit(self, after: torch.Tensor, masters: MasterCopy) -> None:
         """``after``: the same slice now, on every rank the modifier rank's values."""

@@ -259,7 +259,7 @@ class Stage3Partitioner:
         self.hold_for_user(units)
         snapshots = []
         if modifier_rank is not None and self.masters is not None:
-            snapshots = [ShardSnapshot(u, self._own_slice(u)) for u in units]
+            snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units]
         return _UserHold(self, units, modifier_rank, snapshots)
 
     def hold_for_user(self, units: list[ParamUnit]) -> None:
