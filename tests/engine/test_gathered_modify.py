@@ -37,7 +37,7 @@ def _case_id(layout, precision: str) -> str:
 def _config(layout, precision: str, nvme) -> dict:
     stage, param, optim = (0, "none", "none") if layout == "passthrough" else layout
     cfg = engine_config(stage, param, optim, nvme, gas=1)
-    cfg["zero_optimization"]["sub_group_size"] = 10**9  # one optimizer sub-group, as tests/checkpoint/helpers.py says why
+    cfg["zero_optimization"]["sub_group_size"] = 10**9  # one sub-group (why: tests/checkpoint/helpers.py config)
     if layout == "passthrough":
         del cfg["optimizer"]
     else:
