@@ -18,7 +18,7 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.optimizers import OptimizerChoice
-from infinity.engine.overlap import GatedShardSource, OverlappedStep
+from infinity.engine.overlap import GatedMasters, GatedShardSource, OverlappedStep, StepProgress
 from infinity.estimate.runtime_plan import RuntimePlan, StorePlan, plan_runtime
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
@@ -30,6 +30,7 @@ from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
+from infinity.zero.resident import ResidentParams
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap
@@ -61,12 +62,15 @@ class Runtime:
     shard_source: PrefetchScheduler | StoreShardSource | None = None
     cache: TensorCache | None = None
     overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
+    resident: ResidentParams | None = None  # stages 0-2: what GatheredParameters asks of whole parameters
 
     def close(self) -> None:
         self.overlap.synchronize()
         if self.partitioner is not None:
             self.partitioner.release_all()
             self.partitioner.remove()
+        if self.resident is not None:
+            self.resident.remove()
         if isinstance(self.shard_source, PrefetchScheduler):
             self.shard_source.close()
         if self.grad_hooks is not None:
@@ -99,7 +103,9 @@ def build_runtime(
         )
     if choice.passthrough is not None:
         model.to(device)
-        return Runtime(params=params, passthrough=choice.passthrough)
+        resident = ResidentParams(params, UnitMap([], {}, {}), group, masters=None)
+        resident.install()
+        return Runtime(params=params, passthrough=choice.passthrough, resident=resident)
 
     # Floating-point parameters train in the precision the config asks for.
     for p in params:
@@ -213,25 +219,33 @@ def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: 
     """The gradient path, and at stage 3 the shard source and the partitioner's hooks."""
     unit_map, units, stage = plan.unit_map, plan.units, plan.stage
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
-    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3)
     partitioner = None
     shard_source = None
-    overlap = OverlappedStep()
+    resident = None
     if stage == 3:
-        shard_source = _prefetch_scheduler(plan, param_store, overlap)
-        overlap.on_unit_done = shard_source.poke
-        gated = GatedShardSource(shard_source, overlap, {u.key: u.index for u in units})
-        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group,
-                                        grad_hooks=grad_hooks, cache=cache)
+        # [engine/overlap.py: Note: why StepProgress is its own object]
+        progress = StepProgress()
+        shard_source = _prefetch_scheduler(plan, param_store, progress)
+        overlap = OverlappedStep(progress, on_unit_done=shard_source.poke)
+        gated = GatedShardSource(shard_source, progress, {u.key: u.index for u in units})
+        # fp32 stage-3 shards are their own masters (PartitionedAdam): nothing more to tell the optimizer.
+        masters = None if plan.dtype == FP32 else GatedMasters(optimizer, overlap)
+        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group, cache=cache, masters=masters)
         partitioner.install()
-    if grad_hooks is not None:
-        grad_hooks.install()
+    else:
+        overlap = OverlappedStep()
+        resident = ResidentParams(optimizer.params, unit_map, group, masters=optimizer)
+        resident.install()
+    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3,
+                           on_unit_done=partitioner.release_backward if partitioner is not None else None)
+    grad_hooks.install()
     return Runtime(plan=plan, unit_map=unit_map, params=optimizer.params, optimizer=optimizer,
                    reducer=reducer, grad_hooks=grad_hooks, partitioner=partitioner, param_store=param_store,
-                   state_store=state_store, shard_source=shard_source, cache=cache, overlap=overlap)
+                   state_store=state_store, shard_source=shard_source, cache=cache, overlap=overlap,
+                   resident=resident)
 
 
-def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, overlap: OverlappedStep) -> PrefetchScheduler:
+def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, progress: StepProgress) -> PrefetchScheduler:
     """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets."""
     sched = plan.schedule
     index_of_key = {u.key: u.index for u in plan.units}
@@ -244,7 +258,7 @@ def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, overlap: Overlapp
             working_set_nbytes=sched.working_set_nbytes,
             pool_working_set_nbytes=sched.pool_working_set_nbytes,
             tier="device",
-            ready=lambda key: overlap.is_done(index_of_key[key]),
+            ready=lambda key: progress.is_done(index_of_key[key]),
         )
     except ScheduleConfigError as e:
         raise ConfigError(str(e)) from None

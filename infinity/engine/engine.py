@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -29,6 +29,31 @@ from infinity.store.errors import NvmePathError
 from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.engine")
+
+
+@runtime_checkable
+class StepTrace(Protocol):
+    """What the engine asks of a shard source that learns the order of fetches (the prefetch scheduler,
+    stage 3): one trace step per forward + backward, or per forward without grad."""
+
+    @property
+    def step_open(self) -> bool: ...
+
+    def begin_step(self) -> Any: ...
+
+    def end_step(self) -> Any: ...
+
+    def abort_step(self) -> Any: ...
+
+    def stats(self) -> Any: ...
+
+
+@runtime_checkable
+class LRScheduler(Protocol):
+    """An lr scheduler object (torch's, or one from infinity.optim.lr_schedules): initialize() also
+    takes a callable that builds one from the optimizer, as DeepSpeed does."""
+
+    def step(self) -> Any: ...
 
 
 class Engine:
@@ -67,7 +92,8 @@ class Engine:
             raise ConfigError(str(e)) from None
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
         # The prefetch scheduler (stage 3) learns one trace step per forward + backward.
-        self._trace = self.runtime.shard_source if hasattr(self.runtime.shard_source, "step_open") else None
+        source = self.runtime.shard_source
+        self._trace: StepTrace | None = source if isinstance(source, StepTrace) else None
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.last_grad_norm: float | None = None
         # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
@@ -79,7 +105,14 @@ class Engine:
                 raise ValueError(
                     "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; keep one"
                 )
-            return lr_scheduler(self.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+            if isinstance(lr_scheduler, LRScheduler):
+                return lr_scheduler
+            if callable(lr_scheduler):
+                return lr_scheduler(self.optimizer)
+            raise TypeError(
+                f"lr_scheduler must be a scheduler (an object with step()) or a callable that builds one from "
+                f"the optimizer, got {type(lr_scheduler).__name__}"
+            )
         if self.config.scheduler is not None:
             return build_scheduler(self.config.scheduler, self.optimizer)
         return None

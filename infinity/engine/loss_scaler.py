@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from infinity.config import FP16Config
+
 
 @dataclasses.dataclass
 class LossScaler:
@@ -31,7 +33,7 @@ class LossScaler:
         return cls(dynamic=False, scale=float(scale))
 
     @classmethod
-    def from_fp16_config(cls, fp16) -> LossScaler:
+    def from_fp16_config(cls, fp16: FP16Config) -> LossScaler:
         if fp16.loss_scale and fp16.loss_scale > 0:
             return cls.static(fp16.loss_scale)
         return cls(
@@ -40,7 +42,7 @@ class LossScaler:
             window=int(fp16.loss_scale_window),
             hysteresis=int(fp16.hysteresis),
             min_scale=float(fp16.min_loss_scale),
-            consecutive_hysteresis=bool(getattr(fp16, "consecutive_hysteresis", False)),
+            consecutive_hysteresis=fp16.consecutive_hysteresis,
         )
 
     def update(self, overflow: bool) -> None:

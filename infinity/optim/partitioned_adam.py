@@ -140,6 +140,23 @@ class PartitionedAdam(torch.optim.Optimizer):
             self.state_store.release(key)
             _evict_unheld(self.state_store, key)
 
+    def overwrite_master(self, index: int, values: torch.Tensor, changed: torch.Tensor) -> None:
+        """Shard ``index``'s fp32 master takes ``values`` where ``changed`` (the parameters were changed
+        outside a step: GatheredParameters). Moments and the accumulated gradient stay as they are."""
+        if self._master_in_param_store[index]:
+            raise ValueError(
+                f"shard {index} is an fp32 stage-3 parameter shard, its own master: write the parameter "
+                "shard instead (the partitioner does)"
+            )
+        key = (index, "master")
+        master = self.state_store.fetch(key).result()
+        try:
+            master.copy_(torch.where(changed.to(master.device), values.to(master.device), master))
+            self.state_store.mark_dirty(key)
+        finally:
+            self.state_store.release(key)
+        _evict_unheld(self.state_store, key)
+
     # -- GradSink ---------------------------------------------------------------
 
     def open(self, unit_index: int, *, first: bool) -> torch.Tensor:

@@ -1,70 +1,122 @@
 """GatheredParameters: DeepSpeed's context for reading (or changing) partitioned parameters whole.
 
-Inside the context the units holding the given parameters are gathered, so
-``p`` has its full shape and values on every rank. With ``modifier_rank``
-set, that rank's values at exit are broadcast and written back to every
-rank's shard (and to the fp32 master copy). Under stages 0-2 parameters are
-already whole and the context does nothing. Every rank must enter it.
+Inside the context the given parameters have their full shape and values on
+every rank. With ``modifier_rank`` set, that rank's values at exit become
+every rank's: the parameters (or their shards) and the fp32 master copy the
+optimizer keeps (see [Note: changes made under GatheredParameters reach the
+fp32 master] in masters.py), in every precision and at every stage. Every
+rank must enter it, with the same parameters.
+
+The context does the collectives; what to gather and where a change goes is
+the business of each parameter's owner (a ``ParamOwner``), found through
+``PARAM_OWNERS`` (see [Note: finding a parameter's owner] in owners.py):
+an engine's Stage3Partitioner or ResidentParams, or zero.Init's store before
+``initialize``. Parameters no owner holds are left as they are.
+
+Threading: the training thread, outside forward and backward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-# Installed partitioners, by parameter (set by Stage3Partitioner.install).
-_partitioner_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+from infinity.zero.owners import LiveOwners
 
 
-def register_partitioner(params: Iterable[nn.Parameter], partitioner: Any) -> None:
-    for p in params:
-        _partitioner_of[p] = partitioner
+class UserGather(Protocol):
+    """Parameters an owner made whole for one GatheredParameters context."""
+
+    def release(self, *, commit: bool) -> None:
+        """Ends the gather. ``commit``: the modifier rank's values (if one was named) become every
+        rank's, parameters and fp32 masters alike. Every rank calls it, in the same order."""
+        ...
 
 
-def unregister_partitioner(params: Iterable[nn.Parameter]) -> None:
-    for p in params:
-        _partitioner_of.pop(p, None)
+class ParamOwner(Protocol):
+    """What holds the data of some parameters (Stage3Partitioner, ResidentParams, InitStore)."""
+
+    def __contains__(self, p: object) -> bool: ...
+
+    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> UserGather:
+        """Makes ``params`` (all this owner's) whole on this rank until the returned gather is released;
+        with ``modifier_rank``, keeps what it needs to tell a change made meanwhile. Every rank calls it,
+        with the same parameters in the same order."""
+        ...
+
+
+@runtime_checkable
+class ModelHolder(Protocol):
+    """An engine, as GatheredParameters takes it (DeepSpeed accepts one): its model is ``module``."""
+
+    module: nn.Module
+
+
+# Every open engine's ParamOwner and every zero.Init store not yet taken over by initialize()
+# (see [Note: finding a parameter's owner]).
+PARAM_OWNERS: LiveOwners[ParamOwner] = LiveOwners()
+
+
+def _as_params(params: nn.Parameter | nn.Module | ModelHolder | Iterable[nn.Parameter | None]) -> list[nn.Parameter]:
+    if isinstance(params, nn.Parameter):
+        return [params]
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    if isinstance(params, ModelHolder) and isinstance(params.module, nn.Module):
+        return list(params.module.parameters())
+    return [p for p in params if p is not None]
 
 
 class GatheredParameters:
-    def __init__(self, params: Any, modifier_rank: int | None = None, enabled: bool = True):
-        if isinstance(params, nn.Parameter):
-            params = [params]
-        elif isinstance(params, nn.Module):
-            params = list(params.parameters())
-        elif hasattr(params, "module") and isinstance(params.module, nn.Module):  # an Engine
-            params = list(params.module.parameters())
-        self.params = [p for p in params if p is not None]
+    def __init__(
+        self,
+        params: nn.Parameter | nn.Module | ModelHolder | Iterable[nn.Parameter | None],
+        modifier_rank: int | None = None,
+        enabled: bool = True,
+    ):
+        self.params = _as_params(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held: list[tuple[Any, list[Any]]] = []
+        self._held: list[UserGather] = []
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        by_partitioner: dict[int, tuple[Any, list[Any]]] = {}
+        by_owner: list[tuple[ParamOwner, list[nn.Parameter]]] = []  # in first-use order: the same on every rank
         for p in self.params:
-            part = _partitioner_of.get(p)
-            if part is None:
+            owner = PARAM_OWNERS.owner_of(p)
+            if owner is None:
                 continue
-            unit = part.unit_of[p][0]
-            entry = by_partitioner.setdefault(id(part), (part, []))
-            if all(unit is not u for u in entry[1]):
-                entry[1].append(unit)
-        for part, units in by_partitioner.values():
-            units.sort(key=lambda u: u.index)  # the same order on every rank
-            part.hold_for_user(units)
-            self._held.append((part, units))
+            for known, owned in by_owner:
+                if known is owner:
+                    owned.append(p)
+                    break
+            else:
+                by_owner.append((owner, [p]))
+        try:
+            for owner, owned in by_owner:
+                self._held.append(owner.gather_for_user(owned, modifier_rank=self.modifier_rank))
+        except BaseException:
+            self._release(commit=False)  # __exit__ is not called when __enter__ raises
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._release(commit=exc[0] is None)
+
+    def _release(self, *, commit: bool) -> None:
+        """Releases every gather, also after one fails (held units would stay gathered for good);
+        the first error is raised."""
         held, self._held = self._held, []
-        for part, units in held:
-            if self.modifier_rank is not None and exc[0] is None:
-                with torch.no_grad():
-                    part.write_back(units, src=self.modifier_rank)
-            part.unhold_for_user(units)
+        error: BaseException | None = None
+        with torch.no_grad():
+            for gather in held:
+                try:
+                    gather.release(commit=commit)
+                except BaseException as e:
+                    error = error or e
+        if error is not None:
+            raise error

@@ -37,13 +37,13 @@ class GradHooks:
         *,
         partitioned: bool,
         on_unit_done: Callable[[ParamUnit], None] | None = None,
-        on_backward_end: Callable[[], None] | None = None,
     ):
+        """``on_unit_done(unit)``: the unit's grads of this backward are reduced (the stage-3
+        partitioner lets go of the unit there)."""
         self.unit_map = unit_map
         self.reducer = reducer
         self.partitioned = partitioned
         self.on_unit_done = on_unit_done
-        self.on_backward_end = on_backward_end
         self._handles: list[Any] = []
         self._queued = False
 
@@ -58,7 +58,7 @@ class GradHooks:
             h.remove()
         self._handles.clear()
 
-    def queue_end_of_backward(self) -> None:
+    def _queue_end_of_backward(self) -> None:
         """Idempotent within one backward; must be called while backward runs."""
         if not self._queued:
             self._queued = True
@@ -66,7 +66,7 @@ class GradHooks:
 
     def _prehook(self, unit: ParamUnit, slot: int):
         def prehook(grad: torch.Tensor) -> None:
-            self.queue_end_of_backward()
+            self._queue_end_of_backward()
             if self.partitioned and unit.state is UnitState.RELEASED:
                 unit.params[slot].data = unit.shape_placeholder(slot)
 
@@ -77,7 +77,7 @@ class GradHooks:
             grad = p.grad
             p.grad = None
             if self.partitioned and unit.state is UnitState.RELEASED:
-                p.data = unit._placeholder
+                p.data = unit.placeholder
             if grad is None:
                 return
             self.reducer.add(unit, slot, grad)
@@ -94,5 +94,3 @@ class GradHooks:
         self.reducer.finish_all()
         for unit in self.unit_map.units:
             unit.grads_arrived = 0
-        if self.on_backward_end is not None:
-            self.on_backward_end()

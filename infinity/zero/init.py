@@ -18,14 +18,24 @@ materialised at a time.
 
 ``infinity.initialize`` then lays the parameters out in units (which may
 differ from construction-time modules after tying) from the init store.
+Until then the store is the parameters' owner (``PARAM_OWNERS``; see [Note:
+finding a parameter's owner] in owners.py): after the context,
+GatheredParameters reads them whole and, with ``modifier_rank``, writes a
+change back (Hugging Face loads and initialises weights this way). The
+modules holding them keep the store alive — it is their forward pre-hook,
+which refuses to run a module whose parameters are still at rest there.
+
+Threading: the thread that builds the model (hooks and the TorchFunctionMode
+are per process; building two models at once in two threads is not supported).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +52,7 @@ from infinity.store import TieredStore
 from infinity.store.errors import NvmePathError
 from infinity.store.nvme_path import rank_dir
 from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.gathered import PARAM_OWNERS
 from infinity.zero.layout import make_layout
 
 log = logging.getLogger("infinity.zero")
@@ -52,6 +63,13 @@ _INIT_POOL_NBYTES = 64 << 20
 _INIT_CHUNK_NBYTES = 32 << 20
 
 
+class InitState(enum.Enum):
+    AT_REST = "at rest"
+    """Only this rank's slice exists, in the store; ``.data`` is an empty placeholder."""
+    WHOLE = "whole"
+    """``.data`` is the whole parameter: a torch function in the Init context uses it, or GatheredParameters holds it."""
+
+
 @dataclasses.dataclass
 class _Record:
     keys: list[tuple[str, int, int]]  # (store key, lo, hi) over the flat shard
@@ -59,6 +77,24 @@ class _Record:
     dtype: torch.dtype
     shard_numel: int
     numel: int
+    state: InitState = InitState.AT_REST
+    holds: int = 0  # GatheredParameters contexts holding the parameter whole
+
+
+@dataclasses.dataclass
+class _InitHold:
+    """The parameters one GatheredParameters context holds whole (a UserGather)."""
+
+    store: InitStore
+    params: list[nn.Parameter]
+    modifier_rank: int | None
+
+    def release(self, *, commit: bool) -> None:
+        for p in self.params:
+            if commit and self.modifier_rank is not None:
+                self.store.group.broadcast(p.data, src=self.modifier_rank)
+                self.store.rewrite(p, p.data)
+            self.store.unhold(p)
 
 
 class InitStore:
@@ -67,6 +103,7 @@ class InitStore:
     def __init__(self, *, home: str, nvme_path: str | None, aio: AioConfig, group: DataParallelGroup):
         self.home = home
         self.group = group
+        self.building = True  # the Init context is still open
         path = None
         if nvme_path:
             try:
@@ -78,9 +115,32 @@ class InitStore:
         self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
         self._next = 0
+        self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._hooks: list[Any] = []
+        PARAM_OWNERS.add(self)
 
-    def __contains__(self, p: nn.Parameter) -> bool:
+    def __contains__(self, p: object) -> bool:
         return p in self.records
+
+    def attach(self, module: nn.Module) -> None:
+        """``module`` holds parameters partitioned here: its pre-hook keeps this store alive until
+        ``initialize`` takes them, and refuses to run it while they are at rest."""
+        if module not in self._attached:
+            self._attached.add(module)
+            self._hooks.append(module.register_forward_pre_hook(self._refuse_at_rest))
+
+    def _refuse_at_rest(self, module: nn.Module, args: Any) -> None:
+        if self.building:
+            return  # inside the context the TorchFunctionMode makes parameters whole on use
+        at_rest = [n for n, p in module.named_parameters(recurse=False)
+                   if p in self.records and self.records[p].state is InitState.AT_REST]
+        if at_rest:
+            raise RuntimeError(
+                f"{type(module).__name__} was built under infinity.zero.Init and its parameters {at_rest} are "
+                "still partitioned in zero.Init's store (their .data is empty); pass the model to "
+                "infinity.initialize(model, config) and call the engine it returns, or read them inside "
+                "infinity.GatheredParameters"
+            )
 
     def partition(self, p: nn.Parameter) -> None:
         data = p.data.detach().reshape(-1)
@@ -92,7 +152,6 @@ class InitStore:
         keys = self._register(layout.shard_numel, p.dtype)
         self._write(keys, shard)
         self.records[p] = _Record(keys, p.shape, p.dtype, layout.shard_numel, data.numel())
-        _store_of[p] = self
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
 
@@ -110,6 +169,47 @@ class InitStore:
     def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
         for key, lo, hi in keys:
             self.store.write(key, shard[lo:hi]).result()
+
+    def to_whole(self, p: nn.Parameter) -> None:
+        """``.data`` becomes the whole parameter (collective: every rank, the same order)."""
+        rec = self.records[p]
+        if rec.state is not InitState.AT_REST:
+            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} made whole twice (it is {rec.state.name})")
+        p.data = self.full(p).clone()  # compact: the gathered buffer carries the shards' padding
+        rec.state = InitState.WHOLE
+
+    def to_rest(self, p: nn.Parameter, *, rewrite: bool) -> None:
+        """Back to an empty placeholder, first writing this rank's slice of ``.data`` when ``rewrite``."""
+        rec = self.records[p]
+        if rec.state is not InitState.WHOLE:
+            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} put to rest while {rec.state.name}")
+        full = p.data
+        if rewrite:
+            self.rewrite(p, full)
+        p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+        rec.state = InitState.AT_REST
+        self._freed.freed(full.numel() * full.element_size())
+
+    # -- GatheredParameters (ParamOwner) ----------------------------------------
+
+    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _InitHold:
+        if self.building:
+            raise RuntimeError(
+                "GatheredParameters over parameters of a model still being built under infinity.zero.Init: "
+                "inside the context torch functions already see them whole; use it after the context"
+            )
+        for p in params:
+            rec = self.records[p]
+            if rec.holds == 0:
+                self.to_whole(p)
+            rec.holds += 1
+        return _InitHold(self, list(params), modifier_rank)
+
+    def unhold(self, p: nn.Parameter) -> None:
+        rec = self.records[p]
+        rec.holds -= 1
+        if rec.holds == 0:
+            self.to_rest(p, rewrite=False)  # a change was written by the release that committed it
 
     def shape(self, p: nn.Parameter) -> torch.Size:
         """The parameter's true shape (its ``.data`` is a placeholder while it waits here)."""
@@ -144,12 +244,16 @@ class InitStore:
         part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
         shard[: part.numel()] = part
         self._write(rec.keys, shard)
-        self._freed.freed(flat.numel() * flat.element_size())
 
     def forget(self, p: nn.Parameter) -> None:
         """Drops a parameter initialize() has moved home; closes the store after the last one."""
-        rec = self.records.pop(p, None)
-        _store_of.pop(p, None)
+        rec = self.records.get(p)
+        if rec is not None and rec.holds:
+            raise RuntimeError(
+                "initialize() was called inside GatheredParameters over parameters built under zero.Init; "
+                "call it after the context"
+            )
+        self.records.pop(p, None)
         if rec is not None:
             for key, _, _ in rec.keys:
                 self.store.unregister(key)
@@ -157,21 +261,20 @@ class InitStore:
             self.close()
 
     def close(self) -> None:
+        PARAM_OWNERS.discard(self)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         if not self.store.closed:
             self.store.close()
-
-
-# Each partitioned parameter keeps its InitStore alive (weakly keyed by the
-# parameter, strongly holding the store) until initialize() takes it over.
-_store_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def init_store_of(params: Iterable[nn.Parameter]) -> InitStore | None:
     """The InitStore holding any of ``params`` (a model built under zero.Init), if one does."""
     for p in params:
-        store = _store_of.get(p)
-        if store is not None:
-            return store
+        owner = PARAM_OWNERS.owner_of(p)
+        if isinstance(owner, InitStore):
+            return owner
     return None
 
 
@@ -179,48 +282,58 @@ class _InitMode(TorchFunctionMode):
     def __init__(self, store: InitStore):
         super().__init__()
         self.store = store
-        self.materialized: dict[nn.Parameter, torch.Tensor] = {}
-        self.tracked: list[weakref.ref[nn.Parameter]] = []
+        self.materialized: list[nn.Parameter] = []  # made whole by a torch function, in the store's WHOLE state
+        self.tracked: list[tuple[weakref.ref[nn.Module], weakref.ref[nn.Parameter]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         involved = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, nn.Parameter) and a in self.store]
         self.flush(keep=involved)
-        for p in involved:
-            if p not in self.materialized:
-                full = self.store.full(p).clone()
-                p.data = full
-                self.materialized[p] = full
+        with torch._C.DisableTorchFunction():
+            for p in involved:
+                if all(p is not q for q in self.materialized):
+                    self.store.to_whole(p)
+                    self.materialized.append(p)
         return func(*args, **kwargs)
 
-    def flush(self, keep: list[nn.Parameter] = ()) -> None:
+    def flush(self, keep: Sequence[nn.Parameter] = ()) -> None:
         """Writes back every materialised parameter not in ``keep``."""
-        for p in [q for q in self.materialized if all(q is not k for k in keep)]:
-            full = self.materialized.pop(p)
-            with torch._C.DisableTorchFunction():
-                self.store.rewrite(p, full)
-                p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+        kept = []
+        with torch._C.DisableTorchFunction():
+            for p in self.materialized:
+                if any(p is k for k in keep):
+                    kept.append(p)
+                else:
+                    self.store.to_rest(p, rewrite=True)
+        self.materialized = kept
 
     def on_module_registered(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
         if child is None:
             return
+        self.flush()
         with torch._C.DisableTorchFunction():
-            self.flush()
-            for p in child._parameters.values():
-                if p is not None and p not in self.store and p.numel() > 0:
-                    self.store.partition(p)
+            for _, p in child.named_parameters(recurse=False, remove_duplicate=False):
+                self._take(child, p)
 
     def on_param_registered(self, module: nn.Module, name: str, p: nn.Parameter | None) -> None:
         if p is not None:
-            self.tracked.append(weakref.ref(p))
+            self.tracked.append((weakref.ref(module), weakref.ref(p)))
 
     def finish(self) -> None:
+        """The context ends: parameters not yet partitioned (the root's) are partitioned now."""
+        self.flush()
         with torch._C.DisableTorchFunction():
-            self.flush()
-            for ref in self.tracked:
-                p = ref()
-                if p is not None and p not in self.store and p.numel() > 0:
-                    self.store.partition(p)
+            for module_ref, p_ref in self.tracked:
+                module, p = module_ref(), p_ref()
+                if module is not None and p is not None:
+                    self._take(module, p)
+
+    def _take(self, module: nn.Module, p: nn.Parameter) -> None:
+        """Partitions ``p`` (unless it is already, or empty); ``module``, holding it, is attached."""
+        if p not in self.store and p.numel() > 0:
+            self.store.partition(p)
+        if p in self.store:
+            self.store.attach(module)
 
 
 class Init:
@@ -278,3 +391,4 @@ class Init:
             h.remove()
         self._handles.clear()
         mode.finish()
+        mode.store.building = False

@@ -13,9 +13,16 @@ than as memory; unpacking gathers the unit again, on demand or already
 prefetched. A unit gathered for backward is released once all its parameters'
 grads have been reduced, or at the end of backward.
 
-Gradients are handed to the GradReducer by GradHooks (grad_hooks.py); the
-partitioner releases a unit gathered for backward when GradHooks says its
-grads are done, and everything else at the end of backward.
+Gradients are handed to the GradReducer by GradHooks (grad_hooks.py), which
+is built with ``on_unit_done=partitioner.release_backward``: a unit gathered
+for backward is released once its grads are reduced, everything else at the
+end of backward (a callback the partitioner queues on the autograd engine).
+
+GatheredParameters: the partitioner is the ParamOwner of its parameters
+(``PARAM_OWNERS`` holds it while installed; see [Note: finding a parameter's
+owner] in owners.py). A change made on the modifier rank is broadcast into
+every rank's gathered buffer, written to its shard, and handed to ``masters``
+(16-bit training: the optimizer's fp32 masters; see masters.py).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
@@ -26,16 +33,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from infinity.zero import gathered
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
-from infinity.zero.grad_hooks import GradHooks
+from infinity.zero.gathered import PARAM_OWNERS
+from infinity.zero.masters import MasterCopy, ShardSnapshot
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
 
@@ -72,14 +79,35 @@ class _SavedParamRef:
 class _InterceptingParams(dict):
     """A module's ``_parameters`` that gathers a released parameter when forward code reads it."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("on_read",)
+
+    def __init__(self, params: dict[str, Any], on_read: weakref.WeakMethod):
+        super().__init__(params)
+        self.on_read = on_read  # weak: the module must not keep a removed partitioner alive
 
     def __getitem__(self, name: str) -> Any:
         p = dict.__getitem__(self, name)
-        owner = self._owner()
-        if owner is not None and p is not None and owner._frames:
-            owner._on_param_read(p)
+        on_read = self.on_read()
+        if on_read is not None and p is not None:
+            on_read(p)
         return p
+
+
+@dataclasses.dataclass
+class _UserHold:
+    """The units one GatheredParameters context holds gathered (a UserGather)."""
+
+    partitioner: Stage3Partitioner
+    units: list[ParamUnit]
+    modifier_rank: int | None
+    snapshots: list[ShardSnapshot]  # empty unless a change must reach separate fp32 masters
+
+    def release(self, *, commit: bool) -> None:
+        try:
+            if commit and self.modifier_rank is not None:
+                self.partitioner.write_back(self.units, src=self.modifier_rank, snapshots=self.snapshots)
+        finally:
+            self.partitioner.unhold_for_user(self.units)
 
 
 class Stage3Partitioner:
@@ -90,36 +118,33 @@ class Stage3Partitioner:
         *,
         shards: ShardSource,
         group: DataParallelGroup,
-        grad_hooks: GradHooks | None,
         cache: TensorCache,
+        masters: MasterCopy | None,
     ):
+        """``masters``: where a change made under GatheredParameters must also go (the optimizer's fp32
+        masters in 16-bit training); None where the parameter shards are their own masters."""
         self.root = root
         self.units = unit_map.units
         self.uses = unit_map.uses
         self.unit_of = unit_map.unit_of
         self.shards = shards
         self.group = group
-        self.grad_hooks = grad_hooks
-        if grad_hooks is not None:
-            grad_hooks.on_unit_done = self._release_backward
-            grad_hooks.on_backward_end = self._end_of_backward
         self.cache = cache
+        self.masters = masters
         self._frames: list[_Frame] = []
         self._saved_hooks: Any = None
         self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
         self._handles: list[Any] = []
-        self._own_callback_queued = False
+        self._end_of_backward_queued = False
         self._installed = False
-        # Called with (unit, full fp32 values) when GatheredParameters changed a unit.
-        self.on_modified: Any = None
 
     # -- install / remove -----------------------------------------------------
 
     def install(self) -> None:
         for unit in self.units:
             for p in unit.params:
-                p.data = unit._placeholder
+                p.data = unit.placeholder
         for unit in self.units:
             if unit.persistent:
                 self._gather(unit)
@@ -127,10 +152,8 @@ class Stage3Partitioner:
             self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
             self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
             if mod._parameters and not isinstance(mod._parameters, _InterceptingParams):
-                d = _InterceptingParams(mod._parameters)
-                d._owner = weakref.ref(self)
-                mod._parameters = d
-        gathered.register_partitioner(self.unit_of, self)
+                mod._parameters = _InterceptingParams(mod._parameters, weakref.WeakMethod(self._on_param_read))
+        PARAM_OWNERS.add(self)
         self._installed = True
 
     def remove(self) -> None:
@@ -144,7 +167,7 @@ class Stage3Partitioner:
         for mod in self.root.modules():
             if isinstance(mod._parameters, _InterceptingParams):
                 mod._parameters = dict(mod._parameters)
-        gathered.unregister_partitioner(self.unit_of)
+        PARAM_OWNERS.discard(self)
         self._installed = False
 
     # -- gather / release -------------------------------------------------------
@@ -221,8 +244,26 @@ class Stage3Partitioner:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
 
+    # -- GatheredParameters (ParamOwner) -------------------------------------------
+
+    def __contains__(self, p: object) -> bool:
+        return p in self.unit_of
+
+    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _UserHold:
+        units: list[ParamUnit] = []
+        for p in params:
+            unit = self.unit_of[p][0]
+            if all(unit is not u for u in units):
+                units.append(unit)
+        units.sort(key=lambda u: u.index)  # the same order on every rank
+        self.hold_for_user(units)
+        snapshots = []
+        if modifier_rank is not None and self.masters is not None:
+            snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units]
+        return _UserHold(self, units, modifier_rank, snapshots)
+
     def hold_for_user(self, units: list[ParamUnit]) -> None:
-        """GatheredParameters: gather (persistent units are always gathered)."""
+        """Gathers ``units`` until unhold_for_user (persistent units are always gathered)."""
         for unit in units:
             self._hold(unit)
 
@@ -230,21 +271,28 @@ class Stage3Partitioner:
         for unit in units:
             self._unhold(unit)
 
-    def write_back(self, units: list[ParamUnit], *, src: int) -> None:
-        """GatheredParameters(modifier_rank=src): rank ``src``'s gathered values become every rank's shard."""
+    def write_back(self, units: list[ParamUnit], *, src: int, snapshots: Sequence[ShardSnapshot] = ()) -> None:
+        """Rank ``src``'s gathered values become every rank's shard; ``snapshots`` (taken when the
+        units were gathered) tell which elements changed, and those reach the fp32 masters."""
         for unit in units:
             full = unit.full
             self.group.broadcast(full, src=src)
-            lo, hi = unit.layout.shard_range(self.group.rank)
             shard = self.shards.acquire(unit.key)
             try:
                 if shard.data_ptr() != full.data_ptr():
-                    shard.copy_(full[lo:hi])
+                    shard.copy_(self._own_slice(unit))
                 self.shards.mark_dirty(unit.key)
             finally:
                 self.shards.release(unit.key)
-            if self.on_modified is not None:
-                self.on_modified(unit, full[lo:hi].float())
+        for snap in snapshots:
+            if self.masters is None:
+                raise RuntimeError("shard snapshots were taken for a partitioner without fp32 masters")
+            snap.commit(self._own_slice(snap.unit), self.masters)
+
+    def _own_slice(self, unit: ParamUnit) -> torch.Tensor:
+        """This rank's shard of a gathered unit, as a view of its full buffer."""
+        lo, hi = unit.layout.shard_range(self.group.rank)
+        return unit.full[lo:hi]
 
     def gathered_units(self) -> list[ParamUnit]:
         return [u for u in self.units if u.state is UnitState.GATHERED and not u.persistent]
@@ -274,6 +322,8 @@ class Stage3Partitioner:
             self._saved_hooks = None
 
     def _on_param_read(self, p: nn.Parameter) -> None:
+        if not self._frames:
+            return
         entry = self.unit_of.get(p)
         if entry is None:
             return
@@ -306,10 +356,7 @@ class Stage3Partitioner:
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 
     def _hold_for_backward(self, unit: ParamUnit) -> None:
-        if self.grad_hooks is not None:
-            self.grad_hooks.queue_end_of_backward()
-        else:
-            self._queue_own_end_of_backward()
+        self._queue_end_of_backward()
         if unit.backward_held or unit.persistent:
             return
         self._hold(unit)
@@ -318,20 +365,22 @@ class Stage3Partitioner:
 
     # -- backward ---------------------------------------------------------------
 
-    def _queue_own_end_of_backward(self) -> None:
-        # Without gradients to reduce (frozen model), the partitioner still
-        # needs to hear when backward ends to release what it gathered.
-        if not self._own_callback_queued:
-            self._own_callback_queued = True
+    def _queue_end_of_backward(self) -> None:
+        # Idempotent within one backward. GradHooks queues its own callback (the
+        # reductions left at the end); neither needs the other's to run first:
+        # reducing reads the grads, not the gathered parameters.
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _release_backward(self, unit: ParamUnit) -> None:
+    def release_backward(self, unit: ParamUnit) -> None:
+        """The unit's grads are reduced: let go of what backward gathered of it (GradHooks' on_unit_done)."""
         if unit.backward_held:
             unit.backward_held = False
             self._unhold(unit)
 
     def _end_of_backward(self) -> None:
-        self._own_callback_queued = False
+        self._end_of_backward_queued = False
         for unit in self._backward_units:
-            self._release_backward(unit)
+            self.release_backward(unit)
         self._backward_units.clear()

@@ -57,7 +57,8 @@ class ParamUnit:
         self.backward_held = False
         self.grads_arrived = 0  # parameters whose grad was reduced in the current backward
         self.grad_params = sum(1 for p in params if p.requires_grad)
-        self._placeholder = torch.empty(0, dtype=layout.dtype, device=device)
+        # Every parameter's ``.data`` while the unit is released (one shared empty tensor).
+        self.placeholder = torch.empty(0, dtype=layout.dtype, device=device)
 
     @property
     def full_nbytes(self) -> int:
@@ -84,7 +85,7 @@ class ParamUnit:
         if self.state is not UnitState.GATHERED or self.full is None:
             raise RuntimeError(f"unit {self.module_name!r} released while {self.state.name}")
         for p in self.params:
-            p.data = self._placeholder
+            p.data = self.placeholder
         full, self.full = self.full, None
         self.state = UnitState.RELEASED
         return full

@@ -48,31 +48,31 @@ def build_units(
     uses: dict[nn.Module, list[ParamUnit]] = {}
     for mod_name, mod in module.named_modules():
         new: list[tuple[str, nn.Parameter]] = []
-        for pname, p in mod._parameters.items():
-            if p is not None and p not in unit_of and all(p is not q for _, q in new):
+        own = list(mod.named_parameters(recurse=False, remove_duplicate=False))
+        for pname, p in own:
+            if p not in unit_of and all(p is not q for _, q in new):
                 new.append((f"{mod_name}.{pname}" if mod_name else pname, p))
         groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in new:
             pdt = dtype if dtype is not None and p.is_floating_point() else p.dtype
             numel = math.prod(shape_of(p))
             groups.setdefault((pdt, numel < persistence_threshold), []).append((name, p))
-        for (dtype, small), members in groups.items():
+        for (unit_dtype, small), members in groups.items():
             names = [n for n, _ in members]
             params = [p for _, p in members]
-            layout = make_layout(names, [shape_of(p) for p in params], dtype, world_size)
+            layout = make_layout(names, [shape_of(p) for p in params], unit_dtype, world_size)
             label = mod_name or "<root>"
             if len(groups) > 1:
-                label += f"[{str(dtype).removeprefix('torch.')}{', persistent' if small else ''}]"
+                label += f"[{str(unit_dtype).removeprefix('torch.')}{', persistent' if small else ''}]"
             unit = ParamUnit(len(units), label, params, names, layout, persistent=small, device=device)
             units.append(unit)
             for i, p in enumerate(params):
                 unit_of[p] = (unit, i)
         used: list[ParamUnit] = []
-        for p in mod._parameters.values():
-            if p is not None:
-                u = unit_of[p][0]
-                if all(u is not v for v in used):
-                    used.append(u)
+        for _, p in own:
+            u = unit_of[p][0]
+            if all(u is not v for v in used):
+                used.append(u)
         if used:
             uses[mod] = used
     return UnitMap(units, uses, unit_of)

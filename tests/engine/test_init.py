@@ -7,16 +7,36 @@ import torch
 import infinity
 from infinity.zero.gathered import GatheredParameters
 from tests.distributed import run_distributed
-from tests.engine.models import MODELS
+from tests.engine.models import MODELS, batch
 from tests.engine.reference import engine_config, engine_run, reference_run
 
 
-def _build_and_gather(rank, name, offload_param, nvme_dir):
+def _change(model, rank):
+    """What Hugging Face does between zero.Init and initialize() (loading and initialising weights):
+    a change under GatheredParameters(modifier_rank=0); rank 1's own writes must not survive."""
+    fc, ln_f = model.blocks[0].mlp.fc.weight, model.ln_f.weight
+    with GatheredParameters([fc, ln_f], modifier_rank=0), torch.no_grad():
+        fc[0].fill_(0.5 if rank == 0 else 7.0)
+        fc[-1].fill_(-1.5 if rank == 0 else 7.0)
+        ln_f.fill_(2.0 if rank == 0 else 7.0)
+
+
+def _changed(weights):
+    weights = {n: w.clone() for n, w in weights.items()}
+    weights["blocks.0.mlp.fc.weight"][0] = 0.5
+    weights["blocks.0.mlp.fc.weight"][-1] = -1.5
+    weights["ln_f.weight"][:] = 2.0
+    return weights
+
+
+def _build_and_gather(rank, name, offload_param, nvme_dir, change=False):
     cfg = engine_config(3, offload_param, "cpu", nvme_dir, gas=1)
     torch.manual_seed(0)
     with infinity.zero.Init(cfg):
         model = MODELS[name]()
     placeholders = all(p.numel() == 0 for p in model.parameters())
+    if change:
+        _change(model, rank)
     engine = infinity.initialize(model, cfg)
     try:
         with GatheredParameters(engine):
@@ -58,11 +78,45 @@ def test_init_with_stage_below_3_does_nothing(caplog):
 
 @pytest.mark.distributed
 def test_same_weights_world_size_2(nvme_dir):
-    results = run_distributed(_build_and_gather, "gpt", "nvme", str(nvme_dir), world_size=2)
+    """... with rank 0's change made before initialize() (rank 1's writes overwritten)."""
+    results = run_distributed(_build_and_gather, "gpt", "nvme", str(nvme_dir), True, world_size=2)
     for placeholders, weights in results:
         assert placeholders
-        for n, ref in _plain("gpt").items():
+        for n, ref in _changed(_plain("gpt")).items():
             assert (weights[n] == ref.numpy()).all(), n
+
+
+def test_gathered_parameters_before_initialize(nvme_dir):
+    """After the context and before initialize(), GatheredParameters reads parameters whole (and
+    leaves them at rest again), and a change made with modifier_rank is what initialize() starts from."""
+    cfg = engine_config(3, "nvme", "cpu", nvme_dir, gas=1)
+    torch.manual_seed(0)
+    with infinity.zero.Init(cfg):
+        model = MODELS["gpt"]()
+    fc = model.blocks[0].mlp.fc.weight
+    with GatheredParameters(model.blocks[0].mlp), GatheredParameters(fc):  # nested: held twice
+        assert torch.equal(fc, _plain("gpt")["blocks.0.mlp.fc.weight"])
+    assert fc.numel() == 0
+    placeholders, weights = _build_and_gather(0, "gpt", "nvme", str(nvme_dir), change=True)
+    assert placeholders
+    for n, ref in _changed(_plain("gpt")).items():
+        assert torch.equal(weights[n], ref), n
+
+
+def test_model_built_under_init_refuses_to_run_before_initialize(nvme_dir):
+    cfg = engine_config(3, "cpu", "cpu", nvme_dir, gas=1)
+    with infinity.zero.Init(cfg):
+        model = MODELS["gpt"]()
+    x, y = batch(0, 0, 0)
+    with pytest.raises(RuntimeError, match=r"built under infinity\.zero\.Init .* pass the model to infinity\.initialize"):
+        model(x, y)
+    with GatheredParameters(model):  # whole: it runs
+        model(x, y)
+    with pytest.raises(RuntimeError, match="still being built under infinity.zero.Init"), infinity.zero.Init(cfg):
+        inner = torch.nn.Linear(4, 4)
+        torch.nn.Sequential(inner)  # registers inner: its parameters are partitioned
+        with GatheredParameters(inner.weight):
+            pass
 
 
 def test_model_built_under_init_trains_like_plain_pytorch(nvme_dir, monkeypatch):

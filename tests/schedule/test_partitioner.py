@@ -61,11 +61,9 @@ def run(model_name, path, make_source):
     group = DataParallelGroup()
     cache = TensorCache(CPU, cap_nbytes=1 << 20)
     reducer = GradReducer(units.units, group, sink, stage=3, cache=cache)
-    hooks = GradHooks(units, reducer, partitioned=True)
     source = make_source(store, units)
-    part = Stage3Partitioner(
-        model, units, shards=source, group=group, grad_hooks=hooks, cache=cache
-    )
+    part = Stage3Partitioner(model, units, shards=source, group=group, cache=cache, masters=None)
+    hooks = GradHooks(units, reducer, partitioned=True, on_unit_done=part.release_backward)
     part.install()
     hooks.install()
     losses, grads = [], []
