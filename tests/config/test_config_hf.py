@@ -35,8 +35,7 @@ from transformers import (
 )
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-from infinity.config import ConfigError, load_config
-from infinity.config.arguments import TRAINING_ARGUMENTS, training_arguments_values
+from infinity.config import TRAINING_ARGUMENTS, ConfigError, load_config, training_arguments_values
 
 DATA = Path(__file__).parent / "data"
 
