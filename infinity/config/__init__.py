@@ -5,10 +5,13 @@ is the one entry point; it returns an ``InfinityConfig`` composed of
 ``ZeroConfig`` (with ``OffloadParamConfig`` / ``OffloadOptimizerConfig``),
 ``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig`` and
 ``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
-``infinity.config.support.NOT_ACTED_ON``.
+``infinity.config.support.NOT_ACTED_ON``. Which keyword arguments fill "auto"
+is another, HF's (``infinity.config.arguments``); ``training_arguments_values``
+reads them off a transformers ``TrainingArguments`` for the adapters.
 """
 
 from infinity.aio.config import AioConfig
+from infinity.config.arguments import TRAINING_ARGUMENTS, training_arguments_values
 from infinity.config.errors import ConfigError
 from infinity.config.jsonfile import read_config_file
 from infinity.config.loader import load_config
@@ -32,6 +35,7 @@ __all__ = [
     "OPAQUE",
     "SUPPORTED_OPTIMIZERS",
     "SUPPORTED_SCHEDULERS",
+    "TRAINING_ARGUMENTS",
     "AdamParams",
     "AioConfig",
     "BF16Config",
@@ -49,4 +53,5 @@ __all__ = [
     "acted_on",
     "load_config",
     "read_config_file",
+    "training_arguments_values",
 ]

@@ -46,6 +46,7 @@ def load_config(
     *,
     world_size: int | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    model: torch.nn.Module | None = None,
     **auto_values: Any,
 ) -> InfinityConfig:
     """Reads, resolves and validates a DeepSpeed-style config.
@@ -56,9 +57,13 @@ def load_config(
     train_batch_size recomputed), or None (all defaults). ``world_size``:
     data-parallel ranks, for the batch arithmetic (default 1; for an
     InfinityConfig, its own). ``optimizer``: a torch optimizer to read "auto" optimizer
-    values from. ``auto_values``: values for "auto" keys, named like the keys
-    (see [Note: where an "auto" value comes from] in auto.py).
-    Raises ConfigError (a ValueError) naming key, value and fix.
+    values from. ``model``: the module to be trained, whose config's hidden size
+    fills the ZeRO sizes written "auto" as HF fills them. ``auto_values``: values
+    for "auto" keys, named like the keys or as HF's TrainingArguments names them
+    (see [Note: where an "auto" value comes from] in auto.py, [Note: the argument
+    table] in arguments.py).
+    Raises ConfigError (a ValueError) naming key, value and fix; TypeError for
+    an argument name that is none.
     """
     if isinstance(config, InfinityConfig):
         if world_size is None:
@@ -68,7 +73,13 @@ def load_config(
         raw_again = config.to_dict()
         if world_size != config.world_size:
             del raw_again["train_batch_size"]
-        return load_config(raw_again, world_size=world_size, optimizer=optimizer, **auto_values)
+        again = load_config(
+            raw_again, world_size=world_size, optimizer=optimizer, model=model, **auto_values
+        )
+        if config.optimizer is not None and again.optimizer == config.optimizer:
+            # to_dict() writes no bookkeeping: keep how the optimizer section came to be
+            again = dataclasses.replace(again, optimizer=config.optimizer)
+        return again
     if world_size is None:
         world_size = 1
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -87,7 +98,8 @@ def load_config(
     parsed = normalize(raw)
     if parsed.unknown:
         raise ConfigError(_unknown_message(parsed.unknown))
-    sources = resolve(parsed.tree, auto_values, optimizer)
+    resolved = resolve(parsed.tree, auto_values, optimizer, model)
+    sources = dict(resolved.sources)
     sources.update(complete_batch(parsed.tree, world_size))
     cfg = _build(
         InfinityConfig,
@@ -97,6 +109,10 @@ def load_config(
         auto_filled=tuple(sorted(sources.items())),
         user_keys=frozenset(parsed.user_keys),
     )
+    if resolved.trainer_optimizer:
+        cfg = dataclasses.replace(
+            cfg, optimizer=dataclasses.replace(cfg.optimizer, hf_trainer_default=True)
+        )
     report_not_acted_on(k for k in parsed.user_keys if k in NOT_ACTED_ON or k in OPAQUE)
     defaulted = sorted(p for p, s in sources.items() if s.startswith("default"))
     if defaulted:

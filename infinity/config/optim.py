@@ -15,7 +15,7 @@ import dataclasses
 from typing import ClassVar, Literal
 
 from infinity.config.errors import ConfigError
-from infinity.config.values import check_section, knob
+from infinity.config.values import check_section, internal, knob
 
 SUPPORTED_OPTIMIZERS: tuple[str, ...] = ("adam", "adamw")
 # DeepSpeed's other optimizers, named so the refusal can say what they are.
@@ -87,6 +87,11 @@ class OptimizerConfig:
     """Hyper-parameters."""
     legacy_fusion: bool = knob(False)
     """DeepSpeed (fp16, legacy): fused fp16 optimizer step."""
+    hf_trainer_default: bool = internal(False)
+    """Not a DeepSpeed key: the config had no optimizer section and load_config wrote this one
+    from lr= etc., as the HF Trainer builds its default AdamW; the engine then leaves biases and
+    normalisation weights without weight decay, as the Trainer's param groups do (see
+    [Note: where an "auto" value comes from])."""
 
     def __post_init__(self) -> None:
         t = self.type

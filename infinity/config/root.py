@@ -89,7 +89,8 @@ class InfinityConfig:
     opaque: dict[str, Any] = internal(default_factory=dict)
     """Known DeepSpeed sections infinity does not read, verbatim, by key path (see support.OPAQUE)."""
     auto_filled: tuple[tuple[str, str], ...] = internal(())
-    """(key path, where its value came from) for every "auto" that load_config filled."""
+    """(key path, where its value came from) for every value load_config filled in: each "auto",
+    and the optimizer section it writes from lr= when the config has none."""
     user_keys: frozenset[str] = internal(frozenset())
     """Key paths present in the user's config (canonical names)."""
 

@@ -76,6 +76,7 @@ def render(cfg: InfinityConfig) -> str:
         lines.append(
             f"  optimizer  {o.type} ({mode}): lr {p.lr:g}, betas ({p.betas[0]:g}, {p.betas[1]:g}), "
             f"eps {p.eps:g}, weight_decay {p.weight_decay:g}"
+            + (" (HF Trainer's default: none on biases and norm weights)" if o.hf_trainer_default else "")
         )
     else:
         lines.append("  optimizer  none in the config (pass one to initialize())")

@@ -84,7 +84,7 @@ class Engine:
         self.loss_scaler = (
             LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
         )
-        choice = choose_optimizer(config, list(dict.fromkeys(model.parameters())), optimizer)
+        choice = choose_optimizer(config, model, optimizer)
         try:
             self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device,
                                                   plan=plan)

@@ -37,13 +37,21 @@ def initialize(
 ) -> Engine:
     """Builds the engine. ``config``: a path (hjson/JSON) or dict in DeepSpeed's schema.
 
-    Keyword arguments fill the config's ``"auto"`` values by name (``lr=``,
-    ``weight_decay=``, ``train_micro_batch_size_per_gpu=``, ``bf16=`` ...).
+    Keyword arguments fill the config's ``"auto"`` values as HF's trainer fills
+    them from its TrainingArguments, under infinity's names (``lr=``,
+    ``weight_decay=``, ``train_micro_batch_size_per_gpu=``, ``bf16=`` ...) or
+    HF's (``learning_rate=``, ``max_grad_norm=``, ``warmup_steps=`` ...): a
+    value the config writes must agree, an argument with nothing to fill is
+    ignored, an unknown name is a TypeError ([Note: the argument table] in
+    infinity/config/arguments.py). The ZeRO sizes written "auto" follow the
+    model's hidden size (``model.config``, as HF reads it) unless
+    ``hidden_size=`` is given. With no optimizer section and none passed,
+    ``lr=`` gives the HF Trainer's default AdamW.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
     group = _bootstrap_distributed()
-    cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, **auto_values)
+    cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, model=model, **auto_values)
     device = compute_device()
     # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]).
     plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)

@@ -1,5 +1,8 @@
 """Every source of an "auto" value, and every way an argument can fail to fit the config."""
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -197,34 +200,47 @@ def test_conflicting_alias_arguments_are_refused():
         load_config({"bf16": {"enabled": "auto"}}, bf16=True, bfloat16=False)
 
 
-def test_unknown_argument_is_refused_with_a_suggestion():
+def test_unknown_argument_is_a_type_error_naming_the_closest_name():
     with pytest.raises(
-        ConfigError,
-        match=r"^unknown argument\(s\) learning_rate= \(did you mean lr=\?\), warmup_num_step= "
-        r"\(did you mean warmup_num_steps=\?\), zzz=: arguments fill",
+        TypeError,
+        match=r"^unexpected keyword argument\(s\) learnig_rate= \(did you mean learning_rate=\?\), "
+        r"warmup_num_step= \(did you mean warmup_num_steps=\?\), zzz=: keyword arguments fill",
     ):
-        load_config(_adam_auto(), learning_rate=1e-3, warmup_num_step=10, zzz=1)
+        load_config(_adam_auto(), learnig_rate=1e-3, warmup_num_step=10, zzz=1)
+    # TrainingArguments fields HF's table does not read: refused with the argument that is read
+    with pytest.raises(
+        TypeError,
+        match=r"^unexpected keyword argument\(s\) max_steps= \(HF's table does not read it: pass "
+        r"num_training_steps=",
+    ):
+        load_config(_adam_auto(), lr=1e-3, max_steps=100)
+    with pytest.raises(TypeError, match=r"warmup_ratio= \(HF's table does not read it: pass warmup_steps="):
+        load_config(_adam_auto(), lr=1e-3, warmup_ratio=0.1)
 
 
-def test_argument_that_fills_nothing_is_refused():
-    # WarmupLR has no total_num_steps: a caller expecting a decay must hear about it
-    raw = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
-    with pytest.raises(
-        ConfigError,
-        match=r"^total_num_steps= fills nothing: scheduler\.params\.total_num_steps is not in this config",
-    ):
-        load_config(raw, total_num_steps=1000)
-    with pytest.raises(
-        ConfigError,
-        match=r"^gradient_clipping= fills nothing: gradient_clipping is not in this config; "
-        r'write "auto" there to take the value from the argument, or drop the argument$',
-    ):
-        load_config({}, gradient_clipping=1.0)
-    with pytest.raises(
-        ConfigError,
-        match=r'^hidden_size= fills nothing: none of zero_optimization\.reduce_bucket_size, .* is "auto" here',
-    ):
-        load_config({"zero_optimization": {"reduce_bucket_size": 5}}, hidden_size=64)
+def test_arguments_that_fill_nothing_are_ignored_with_one_info_line(caplog):
+    caplog.set_level(logging.INFO, "infinity.config")
+    # WarmupLR has no total_num_steps, there is no gradient_clipping key, reduce_bucket_size is
+    # written (hidden_size= only fills "auto"): one script, many configs, as with HF's trainer
+    raw = {
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+    }
+    cfg = load_config(raw, total_num_steps=1000, max_grad_norm=1.0, hidden_size=64)
+    assert cfg.gradient_clipping == 0.0 and cfg.zero_optimization.reduce_bucket_size == 5
+    lines = [r for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].getMessage() == (
+        "arguments with nothing to fill in this config, ignored: "
+        "max_grad_norm= (for gradient_clipping); "
+        "hidden_size= (for zero_optimization.reduce_bucket_size, "
+        "zero_optimization.stage3_prefetch_bucket_size, "
+        "zero_optimization.stage3_param_persistence_threshold); "
+        "total_num_steps= (for scheduler.params.total_num_steps)"
+    )
+    caplog.clear()
+    load_config({"gradient_clipping": "auto"}, gradient_clipping=1.0)
+    assert not [r for r in caplog.records if "ignored" in r.getMessage()]
 
 
 def test_argument_agreeing_with_an_explicit_value_is_fine_and_disagreeing_is_refused():
@@ -334,3 +350,249 @@ def test_a_section_written_as_auto_needs_the_keys_that_have_no_auto_default():
         ).zero_optimization.offload_param.device
         == "none"
     )
+
+
+# -- HF's table (infinity/config/arguments.py); the oracle test is test_config_hf.py ----------
+
+
+def test_hf_names_fill_what_infinitys_names_fill():
+    raw = {
+        **_adam_auto(),
+        "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"},
+        },
+    }
+    hf = load_config(
+        raw,
+        learning_rate=0.01,
+        adam_beta1=0.8,
+        adam_beta2=0.9,
+        adam_epsilon=1e-7,
+        weight_decay=0.05,
+        max_grad_norm=0.5,
+        per_device_train_batch_size=4,
+        num_training_steps=100,
+        warmup_steps=10,
+    )
+    ours = load_config(
+        raw,
+        lr=0.01,
+        betas=(0.8, 0.9),
+        eps=1e-7,
+        weight_decay=0.05,
+        gradient_clipping=0.5,
+        train_micro_batch_size_per_gpu=4,
+        total_num_steps=100,
+        warmup_num_steps=10,
+    )
+    assert hf == ours
+    assert hf.optimizer.params.lr == 0.01 and hf.scheduler.params.total_num_steps == 100
+    sources = dict(hf.auto_filled)
+    assert sources["optimizer.params.lr"] == "learning_rate="
+    assert sources["optimizer.params.betas"] == "adam_beta1+adam_beta2="
+    assert sources["gradient_clipping"] == "max_grad_norm="
+
+
+def test_one_beta_pairs_with_training_arguments_default_for_the_other():
+    assert load_config(_adam_auto(), lr=1, adam_beta1=0.8).optimizer.params.betas == (0.8, 0.999)
+    assert load_config(_adam_auto(), lr=1, adam_beta2=0.95).optimizer.params.betas == (0.9, 0.95)
+    cfg = load_config(_adam_auto(), lr=1, betas=[0.8, 0.95], adam_beta1=0.8, adam_beta2=0.95)
+    assert cfg.optimizer.params.betas == (0.8, 0.95)
+    with pytest.raises(
+        ConfigError,
+        match=r"^betas= and adam_beta1= name the same setting and disagree "
+        r"\(\(0\.8, 0\.95\) vs \(0\.8, 0\.999\)\); pass one$",
+    ):
+        load_config(_adam_auto(), lr=1, betas=(0.8, 0.95), adam_beta1=0.8)
+
+
+def test_two_names_for_one_setting_must_agree():
+    with pytest.raises(
+        ConfigError,
+        match=r"^lr= and learning_rate= name the same setting and disagree \(0\.1 vs 0\.2\); pass one$",
+    ):
+        load_config(_adam_auto(), lr=0.1, learning_rate=0.2)
+    assert load_config(_adam_auto(), lr=0.1, learning_rate=0.1).optimizer.params.lr == 0.1
+
+
+def test_full_eval_flags_are_ored_into_the_precision_as_hf_does():
+    raw = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}
+    cfg = load_config(raw, fp16=False, fp16_full_eval=True, bf16=False, bf16_full_eval=False)
+    assert cfg.fp16.enabled and not cfg.bf16.enabled
+    assert dict(cfg.auto_filled)["fp16.enabled"] == "fp16|fp16_full_eval="
+    with pytest.raises(
+        ConfigError,
+        match=r"^bf16_full_eval=True was given but the config sets bf16\.enabled to False; ",
+    ):
+        load_config({"bf16": {"enabled": False}}, bf16_full_eval=True)
+
+
+def _warmup(kind="WarmupLR", **params):
+    return {"scheduler": {"type": kind, "params": {"warmup_num_steps": "auto", **params}}}
+
+
+@pytest.mark.parametrize(
+    "raw,kwargs,steps",
+    [
+        (_warmup(), {"warmup_steps": 10}, 10),
+        (_warmup(), {"warmup_steps": 10.7}, 10),  # int(), TrainingArguments.get_warmup_steps
+        (_warmup(), {"warmup_steps": 0}, 1),  # at least 1, trainer_config_finalize
+        (_warmup(), {"warmup_num_steps": 0}, 1),  # one argument, two names, one rule
+        # a fraction below 1 is of the training steps, rounded up: ceil(0.1 x 95)
+        (_warmup("WarmupDecayLR", total_num_steps="auto"), {"warmup_steps": 0.1, "num_training_steps": 95}, 10),
+        # ... or of the config's own total_num_steps
+        (_warmup("WarmupDecayLR", total_num_steps=40), {"warmup_steps": 0.25}, 10),
+    ],
+)
+def test_warmup_steps_follow_hfs_rule(raw, kwargs, steps):
+    assert load_config(raw, **kwargs).scheduler.params.warmup_num_steps == steps
+
+
+def test_warmup_steps_that_cannot_be_read_are_refused_naming_the_fix():
+    with pytest.raises(
+        ConfigError,
+        match=r"^warmup_steps=0\.1 is a fraction of the training steps \(HF's rule for values below 1\) "
+        r"and no num_training_steps= was given, nor a total_num_steps in the config: pass "
+        r"num_training_steps=, or a whole number of warmup steps$",
+    ):
+        load_config(_warmup(), warmup_steps=0.1)
+    with pytest.raises(ConfigError, match=r"^warmup_steps=-1 \(for scheduler\.params\.warmup_num_steps\) must be"):
+        load_config(_warmup(), warmup_steps=-1)
+    # a written value is checked against the rule's result, and the message shows both
+    raw = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}
+    assert load_config(raw, warmup_steps=0).scheduler.params.warmup_num_steps == 1
+    with pytest.raises(
+        ConfigError,
+        match=r"^warmup_steps=0\.5 \(that is 5\) was given but the config sets "
+        r"scheduler\.params\.warmup_num_steps to 1; ",
+    ):
+        load_config(raw, warmup_steps=0.5, num_training_steps=10)
+
+
+def test_lr_fills_and_checks_warmup_max_lr_as_hfs_learning_rate_does():
+    raw = {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.001}},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"^learning_rate=0\.004 was given but the config sets scheduler\.params\.warmup_max_lr "
+        r"to 0\.001; ",
+    ):
+        load_config(raw, learning_rate=0.004)
+    assert load_config(raw, learning_rate=0.001).scheduler.params.warmup_max_lr == 0.001
+    # the key's own argument is the one checked when both are given
+    cfg = load_config(raw, learning_rate=0.004, warmup_max_lr=0.001)
+    assert (cfg.optimizer.params.lr, cfg.scheduler.params.warmup_max_lr) == (0.004, 0.001)
+
+
+def _zero(stage, **more):
+    auto = dict.fromkeys(
+        ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"),
+        "auto",
+    )
+    return {"zero_optimization": {"stage": stage, **auto, **more}}
+
+
+def _sizes(cfg):
+    z = cfg.zero_optimization
+    return (
+        z.reduce_bucket_size,
+        z.stage3_prefetch_bucket_size,
+        z.stage3_param_persistence_threshold,
+    )
+
+
+def _with_config(**config):
+    model = torch.nn.Linear(2, 2)
+    model.config = SimpleNamespace(**config)
+    return model
+
+
+def test_hidden_size_is_read_from_the_models_config_as_hf_reads_it():
+    cfg = load_config(_zero(3), model=_with_config(hidden_size=64))
+    assert _sizes(cfg) == (64 * 64, int(0.9 * 64 * 64), 640)
+    assert dict(cfg.auto_filled)["zero_optimization.reduce_bucket_size"] == (
+        "model.config.hidden_size=64"
+    )
+    # the largest of hidden_sizes; then text_config's
+    assert _sizes(load_config(_zero(3), model=_with_config(hidden_sizes=[8, 32, 16])))[0] == 1024
+    text = _with_config(text_config=SimpleNamespace(hidden_size=16))
+    cfg = load_config(_zero(3), model=text)
+    assert _sizes(cfg)[0] == 256
+    assert dict(cfg.auto_filled)["zero_optimization.reduce_bucket_size"] == (
+        "model.config.text_config.hidden_size=16"
+    )
+    # hidden_size= wins over the model
+    assert _sizes(load_config(_zero(3), model=_with_config(hidden_size=64), hidden_size=8))[0] == 64
+    # no hidden size (HF reads d_model only through a config's attribute_map): DeepSpeed's defaults
+    defaults = (500_000_000, 50_000_000, 100_000)
+    assert _sizes(load_config(_zero(3), model=_with_config(d_model=32))) == defaults
+    assert _sizes(load_config(_zero(3), model=torch.nn.Linear(2, 2))) == defaults
+    with pytest.raises(
+        ConfigError, match=r"^model\.config\.hidden_size must be an integer >= 1; got 'big'$"
+    ):
+        load_config(_zero(3), model=_with_config(hidden_size="big"))
+
+
+def test_below_stage_3_only_reduce_bucket_size_follows_the_hidden_size():
+    # HF fills the two stage3_* sizes at stage 3 only; below it they do nothing: defaults here
+    assert _sizes(load_config(_zero(2), hidden_size=64)) == (4096, 50_000_000, 100_000)
+    # a stage filled by its argument counts
+    assert _sizes(load_config(_zero("auto"), stage=3, hidden_size=64)) == (4096, 3686, 640)
+
+
+def test_lr_without_an_optimizer_section_writes_hf_trainers_default_adamw():
+    cfg = load_config({"zero_optimization": {"stage": 2}}, learning_rate=3e-4)
+    o = cfg.optimizer
+    assert o.type == "adamw" and o.hf_trainer_default
+    assert (o.params.lr, o.params.betas, o.params.eps, o.params.weight_decay) == (
+        3e-4,
+        (0.9, 0.999),
+        1e-8,
+        0.0,
+    )
+    sources = dict(cfg.auto_filled)
+    assert sources["optimizer.params.lr"] == "learning_rate="
+    assert sources["optimizer.params.eps"] == "TrainingArguments' default 1e-08"
+    assert sources["optimizer"].startswith("no optimizer section and none passed: AdamW")
+    assert "(HF Trainer's default: none on biases and norm weights)" in cfg.summary()
+    cfg = load_config({}, lr=1e-3, adam_beta2=0.95, eps=1e-6, weight_decay=0.1)
+    p = cfg.optimizer.params
+    assert (p.lr, p.betas, p.eps, p.weight_decay) == (1e-3, (0.9, 0.95), 1e-6, 0.1)
+    # the config loaded again (another world size: to_dict writes no bookkeeping) keeps it
+    again = load_config(cfg, world_size=2)
+    assert again.optimizer == cfg.optimizer and again.optimizer.hf_trainer_default
+    # arguments are checked like any other
+    with pytest.raises(
+        ConfigError, match=r"^lr= \(for optimizer\.params\.lr\) must be a number >= 0; got -1$"
+    ):
+        load_config({}, lr=-1)
+
+
+def test_no_default_optimizer_with_a_section_an_optimizer_passed_or_no_lr():
+    cfg = load_config({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, lr=1e-3)
+    assert not cfg.optimizer.hf_trainer_default
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert load_config({}, optimizer=opt, lr=1e-3).optimizer is None
+    assert load_config({}, weight_decay=0.1).optimizer is None
+
+
+def test_batch_arguments_enter_the_arithmetic_where_the_config_has_train_batch_size():
+    # HF: train_batch_size = world x per_device_train_batch_size x accumulation, keys or not
+    raw = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
+    cfg = load_config(raw, per_device_train_batch_size=8, gradient_accumulation_steps=4, world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (64, 8)
+    assert dict(cfg.auto_filled)["train_micro_batch_size_per_gpu"] == "per_device_train_batch_size="
+    with pytest.raises(
+        ConfigError,
+        match=r"^train_batch_size \(32\) must equal train_micro_batch_size_per_gpu x "
+        r"gradient_accumulation_steps x world_size = 8 x 1 x 1 = 8$",
+    ):
+        load_config({"train_batch_size": 32}, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+    # without train_batch_size in the config the arguments fill only the keys there are
+    cfg = load_config({"gradient_accumulation_steps": 2}, per_device_train_batch_size=8)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.train_batch_size) == (1, 2)

@@ -80,7 +80,7 @@ def test_zero2_offload_cpu_resolved_values(caplog):
     assert cfg.preflight is True
     sources = dict(cfg.auto_filled)
     assert sources["optimizer.params.lr"] == "lr="
-    assert sources["scheduler.params.warmup_max_lr"] == "optimizer.params.lr"
+    assert sources["scheduler.params.warmup_max_lr"] == "lr="  # HF's table: learning_rate fills it
     assert sources["scheduler.params.warmup_min_lr"] == "default 0.0"
     assert sources["train_batch_size"].startswith(
         "batch arithmetic: 16 = 4 (micro) x 2 (accumulation) x 2"
