@@ -48,6 +48,7 @@ from infinity.config.schema import (
     subsection,
 )
 from infinity.config.values import AUTO, coerce, describe, hints, is_internal, section_type
+from infinity.config.zero import NvmePath
 
 ENABLED_ARGS: dict[str, str] = {"fp16.enabled": "fp16", "bf16.enabled": "bf16"}
 HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
@@ -344,9 +345,7 @@ def _nvme_fallback(tree: dict[str, Any], r: _Resolver) -> None:
             and node.get("nvme_path") is None
         ):
             path = f"zero_optimization.{section}.nvme_path"
-            node["nvme_path"] = coerce(
-                r.args["nvme_path"], str, f"{r.label('nvme_path')} (for {path})", {}
-            )
+            node["nvme_path"] = coerce(r.args["nvme_path"], NvmePath, f"{r.label('nvme_path')} (for {path})", {})
             r.sources[path] = r.label("nvme_path")
 
 
