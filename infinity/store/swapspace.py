@@ -12,7 +12,11 @@ RAID set-up DeepSpeed asks users for. ``unit`` is the aio block_size (or a
 multiple), so every block-sized piece of a large read goes to one drive and
 the drives' bandwidth adds up. Physically each drive holds files of
 ``file_nbytes`` bytes (``swap.0``, ``swap.1``, ...), created 0600 in the
-store's own directory (SwapDir) and removed on close.
+store's own directory (SwapDir) and removed on close. The space grows in
+whole stripes, so every drive holds the same bytes (``drive_nbytes``: what
+the engine checks against each file system's free space). A config reaches
+this with an ``nvme_path`` list, one folder per drive: every rank's stores
+stripe over ``<folder>/rank<N>/`` on each (nvme_path.rank_dirs).
 
 Invariants: capacity is a multiple of unit · N; every drive holds capacity / N
 bytes of preallocated files; an extent maps to runs that never cross a file
