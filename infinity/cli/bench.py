@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "command": "infinity bench aio",
-            "machine": iobench.machine_info(args.path[0] if len(args.path) == 1 else args.path),
+            "machine": iobench.machine_info(args.path),
             "file_nbytes": args.size,
             "page_cache": iobench.page_cache_note(direct),
             "repeat": repeat,

@@ -205,6 +205,22 @@ def test_two_paths_on_one_file_system_are_allowed_and_reported_once(nvme_dir, ca
     ]
 
 
+def test_zero_init_stripes_over_every_path_too(nvme_dir):
+    a, b = nvme_dir / "a", nvme_dir / "b"
+    a.mkdir()
+    b.mkdir()
+    raw = _striped(engine_config(3, "nvme", "nvme", a, gas=1), [a, b])
+    raw["aio"]["block_size"] = 64 << 10  # the stripe unit: the layer's 256 KiB span both drives
+    init = infinity.zero.Init(raw)
+    with init:
+        layer = torch.nn.Linear(128, 512)
+    dirs = init.store.store.directories  # the parameters wait there for initialize
+    assert [d.parent for d in dirs] == [a / "rank0", b / "rank0"]
+    assert all(any(f.read_bytes().strip(b"\0") for f in d.glob("swap.*")) for d in dirs), "data on each"
+    with infinity.initialize(layer, raw) as engine:
+        assert [d.parent for d in engine.runtime.param_store.directories] == [a / "rank0", b / "rank0"]
+
+
 def test_paths_on_two_file_systems_are_not_reported(nvme_dir, caplog):
     (nvme_dir / "a").mkdir()
     with mounted("ext4", nvme_dir) as mnt, caplog.at_level(logging.WARNING, "infinity.store"):
