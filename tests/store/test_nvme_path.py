@@ -221,6 +221,20 @@ def test_zero_init_stripes_over_every_path_too(nvme_dir):
         assert [d.parent for d in engine.runtime.param_store.directories] == [a / "rank0", b / "rank0"]
 
 
+def test_a_striped_run_is_refused_when_one_drive_cannot_take_its_share(nvme_dir):
+    """Each drive must hold its share: a roomy first drive does not make up for a full second one."""
+    (nvme_dir / "a").mkdir()
+    with mounted("ext4", nvme_dir, "16M") as small:
+        os.posix_fallocate(fd := os.open(small / "filler", os.O_CREAT | os.O_WRONLY, 0o600), 0,
+                           nvme_path.free_nbytes(small) - (64 << 10))
+        os.close(fd)
+        raw = _striped(engine_config(3, "nvme", "nvme", nvme_dir, gas=1), [nvme_dir / "a", small])
+        with pytest.raises(ConfigError, match=rf"^not enough free space at nvme_path '{small / 'rank0'}' \(ext4 at "
+                           rf"{small}\): this rank needs \d+ bytes of swap files \(parameters \d+ \+ optimizer state"):
+            infinity.initialize(tiny_gpt(), raw)
+        assert os.listdir(small / "rank0") == [] and os.listdir(nvme_dir / "a" / "rank0") == []
+
+
 def test_paths_on_two_file_systems_are_not_reported(nvme_dir, caplog):
     (nvme_dir / "a").mkdir()
     with mounted("ext4", nvme_dir) as mnt, caplog.at_level(logging.WARNING, "infinity.store"):
