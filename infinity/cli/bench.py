@@ -2,7 +2,9 @@
 
 A table of GB/s per setting (block size x queue depth x threads), progress while it runs, the page
 cache defeated and said so, and with ``--vs-fio`` the same setting run by fio right after each of
-ours, with the ratio.
+ours, with the ratio. Given several paths (one per drive) it measures each alone and then the stripe
+over all of them, laid out as a store striped over those drives lays out its swap space; fio's
+figure for the stripe is one job per file, all at once (the drives' aggregate limit).
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ def add_aio_arguments(p: argparse.ArgumentParser, *, size: str = "2G") -> None:
     p.add_argument(
         "--path",
         type=Path,
-        default=DEFAULT_PATH,
-        help="directory on the drive to measure (default ./infinity_nvme)",
+        nargs="+",
+        default=[DEFAULT_PATH],
+        help="directory on the drive to measure (default ./infinity_nvme); several, one per drive: "
+        "each alone, then the stripe over all",
     )
     p.add_argument(
         "--size",
         type=iobench.size_arg,
         default=iobench.parse_size(size),
-        help=f"test file size (default {size})",
+        help=f"test file size, per path (default {size})",
     )
     p.add_argument(
         "--block-sizes", type=iobench.sizes_arg, default="128K,1M,8M", help="default 128K,1M,8M"
@@ -92,12 +96,21 @@ def run(args: argparse.Namespace) -> int:
     if args.vs_fio and fio_path() is None:
         raise SystemExit("--vs-fio needs fio, which is not installed (Debian: apt-get install fio)")
     iobench.check_settings(settings)
-    test_file = iobench.TestFile(args.path, args.size)
-    test_file.prepare()
-    direct = test_file.direct_io_works()
-    print(
-        f"infinity bench aio: {test_file.path} ({iobench.format_size(args.size)}), {len(settings)} settings x {', '.join(ops)}, {repeat} run(s) each"
+    targets = iobench.targets(args.path, args.size, "infinity-bench-aio.dat")
+    for _, t in targets:
+        t.prepare()
+    direct = all(t.direct_io_works() for _, t in targets)
+    what = (
+        f"{targets[0][1].path} ({iobench.format_size(args.size)})"
+        if len(targets) == 1
+        else f"{len(args.path)} paths, each alone and the stripe over all ({iobench.format_size(args.size)} "
+        "per path; stripe unit = block size)"
     )
+    print(
+        f"infinity bench aio: {what}, {len(settings)} settings x {', '.join(ops)}, {repeat} run(s) each"
+    )
+    for group in iobench.shared_file_systems(args.path) if len(targets) > 1 else ():
+        print(f"note: {' and '.join(map(str, group))} are on one file system: the stripe shares its bandwidth")
     print(f"page cache: {iobench.page_cache_note(direct)}")
     print(
         "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through)"
@@ -105,19 +118,25 @@ def run(args: argparse.Namespace) -> int:
     if args.vs_fio:
         print(
             f"fio: io_uring, direct={int(direct)}, --iomem=shmhuge where the hugetlb pool has room ({host.hugetlb_free_nbytes() >> 20} MiB free), else malloc; run right after each of ours"
+            + ("; on the stripe one job per file, all at once" if len(targets) > 1 else "")
         )
+    samples: list[iobench.Sample] = []
     try:
-        samples = iobench.run_sweep(
-            settings,
-            ops,
-            test_file,
-            repeat=repeat,
-            fio_iomem="shmhuge" if args.vs_fio else None,
-            progress=not args.quiet,
-        )
+        for label, target in targets:
+            samples += iobench.run_sweep(
+                settings,
+                ops,
+                target,
+                repeat=repeat,
+                fio_iomem="shmhuge" if args.vs_fio else None,
+                progress=not args.quiet,
+                desc=f"bench aio {label}".rstrip(),
+                target=label,
+            )
     finally:
         if not args.keep:
-            test_file.remove()
+            for _, t in targets:
+                t.remove()
     engines = sorted({sm.engine for sm in samples})
     print(f"engine: {', '.join(engines)}")
     huge = min(sm.huge_fraction for sm in samples)
@@ -130,9 +149,10 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     print(iobench.format_table(samples))
-    top, figures = iobench.best(samples)
+    final = targets[-1][0]  # the one path, or the stripe
+    top, figures = iobench.best([sm for sm in samples if sm.target == final])
     print(
-        "best: "
+        f"best{' (stripe)' if final else ''}: "
         + top.label
         + " ("
         + ", ".join(f"{op} {v:.2f} GB/s" for op, v in figures.items())
@@ -151,10 +171,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
-        iobench.plot(
-            samples,
-            args.plot,
-            f"infinity bench aio: {test_file.path.parent} ({', '.join(engines)})",
-        )
+        where = targets[0][1].path.parent if len(targets) == 1 else ", ".join(map(str, args.path))
+        iobench.plot(samples, args.plot, f"infinity bench aio: {where} ({', '.join(engines)})")
         print(f"wrote {args.plot}")
     return 0

@@ -90,8 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, help="samples per rank per step (activations; default: the config's)")
     p.add_argument("--seq", type=int, help="sequence length (activations)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: the config's, else bf16")
-    p.add_argument("--nvme-path", help="where NVMe settings swap when the config names no nvme_path "
-                   "(default ./infinity_nvme)")
+    p.add_argument("--nvme-path", nargs="+", metavar="PATH",
+                   help="where NVMe settings swap when the config names no nvme_path (default ./infinity_nvme); "
+                   "several folders, one per drive, are striped over")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="compute device the plan is for (default: cuda when available)")
     p.add_argument("--activation-checkpointing", action="store_true",

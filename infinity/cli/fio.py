@@ -44,7 +44,10 @@ def shmhuge_fits(block_size: int, queue_depth: int, jobs: int) -> bool:
 
 @dataclass(frozen=True)
 class FioJob:
-    path: Path
+    """One sequential job over ``path``, or over several files at once (one job per file, run
+    together, their bandwidth summed: the drives' aggregate limit). ``nbytes`` is per file."""
+
+    path: Path | tuple[Path, ...]
     nbytes: int
     op: Literal["read", "write"]
     block_size: int
@@ -53,12 +56,14 @@ class FioJob:
     iomem: IoMem = "shmhuge"
     direct: bool = True
 
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        return self.path if isinstance(self.path, tuple) else (self.path,)
+
     def argv(self, exe: str) -> list[str]:
         per_job = self.nbytes // self.jobs // self.block_size * self.block_size
         argv = [
             exe,
-            "--name=infinity",
-            f"--filename={self.path}",
             f"--rw={self.op}",
             f"--bs={self.block_size}",
             f"--iodepth={self.queue_depth}",
@@ -73,6 +78,9 @@ class FioJob:
         ]
         if not self.direct:
             argv.append("--end_fsync=1")  # buffered writes count only once on disk
+        # Options above are global; each --name starts a job (group_reporting sums them all).
+        for i, path in enumerate(self.paths):
+            argv += [f"--name=infinity{i or ''}", f"--filename={path}"]
         return argv
 
     def run(self, timeout_s: float = 600) -> float:

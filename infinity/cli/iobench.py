@@ -1,4 +1,5 @@
-"""Throughput of aio settings on one test file, measured the way fio measures it, and interleaved with fio.
+"""Throughput of aio settings on one test file (or a stripe over several), measured the way fio
+measures it, and interleaved with fio.
 
 One *run* reads or writes the whole test file sequentially as one vectored request whose segments
 cycle through a ring buffer of ``queue_depth x block_size x thread_count`` bytes (at least one 2 MiB
@@ -8,13 +9,18 @@ slower for both). Slots are reused as soon as the engine may issue the next piec
 can land in one slot; the data is discarded. The page cache is defeated with O_DIRECT, or, on a
 file system that refuses it, by dropping caches before each read (root) and fsyncing writes.
 
+A Stripe is one test file per drive, read and written as a store's swap space striped over those
+drives is laid out ([Note: striping] in infinity/store/swapspace.py): the same vectored request,
+block_size pieces going round the drives in turn. fio's reference for it is one job per file, all
+running at once, their bandwidth summed: what the drives do together at most.
+
 Used by ``infinity bench aio``, ``infinity tune nvme`` and ``bench/aio_vs_fio.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
 import gc
 import os
 import statistics
@@ -24,8 +30,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-import numpy as np
 
 from infinity import host
 from infinity.aio import (
@@ -37,6 +41,13 @@ from infinity.aio import (
     huge_page_fraction,
 )
 from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
+from infinity.cli.testfiles import (  # noqa: F401  (iobench.TestFile etc. for its callers)
+    Stripe,
+    Target,
+    TestFile,
+    shared_file_systems,
+    targets,
+)
 
 Op = Literal["read", "write"]
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -139,6 +150,8 @@ class Sample:
     engine: str = ""
     huge_fraction: float = 1.0
     """Smallest fraction of the ring backed by 2 MiB pages over the runs."""
+    target: str = ""
+    """What was measured where several paths were: one path, or "stripe" (all of them); "" for one path."""
 
     @property
     def median(self) -> float:
@@ -156,6 +169,7 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
+            **({"target": self.target} if self.target else {}),
             **dataclasses.asdict(self.setting),
             "engine": self.engine or self.setting.engine,
             "op": self.op,
@@ -177,60 +191,6 @@ def _stats(xs: Sequence[float]) -> dict[str, Any]:
     }
 
 
-class TestFile:
-    """The file the runs read and write: ``nbytes`` of real data on the file system under test."""
-
-    def __init__(self, directory: Path, nbytes: int, name: str = "infinity-bench-aio.dat"):
-        self.directory = Path(directory)
-        self.nbytes = nbytes
-        self.path = self.directory / name
-
-    def prepare(self) -> None:
-        """Creates the directory and writes the file once (a read of unwritten blocks measures nothing)."""
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise SystemExit(
-                f"cannot create {self.directory}: {e.strerror}; pass --path to a writable directory"
-            ) from None
-        have = self.path.stat().st_size if self.path.exists() else 0
-        if have == self.nbytes:
-            return
-        free = os.statvfs(self.directory)
-        free_nbytes = free.f_bavail * free.f_frsize + have
-        if free_nbytes < self.nbytes:
-            raise SystemExit(
-                f"{self.directory} has {free_nbytes / 1e9:.1f} GB free, the test file needs "
-                f"{self.nbytes / 1e9:.1f} GB; pass a smaller --size or another --path"
-            )
-        self.path.unlink(missing_ok=True)
-        chunk = min(self.nbytes, 64 << 20)
-        data = aligned_empty(chunk)
-        data.numpy()[:] = np.resize(np.frombuffer(os.urandom(1 << 20), np.uint8), chunk)
-        with AioHandle() as h, h.open(self.path, "w") as f:
-            h.pwrite_many(
-                [
-                    (data[: min(chunk, self.nbytes - off)], off)
-                    for off in range(0, self.nbytes, chunk)
-                ],
-                f,
-            ).wait()
-            os.fsync(f.fileno())
-
-    def direct_io_works(self) -> bool:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-        except OSError as e:
-            if e.errno == errno.EINVAL:
-                return False
-            raise
-        os.close(fd)
-        return True
-
-    def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
-
-
 def page_cache_note(direct: bool) -> str:
     if direct:
         return "bypassed: every run uses O_DIRECT (ours and fio's direct=1)"
@@ -243,21 +203,24 @@ def page_cache_note(direct: bool) -> str:
 
 
 def measure(
-    setting: Setting, test_file: TestFile, op: Op, *, ring_nbytes: int | None = None
+    setting: Setting, test_file: Target, op: Op, *, ring_nbytes: int | None = None
 ) -> tuple[float, str, float]:
     """One run: (GB/s, engine used, fraction of the ring in 2 MiB pages)."""
     n = test_file.nbytes
     ring_n = ring_nbytes or setting.ring_nbytes(n)
     ring = aligned_empty(ring_n)
-    items = [(ring[: min(ring_n, n - off)], off) for off in range(0, n, ring_n)]
     huge = huge_page_fraction(ring)
-    with setting.handle() as h, h.open(test_file.path, "rw", create=False) as f:
-        if not f.direct and op == "read" and host.can_drop_caches():
+    with setting.handle() as h, contextlib.ExitStack() as opened:
+        files = [opened.enter_context(h.open(f.path, "rw", create=False)) for f in test_file.files]
+        items = test_file.items(ring, setting.block_size, files)
+        direct = all(f.direct for f in files)
+        if not direct and op == "read" and host.can_drop_caches():
             host.drop_caches()
         t0 = time.perf_counter()
-        (h.pwrite_many if op == "write" else h.pread_many)(items, f).wait()
-        if not f.direct and op == "write":
-            os.fsync(f.fileno())
+        (h.pwrite_many if op == "write" else h.pread_many)(items).wait()
+        if not direct and op == "write":
+            for f in files:
+                os.fsync(f.fileno())
         seconds = time.perf_counter() - t0
         engine = h.engine
     del items, ring
@@ -265,14 +228,16 @@ def measure(
     return n / seconds / 1e9, engine, huge
 
 
-def fio_job(setting: Setting, test_file: TestFile, op: Op, iomem: IoMem, direct: bool) -> FioJob:
+def fio_job(setting: Setting, test_file: Target, op: Op, iomem: IoMem, direct: bool) -> FioJob:
+    """fio's run of ``setting`` on the test file; on a stripe, one job per file, all at once."""
+    paths = tuple(f.path for f in test_file.files)
     if iomem == "shmhuge" and not shmhuge_fits(
-        setting.block_size, setting.queue_depth, setting.thread_count
+        setting.block_size, setting.queue_depth, setting.thread_count * len(paths)
     ):
         iomem = "malloc"
     return FioJob(
-        path=test_file.path,
-        nbytes=test_file.nbytes,
+        path=paths if len(paths) > 1 else paths[0],
+        nbytes=test_file.files[0].nbytes,
         op=op,
         block_size=setting.block_size,
         queue_depth=setting.queue_depth,
@@ -285,14 +250,16 @@ def fio_job(setting: Setting, test_file: TestFile, op: Op, iomem: IoMem, direct:
 def run_sweep(
     settings: Sequence[Setting],
     ops: Sequence[Op],
-    test_file: TestFile,
+    test_file: Target,
     *,
     repeat: int = 1,
     fio_iomem: IoMem | None = None,
     progress: bool = True,
     desc: str = "bench aio",
+    target: str = "",
 ) -> list[Sample]:
-    """Every setting x direction, ``repeat`` times; with ``fio_iomem`` each of our runs is followed by fio's."""
+    """Every setting x direction, ``repeat`` times; with ``fio_iomem`` each of our runs is followed by
+    fio's. ``target`` labels the samples (where several paths are measured)."""
     from tqdm import tqdm
 
     direct = test_file.direct_io_works()
@@ -308,7 +275,7 @@ def run_sweep(
             measure(settings[0], test_file, op)
         for s in settings:
             for op in ops:
-                sample = Sample(s, op)
+                sample = Sample(s, op, target=target)
                 for _ in range(repeat):
                     try:
                         gbps, sample.engine, huge = measure(s, test_file, op)
@@ -342,20 +309,22 @@ def best(samples: Sequence[Sample]) -> tuple[Setting, dict[str, float]]:
 
 
 def format_table(samples: Sequence[Sample]) -> str:
-    """One row per setting: read and write GB/s (median, with min-max when repeated), fio and ratio."""
-    rows: dict[Setting, dict[str, Sample]] = {}
+    """One row per setting (and target, where several paths were measured): read and write GB/s
+    (median, with min-max when repeated), fio and ratio."""
+    rows: dict[tuple[str, Setting], dict[str, Sample]] = {}
     for sm in samples:
-        rows.setdefault(sm.setting, {})[sm.op] = sm
+        rows.setdefault((sm.target, sm.setting), {})[sm.op] = sm
     ops = [op for op in ("read", "write") if any(op in r for r in rows.values())]
     with_fio = any(sm.fio for sm in samples)
-    header = ["setting".ljust(18)]
+    width = max(len(t) for t, _ in rows)
+    header = (["target".ljust(width)] if width else []) + ["setting".ljust(18)]
     for op in ops:
         header.append(f"{op} GB/s".rjust(18))
         if with_fio:
             header += [f"fio {op}".rjust(9), "ratio".rjust(6)]
     lines = ["  ".join(header)]
-    for setting, by_op in rows.items():
-        cells = [setting.label.ljust(18)]
+    for (target, setting), by_op in rows.items():
+        cells = ([target.ljust(width)] if width else []) + [setting.label.ljust(18)]
         for op in ops:
             sm = by_op.get(op)
             if sm is None:
@@ -378,10 +347,13 @@ def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(sm.setting.label for sm in samples))
+    def label(sm: Sample) -> str:
+        return f"{sm.target} {sm.setting.label}" if sm.target else sm.setting.label
+
+    labels = list(dict.fromkeys(label(sm) for sm in samples))
     series: dict[str, list[float]] = {}
     for op in ("read", "write"):
-        mine = {sm.setting.label: sm for sm in samples if sm.op == op}
+        mine = {label(sm): sm for sm in samples if sm.op == op}
         if not mine:
             continue
         series[f"{op} (infinity)"] = [mine[k].median if k in mine else 0.0 for k in labels]
@@ -402,8 +374,10 @@ def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def machine_info(path: Path) -> dict[str, Any]:
-    """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``."""
+def machine_info(path: Path | Sequence[Path]) -> dict[str, Any]:
+    """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``
+    (under each path, as lists, where several were measured)."""
+    paths = [path] if isinstance(path, Path) else list(path)
     import platform
 
     import torch
@@ -422,8 +396,8 @@ def machine_info(path: Path) -> dict[str, Any]:
         "torch": torch.__version__,
         "infinity": infinity.__version__,
         "fio": fio_version(),
-        "path": str(path.resolve()),
-        "filesystem": mount_of(path),
+        "path": str(paths[0].resolve()) if len(paths) == 1 else [str(p.resolve()) for p in paths],
+        "filesystem": mount_of(paths[0]) if len(paths) == 1 else [mount_of(p) for p in paths],
     }
 
 

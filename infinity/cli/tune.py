@@ -5,6 +5,11 @@ ignores (``num_threads``, string booleans). This one writes exactly the keys
 ``AioConfig.from_dict`` reads, merged into the ``aio`` section of an existing config if there is one.
 A sweep at one run per setting picks three candidates; those are re-measured, interleaved, three
 times each, and the best read + write median wins.
+
+Given several paths (the folders an ``nvme_path`` list names, one per drive), the sweep and the
+finalists run on the stripe over all of them, laid out as the runtime stripes its swap space (the
+stripe unit is the block size); the winner is then measured on each path alone, so the output
+says what each drive gives and what the stripe adds (a stripe runs at the pace of its slowest drive).
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--path",
         type=Path,
-        default=Path("infinity_nvme"),
-        help="directory on the drive (default ./infinity_nvme)",
+        nargs="+",
+        default=[Path("infinity_nvme")],
+        help="directory on the drive (default ./infinity_nvme); several, one per drive, as nvme_path "
+        "lists them: tuned on the stripe over all, then each measured alone",
     )
     p.add_argument(
         "--out",
@@ -43,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="config to write or merge into (default ds_config.json)",
     )
     p.add_argument(
-        "--size", type=iobench.size_arg, default="1G", help="test file size (default 1G)"
+        "--size", type=iobench.size_arg, default="1G", help="test file size, per path (default 1G)"
     )
     p.add_argument("--block-sizes", type=iobench.sizes_arg, default="256K,1M,4M")
     p.add_argument("--queue-depths", type=iobench.ints_arg, default="16,32,64")
@@ -112,44 +119,76 @@ def run(args: argparse.Namespace) -> int:
         )
     ]
     iobench.check_settings(settings)
-    test_file = iobench.TestFile(args.path, args.size, name="infinity-tune-nvme.dat")
-    test_file.prepare()
-    print(
-        f"infinity tune nvme: {test_file.path} ({iobench.format_size(args.size)}), {len(settings)} settings, read and write"
+    targets = iobench.targets(args.path, args.size, "infinity-tune-nvme.dat")
+    label, tuned = targets[-1]  # the one path, or the stripe over all of them
+    for _, t in targets:
+        t.prepare()
+    where = (
+        f"{tuned.path} ({iobench.format_size(args.size)})"
+        if not label
+        else f"the stripe over {len(args.path)} paths ({iobench.format_size(args.size)} each), then each alone"
     )
-    print(f"page cache: {iobench.page_cache_note(test_file.direct_io_works())}")
+    print(f"infinity tune nvme: {where}, {len(settings)} settings, read and write")
+    for group in iobench.shared_file_systems(args.path) if label else ():
+        print(f"note: {' and '.join(map(str, group))} are on one file system: striping over them adds no bandwidth")
+    print(f"page cache: {iobench.page_cache_note(all(t.direct_io_works() for _, t in targets))}")
+    alone: list[iobench.Sample] = []
     try:
         sweep = iobench.run_sweep(
-            settings, ["read", "write"], test_file, progress=not args.quiet, desc="sweep"
+            settings, ["read", "write"], tuned, progress=not args.quiet, desc="sweep", target=label
         )
-        ranked = _rank(sweep)
-        finalists = ranked[: max(1, args.finalists)]
+        finalists = _rank(sweep)[: max(1, args.finalists)]
         final = iobench.run_sweep(
             finalists,
             ["read", "write"],
-            test_file,
+            tuned,
             repeat=3,
             progress=not args.quiet,
             desc="finalists",
+            target=label,
         )
+        top, figures = iobench.best(final)
+        for path_label, t in targets[:-1]:
+            alone += iobench.run_sweep(
+                [top], ["read", "write"], t, repeat=3, progress=not args.quiet, desc=path_label,
+                target=path_label,
+            )  # fmt: skip
     finally:
-        test_file.remove()
-    print(iobench.format_table(final))
-    top, figures = iobench.best(final)
+        for _, t in targets:
+            t.remove()
+    print(iobench.format_table(final + alone))
     engine_used = next(sm.engine for sm in final if sm.setting == top)
     section = tuned_section(top, engine_used)
     config, dropped = merge_into(args.out, section)
     args.out.write_text(json.dumps(config, indent=2) + "\n")
     print(
-        f"best: {top.label} on {engine_used}: read {figures['read']:.2f} GB/s, write {figures['write']:.2f} GB/s"
+        f"best: {top.label} on {engine_used}{' (stripe)' if label else ''}: read {figures['read']:.2f} GB/s, "
+        f"write {figures['write']:.2f} GB/s"
     )
+    if alone:
+        print(_stripe_gain(figures, alone))
     if dropped:
         print(
             f"removed from the old aio section (the runtime does not read them): {', '.join(dropped)}"
         )
     print(f"wrote the aio section of {args.out}:")
     print(json.dumps({"aio": section}, indent=2))
+    if label:
+        paths = json.dumps([str(p) for p in args.path])
+        print(f'stripe over these drives with "nvme_path": {paths} in offload_param and offload_optimizer')
     return 0
+
+
+def _stripe_gain(stripe: dict[str, float], alone: list[iobench.Sample]) -> str:
+    """The stripe against its drives: x the best one alone, and the share of their sum it reaches."""
+    parts = []
+    for op in ("read", "write"):
+        each = [sm.median for sm in alone if sm.op == op]
+        parts.append(
+            f"{op} {stripe[op]:.2f} GB/s = {stripe[op] / max(each):.2f}x the fastest path alone, "
+            f"{stripe[op] / sum(each):.0%} of the paths' sum ({sum(each):.2f} GB/s)"
+        )
+    return "stripe: " + "; ".join(parts)
 
 
 def _rank(samples: list[iobench.Sample]) -> list[iobench.Setting]:

@@ -81,6 +81,7 @@ from infinity.config.arguments import (
 from infinity.config.errors import ConfigError
 from infinity.config.schema import field_info, iter_sections, join, known_paths, subsection
 from infinity.config.values import AUTO, coerce, describe, hints, is_internal, section_type
+from infinity.config.zero import NvmePath
 
 logger = logging.getLogger("infinity.config")
 
@@ -421,7 +422,7 @@ def _nvme_fallback(tree: dict[str, Any], r: _Resolver) -> None:
             and node.get("nvme_path") is None
         ):
             path = f"zero_optimization.{section}.nvme_path"
-            node["nvme_path"] = coerce(r.args.values["nvme_path"], str, f"{label} (for {path})", {})
+            node["nvme_path"] = coerce(r.args.values["nvme_path"], NvmePath, f"{label} (for {path})", {})
             r.sources[path] = label
 
 

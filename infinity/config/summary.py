@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from infinity.config.zero import nvme_paths
+
 if TYPE_CHECKING:
     from infinity.config.root import InfinityConfig
     from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig
@@ -17,10 +19,17 @@ def _onoff(b: bool) -> str:
     return "on" if b else "off"
 
 
+def _nvme_at(section: OffloadParamConfig | OffloadOptimizerConfig) -> str:
+    paths = nvme_paths(section)
+    if len(paths) == 1:
+        return f"nvme at {paths[0]}"
+    return f"nvme striped over {len(paths)} folders ({', '.join(paths)})"
+
+
 def _param_offload(p: OffloadParamConfig) -> str:
     if p.device == "none":
         return "on the compute device"
-    where = f"nvme at {p.nvme_path}" if p.device == "nvme" else "cpu"
+    where = _nvme_at(p) if p.device == "nvme" else "cpu"
     extra = (
         f"; {p.buffer_count} buffers x {_n(p.buffer_size)} elements" if p.device == "nvme" else ""
     )
@@ -31,7 +40,7 @@ def _param_offload(p: OffloadParamConfig) -> str:
 def _optimizer_offload(o: OffloadOptimizerConfig) -> str:
     if o.device == "none":
         return "on the compute device"
-    where = f"nvme at {o.nvme_path}" if o.device == "nvme" else "cpu"
+    where = _nvme_at(o) if o.device == "nvme" else "cpu"
     extra = (
         f"; {o.buffer_count} buffers; pipelined read {_onoff(o.pipeline_read)}, "
         f"write {_onoff(o.pipeline_write)}"

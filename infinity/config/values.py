@@ -127,6 +127,8 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
+            if args[0] is str:
+                return "a list of non-empty strings"
             return f"a list of numbers{_range_text(meta)} (one per param group)"
         return f"a list of {len(args)} numbers{_range_text(meta)}"
     if tp is bool:

@@ -10,6 +10,7 @@ bytes with the dtype it stores.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import ClassVar, Literal
 
@@ -18,6 +19,30 @@ from infinity.config.values import check_section, knob
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 ZeroStage = Literal[0, 1, 2, 3]
+NvmePath = str | tuple[str, ...] | None
+"""One folder, or (an infinity extension: DeepSpeed takes one) a list of folders, one per drive."""
+
+
+def nvme_paths(section: OffloadParamConfig | OffloadOptimizerConfig) -> tuple[str, ...]:
+    """The folders a section's nvme_path names (none, one, or one per drive)."""
+    p = section.nvme_path
+    return () if p is None else (p,) if isinstance(p, str) else p
+
+
+def _check_nvme_path(section: OffloadParamConfig | OffloadOptimizerConfig) -> None:
+    """A list names each folder once (as written: ``~`` and relative paths resolved, nothing read
+    from the disk; store.nvme_path checks the folders themselves, symbolic links included)."""
+    seen: dict[str, str] = {}
+    for p in nvme_paths(section):
+        norm = os.path.normpath(os.path.abspath(os.path.expanduser(p)))
+        if norm in seen:
+            same = (f"'{p}' twice" if p == seen[norm]
+                    else f"the same folder twice: '{seen[norm]}' and '{p}' are both {norm}")
+            raise ConfigError(
+                f"{section.PATH}.nvme_path lists {same}; list each drive's folder once "
+                "(the swap space is striped over the folders listed, one per drive)"
+            )
+        seen[norm] = p
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +53,10 @@ class OffloadParamConfig:
 
     device: OffloadDevice = knob("none")
     """none | cpu | nvme. DeepSpeed's docs say the default is cpu; its code says none."""
-    nvme_path: str | None = knob(None)
-    """Folder for the swap files (required with device nvme; each rank uses ``rank<N>/`` below it)."""
+    nvme_path: NvmePath = knob(None)
+    """Folder for the swap files (required with device nvme; each rank uses ``rank<N>/`` below it), or a
+    list of folders, one per drive, that each rank's swap space is striped over (infinity; DeepSpeed
+    takes one folder and says to build a RAID-0)."""
     buffer_count: int = knob(5, ge=1)
     """Pinned swap-in buffers in the parameter pool."""
     buffer_size: int = knob(100_000_000, ge=1)
@@ -41,6 +68,7 @@ class OffloadParamConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        _check_nvme_path(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +79,9 @@ class OffloadOptimizerConfig:
 
     device: OffloadDevice = knob("none")
     """none | cpu | nvme. The optimizer step runs on the CPU for cpu and nvme."""
-    nvme_path: str | None = knob(None)
-    """Folder for the swap files (required with device nvme)."""
+    nvme_path: NvmePath = knob(None)
+    """Folder for the swap files (required with device nvme), or a list of folders, one per drive,
+    striped over as offload_param.nvme_path is."""
     buffer_count: int = knob(4, ge=1)
     """Pinned buffers for optimizer-state swapping (Adam streams 4 states: param, grad, m, v)."""
     pin_memory: bool = knob(True)
@@ -78,6 +107,7 @@ class OffloadOptimizerConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        _check_nvme_path(self)
 
 
 @dataclasses.dataclass(frozen=True)

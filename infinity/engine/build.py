@@ -24,6 +24,7 @@ from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
 from infinity.store import TieredStore, nvme_path
+from infinity.store.swapspace import drive_nbytes
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
@@ -156,9 +157,12 @@ def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device:
 def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None, TieredStore]:
     """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store —
     after checking that every swap file fits and that the parameter pool holds the largest layer."""
-    o_direct = cfg.aio.o_direct
-    nvme_path.check_space([(nvme_path.rank_dir(r.nvme_path, plan.rank, o_direct=o_direct), r.nbytes, r.what)
-                           for r in plan.swap_reserves])
+    needs = []
+    for r in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
+        dirs = nvme_path.rank_dirs(r.nvme_path, plan.rank, o_direct=cfg.aio.o_direct)
+        share = drive_nbytes(r.nbytes, ndrives=len(dirs), unit=cfg.aio.block_size)
+        needs += [(d, share, r.what) for d in dirs]
+    nvme_path.check_space(needs)
     param_store = None
     if plan.param_store is not None:
         if plan.param_pool_refusal is not None:
@@ -171,12 +175,12 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
 
 
 def _open_store(sp: StorePlan, rank: int, cfg: InfinityConfig) -> TieredStore:
-    path = None
+    paths = None
     if sp.nvme_path is not None:
-        path = nvme_path.rank_dir(sp.nvme_path, rank, o_direct=cfg.aio.o_direct)
+        paths = nvme_path.rank_dirs(sp.nvme_path, rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(sp.pool.count, sp.pool.buffer_nbytes, pin=sp.pool.pin, name=sp.pool.name)
-    store = TieredStore(path, pool=pool, aio=cfg.aio, name=sp.name)
-    if path is not None:
+    store = TieredStore(paths, pool=pool, aio=cfg.aio, name=sp.name)
+    if paths is not None:
         store.reserve(sp.reserve_nbytes)
     return store
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
 from infinity.config.auto import HIDDEN_SIZE_KEYS
+from infinity.config.zero import NvmePath
 from infinity.estimate.activations import Activations, gpt_activations
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.model import describe_model
@@ -153,7 +154,7 @@ def _as_config(config: Any, world_size: int, precision: str | None, hidden_size:
     return cfg
 
 
-def config_for(cfg: InfinityConfig, setting: Setting, nvme_path: str) -> InfinityConfig:
+def config_for(cfg: InfinityConfig, setting: Setting, nvme_path: NvmePath) -> InfinityConfig:
     """``cfg`` with its stage and offload devices set to ``setting`` (nvme_path filled where missing)."""
     zero = cfg.zero_optimization
     p, o = zero.offload_param, zero.offload_optimizer
@@ -263,7 +264,8 @@ def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate]
     p = rec.plan
     parts = []
     if p.nvme_nbytes:
-        paths = ", ".join(path for path, _ in p.nvme_by_path)
+        paths = ", ".join(path if len(p.nvme_by_path) == 1 else f"{path}: {format_nbytes(n * ranks)}"
+                          for path, n in p.nvme_by_path)
         parts.append(f"{format_nbytes(p.nvme_nbytes * ranks)} at nvme_path ({paths})")
     if p.device_type == "cpu":
         parts.append(f"{format_nbytes(p.ram_nbytes * ranks)} of RAM")
@@ -274,6 +276,16 @@ def _recommendation(rec: SettingEstimate | None, ests: Sequence[SettingEstimate]
     if rec.setting.offload_param == "nvme" and not any(i.name.startswith("parameter swap files") for i in p.items):
         words += " (offload_param.max_in_cpu keeps every parameter in host memory)"
     return f"fits with {words}; needs {', '.join(parts)} ({p.keys()})"
+
+
+def _nvme_path(nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> NvmePath:
+    """estimate_memory's nvme_path= as a config value: one folder, or a list of them (one per drive)."""
+    if nvme_path is None:
+        return DEFAULT_NVME_PATH
+    if isinstance(nvme_path, (str, os.PathLike)):
+        return os.fspath(nvme_path)
+    paths = tuple(os.fspath(p) for p in nvme_path)
+    return paths[0] if len(paths) == 1 else paths
 
 
 def _world(nodes: int, gpus_per_node: int | None, world_size: int | None) -> tuple[int, int]:
@@ -331,7 +343,7 @@ def estimate_memory(
     seq: int | None = None,
     model_config: GPTConfig | None = None,
     precision: str | None = None,
-    nvme_path: str | os.PathLike | None = None,
+    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     device: str = "auto",
     activation_checkpointing: bool = False,
     zero_init: bool | None = None,
@@ -384,7 +396,7 @@ def estimate_memory(
 
     ests, view, skipped = _estimate_all(
         cfg, selected, list(settings) if settings is not None else all_settings(),
-        os.fspath(nvme_path) if nvme_path is not None else DEFAULT_NVME_PATH,
+        _nvme_path(nvme_path),
         plan, lambda c: tune(spec, c, world_size), machine, gpus_per_node,
     )
     ests.sort(key=lambda e: speed_key(e.plan))

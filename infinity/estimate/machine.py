@@ -149,10 +149,15 @@ def describe_machine(view: MachineView | None = None, nvme_paths: Iterable[str |
             )
     else:
         lines.append("gpu          none (CUDA not available): the compute device is the CPU, sharing host memory")
+    first_on: dict[int, str] = {}
     for d in v.disks:
         where = d.path if d.existing == os.path.abspath(d.path) else f"{d.path} (not created yet; {d.existing})"
         tmpfs = " — tmpfs is RAM, not NVMe" if d.fs_type == "tmpfs" else ""
+        shared = (f" — the file system of {first_on[d.device]}: free space and bandwidth shared"
+                  if d.device in first_on else "")
+        first_on.setdefault(d.device, d.path)
         lines.append(
-            f"nvme_path    {where}: {format_nbytes(d.free_nbytes)} free of {format_nbytes(d.total_nbytes)}, {d.fs_type}{tmpfs}"
+            f"nvme_path    {where}: {format_nbytes(d.free_nbytes)} free of {format_nbytes(d.total_nbytes)}, "
+            f"{d.fs_type}{tmpfs}{shared}"
         )
     return lines

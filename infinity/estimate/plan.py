@@ -32,6 +32,7 @@ from infinity.estimate.runtime_plan import (
     plan_runtime,
 )
 from infinity.memory import BufferPool, format_nbytes, round_up
+from infinity.store.nvme_path import paths_of
 from infinity.zero.unit import ParamUnit
 
 Tier = Literal["device", "host", "nvme"]
@@ -250,14 +251,28 @@ class _Planner:
     def add(self, item: Item) -> None:
         self.items.append(item)
 
-    def _swap(self, label: str, nbytes: int, path, detail: str, key: str | None = None,
+    def _swap(self, label: str, nbytes: int, nvme_path, detail: str, key: str | None = None,
               phase: Phase = "run") -> None:
-        """A store's swap files at ``path``, plus its directory's lock file and extent blocks."""
-        meta = rules.swap_dir_overhead_nbytes(nbytes)
-        self.add(Item(label, "nvme", nbytes, phase, detail, key))
+        """A store's swap files (``nbytes`` over every drive of ``nvme_path``), plus each drive's
+        directory: its lock file and extent blocks."""
+        n = len(paths_of(nvme_path))
+        meta = self._by_path(nvme_path, nbytes)
+        self.add(Item(label, "nvme", nbytes, phase, detail + (f", striped over {n} folders" if n > 1 else ""), key))
         self.add(Item(label.split(" swap")[0] + " swap directory", "nvme", meta, phase,
-                      "lock file and file-system extent blocks"))
-        self.nvme_paths[str(path)] = self.nvme_paths.get(str(path), 0) + nbytes + meta
+                      "lock file and file-system extent blocks" + (" (one per folder)" if n > 1 else "")))
+
+    def _by_path(self, nvme_path, nbytes: int) -> int:
+        """Adds each folder's share of ``nbytes`` (the store stripes over them: equal shares) and of its
+        swap directory to ``nvme_paths``; returns the directories' bytes, all folders together."""
+        paths = paths_of(nvme_path)
+        share = nbytes // len(paths)
+        meta = rules.swap_dir_overhead_nbytes(share)
+        for p in paths:
+            self.nvme_paths[str(p)] = self.nvme_paths.get(str(p), 0) + share + meta
+        return meta * len(paths)
+
+    def _drives(self, nvme_path) -> int:
+        return len(paths_of(nvme_path))
 
     def model_as_built(self, zinit: bool) -> None:
         """The parameters as the user built them: in the module, or in zero.Init's store."""
@@ -280,7 +295,8 @@ class _Planner:
                           rules.mapped_nbytes(BufferPool.capacity_for(1, rules.INIT_POOL_NBYTES), huge_pages=True),
                           "init", "infinity/zero/init.py: the init store's pool (closed once initialize has every "
                           "parameter)"))
-            self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block), off.nvme_path,
+            self._swap("zero.Init swap files", rules.swap_growth_nbytes(sizes, self.block, self._drives(off.nvme_path)),
+                       off.nvme_path,
                        "each parameter's fp32 shard as built, files grown on demand; removed after initialize",
                        "offload_param.nvme_path", phase="init")
         else:
@@ -309,14 +325,15 @@ class _Planner:
         if tier != "nvme":
             self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run", "unused (no NVMe)"))
             return
-        reserved = rules.swap_nbytes(store.reserve_nbytes, self.block)
+        n = self._drives(store.nvme_path)
+        reserved = rules.swap_nbytes(store.reserve_nbytes, self.block, n)
         if reserved - store.reserve_nbytes:
             self.add(Item("optimizer swap reserve", "nvme", reserved - store.reserve_nbytes, "run",
-                          "rounding of the reserve to 4 KiB and aio.block_size"))
-        meta = rules.swap_dir_overhead_nbytes(reserved)
-        self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"))
-        path = str(store.nvme_path)
-        self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
+                          "rounding of the reserve to 4 KiB and aio.block_size"
+                          + (f" × {n} folders (whole stripes)" if n > 1 else "")))
+        meta = self._by_path(store.nvme_path, reserved)
+        self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"
+                      + (" (one per folder)" if n > 1 else "")))
         self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run",
                       f"{store.pool.count} sub-groups × {opt.pool_buffer_numel:,} elements × "
                       f"{opt.swapped_nbytes_per_element} B (read ‖ update ‖ write), pinned, huge pages",
@@ -344,7 +361,8 @@ class _Planner:
             self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
                           "huge pages", ", ".join(store.pool.keys)))
-            self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(store.reserve_nbytes, self.block),
+            self._swap(f"parameter swap files ({dname})",
+                       rules.swap_nbytes(store.reserve_nbytes, self.block, self._drives(store.nvme_path)),
                        store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")
             reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
             self.nvme_traffic += store.reserve_nbytes * (reads + 1)

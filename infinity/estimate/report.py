@@ -41,7 +41,15 @@ def items_table(plan: SettingPlan) -> list[str]:
         tier = "device (cpu)" if i.tier == "device" and plan.device_type == "cpu" else i.tier
         size = format_nbytes(i.nbytes) if i.counted else f"({format_nbytes(i.nbytes)})"
         rows.append([i.name, tier, i.phase, size, i.detail])
-    return _grid(rows, {3})
+    return _grid(rows, {3}) + nvme_by_path_lines(plan)
+
+
+def nvme_by_path_lines(plan: SettingPlan) -> list[str]:
+    """With several nvme_path folders, the NVMe bytes each holds (a rank stripes its swap space over them)."""
+    if len(plan.nvme_by_path) < 2:
+        return []
+    return ["NVMe by folder (striped): "
+            + ", ".join(f"{path} {format_nbytes(n)}" for path, n in plan.nvme_by_path)]
 
 
 def render(est: MemoryEstimate, *, items: bool = True) -> str:

@@ -81,12 +81,13 @@ def mapped_nbytes(nbytes: int, *, huge_pages: bool) -> int:
     return round_up(nbytes, DIRECT_ALIGNMENT)
 
 
-def swap_nbytes(total: int, block_size: int) -> int:
-    """infinity/store/swapspace.py SwapSpace.reserve/_grow_to (one drive): the bytes
-    ``posix_fallocate`` reserves for ``total`` bytes of keys — 4 KiB, then block_size granular."""
+def swap_nbytes(total: int, block_size: int, ndrives: int = 1) -> int:
+    """infinity/store/swapspace.py SwapSpace.reserve/_grow_to: the bytes ``posix_fallocate`` reserves
+    for ``total`` bytes of keys over ``ndrives`` drives (all together; each holds an equal share) —
+    4 KiB, then whole stripes of one block_size piece per drive."""
     if total <= 0:
         return 0
-    return round_up(round_up(total, DIRECT_ALIGNMENT), block_size)
+    return round_up(round_up(total, DIRECT_ALIGNMENT), block_size * ndrives)
 
 
 LOCK_FILE_NBYTES = DIRECT_ALIGNMENT
@@ -118,16 +119,17 @@ def zero_init_heap_nbytes(param_nbytes: Sequence[int]) -> int:
     return min(2 * sum(param_nbytes), TRIM_THRESHOLD_NBYTES) + 8 * max(param_nbytes, default=0)
 
 
-def swap_growth_nbytes(sizes: Sequence[int], block_size: int) -> int:
+def swap_growth_nbytes(sizes: Sequence[int], block_size: int, ndrives: int = 1) -> int:
     """infinity/store/swapspace.py SwapSpace.alloc without a reserve (zero.Init's store): the
-    files grow to max(need, capacity + min(capacity, 1 GiB)) at each allocation that does not fit."""
+    files grow to max(need, capacity + min(capacity, 1 GiB)) at each allocation that does not fit,
+    in whole stripes over ``ndrives`` drives (all drives together; each holds an equal share)."""
     capacity = used = 0
     for n in sizes:
         n = round_up(max(n, 1), DIRECT_ALIGNMENT)
         if used + n > capacity:
             need = used + n
             step = capacity + min(capacity, GROW_STEP_MAX)
-            capacity = round_up(max(need, step), block_size)
+            capacity = round_up(max(need, step), block_size * ndrives)
         used += n
     return capacity
 

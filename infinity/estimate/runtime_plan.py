@@ -32,7 +32,7 @@ from torch import nn
 
 from infinity.aio import DIRECT_ALIGNMENT
 from infinity.config import InfinityConfig, ZeroConfig
-from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from infinity.config.zero import NvmePath, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.memory import BufferPool, round_up
 from infinity.optim.partitioned_adam import split_sub_groups
 from infinity.schedule import ScheduleBudget
@@ -93,8 +93,9 @@ class StorePlan:
 
     name: str
     pool: PoolPlan
-    nvme_path: str | None = None
-    """The offload section's nvme_path (this rank swaps in rank<N>/ below it); None: host memory only."""
+    nvme_path: NvmePath = None
+    """The offload section's nvme_path, one folder or one per drive (this rank swaps in rank<N>/ below
+    each, striped over them); None: host memory only."""
     reserve_nbytes: int = 0
     """Bytes of the keys at home on NVMe, reserved (fallocate) before any is written."""
 
@@ -106,7 +107,8 @@ class SwapReserve:
 
     what: str
     """"parameters" or "optimizer state" (in the refusal)."""
-    nvme_path: str
+    nvme_path: str | tuple[str, ...]
+    """One folder, or one per drive: the store stripes ``nbytes`` over them (whole stripes each)."""
     nbytes: int
 
 

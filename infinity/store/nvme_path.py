@@ -14,7 +14,11 @@ view of the disk -- so one path gets one answer and one message everywhere:
   process -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
 - ``check_space`` compares what will be written with the space free, summed
   per file system, and names a file system that reports no size (ramfs,
-  where swap files would fill host memory) as such.
+  where swap files would fill host memory) as such;
+- several paths (one per drive: the store stripes its swap space over them,
+  [Note: striping] in swapspace.py) are each checked as one path is; the same
+  directory twice is refused, and two on one file system are allowed but
+  reported once per process and file system, since they add no bandwidth.
 
 Refusals are NvmePathError (a SwapSpaceError and a ValueError) naming the
 path, what is wrong and the fix, raised before any swap file is written.
@@ -28,7 +32,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from infinity import host
@@ -39,6 +43,8 @@ from infinity.store.errors import NvmePathError, SwapSpaceError
 log = logging.getLogger("infinity.store")
 
 PathArg = str | os.PathLike
+PathsArg = PathArg | Sequence[PathArg]
+"""One nvme_path, or a list of them (one directory per drive)."""
 
 _UNKNOWN_MOUNT = Mount(device="", mountpoint="", fs_type="?")
 
@@ -112,6 +118,67 @@ def rank_dir(path: PathArg, rank: int, *, o_direct: bool = True) -> Path:
     return d
 
 
+def paths_of(nvme_path: PathsArg | None) -> list[PathArg]:
+    """The paths an nvme_path setting names: [] for None, [p] for one path, the list for several."""
+    if nvme_path is None:
+        return []
+    if isinstance(nvme_path, (str, os.PathLike)):
+        return [nvme_path]
+    return list(nvme_path)
+
+
+def rank_dirs(nvme_path: PathsArg, rank: int, *, o_direct: bool = True) -> list[Path]:
+    """``<path>/rank<rank>`` on every path of ``nvme_path`` (see rank_dir), after check_distinct."""
+    paths = paths_of(nvme_path)
+    if not paths:
+        raise NvmePathError(
+            errno.EINVAL, "nvme_path is an empty list; name at least one directory", ""
+        )
+    checked = [check_directory(p) for p in paths]
+    check_distinct(paths)
+    return [rank_dir(p, rank, o_direct=o_direct) for p in checked]
+
+
+def check_distinct(paths: Sequence[PathArg]) -> None:
+    """Refuses a directory listed twice (after ``~``, relative paths and symbolic links are resolved);
+    reports once per file system two paths on it: striping over them adds no bandwidth."""
+    seen: dict[str, PathArg] = {}
+    for p in paths:
+        real = os.path.realpath(expand(p))
+        if real in seen:
+            raise NvmePathError(
+                errno.EINVAL,
+                f"nvme_path lists the same directory twice: {_named(seen[real], expand(seen[real]))} and "
+                f"{_named(p, expand(p))} are both {real}; list each drive's directory once",
+                real,
+            )
+        seen[real] = p
+    by_dev: dict[int, list[PathArg]] = {}
+    for p in paths:
+        try:
+            by_dev.setdefault(os.stat(expand(p)).st_dev, []).append(p)
+        except OSError:
+            continue  # a missing path is refused where it is checked, with its own message
+    for dev, shared in by_dev.items():
+        if len(shared) > 1:
+            _report_shared(dev, shared)
+
+
+def _report_shared(dev: int, shared: list[PathArg]) -> None:
+    with _lock:
+        if dev in _shared_reported:
+            return
+        _shared_reported.add(dev)
+    m = mount_of(shared[0])
+    log.warning(
+        "nvme_path lists %s on one file system (%s at %s): swap space is striped over them, but they "
+        "share one drive's bandwidth, so this is no faster than one of them; list one directory per drive",
+        " and ".join(_named(p, expand(p)) for p in shared),
+        m.fs_type,
+        m.mountpoint or "?",
+    )
+
+
 def probe_o_direct(directory: Path) -> bool:
     """Whether files in ``directory`` open with O_DIRECT (an empty probe file, removed at once)."""
     probe = directory / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
@@ -140,6 +207,7 @@ def probe_o_direct(directory: Path) -> bool:
 
 
 _reported: set[str] = set()
+_shared_reported: set[int] = set()
 _lock = threading.Lock()
 
 
@@ -161,9 +229,10 @@ def _report_buffered(path: PathArg, d: Path) -> None:
 
 
 def _forget_reports() -> None:
-    """Test hook: makes the next refusal of O_DIRECT reported again."""
+    """Test hook: makes the next refusal of O_DIRECT, and the next shared file system, reported again."""
     with _lock:
         _reported.clear()
+        _shared_reported.clear()
 
 
 def free_nbytes(path: PathArg) -> int:

@@ -12,7 +12,11 @@ RAID set-up DeepSpeed asks users for. ``unit`` is the aio block_size (or a
 multiple), so every block-sized piece of a large read goes to one drive and
 the drives' bandwidth adds up. Physically each drive holds files of
 ``file_nbytes`` bytes (``swap.0``, ``swap.1``, ...), created 0600 in the
-store's own directory (SwapDir) and removed on close.
+store's own directory (SwapDir) and removed on close. The space grows in
+whole stripes, so every drive holds the same bytes (``drive_nbytes``: what
+the engine checks against each file system's free space). A config reaches
+this with an ``nvme_path`` list, one folder per drive: every rank's stores
+stripe over ``<folder>/rank<N>/`` on each (nvme_path.rank_dirs).
 
 Invariants: capacity is a multiple of unit · N; every drive holds capacity / N
 bytes of preallocated files; an extent maps to runs that never cross a file
@@ -27,7 +31,7 @@ import dataclasses
 import errno
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,7 +39,7 @@ from infinity.aio import DIRECT_ALIGNMENT, AioFile
 from infinity.memory import RangeAllocator, format_nbytes, round_up
 from infinity.store.errors import SwapSpaceError
 from infinity.store.handles import AioHandleLike
-from infinity.store.nvme_path import expand, free_nbytes, space_error
+from infinity.store.nvme_path import PathsArg, check_distinct, free_nbytes, paths_of, space_error
 from infinity.store.swapdir import SwapDir
 
 GROW_STEP_MAX = 1 << 30
@@ -78,8 +82,7 @@ class SwapSpace:
     ):
         if not roots:
             raise ValueError("SwapSpace needs at least one directory")
-        if len({os.path.realpath(expand(r)) for r in roots}) != len(roots):
-            raise ValueError(f"nvme_path lists the same directory twice: {[str(r) for r in roots]}")
+        check_distinct(roots)
         if stripe_nbytes <= 0 or stripe_nbytes % DIRECT_ALIGNMENT:
             raise ValueError(
                 f"stripe size must be a positive multiple of 4096 bytes, got {stripe_nbytes}"
@@ -172,9 +175,8 @@ class SwapSpace:
     # -- growth --------------------------------------------------------------
 
     def _grow_to(self, logical_nbytes: int, what: str) -> None:
-        per_drive_unit = self.unit * len(self.dirs)
-        new_cap = round_up(logical_nbytes, per_drive_unit)
-        new_phys = new_cap // len(self.dirs)
+        new_phys = drive_nbytes(logical_nbytes, ndrives=len(self.dirs), unit=self.unit)
+        new_cap = new_phys * len(self.dirs)
         add = new_phys - self._phys
         if add <= 0:
             return
@@ -228,8 +230,14 @@ class SwapSpace:
             d.close()
 
 
+def drive_nbytes(logical_nbytes: int, *, ndrives: int, unit: int) -> int:
+    """What each of ``ndrives`` drives preallocates for a logical space of ``logical_nbytes`` bytes
+    striped in ``unit``-byte pieces: the space grows by whole stripes (one unit on every drive)."""
+    return round_up(logical_nbytes, unit * ndrives) // ndrives
+
+
 def open_swap(
-    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None,
+    nvme_path: PathsArg | None,
     *,
     handle: AioHandleLike,
     store_id: str,
@@ -241,7 +249,7 @@ def open_swap(
 
     Files are opened on ``handle``; the stripe unit defaults to its block_size
     and must be a multiple of it, so a block-sized piece lies on one drive."""
-    roots = _paths(nvme_path)
+    roots = [Path(p) for p in paths_of(nvme_path)]
     if not roots:
         return None
     block = handle.config.block_size
@@ -259,14 +267,6 @@ def open_swap(
         stripe_nbytes=stripe_nbytes or block,
         file_nbytes=file_nbytes,
     )
-
-
-def _paths(nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> list[Path]:
-    if nvme_path is None:
-        return []
-    if isinstance(nvme_path, (str, os.PathLike)):
-        return [Path(nvme_path)]
-    return [Path(p) for p in nvme_path]
 
 
 def _open_existing(handle: AioHandleLike, path: str) -> AioFile:

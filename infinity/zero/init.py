@@ -47,10 +47,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from infinity.aio import AioConfig
 from infinity.config import ConfigError
+from infinity.config.zero import NvmePath
 from infinity.memory import BufferPool, FreedMemory
 from infinity.store import TieredStore
 from infinity.store.errors import NvmePathError
-from infinity.store.nvme_path import rank_dir
+from infinity.store.nvme_path import rank_dirs
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.gathered import PARAM_OWNERS
 from infinity.zero.layout import make_layout
@@ -100,18 +101,18 @@ class _InitHold:
 class InitStore:
     """Where parameters built under zero.Init wait for ``initialize``: this rank's slice of each."""
 
-    def __init__(self, *, home: str, nvme_path: str | None, aio: AioConfig, group: DataParallelGroup):
+    def __init__(self, *, home: str, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup):
         self.home = home
         self.group = group
         self.building = True  # the Init context is still open
-        path = None
+        paths = None
         if nvme_path:
-            try:
-                path = rank_dir(nvme_path, group.rank, o_direct=aio.o_direct)
+            try:  # striped over the drives listed, as the engine's stores are
+                paths = rank_dirs(nvme_path, group.rank, o_direct=aio.o_direct)
             except NvmePathError as e:  # a key of the config: refused like the others
                 raise ConfigError(str(e)) from None
         pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else 4096)
-        self.store = TieredStore(path, pool=pool, aio=aio, name="zero-init")
+        self.store = TieredStore(paths, pool=pool, aio=aio, name="zero-init")
         self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
         self._next = 0
@@ -369,7 +370,7 @@ class Init:
             return self
         offload = zero.offload_param
         home = "nvme" if offload.device == "nvme" else "cpu"
-        self.store = InitStore(home=home, nvme_path=str(offload.nvme_path) if home == "nvme" else None,
+        self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
                                aio=cfg.aio, group=group)
         self._mode = _InitMode(self.store)
         self._handles = [

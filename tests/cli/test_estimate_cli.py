@@ -34,6 +34,20 @@ def test_json_has_every_setting_and_the_machine(capsys, tmp_path):
     assert d["recommendation"]
 
 
+def test_several_nvme_paths_get_their_bytes_each(capsys, tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    code, out, _ = _run(capsys, "--params", "150M", "--nvme-path", str(a), str(b), "--json")
+    assert code == 0
+    nn = next(s for s in json.loads(out)["settings"]
+              if (s["stage"], s["offload_param"], s["offload_optimizer"]) == (3, "nvme", "nvme"))
+    assert list(nn["nvme_by_path"]) == [str(a), str(b)]
+    assert nn["nvme_by_path"][str(a)] == nn["nvme_by_path"][str(b)] == nn["nvme_nbytes"] // 2
+    code, out, _ = _run(capsys, "--params", "150M", "--nvme-path", str(a), str(b))
+    assert code == 0 and f"nvme_path    {b}: " in out and f"the file system of {a}: free space and bandwidth shared" in out
+
+
 def test_table_with_activations_and_a_model_config(capsys, tmp_path):
     cfg = tmp_path / "gpt.json"
     cfg.write_text(json.dumps({"n_layer": 12, "d_model": 768, "n_head": 12, "vocab_size": 50257,

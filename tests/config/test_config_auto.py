@@ -288,6 +288,12 @@ def test_nvme_path_argument_is_the_engines_fallback(tmp_path):
     assert cfg.zero_optimization.offload_optimizer.nvme_path == str(tmp_path)
     # passing it where no section uses nvme is not an error
     assert load_config({}, nvme_path=tmp_path).zero_optimization.offload_param.nvme_path is None
+    # a list of folders, one per drive, fills it as the config's own list would
+    cfg = load_config(raw, nvme_path=[tmp_path / "d0", tmp_path / "d1"])
+    assert cfg.zero_optimization.offload_param.nvme_path == (str(tmp_path / "d0"), str(tmp_path / "d1"))
+    with pytest.raises(ConfigError, match=r"^nvme_path= \(for zero_optimization\.offload_optimizer\.nvme_path\) must be a "
+                       r"non-empty string or a list of non-empty strings or null; got \[\]$"):
+        load_config(raw, nvme_path=[])
 
 
 def test_preflight_argument_fills_a_missing_key_and_must_agree_with_an_explicit_one():

@@ -14,6 +14,8 @@ from infinity.estimate import (
     machine_view,
 )
 from infinity.estimate.activations import SAVED_PER_BLOCK
+from infinity.estimate.machine import describe_machine
+from infinity.memory import format_nbytes
 from infinity.models import GPT, GPTConfig
 
 GiB = 1 << 30
@@ -98,6 +100,34 @@ def test_too_little_disk_is_reported_per_path(tmp_path):
     assert not e.fit.nvme_ok
     assert any(f"NVMe space at {tmp_path}" in r for r in e.fit.reasons)
     assert est.recommended is None and est.recommendation.startswith("nothing fits")
+
+
+def test_several_nvme_paths_split_the_bytes_and_their_space_is_checked_per_file_system(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    est = _est(1e9, zero_init=True, nvme_path=[a, b], settings=[Setting(3, "nvme", "nvme")])
+    p = est.settings[0].plan
+    by_path = dict(p.nvme_by_path)
+    assert list(by_path) == [str(a), str(b)] and by_path[str(a)] == by_path[str(b)]
+    assert sum(by_path.values()) == p.nvme_nbytes
+    from infinity.estimate.estimate import check_fit
+
+    view = machine_view([str(a), str(b)])
+    half = by_path[str(a)]
+
+    def disks(free, same_fs):
+        return dataclasses.replace(view, mem_available_nbytes=1 << 50, disks=tuple(
+            dataclasses.replace(d, free_nbytes=free, device=0 if same_fs else i) for i, d in enumerate(view.disks)))
+
+    # each folder's share fits on its own file system; on one file system the two shares add up
+    assert check_fit(p, disks(half, same_fs=False), ranks_per_node=1).ok
+    f = check_fit(p, disks(half, same_fs=True), ranks_per_node=1)
+    assert not f.nvme_ok and f.reasons == (
+        f"NVMe space at {a}, {b}: needs {format_nbytes(2 * half)}, {format_nbytes(half)} free",)
+    assert check_fit(p, disks(2 * half, same_fs=True), ranks_per_node=1).ok
+    lines = describe_machine(disks(half, same_fs=True))
+    assert lines[-1].endswith(f" — the file system of {a}: free space and bandwidth shared")
 
 
 def test_huge_pages_count_for_pinned_pools_only(tmp_path):

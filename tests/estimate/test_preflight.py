@@ -10,6 +10,7 @@ import torch
 import infinity
 from infinity.config import load_config
 from infinity.estimate import MachineView, PreflightError, machine_view, preflight
+from infinity.memory import format_nbytes
 from infinity.models import GPT, GPTConfig
 from tests.distributed import run_distributed
 
@@ -100,6 +101,29 @@ def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, s
     msg = str(e.value)
     assert f"NVMe space at {nvme_dir}" in msg and "4 ranks on this node" in msg
     assert not (nvme_dir / "rank0").exists()
+
+
+def test_a_refusal_over_several_drives_names_each_ones_bytes(nvme_dir, small_machine, monkeypatch):
+    """Four ranks striped over two folders: each folder is checked for its share, and the refusal
+    itemises what each folder would hold."""
+    a, b = nvme_dir / "a", nvme_dir / "b"
+    a.mkdir()
+    b.mkdir()
+    raw = _config(nvme_dir)
+    for section in ("offload_param", "offload_optimizer"):
+        raw["zero_optimization"][section]["nvme_path"] = [str(a), str(b)]
+    cfg = load_config(raw)
+    model = GPT(MODEL)
+    by_path = dict(preflight(model, cfg).plan.nvme_by_path)
+    assert list(by_path) == [str(a), str(b)] and by_path[str(a)] == by_path[str(b)]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    small_machine(disk=2 * by_path[str(a)])  # each file system has room for two ranks' share, not four
+    with pytest.raises(PreflightError) as e:
+        preflight(model, cfg)
+    msg = str(e.value)
+    assert f"NVMe space at {a}, {b}: needs " in msg  # one file system here: the shares add up
+    assert f"NVMe by folder (striped): {a} {format_nbytes(by_path[str(a)])}, {b} " in msg
+    assert not (a / "rank0").exists() and not (b / "rank0").exists()
 
 
 def test_one_ranks_swap_space_is_left_to_the_engines_own_check(nvme_dir, small_machine):

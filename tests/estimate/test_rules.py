@@ -17,6 +17,7 @@ from infinity.config import load_config
 from infinity.estimate import estimate_memory, plan_runtime, rules
 from infinity.estimate.plan import Setting
 from infinity.estimate.runtime_plan import cut_units, param_homes
+from infinity.memory import format_nbytes
 from infinity.models import GPT, GPTConfig
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
@@ -180,6 +181,56 @@ def test_swap_growth_follows_the_swap_space(nvme_dir):
         for i, n in enumerate(sizes):
             store.register(("k", i), (n,), torch.uint8)
         assert store.stats().swap_capacity == rules.swap_growth_nbytes(sizes, store._rio.config.block_size)
+
+
+def test_swap_growth_over_several_drives_follows_the_swap_space(nvme_dir):
+    """Striped over two drives, the files grow in whole stripes: one block on each drive."""
+    from infinity.memory import BufferPool
+    from infinity.store import TieredStore
+
+    drives = [nvme_dir / "d0", nvme_dir / "d1"]
+    for d in drives:
+        d.mkdir()
+    sizes = [5000, 70_000, 1 << 20, 3 << 20, 4096, 9 << 20]
+    with TieredStore(drives, pool=BufferPool(1, 1 << 20), name="growth") as store:
+        for i, n in enumerate(sizes):
+            store.register(("k", i), (n,), torch.uint8)
+        assert store.stats().swap_capacity == rules.swap_growth_nbytes(sizes, store._rio.config.block_size, 2)
+        assert [_file_nbytes(d) for d in store.directories] == [store.stats().swap_capacity // 2] * 2
+
+
+def test_the_estimate_gives_each_drive_the_swap_files_the_runtime_puts_there(nvme_dir):
+    drives = [nvme_dir / "d0", nvme_dir / "d1"]
+    for d in drives:
+        d.mkdir()
+    cfg = _config(3, "nvme", "nvme", nvme=nvme_dir, sub_group_size=20_000, stage3_param_persistence_threshold=200)
+    for section in ("offload_param", "offload_optimizer"):
+        cfg["zero_optimization"][section]["nvme_path"] = [str(d) for d in drives]
+    torch.manual_seed(0)
+    model = GPT(MODEL)
+    est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0,
+                          settings=[Setting(3, "nvme", "nvme")])
+    by_path = dict(est.settings[0].plan.nvme_by_path)
+    assert list(by_path) == [str(d) for d in drives]
+    assert est.to_dict()["settings"][0]["nvme_by_path"] == by_path
+    sizes = ", ".join(f"{d} {format_nbytes(by_path[str(d)])}" for d in drives)
+    assert f"  NVMe by folder (striped): {sizes}" in est.table().splitlines()
+    engine = infinity.initialize(model, cfg)
+    try:
+        rt = engine.runtime
+        stores = (rt.param_store, rt.state_store)
+        swap = [sum(_file_nbytes(d) for s in stores for d in s.directories if d.parent.parent == drive)
+                for drive in drives]
+        assert swap[0] == swap[1] > 0  # whole stripes: each drive holds the same share
+        assert sum(swap) == sum(s.stats().swap_capacity for s in stores)
+        meta = sum(rules.swap_dir_overhead_nbytes(s.stats().swap_capacity // 2) for s in stores)
+        assert [by_path[str(d)] for d in drives] == [n + meta for n in swap]
+    finally:
+        engine.close()
+
+
+def _file_nbytes(directory) -> int:
+    return sum(f.stat().st_size for f in directory.glob("swap.*"))
 
 
 def test_param_homes_keep_max_in_cpu_elements_in_host_memory():

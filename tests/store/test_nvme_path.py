@@ -144,3 +144,106 @@ def test_mount_of_finds_the_innermost_mount(nvme_dir):
         m = nvme_path.mount_of(mnt / "a" / "not-yet")
         assert (m.mountpoint, m.fs_type) == (str(mnt), "tmpfs")
     assert nvme_path.mount_of(nvme_dir).fs_type not in ("tmpfs", "?")
+
+
+# -- several paths (one per drive): each checked as one path is ---------------------------------
+
+
+def test_each_of_several_paths_is_checked_as_one_path_is(nvme_dir):
+    a, missing, f = nvme_dir / "a", nvme_dir / "missing", nvme_dir / "swapfile"
+    a.mkdir()
+    f.write_text("x")
+    for bad, what in ((missing, "does not exist; create it"), (f, "is a file, not a directory")):
+        with pytest.raises(NvmePathError, match=f"^nvme_path '{bad}' {what}"):
+            nvme_path.rank_dirs([a, bad], 0)
+        with pytest.raises(ConfigError, match=f"^nvme_path '{bad}' {what}"):
+            infinity.initialize(tiny_gpt(), _striped(engine_config(3, "nvme", "nvme", a, gas=1), [a, bad]))
+    assert list(a.iterdir()) == [], "nothing is made on the good path before every path is checked"
+
+
+def test_the_same_folder_twice_is_refused_before_anything_is_made(home):
+    swap = home / "swap"
+    (home / "link").symlink_to(swap)
+    with pytest.raises(NvmePathError, match=(
+        rf"^nvme_path lists the same directory twice: '{swap}' and '{home / 'link'}' are both {swap}; "
+        "list each drive's directory once$"
+    )):
+        nvme_path.rank_dirs([swap, home / "link"], 0)
+    # as written in a config, the key is named ("~" and a trailing slash are the same folder)
+    raw = _striped(engine_config(3, "nvme", "nvme", swap, gas=1), ["~/swap", f"{swap}/"])
+    with pytest.raises(ConfigError, match=(
+        rf"^zero_optimization.offload_param.nvme_path lists the same folder twice: '~/swap' and '{swap}/' "
+        rf"are both {swap}; list each drive's folder once"
+    )):
+        infinity.initialize(tiny_gpt(), raw)
+    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.nvme_path lists '/x' twice"):
+        infinity.config.load_config(_striped(engine_config(3, "nvme", "nvme", swap, gas=1), ["/x", "/x"]))
+    assert list(swap.iterdir()) == []
+
+
+def test_a_list_expands_tilde_in_every_path(home):
+    (home / "swap2").mkdir()
+    assert nvme_path.rank_dirs(["~/swap", "~/swap2"], 3) == [home / "swap" / "rank3", home / "swap2" / "rank3"]
+    with pytest.raises(NvmePathError, match=rf"^nvme_path '~/nope' \({home / 'nope'}\) does not exist"):
+        nvme_path.rank_dirs(["~/swap", "~/nope"], 0)
+
+
+def test_two_paths_on_one_file_system_are_allowed_and_reported_once(nvme_dir, caplog):
+    a, b = nvme_dir / "a", nvme_dir / "b"
+    a.mkdir()
+    b.mkdir()
+    m = nvme_path.mount_of(nvme_dir)
+    with caplog.at_level(logging.WARNING, "infinity.store"):
+        assert nvme_path.rank_dirs([a, b], 0) == [a / "rank0", b / "rank0"]
+        nvme_path.rank_dirs([a, b], 1)
+        with TieredStore([a, b], pool=BufferPool(1, 1 << 20)) as store:  # a store given the list
+            assert [d.parent for d in store.directories] == [a, b]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"nvme_path lists '{a}' and '{b}' on one file system ({m.fs_type} at {m.mountpoint}): swap space is "
+        "striped over them, but they share one drive's bandwidth, so this is no faster than one of them; "
+        "list one directory per drive"
+    ]
+
+
+def test_zero_init_stripes_over_every_path_too(nvme_dir):
+    a, b = nvme_dir / "a", nvme_dir / "b"
+    a.mkdir()
+    b.mkdir()
+    raw = _striped(engine_config(3, "nvme", "nvme", a, gas=1), [a, b])
+    raw["aio"]["block_size"] = 64 << 10  # the stripe unit: the layer's 256 KiB span both drives
+    init = infinity.zero.Init(raw)
+    with init:
+        layer = torch.nn.Linear(128, 512)
+    dirs = init.store.store.directories  # the parameters wait there for initialize
+    assert [d.parent for d in dirs] == [a / "rank0", b / "rank0"]
+    assert all(any(f.read_bytes().strip(b"\0") for f in d.glob("swap.*")) for d in dirs), "data on each"
+    with infinity.initialize(layer, raw) as engine:
+        assert [d.parent for d in engine.runtime.param_store.directories] == [a / "rank0", b / "rank0"]
+
+
+def test_a_striped_run_is_refused_when_one_drive_cannot_take_its_share(nvme_dir):
+    """Each drive must hold its share: a roomy first drive does not make up for a full second one."""
+    (nvme_dir / "a").mkdir()
+    with mounted("ext4", nvme_dir, "16M") as small:
+        os.posix_fallocate(fd := os.open(small / "filler", os.O_CREAT | os.O_WRONLY, 0o600), 0,
+                           nvme_path.free_nbytes(small) - (64 << 10))
+        os.close(fd)
+        raw = _striped(engine_config(3, "nvme", "nvme", nvme_dir, gas=1), [nvme_dir / "a", small])
+        with pytest.raises(ConfigError, match=rf"^not enough free space at nvme_path '{small / 'rank0'}' \(ext4 at "
+                           rf"{small}\): this rank needs \d+ bytes of swap files \(parameters \d+ \+ optimizer state"):
+            infinity.initialize(tiny_gpt(), raw)
+        assert os.listdir(small / "rank0") == [] and os.listdir(nvme_dir / "a" / "rank0") == []
+
+
+def test_paths_on_two_file_systems_are_not_reported(nvme_dir, caplog):
+    (nvme_dir / "a").mkdir()
+    with mounted("ext4", nvme_dir) as mnt, caplog.at_level(logging.WARNING, "infinity.store"):
+        assert nvme_path.rank_dirs([nvme_dir / "a", mnt], 0) == [nvme_dir / "a" / "rank0", mnt / "rank0"]
+    assert caplog.records == []
+
+
+def _striped(raw: dict, paths: list) -> dict:
+    """``raw`` with both offload sections' nvme_path set to the list ``paths``."""
+    for section in ("offload_param", "offload_optimizer"):
+        raw["zero_optimization"][section]["nvme_path"] = [str(p) for p in paths]
+    return raw
