@@ -118,7 +118,7 @@ def test_dropped_request_keeps_its_buffer_alive(engine, nvme_dir):
         scratch = [np.full(data.size, 0x5A, np.uint8) for _ in range(2)]
         h.wait_all()
         assert h.in_flight() == 0
-        assert not h._orphans, "finished orphans must be released by wait_all"
+        assert h._engine.kept() == 0, "the buffers of finished requests must be let go by wait_all"
         assert all((s == 0x5A).all() for s in scratch)
 
 
