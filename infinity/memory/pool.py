@@ -52,6 +52,25 @@ from infinity.memory.ranges import RangeAllocator, round_up
 Reclaimer = Callable[[int], None]
 
 
+class _WeakCallable:
+    """A weakly held function or bound method, like WeakMethod but with no callback of its own:
+    WeakMethod's runs Python code in whatever thread drops the owner, where a KeyboardInterrupt
+    would be lost ([Note: finalizers run no Python] in infinity/aio/handle.py)."""
+
+    __slots__ = ("_ref", "_func")
+
+    def __init__(self, fn: Reclaimer):
+        owner = getattr(fn, "__self__", None)
+        self._ref = weakref.ref(fn if owner is None else owner)
+        self._func = None if owner is None else fn.__func__  # type: ignore[attr-defined]
+
+    def __call__(self) -> Reclaimer | None:
+        obj = self._ref()
+        if obj is None or self._func is None:
+            return obj
+        return self._func.__get__(obj)
+
+
 class PoolTooSmallError(ValueError):
     """A request that this pool can never serve, whatever is released."""
 
@@ -213,7 +232,7 @@ class BufferPool:
         self._cv = threading.Condition(threading.Lock())
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._live: dict[int, PoolRegion] = {}
-        self._reclaimers: list[weakref.ref | weakref.WeakMethod] = []
+        self._reclaimers: list[_WeakCallable] = []
         self._peak = 0
         self._acquires = 0
         self._waits = 0
@@ -339,7 +358,7 @@ class BufferPool:
 
     def add_reclaimer(self, fn: Reclaimer) -> None:
         """Registers ``fn(nbytes)``, called when a request waits, to give memory back (held weakly)."""
-        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+        ref = _WeakCallable(fn)
         with self._cv:
             self._reclaimers.append(ref)
 

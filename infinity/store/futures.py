@@ -350,8 +350,10 @@ def gather(futures: Sequence[StoreFuture], label: str) -> StoreFuture:
 class Reaper:
     """A daemon thread that completes a store's ops nobody waits for (see [Note: completing ops])."""
 
-    def __init__(self, finish: Callable[..., None], name: str):
-        self._finish = weakref.WeakMethod(finish)  # type: ignore[arg-type]
+    def __init__(self, owner: Any, name: str):
+        # A plain weak reference to the store (whose ``_finish`` completes ops): a WeakMethod's own
+        # callback would run Python code when the store is dropped ([Note: finalizers run no Python]).
+        self._owner = weakref.ref(owner)
         self._cv = threading.Condition()
         self._ops: list[IoOp] = []
         self._stop = False
@@ -377,7 +379,7 @@ class Reaper:
             with self._cv:
                 while not self._ops and not self._stop:
                     self._cv.wait(1.0)
-                    if self._finish() is None:
+                    if self._owner() is None:
                         return
                 if self._stop:
                     return
@@ -389,12 +391,12 @@ class Reaper:
                 for op in self._ops:
                     (ended if op.claimed or op.io_done() else pending).append(op)
                 self._ops = pending
-            finish = self._finish()
-            if finish is None:
+            owner = self._owner()
+            if owner is None:
                 return
             for op in ended:
                 try:
-                    finish(op, wait=False)
+                    owner._finish(op, wait=False)
                 except Exception:  # never let the reaper die: later ops would go unnoticed
                     log.exception("infinity store reaper: completing an op failed")
-            del finish
+            del owner

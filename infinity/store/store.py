@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -63,7 +62,7 @@ import torch
 
 from infinity.aio import AioConfig, aligned_empty
 from infinity.memory import BufferPool, round_up
-from infinity.store import read_path, write_path
+from infinity.store import finalizer, read_path, write_path
 from infinity.store.device import DeviceTier, Tier, complete_copy_in
 from infinity.store.futures import IoOp, Outcome, Reaper, Settlement, StoreFuture, settle
 from infinity.store.handles import AioHandleLike, IoHandles
@@ -135,12 +134,13 @@ class TieredStore:
             io=io,
             swap=swap,
             device=device_tier,
-            reaper=Reaper(self._finish, name),
+            reaper=Reaper(self, name),
             integrity=integrity,
             pool_timeout=pool_timeout,
         )
         pool.add_reclaimer(self._reclaim)
-        self._finalizer = weakref.finalize(self, _finalize, self._st)
+        # Not weakref.finalize: the cleanup runs in a thread of its own (finalizer.py).
+        self._finalizer = finalizer.on_collect(self, _finalize, self._st)
 
     @property
     def integrity(self) -> bool:
