@@ -38,6 +38,7 @@ from infinity import _aio
 from infinity.aio.buffers import buffer_span
 from infinity.aio.config import AioConfig
 from infinity.aio.errors import AioError, request_error
+from infinity.aio.waits import wait_until
 
 log = logging.getLogger("infinity.aio")
 
@@ -178,11 +179,12 @@ class AioRequest:
         return self._raw.done()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Waits (GIL released). Raises TimeoutError after ``timeout`` seconds, AioError on failure."""
-        if not self._raw.wait(-1.0 if timeout is None else float(timeout)):
-            raise TimeoutError(
-                f"{'pwrite' if self.write else 'pread'} of {self.nbytes} bytes not done after {timeout} s"
-            )
+        """Waits (GIL released). Raises TimeoutError after ``timeout`` seconds, AioError on failure.
+
+        A wait of more than a few seconds is logged, naming the request ([Note: no silent
+        waits] in waits.py): nothing but the drive can end it, so there is no cause to raise."""
+        if not wait_until(self._raw.wait, what=self._describe, log=log, timeout=timeout):
+            raise TimeoutError(f"{self._describe()} not done after {timeout} s")
         self._engine.release(self._raw)
         err = self._raw.error()
         if err is not None:
@@ -190,6 +192,10 @@ class AioRequest:
         return self.nbytes
 
     result = wait
+
+    def _describe(self) -> str:
+        kind, prep = ("pwrite", "to") if self.write else ("pread", "from")
+        return f"{kind} of {self.nbytes} bytes {prep} {self._where or 'no file'}"
 
     def __repr__(self) -> str:
         kind = "pwrite" if self.write else "pread"
