@@ -22,21 +22,27 @@ WEAKREF_FILES = ("weakref.py", "_weakrefset.py")
 
 
 def python_calls_while(drop: Callable[[], None]) -> list[str]:
-    """Runs ``drop()`` then a garbage collection, and returns 'file:function' of every Python
-    function of infinity or of the weakref machinery that was called meanwhile in this thread."""
+    """Runs ``drop()`` and returns 'file:function' of every Python function of infinity or of the
+    weakref machinery that was called meanwhile in this thread."""
     calls: list[str] = []
 
     def profile(frame, event, _arg):
         if event == "call":
             path = frame.f_code.co_filename
             if path.startswith(PACKAGE) or path.endswith(WEAKREF_FILES):
-                calls.append(f"{Path(path).name}:{frame.f_code.co_name}")
+                back = frame.f_back
+                via = f" (from {Path(back.f_code.co_filename).name}:{back.f_code.co_name})" if back else ""
+                calls.append(f"{Path(path).name}:{frame.f_code.co_name}{via}")
 
+    # The objects go by reference counting alone; with the collector off, garbage left by earlier
+    # tests (whose own weakref callbacks may be Python, e.g. torch's WeakKeyDictionary) is not
+    # collected meanwhile and cannot show up here.
     gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         drop()
-        gc.collect()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
