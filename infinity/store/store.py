@@ -64,6 +64,7 @@ from infinity.aio import AioConfig, aligned_empty
 from infinity.memory import BufferPool, round_up
 from infinity.store import finalizer, read_path, write_path
 from infinity.store.device import DeviceTier, Tier, complete_copy_in
+from infinity.store.errors import StoreIOError
 from infinity.store.futures import IoOp, Outcome, Reaper, Settlement, StoreFuture, settle
 from infinity.store.handles import AioHandleLike, IoHandles
 from infinity.store.integrity import checksums
@@ -399,6 +400,19 @@ class TieredStore:
     def closed(self) -> bool:
         return self._st.closed
 
+    @property
+    def fault(self) -> StoreIOError | None:
+        """The failed write-back that stops this store, until a flush retries it; else None."""
+        return self._st.fault
+
+    def check_writebacks(self, action: str) -> None:
+        """Raises StoreIOError, naming ``action``, the failed write (errno, file, offset, key) and
+        the fix, while a write-back failure stands ([Note: failed write-backs] in write_path.py)."""
+        st = self._st
+        with st.lock:
+            if st.fault is not None:
+                raise st.fault_error(action)
+
     def close(self) -> None:
         """Waits for I/O in flight, returns every region to the pool, removes the swap files. Idempotent."""
         st = self._st
@@ -407,6 +421,7 @@ class TieredStore:
                 return
             st.closing = True
             ops = list(st.ops)
+        self.pool.wake()  # fetches waiting for pool memory end now (the store is closed)
         while ops:
             for op in ops:
                 op.wait_io(None)
