@@ -22,10 +22,12 @@ others), and are called with no lock of the caller held.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 LOG_EVERY_S = float(os.environ.get("INFINITY_WAIT_LOG_S", "5"))
 """Seconds between the log lines of one long wait."""
@@ -96,3 +98,21 @@ def wait_until(
 def _first_slice(timeout: float | None) -> float:
     step = min(SLICE_S, max(LOG_EVERY_S, 0.01))
     return step if timeout is None else min(step, timeout)
+
+
+def result_of(
+    fut: concurrent.futures.Future,
+    *,
+    what: Text,
+    log: logging.Logger,
+    cause: Callable[[], BaseException | None] | None = None,
+) -> Any:
+    """``fut.result()`` of a concurrent.futures.Future (work handed to a thread pool), waiting
+    as ``wait_until`` does."""
+    wait_until(
+        lambda s: bool(concurrent.futures.wait((fut,), timeout=s).done),
+        what=what,
+        log=log,
+        cause=cause,
+    )
+    return fut.result()

@@ -17,10 +17,15 @@ thread. An exception in the step thread is re-raised by the next wait.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 
 import torch
+
+from infinity.aio.waits import wait_until
+
+log = logging.getLogger("infinity.engine")
 
 
 class OverlappedStep:
@@ -70,17 +75,43 @@ class OverlappedStep:
             return not self._running or index in self._done
 
     def wait_unit(self, index: int) -> None:
+        self._wait(lambda: not self._running or index in self._done, f"the optimizer step to update unit {index}")
         with self._cv:
-            self._cv.wait_for(lambda: not self._running or index in self._done)
             self._raise()
 
     def synchronize(self) -> None:
+        self._wait(lambda: not self._running, "the optimizer step running in the background to finish")
         with self._cv:
-            self._cv.wait_for(lambda: not self._running)
             self._raise()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Waits until ``ready()``, logging every few seconds and raising if the step's thread died
+        ([Note: no silent waits] in infinity/aio/waits.py)."""
+
+        def wait(slice_s: float) -> bool:
+            with self._cv:
+                return self._cv.wait_for(ready, slice_s)
+
+        wait_until(wait, what=lambda: f"{what} ({len(self._done)} unit(s) updated so far)",
+                   holder=self._thread_name, cause=self._died, log=log)
+
+    def _thread_name(self) -> str:
+        t = self._thread
+        return f"thread {t.name}" if t is not None else ""
+
+    def _died(self) -> RuntimeError | None:
+        t = self._thread
+        with self._cv:
+            running = self._running
+        if running and t is not None and not t.is_alive():
+            return RuntimeError(
+                f"the optimizer step's thread {t.name} ended without finishing the step; the "
+                "weights are partly updated: reload the last checkpoint"
+            )
+        return None
 
     def _raise(self) -> None:
         if self._error is not None:

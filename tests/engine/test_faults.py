@@ -69,3 +69,36 @@ def test_a_write_back_eio_stops_training_at_the_next_call_naming_the_write(nvme_
         with contextlib.suppress(RuntimeError):
             engine.synchronize()  # the overlapped step may have failed on the same write
         engine.close()
+
+
+def test_a_wait_for_the_overlapped_step_says_so_and_ends_if_its_thread_is_gone(monkeypatch, caplog):
+    import logging
+    import threading
+
+    from infinity.aio import waits
+    from infinity.engine.overlap import OverlappedStep
+
+    monkeypatch.setattr(waits, "LOG_EVERY_S", 0.05)
+    ov = OverlappedStep()
+    go = threading.Event()
+
+    def step(done):
+        assert go.wait(30)
+        done(0)
+
+    ov.start(step)
+    threading.Timer(0.3, go.set).start()
+    with caplog.at_level(logging.WARNING, logger="infinity.engine"):
+        ov.wait_unit(0)
+    ov.synchronize()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("the optimizer step to update unit 0 (0 unit(s) updated so far); held by thread "
+               "infinity-optimizer-step" in m for m in lines), lines
+    # A step thread that ended without saying so (killed at interpreter exit, say) is a known
+    # cause: the wait ends with it instead of blocking for good.
+    gone = threading.Thread(target=lambda: None, name="infinity-optimizer-step")
+    gone.start()
+    gone.join()
+    ov._thread, ov._running = gone, True
+    with pytest.raises(RuntimeError, match="ended without finishing the step"):
+        ov.synchronize()
