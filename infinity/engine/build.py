@@ -302,7 +302,7 @@ def _param_store(units, homes, cfg: InfinityConfig, dtype, group: DataParallelGr
         )
     path = nvme_path.rank_dir(offload.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(int(offload.buffer_count), buffer_nbytes, pin=_pin(offload.pin_memory), name="params")
-    store = TieredStore(path, pool=pool, aio=cfg.aio, name="params")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="params", integrity=offload.integrity)
     store.reserve(sum(u.layout.shard_nbytes for u in nvme_units))
     return store
 
@@ -327,7 +327,7 @@ def _state_store(units, cfg: InfinityConfig, group: DataParallelGroup, per_eleme
     count = 3
     path = nvme_path.rank_dir(off.nvme_path, group.rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(count, buffer_nbytes, pin=_pin(off.pin_memory), name="optimizer")
-    store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer")
+    store = TieredStore(path, pool=pool, aio=cfg.aio, name="optimizer", integrity=off.integrity)
     store.reserve(sum(u.layout.shard_numel for u in units) * per_element)
     return store
 

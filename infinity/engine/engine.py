@@ -277,9 +277,10 @@ class Engine:
         return self._trace.stats() if self._trace is not None else None
 
     def io_stats(self) -> dict[str, float]:
-        """Bytes read and written by the parameter and optimizer stores so far, and the
-        seconds callers spent waiting for them."""
-        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0}
+        """Bytes read and written by the parameter and optimizer stores so far, the seconds
+        callers spent waiting for them, and the seconds spent checksumming them (integrity: in
+        all, and in callers' threads)."""
+        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
         for store in (self.runtime.param_store, self.runtime.state_store):
             if store is None or store.closed:
                 continue
@@ -287,6 +288,8 @@ class Engine:
             out["read_nbytes"] += st.read.nbytes
             out["write_nbytes"] += st.write.nbytes
             out["wait_s"] += st.wait_s
+            out["checksum_s"] += st.checksum_s
+            out["checksum_caller_s"] += st.checksum_caller_s
         return out
 
     @property

@@ -17,8 +17,8 @@ Invariants (``check_invariants`` asserts them; tests call it after every step):
 Threading: ``lock`` (a plain Lock, never held while waiting for I/O or pool
 space) guards ``records``, ``lru``, ``ops``, the flags, the traffic counters
 and every KeyRecord and Slot; each function of the paths says whether it is
-called with it held. ``stats_lock`` guards only the two wait-time sums, which
-waiting callers add to without the store lock. Lock order: store lock, then
+called with it held. ``stats_lock`` guards only the wait-time and checksum-time sums,
+which callers and the reaper add to without the store lock. Lock order: store lock, then
 pool lock.
 
 The state holds its facade only weakly: the store's finalizer holds the state,
@@ -93,6 +93,9 @@ class StoreState:
         self.stats_lock = threading.Lock()
         self.wait_s = 0.0
         self.pool_wait_s = 0.0
+        self.checksum_nbytes = 0  # integrity.py: bytes checksummed, seconds it took, and the
+        self.checksum_s = 0.0  # part of those in callers' threads
+        self.checksum_caller_s = 0.0
 
     # -- lookups and checks (under the lock) ----------------------------------
 

@@ -67,6 +67,7 @@ from infinity.store.device import DeviceTier, Tier, complete_copy_in
 from infinity.store.errors import StoreIOError
 from infinity.store.futures import IoOp, Outcome, Reaper, Settlement, StoreFuture, settle
 from infinity.store.handles import AioHandleLike, IoHandles
+from infinity.store.integrity import DEFAULT as integrity_default
 from infinity.store.integrity import checksums
 from infinity.store.record import RESIDENT, KeyRecord, KeySpec, key_label
 from infinity.store.state import StoreState
@@ -89,7 +90,7 @@ class TieredStore:
     resident keys live in. ``aio``: an AioConfig (the store opens its own read
     and write handles) or an AioHandle-like object to use as is (tests wrap
     one to record or inject failures). ``integrity``: CRC32C per key, stored
-    at write and verified at read. ``pool_timeout``: how long a fetch or write
+    at write and verified at read (on by default, integrity.py). ``pool_timeout``: how long a fetch or write
     waits for pool space before its future fails with TimeoutError.
     """
 
@@ -101,7 +102,7 @@ class TieredStore:
         aio: AioConfig | AioHandleLike | None = None,
         device: torch.device | str = "cpu",
         name: str = "store",
-        integrity: bool = False,
+        integrity: bool = integrity_default,
         file_nbytes: int = DEFAULT_FILE_NBYTES,
         stripe_nbytes: int | None = None,
         pool_timeout: float | None = 300.0,
@@ -328,7 +329,7 @@ class TieredStore:
                 op.wait_finished()
             return
         err = op.wait_error()
-        ended = Outcome(err, checksums(st, op, err))
+        ended = Outcome(err, checksums(st, op, err, caller=wait))
         res: list[Settlement] = []
         try:
             with st.lock:
@@ -391,6 +392,9 @@ class TieredStore:
                 writebacks=n["writebacks"],
                 writes=n["writes"],
                 integrity_checks=n["integrity_checks"],
+                checksum_nbytes=st.checksum_nbytes,
+                checksum_s=st.checksum_s,
+                checksum_caller_s=st.checksum_caller_s,
                 swap_capacity=st.swap.capacity if st.swap else 0,
                 swap_used=st.swap.used if st.swap else 0,
                 pool=self.pool.stats(),
