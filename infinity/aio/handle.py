@@ -213,8 +213,9 @@ class AioRequest:
 # alive] in csrc/aio/bindings.cc; an engine drains in its destructor), and
 # cleanup that needs Python runs in a thread of its own
 # (infinity/store/finalizer.py). Registries hold plain weak references
-# without callbacks, pruned as they grow. tests/aio/test_finalizers.py checks
-# that dropping each kind of object runs no Python code.
+# without callbacks, pruned as they grow. tests/aio/test_finalizers.py and
+# tests/store/test_finalizers.py check that dropping each kind of object runs
+# no Python code; tests/checkpoint/test_interrupt.py samples the symptom.
 _live_handles: dict[int, weakref.ref[AioHandle]] = {}
 _prune_at = 64
 

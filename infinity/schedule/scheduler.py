@@ -355,7 +355,16 @@ class PrefetchScheduler:
 
     def close(self) -> None:
         """Ends any open step and gives every hold back to the store. Idempotent."""
-        with self._fetch_lock, self._lock:
+        self._take_fetch_lock()  # a fetch in progress finishes first
+        try:
+            self._close_locked()
+        finally:
+            self._fetch_lock.release()
+        self._pool.remove_reclaimer(self._reclaim)
+
+    def _close_locked(self) -> None:
+        """close(), holding ``_fetch_lock``."""
+        with self._lock:
             if self._closed:
                 return
             if self._step is not None:
@@ -374,7 +383,6 @@ class PrefetchScheduler:
                 self._drop(rec, "close")
             self._closed = True
             self._lock.notify_all()
-        self._pool.remove_reclaimer(self._reclaim)
 
     def __enter__(self) -> PrefetchScheduler:
         return self

@@ -28,8 +28,10 @@ where the three paths' completions meet.
 
 Where tier features go: checksums (and their default) in integrity.py; what a
 failed write-back reports and when, in write_path.complete_write and
-StoreState.io_error; what a wait names, in the futures' labels (futures.py)
-and StoreState.acquire's pool label; drives and striping in swapspace.py
+StoreState.io_error / fault_error ([Note: failed write-backs]); what a wait
+names, in the futures' labels (futures.py) and StoreState.acquire's pool
+label ([Note: no silent waits] in infinity/aio/waits.py); cleanup of a store
+never closed, in finalizer.py; drives and striping in swapspace.py
 ([Note: striping]).
 
 Invariants:
@@ -37,7 +39,7 @@ Invariants:
 - a key's host view lies in exactly one Slot (pool region), which returns to
   the pool when its last member goes back to rest;
 - a dirty key is never dropped: eviction writes it home first, and a failed
-  write leaves it dirty and resident;
+  write leaves it dirty and resident, and stops the store until retried;
 - a fetch of a key resident or being read never reads it again;
 - peak host memory = the pool + the home "cpu" tensors + metadata.
 
@@ -90,8 +92,10 @@ class TieredStore:
     resident keys live in. ``aio``: an AioConfig (the store opens its own read
     and write handles) or an AioHandle-like object to use as is (tests wrap
     one to record or inject failures). ``integrity``: CRC32C per key, stored
-    at write and verified at read (on by default, integrity.py). ``pool_timeout``: how long a fetch or write
-    waits for pool space before its future fails with TimeoutError.
+    at write and verified at read (on by default, integrity.py).
+    ``pool_timeout``: how long a fetch or write waits for pool space before
+    its future fails with TimeoutError (a failed write-back or close ends the
+    wait at once, with its own error).
     """
 
     def __init__(
