@@ -137,6 +137,14 @@ class StoreState:
         exc.__cause__ = fault
         return exc
 
+    def settle_fault(self) -> bool:
+        """Clears ``fault`` once no key's last write home has failed (retried, or unregistered);
+        True if it was cleared now. Under the lock."""
+        if self.fault is None or any(r.error is not None for r in self.records.values()):
+            return False
+        self.fault = None
+        return True
+
     def wait_cause(self, label: str) -> BaseException | None:
         """Why ``label``'s wait for pool memory can never end well, if it cannot (BufferPool.acquire's
         ``cause``; called without the lock): the store was closed, or a write-back failed."""

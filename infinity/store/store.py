@@ -237,6 +237,7 @@ class TieredStore:
             if rec.extent is not None:
                 st.swap.free(rec.extent)
             del st.records[key]
+            st.settle_fault()  # its failed write-back, if it had one, is moot now
 
     def spec(self, key: Hashable) -> KeySpec:
         with self._st.lock:

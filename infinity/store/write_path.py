@@ -258,8 +258,7 @@ def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlemen
         st.sync_lru(rec)
     if failed is not None:
         _fault(st, failed, len(op.recs))
-    elif st.fault is not None and not any(r.error is not None for r in st.records.values()):
-        st.fault = None
+    elif st.settle_fault():
         log.warning("store '%s': the failed write-backs were retried successfully; carrying on", st.name)
 
 

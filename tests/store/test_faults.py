@@ -184,3 +184,16 @@ def test_a_write_whose_copy_fails_gives_its_region_back(make_store):
     store.write("k", torch.ones(1024)).result()  # the key is writable again
     assert torch.equal(store.fetch("k").result(), torch.ones(1024))
     store.release("k")
+
+
+def test_unregistering_the_key_whose_write_failed_ends_the_fault(make_store):
+    store, aio = make_store(recording=True)
+    store.register_many([("a", (1024,), torch.float32), ("b", (1024,), torch.float32)])
+    aio.fail_next("write", errno=errno.EIO)
+    with pytest.raises(StoreIOError):
+        store.write("a", torch.ones(1024)).result(10)
+    with pytest.raises(StoreIOError, match="write of key 'b' refused"):
+        store.write("b", torch.ones(1024))
+    store.unregister("a")  # its data is discarded on purpose: nothing is left unwritten
+    assert store.fault is None
+    store.write("b", torch.ones(1024)).result(10)
