@@ -24,8 +24,9 @@ class AlignedBuffer:
     def mapped_size(self) -> int: ...
     @property
     def page_kind(self) -> Literal["small", "thp", "hugetlb"]: ...
-    def set_finalizer(self, fn: Callable[[int, int], object], /) -> None:
-        """Called with (ptr, nbytes) just before the memory is unmapped."""
+    def set_finalizer(self, fn: Callable[[int], object], /) -> None:
+        """Called with the address just before the memory is unmapped; pass a C-level callable
+        (no Python code may run while an object is collected)."""
 
 class File:
     """An open file: an O_DIRECT descriptor where accepted, plus a buffered one."""
@@ -80,11 +81,18 @@ class Engine:
         submit_batch: int,
         overlap_events: bool,
     ) -> None: ...
-    def submit(self, segments: Sequence[Segment], *, write: bool) -> Request: ...
-    def wait_all(self, timeout: float = -1.0) -> bool: ...
+    def submit(self, segments: Sequence[Segment], *, write: bool, keep: object) -> Request:
+        """``keep`` (the buffers and files) is held until the request is released or found done."""
+    def release(self, request: Request) -> None:
+        """Lets go of what ``submit`` kept for ``request`` (after waiting for it)."""
+    def wait_all(self, timeout: float = -1.0) -> bool:
+        """Also lets go of everything kept for finished requests."""
     def in_flight(self) -> int: ...
+    def kept(self) -> int:
+        """Requests whose buffers the engine still keeps."""
     def register_buffers(self, ranges: Sequence[tuple[int, int]]) -> None: ...
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Drains the requests in flight, stops the workers, lets go of every kept buffer."""
 
 def crc32c(ptr: int, nbytes: int, value: int = 0) -> int: ...
 def crc32c_is_hardware() -> bool: ...

@@ -160,10 +160,10 @@ def test_aio_bindings_refuse_positional_bools(tmp_path):
     try:
         segments = [(buf.ptr, 4096, 0, f)]
         with pytest.raises(TypeError):
-            engine.submit(True, segments)
+            engine.submit(True, segments, keep=buf)
         with pytest.raises(TypeError):
-            engine.submit(segments, True)
-        req = engine.submit(segments, write=True)
+            engine.submit(segments, True, keep=buf)
+        req = engine.submit(segments, write=True, keep=buf)
         assert req.wait() and req.error() is None and f.size() == 4096
     finally:
         engine.shutdown()

@@ -6,10 +6,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <system_error>
 #include <type_traits>
+#include <unordered_map>
 
 #include "aio/aligned_buffer.h"
 #include "aio/checksum.h"
@@ -22,8 +24,12 @@ using namespace infinity::aio;
 
 namespace {
 
-// Keeps a Python callable to run (with the GIL) when the buffer is freed:
-// used to cudaHostUnregister pinned memory before it is unmapped.
+// Keeps a callable to run (with the GIL) when the buffer is freed: used to
+// cudaHostUnregister pinned memory before it is unmapped. It is called with
+// the address only, so a C-level callable (torch's cudart.cudaHostUnregister)
+// can be passed as is: no Python code runs while the buffer is collected, so
+// none can swallow a KeyboardInterrupt (see [Note: finalizers run no Python]
+// in infinity/aio/handle.py).
 class PyAlignedBuffer {
  public:
   PyAlignedBuffer(size_t nbytes, bool huge_pages, bool prefault)
@@ -31,7 +37,7 @@ class PyAlignedBuffer {
   ~PyAlignedBuffer() {
     if (finalizer_) {
       try {
-        finalizer_(ptr(), buf_->size());
+        finalizer_(ptr());
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("infinity._aio.AlignedBuffer finalizer");
       }
@@ -89,6 +95,60 @@ auto without_gil(F&& f) -> decltype(f()) {
     return result;
   }
 }
+
+// [Note: requests keep their buffers alive]
+// A submitted request must keep its buffers (and per-request files) alive
+// until the kernel is done with them, even when the caller drops it unwaited.
+// The engine keeps them: submit() stores the caller's keepalive object by
+// request, release() (after a wait) drops it, and submit() sweeps finished
+// requests now and then. So AioRequest needs no __del__, and dropping one
+// runs no Python code (a __del__ can swallow a KeyboardInterrupt that lands
+// in it). The kept objects are touched only with the GIL held; the destructor
+// drains the engine before dropping them, so nothing is freed under the I/O.
+class PyEngine {
+ public:
+  explicit PyEngine(const EngineOptions& o) : engine_(std::make_unique<Engine>(o)) {}
+  ~PyEngine() {
+    engine_->shutdown();  // drains: every kept buffer is free to go after this
+    kept_.clear();
+  }
+  Engine& engine() { return *engine_; }
+
+  std::shared_ptr<Request> submit(bool write, const std::vector<Segment>& v, py::object keep) {
+    auto req = without_gil([&] { return engine_->submit(write, v); });
+    if (!req->done()) {
+      if (kept_.size() >= sweep_at_) sweep();
+      kept_.emplace(req.get(), Kept{req, std::move(keep)});
+    }
+    return req;
+  }
+  void release(const std::shared_ptr<Request>& req) { kept_.erase(req.get()); }
+  bool wait_all(double timeout) {
+    bool idle = without_gil([&] { return engine_->wait_all(timeout); });
+    sweep();
+    return idle;
+  }
+  void shutdown() {
+    without_gil([&] { engine_->shutdown(); });
+    kept_.clear();
+  }
+  size_t kept() const { return kept_.size(); }
+
+ private:
+  struct Kept {
+    std::shared_ptr<Request> req;
+    py::object keep;
+  };
+  void sweep() {
+    for (auto it = kept_.begin(); it != kept_.end();)
+      it = it->second.req->done() ? kept_.erase(it) : std::next(it);
+    sweep_at_ = std::max<size_t>(64, 2 * kept_.size());
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unordered_map<const Request*, Kept> kept_;
+  size_t sweep_at_ = 64;
+};
 
 OpenMode parse_mode(const std::string& m) {
   if (m == "r") return OpenMode::kRead;
@@ -170,7 +230,7 @@ PYBIND11_MODULE(_aio, m) {
           py::arg("timeout") = -1.0)
       .def("error", [](Request& r) { return error_dict(r.error()); });
 
-  py::class_<Engine>(m, "Engine")
+  py::class_<PyEngine>(m, "Engine")
       .def(py::init([](uint64_t block_size, unsigned queue_depth, unsigned thread_count,
                        const std::string& backend, unsigned submit_batch, bool overlap_events) {
              EngineOptions o;
@@ -185,15 +245,15 @@ PYBIND11_MODULE(_aio, m) {
                throw std::invalid_argument("backend must be 'io_uring' or 'threads', got '" + backend + "'");
              o.submit_batch = submit_batch;
              o.overlap_events = overlap_events;
-             return without_gil([&] { return new Engine(o); });
+             return without_gil([&] { return new PyEngine(o); });
            }),
            py::kw_only(), py::arg("block_size"), py::arg("queue_depth"), py::arg("thread_count"),
            py::arg("backend"), py::arg("submit_batch"), py::arg("overlap_events"))
       .def(
           "submit",
-          [](Engine& e,
+          [](PyEngine& e,
              const std::vector<std::tuple<uintptr_t, uint64_t, uint64_t, std::shared_ptr<File>>>& segs,
-             bool write) {
+             bool write, py::object keep) {
             std::vector<Segment> v;
             v.reserve(segs.size());
             for (auto& [ptr, n, off, f] : segs) {
@@ -201,22 +261,22 @@ PYBIND11_MODULE(_aio, m) {
               if (f->closed()) throw std::system_error(EBADF, std::generic_category(), f->path());
               v.push_back(Segment{reinterpret_cast<char*>(ptr), n, off, f});
             }
-            return without_gil([&] { return e.submit(write, v); });
+            return e.submit(write, v, std::move(keep));
           },
-          py::arg("segments"), py::kw_only(), py::arg("write"))
-      .def(
-          "wait_all", [](Engine& e, double t) { return without_gil([&] { return e.wait_all(t); }); },
-          py::arg("timeout") = -1.0)
-      .def("in_flight", &Engine::in_flight)
+          py::arg("segments"), py::kw_only(), py::arg("write"), py::arg("keep"))
+      .def("release", &PyEngine::release, py::arg("request"))
+      .def("wait_all", &PyEngine::wait_all, py::arg("timeout") = -1.0)
+      .def("in_flight", [](PyEngine& e) { return e.engine().in_flight(); })
+      .def("kept", &PyEngine::kept)
       .def(
           "register_buffers",
-          [](Engine& e, const std::vector<std::pair<uintptr_t, uint64_t>>& ranges) {
+          [](PyEngine& e, const std::vector<std::pair<uintptr_t, uint64_t>>& ranges) {
             std::vector<RegisteredRange> v;
             for (auto& [p, n] : ranges) v.push_back(RegisteredRange{reinterpret_cast<char*>(p), n});
-            without_gil([&] { e.register_buffers(v); });
+            without_gil([&] { e.engine().register_buffers(v); });
           },
           py::arg("ranges"))
-      .def("shutdown", [](Engine& e) { without_gil([&] { e.shutdown(); }); });
+      .def("shutdown", &PyEngine::shutdown);
 
   m.def(
       "crc32c",

@@ -30,7 +30,9 @@ def _cuda_pin(buf: _aio.AlignedBuffer) -> bool:
             f"cudaHostRegister of {buf.mapped_size} bytes failed (cudaError {int(ret)}); "
             "lower buffer_count/buffer_size or set pin_memory: false"
         )
-    buf.set_finalizer(lambda ptr, _n: cudart.cudaHostUnregister(ptr))
+    # The C-level function itself, not a lambda: no Python code may run while the buffer is
+    # collected ([Note: finalizers run no Python] in handle.py).
+    buf.set_finalizer(cudart.cudaHostUnregister)
     return True
 
 

@@ -14,6 +14,9 @@ written buffered.
 Fork: a handle belongs to the process that made it (its worker threads do not
 survive fork); in a child it raises instead of hanging.
 
+Finalizers: none here run Python code ([Note: finalizers run no Python]); a
+handle dropped unclosed is drained and stopped by its engine's destructor.
+
 (Past the ~500-line soft cap on purpose: the handle, its requests and its files
 share one lifetime protocol -- who keeps buffers and descriptors alive until the
 kernel is done, and what close, exit and fork do -- best read in one place.)
@@ -28,7 +31,6 @@ import logging
 import os
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterable
 from typing import Any, Literal, Union
 
@@ -36,6 +38,7 @@ from infinity import _aio
 from infinity.aio.buffers import buffer_span
 from infinity.aio.config import AioConfig
 from infinity.aio.errors import AioError, request_error
+from infinity.aio.waits import wait_until
 
 log = logging.getLogger("infinity.aio")
 
@@ -151,22 +154,17 @@ def _open_error(e: OSError, path: str, mode: str) -> AioError:
 class AioRequest:
     """One submitted read or write. ``wait()`` returns the byte count or raises AioError.
 
-    The request keeps its buffers alive until it completes, even when it is
-    dropped unwaited: its handle then holds them until the I/O ends.
+    Its buffers stay alive until it completes, even when it is dropped
+    unwaited: the engine keeps them ([Note: requests keep their buffers alive]
+    in csrc/aio/bindings.cc) and lets go once it is waited for or found done.
     """
 
-    __slots__ = ("_raw", "_keepalive", "_orphans", "__weakref__")
+    __slots__ = ("_raw", "_engine", "_where", "__weakref__")
 
-    def __init__(self, raw: _aio.Request, keepalive: Any, orphans: deque[tuple[_aio.Request, Any]]):
+    def __init__(self, raw: _aio.Request, engine: _aio.Engine, where: str = ""):
         self._raw = raw
-        self._keepalive = keepalive  # buffers and files, until completion
-        self._orphans = orphans
-
-    def __del__(self) -> None:
-        keep = self._keepalive
-        if keep is not None and not self._raw.done():
-            # deque.append is atomic: safe from a GC pass in any thread.
-            self._orphans.append((self._raw, keep))
+        self._engine = engine  # keeps the buffers (see the class docstring)
+        self._where = where  # the first segment's file and offset, for slow-wait log lines
 
     @property
     def nbytes(self) -> int:
@@ -181,12 +179,13 @@ class AioRequest:
         return self._raw.done()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Waits (GIL released). Raises TimeoutError after ``timeout`` seconds, AioError on failure."""
-        if not self._raw.wait(-1.0 if timeout is None else float(timeout)):
-            raise TimeoutError(
-                f"{'pwrite' if self.write else 'pread'} of {self.nbytes} bytes not done after {timeout} s"
-            )
-        self._keepalive = None
+        """Waits (GIL released). Raises TimeoutError after ``timeout`` seconds, AioError on failure.
+
+        A wait of more than a few seconds is logged, naming the request ([Note: no silent
+        waits] in waits.py): nothing but the drive can end it, so there is no cause to raise."""
+        if not wait_until(self._raw.wait, what=self._describe, log=log, timeout=timeout):
+            raise TimeoutError(f"{self._describe()} not done after {timeout} s")
+        self._engine.release(self._raw)
         err = self._raw.error()
         if err is not None:
             raise request_error(err, self.nbytes)
@@ -194,12 +193,46 @@ class AioRequest:
 
     result = wait
 
+    def _describe(self) -> str:
+        kind, prep = ("pwrite", "to") if self.write else ("pread", "from")
+        return f"{kind} of {self.nbytes} bytes {prep} {self._where or 'no file'}"
+
     def __repr__(self) -> str:
         kind = "pwrite" if self.write else "pread"
         return f"<AioRequest {kind} {self.nbytes} bytes {'done' if self.done() else 'in flight'}>"
 
 
-_live_handles: weakref.WeakSet[AioHandle] = weakref.WeakSet()
+# [Note: finalizers run no Python]
+# A finalizer (``__del__``, a weakref callback written in Python,
+# weakref.finalize, WeakSet/WeakMethod's own callbacks) runs Python code in
+# whatever thread drops the last reference, at any point of the program. A
+# KeyboardInterrupt that lands in it is printed as "Exception ignored" and
+# lost: training went on after Ctrl-C during save_checkpoint. So objects of
+# the runtime have no Python finalizers: C++ keeps what must outlive a
+# dropped object (a request's buffers: [Note: requests keep their buffers
+# alive] in csrc/aio/bindings.cc; an engine drains in its destructor), and
+# cleanup that needs Python runs in a thread of its own
+# (infinity/store/finalizer.py). Registries hold plain weak references
+# without callbacks, pruned as they grow. tests/aio/test_finalizers.py and
+# tests/store/test_finalizers.py check that dropping each kind of object runs
+# no Python code; tests/checkpoint/test_interrupt.py samples the symptom.
+_live_handles: dict[int, weakref.ref[AioHandle]] = {}
+_prune_at = 64
+
+
+def _track(handle: AioHandle) -> None:
+    """Adds ``handle`` to the handles closed at exit (a weak reference without a callback)."""
+    global _prune_at
+    if len(_live_handles) >= _prune_at:
+        for key, ref in list(_live_handles.items()):
+            if ref() is None:
+                _live_handles.pop(key, None)
+        _prune_at = max(64, 2 * len(_live_handles))
+    _live_handles[id(handle)] = weakref.ref(handle)
+
+
+def _tracked() -> list[AioHandle]:
+    return [h for h in (r() for r in list(_live_handles.values())) if h is not None]
 
 
 class AioHandle:
@@ -226,9 +259,7 @@ class AioHandle:
         self.config = dataclasses.replace(cfg, engine=resolved)
         self._pid = os.getpid()
         self._closed = False
-        # Requests dropped before completion park their buffers here.
-        self._orphans: deque[tuple[_aio.Request, Any]] = deque()
-        _live_handles.add(self)
+        _track(self)
 
     @classmethod
     def from_config(cls, config: AioConfig) -> AioHandle:
@@ -309,9 +340,8 @@ class AioHandle:
                 raw = files[key] = self._resolve(file, write)
             segments.append((ptr, nbytes, offset, raw))
             keep.append(k)
-        self._sweep_orphans()
         try:
-            raw_req = self._engine.submit(segments, write=write)
+            raw_req = self._engine.submit(segments, write=write, keep=(keep, list(files.values())))
         except OSError as e:  # a file or this handle was closed by another thread meanwhile
             op = "pwrite" if write else "pread"
             _, file, offset = items[0]
@@ -323,16 +353,8 @@ class AioHandle:
                 op=op,
                 offset=offset,
             ) from None
-        return AioRequest(raw_req, (keep, list(files.values())), self._orphans)
-
-    def _sweep_orphans(self) -> None:
-        for _ in range(len(self._orphans)):
-            try:
-                item = self._orphans.popleft()
-            except IndexError:
-                break
-            if not item[0].done():
-                self._orphans.append(item)
+        where = f"'{_name(items[0][1])}' at offset {items[0][2]}" if items else ""
+        return AioRequest(raw_req, self._engine, where)
 
     def register_buffers(self, buffers: Iterable[Any]) -> None:
         """Registers buffers with io_uring (fixed buffers) so requests in them skip per-I/O page pinning.
@@ -375,7 +397,6 @@ class AioHandle:
             return
         if not self._engine.wait_all(-1.0 if timeout is None else float(timeout)):
             raise TimeoutError(f"requests still in flight after {timeout} s")
-        self._sweep_orphans()
 
     def in_flight(self) -> int:
         """Requests submitted and not yet complete."""
@@ -387,22 +408,14 @@ class AioHandle:
             return
         self._closed = True
         if os.getpid() == self._pid:
-            self._engine.shutdown()
-            self._orphans.clear()  # nothing is in flight any more
-        _live_handles.discard(self)
+            self._engine.shutdown()  # drains, then lets go of every request's buffers
+        _live_handles.pop(id(self), None)
 
     def __enter__(self) -> AioHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            if not self._closed and os.getpid() == self._pid:
-                self._engine.shutdown()
-        except Exception:
-            pass
 
     def _check(self, op: str, file: Any, offset: int, nbytes: int) -> None:
         if self._closed:
@@ -491,7 +504,7 @@ def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
 
 
 def _close_all_at_exit() -> None:
-    for h in list(_live_handles):
+    for h in _tracked():
         h.close()
 
 
@@ -504,7 +517,7 @@ def _after_fork_in_child() -> None:
     # engine alive for good (a deliberate leak) and let _check() refuse use.
     import ctypes
 
-    for h in list(_live_handles):
+    for h in _tracked():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._engine))
     _live_handles.clear()
 

@@ -65,6 +65,12 @@ class OffloadParamConfig:
     """Parameter elements kept in CPU memory when device is nvme."""
     pin_memory: bool = knob(True)
     """Page-locked host buffers. DeepSpeed's default became true in #8207 (it was false)."""
+    integrity: bool = knob(True)
+    """infinity: with device nvme, a CRC32C of every parameter partition written to the swap files,
+    checked when it is read back; a mismatch (a zeroed block, a flipped bit) stops training with an
+    error naming the file, offset, unit and both checksums instead of training on wrong numbers.
+    Costs one extra pass over the swapped bytes, mostly beside the I/O (README, "When something
+    goes wrong"); false turns it off."""
 
     def __post_init__(self) -> None:
         check_section(self)
@@ -86,6 +92,9 @@ class OffloadOptimizerConfig:
     """Pinned buffers for optimizer-state swapping (Adam streams 4 states: param, grad, m, v)."""
     pin_memory: bool = knob(True)
     """Page-locked host buffers (DeepSpeed's default since #8207)."""
+    integrity: bool = knob(True)
+    """infinity: with device nvme, a CRC32C of every optimizer-state tensor written to the swap files,
+    checked when it is read back (see offload_param.integrity); false turns it off."""
     grads_in_host: bool = knob(False)
     """infinity: with device nvme, the fp32 gradient partitions wait for the step in host memory
     (4 B per parameter) instead of swap files, which saves writing and reading them back: 8 B per

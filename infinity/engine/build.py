@@ -179,7 +179,7 @@ def _open_store(sp: StorePlan, rank: int, cfg: InfinityConfig) -> TieredStore:
     if sp.nvme_path is not None:
         paths = nvme_path.rank_dirs(sp.nvme_path, rank, o_direct=cfg.aio.o_direct)
     pool = BufferPool(sp.pool.count, sp.pool.buffer_nbytes, pin=sp.pool.pin, name=sp.pool.name)
-    store = TieredStore(paths, pool=pool, aio=cfg.aio, name=sp.name)
+    store = TieredStore(paths, pool=pool, aio=cfg.aio, name=sp.name, integrity=sp.integrity)
     if paths is not None:
         store.reserve(sp.reserve_nbytes)
     return store

@@ -125,7 +125,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward. Under stage 3 a forward with its backward is one step of the
         prefetch trace; a forward without grad (evaluation) is a step of its own."""
-        self._check_open()
+        self._check_open("engine.forward()")
         trace = self._trace
         if trace is not None and not trace.step_open:
             trace.begin_step()
@@ -144,7 +144,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagates ``loss`` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale)."""
-        self._check_open()
+        self._check_open("engine.backward()")
         if loss.dim() != 0:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.synchronize()
@@ -168,7 +168,7 @@ class Engine:
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
-        self._check_open()
+        self._check_open("engine.step()")
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
             if self.runtime.passthrough is not None:
@@ -243,7 +243,7 @@ class Engine:
         """Saves the full training state to ``save_dir/tag`` (default tag ``global_step<N>``), atomically,
         and points ``save_dir/latest`` at it. ``client_state``: JSON values and tensors (no pickle).
         Every rank must call it, at an accumulation boundary. Returns the checkpoint's directory."""
-        self._check_open()
+        self._check_open("engine.save_checkpoint()")
         return checkpoint.save_checkpoint(self, save_dir, tag, client_state, progress=progress)
 
     def load_checkpoint(
@@ -264,7 +264,7 @@ class Engine:
         only. A log line names every hyperparameter that differs and which value is used. On error the
         engine is left as it was (``verify=False`` halves the reads but gives up that promise for corrupt
         data found mid-load). Every rank must call it."""
-        self._check_open()
+        self._check_open("engine.load_checkpoint()")
         return checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -275,7 +275,7 @@ class Engine:
     ) -> Any:
         """Writes the full parameters (in the training dtype) and buffers to one safetensors file that
         ``model.load_state_dict(safetensors.torch.load_file(path))`` takes. Every rank must call it."""
-        self._check_open()
+        self._check_open("engine.save_16bit_model()")
         return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
 
     def checkpoint_parts(self) -> checkpoint.TrainingParts:
@@ -315,9 +315,10 @@ class Engine:
         return self._trace.stats() if self._trace is not None else None
 
     def io_stats(self) -> dict[str, float]:
-        """Bytes read and written by the parameter and optimizer stores so far, and the
-        seconds callers spent waiting for them."""
-        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0}
+        """Bytes read and written by the parameter and optimizer stores so far, the seconds
+        callers spent waiting for them, and the seconds spent checksumming them (integrity: in
+        all, and in callers' threads)."""
+        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
         for store in (self.runtime.param_store, self.runtime.state_store):
             if store is None or store.closed:
                 continue
@@ -325,6 +326,8 @@ class Engine:
             out["read_nbytes"] += st.read.nbytes
             out["write_nbytes"] += st.write.nbytes
             out["wait_s"] += st.wait_s
+            out["checksum_s"] += st.checksum_s
+            out["checksum_caller_s"] += st.checksum_caller_s
         return out
 
     @property
@@ -352,6 +355,11 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_open(self) -> None:
+    def _check_open(self, call: str = "this call") -> None:
         if self._closed:
             raise RuntimeError("this engine is closed")
+        # A write-back that failed in the background stops the next call, naming the write
+        # ([Note: failed write-backs] in infinity/store/write_path.py).
+        for store in (self.runtime.param_store, self.runtime.state_store):
+            if store is not None:
+                store.check_writebacks(call)

@@ -26,13 +26,17 @@ thread. An exception in the step thread is re-raised by the next wait.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable
 
 import torch
 
+from infinity.aio.waits import wait_until
 from infinity.zero.masters import MasterCopy
 from infinity.zero.partitioner import ShardSource
+
+log = logging.getLogger("infinity.engine")
 
 
 class StepProgress:
@@ -43,15 +47,18 @@ class StepProgress:
         self._done: set[int] = set()
         self._running = False
         self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def running(self) -> bool:
         return self._running
 
-    def begin(self) -> None:
+    def begin(self, thread: threading.Thread) -> None:
+        """A step is about to run in ``thread`` (named in long waits; its death ends them)."""
         with self._cv:
             self._done.clear()
             self._running = True
+            self._thread = thread
 
     def unit_done(self, index: int) -> None:
         with self._cv:
@@ -71,14 +78,40 @@ class StepProgress:
             return not self._running or index in self._done
 
     def wait_unit(self, index: int) -> None:
+        self._wait(lambda: not self._running or index in self._done, f"the optimizer step to update unit {index}")
         with self._cv:
-            self._cv.wait_for(lambda: not self._running or index in self._done)
             self._raise()
 
     def wait_all(self) -> None:
+        self._wait(lambda: not self._running, "the optimizer step running in the background to finish")
         with self._cv:
-            self._cv.wait_for(lambda: not self._running)
             self._raise()
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Waits until ``ready()``, logging every few seconds and raising if the step's thread died
+        ([Note: no silent waits] in infinity/aio/waits.py)."""
+
+        def wait(slice_s: float) -> bool:
+            with self._cv:
+                return self._cv.wait_for(ready, slice_s)
+
+        wait_until(wait, what=lambda: f"{what} ({len(self._done)} unit(s) updated so far)",
+                   holder=self._thread_name, cause=self._died, log=log)
+
+    def _thread_name(self) -> str:
+        t = self._thread
+        return f"thread {t.name}" if t is not None else ""
+
+    def _died(self) -> RuntimeError | None:
+        t = self._thread
+        with self._cv:
+            running = self._running
+        if running and t is not None and not t.is_alive():
+            return RuntimeError(
+                f"the optimizer step's thread {t.name} ended without finishing the step; the "
+                "weights are partly updated: reload the last checkpoint"
+            )
+        return None
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -101,7 +134,6 @@ class OverlappedStep:
     def start(self, step: Callable[[Callable[[int], None]], None]) -> None:
         """Runs ``step(unit_done)`` in a thread."""
         self.synchronize()
-        self.progress.begin()
 
         def body() -> None:
             error = None
@@ -113,6 +145,7 @@ class OverlappedStep:
                 self.progress.finish(error)
 
         self._thread = threading.Thread(target=body, name="infinity-optimizer-step", daemon=True)
+        self.progress.begin(self._thread)
         self._thread.start()
 
     def _unit_done(self, index: int) -> None:

@@ -98,6 +98,8 @@ class StorePlan:
     each, striped over them); None: host memory only."""
     reserve_nbytes: int = 0
     """Bytes of the keys at home on NVMe, reserved (fallocate) before any is written."""
+    integrity: bool = True
+    """Whether its swap files are checksummed (offload_*.integrity; infinity.store.integrity)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,7 +431,7 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
     if largest.layout.shard_nbytes > pool.capacity_nbytes:
         refusal = LayerTooLarge(largest.module_name, largest.layout.shard_numel, largest.layout.shard_nbytes,
                                 int(off.buffer_count), int(off.buffer_size), pool.capacity_nbytes)
-    store = StorePlan("params", pool, off.nvme_path, sum(u.layout.shard_nbytes for u in nvme))
+    store = StorePlan("params", pool, off.nvme_path, sum(u.layout.shard_nbytes for u in nvme), off.integrity)
     return store, refusal
 
 
@@ -449,7 +451,7 @@ def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimi
     pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT),
                     _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
                     OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
-    return StorePlan("optimizer", pool, off.nvme_path, sum(u.layout.shard_numel for u in units) * per)
+    return StorePlan("optimizer", pool, off.nvme_path, sum(u.layout.shard_numel for u in units) * per, off.integrity)
 
 
 def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None, state_store: StorePlan) -> tuple[SwapReserve, ...]:

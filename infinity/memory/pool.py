@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 import weakref
@@ -32,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from infinity.aio import DIRECT_ALIGNMENT, aligned_empty
+from infinity.aio.waits import wait_until
 from infinity.memory.ranges import RangeAllocator, round_up
 
 # [Note: pool allocator]
@@ -49,7 +51,28 @@ from infinity.memory.ranges import RangeAllocator, round_up
 # buffer_size keeps a meaning for the owners: the store packs the tensors of
 # one fetch_many into regions of at most buffer_size bytes.
 
+log = logging.getLogger("infinity.memory")
+
 Reclaimer = Callable[[int], None]
+
+
+class _WeakCallable:
+    """A weakly held function or bound method, like WeakMethod but with no callback of its own:
+    WeakMethod's runs Python code in whatever thread drops the owner, where a KeyboardInterrupt
+    would be lost ([Note: finalizers run no Python] in infinity/aio/handle.py)."""
+
+    __slots__ = ("_ref", "_func")
+
+    def __init__(self, fn: Reclaimer):
+        owner = getattr(fn, "__self__", None)
+        self._ref = weakref.ref(fn if owner is None else owner)
+        self._func = None if owner is None else fn.__func__  # type: ignore[attr-defined]
+
+    def __call__(self) -> Reclaimer | None:
+        obj = self._ref()
+        if obj is None or self._func is None:
+            return obj
+        return self._func.__get__(obj)
 
 
 class PoolTooSmallError(ValueError):
@@ -218,7 +241,7 @@ class BufferPool:
         self._cv = threading.Condition(threading.Lock())
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._live: dict[int, PoolRegion] = {}
-        self._reclaimers: list[weakref.ref | weakref.WeakMethod] = []
+        self._reclaimers: list[_WeakCallable] = []
         self._peak = 0
         self._acquires = 0
         self._waits = 0
@@ -257,19 +280,27 @@ class BufferPool:
             return self._take(nbytes, size, name)
 
     def acquire(
-        self, nbytes: int, *, timeout: float | None = None, name: str | None = None
+        self,
+        nbytes: int,
+        *,
+        timeout: float | None = None,
+        name: str | None = None,
+        cause: Callable[[], BaseException | None] | None = None,
     ) -> PoolRegion:
         """A region of ``nbytes`` bytes, waiting (FIFO) until one is free.
 
         Raises PoolTooSmallError at once if the pool can never serve the request,
         and TimeoutError after ``timeout`` seconds naming the waiter and the holders.
+        While it waits it logs every few seconds what it waits for and who holds the
+        pool ([Note: no silent waits] in infinity/aio/waits.py); ``cause()`` is asked
+        after each slice and what it returns (e.g. the owner's failed write-back, which
+        keeps the memory waited for) is raised at once; ``wake()`` makes waiters ask now.
         """
         size = self.check_servable(nbytes, name)
         if size == 0:
             return PoolRegion(None, 0, 0, 0, name or "")
         label = name or "a request"
         t0 = time.monotonic()
-        deadline = None if timeout is None else t0 + timeout
         with self._cv:
             first = not self._waiters
             if first:
@@ -286,34 +317,52 @@ class BufferPool:
             me = _Waiter(label, size, t0, threading.current_thread().name)
             self._waiters.append(me)
             self._waits += 1
-        try:
-            while True:
-                with self._cv:
-                    head = self._waiters[0] is me
-                    if head:
-                        r = self._take(nbytes, size, name)
-                        if r is not None:
-                            return r
+        got: list[PoolRegion] = []
+
+        def ready(slice_s: float) -> bool:
+            with self._cv:
+                head = self._waiters[0] is me
                 if head:
-                    self._run_reclaimers(size)
+                    r = self._take(nbytes, size, name)
+                    if r is not None:
+                        got.append(r)
+                        return True
+            if head:
+                self._run_reclaimers(size)
+            with self._cv:
+                if self._waiters[0] is me:
+                    r = self._take(nbytes, size, name)
+                    if r is not None:
+                        got.append(r)
+                        return True
+                # Releases notify; the slice only bounds how long a reclaimer's progress
+                # that did not go through release() (none known) could go unnoticed.
+                self._cv.wait(min(slice_s, 0.1))
+            return False
+
+        try:
+            if not wait_until(
+                ready,
+                what=lambda: f"{format_nbytes(size)} of contiguous pinned buffer space in pool "
+                f"'{self.name}' for {label} (thread {me.thread})",
+                holder=self._holders,
+                cause=cause,
+                timeout=timeout,
+                log=log,
+            ):
                 with self._cv:
-                    if self._waiters[0] is me:
-                        r = self._take(nbytes, size, name)
-                        if r is not None:
-                            return r
-                    now = time.monotonic()
-                    if deadline is not None and now >= deadline:
-                        raise TimeoutError(self._timeout_message(me, timeout))
-                    # Releases notify; the timeout only bounds how long a
-                    # reclaimer's progress that did not go through release()
-                    # (none known) could go unnoticed.
-                    wait = 0.1 if deadline is None else min(0.1, deadline - now)
-                    self._cv.wait(wait)
+                    raise TimeoutError(self._timeout_message(me, timeout))
+            return got[0]
         finally:
             with self._cv:
                 self._waiters.remove(me)
                 self._wait_s += time.monotonic() - t0
                 self._cv.notify_all()
+
+    def wake(self) -> None:
+        """Makes every waiter look again now (its ``cause`` may have changed)."""
+        with self._cv:
+            self._cv.notify_all()
 
     def release(self, region: PoolRegion) -> None:
         """Returns a region to the pool. Releasing twice, or a foreign region, raises."""
@@ -344,7 +393,7 @@ class BufferPool:
 
     def add_reclaimer(self, fn: Reclaimer) -> None:
         """Registers ``fn(nbytes)``, called when a request waits, to give memory back (held weakly)."""
-        ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else weakref.ref(fn)
+        ref = _WeakCallable(fn)
         with self._cv:
             self._reclaimers.append(ref)
 
@@ -397,6 +446,19 @@ class BufferPool:
                 waits=self._waits,
                 wait_s=wait_s,
                 waiting=len(self._waiters),
+            )
+
+    def _holders(self) -> str:
+        """Who holds the pool now: the largest regions by name, the total and the largest free run."""
+        with self._cv:
+            holders = sorted(self._live.values(), key=lambda r: -r.size)
+            shown = ", ".join(f"'{r.name or '?'}' {format_nbytes(r.size)}" for r in holders[:5])
+            more = f" and {len(holders) - 5} more" if len(holders) > 5 else ""
+            return (
+                f"{len(holders)} region(s) ({shown}{more}), "
+                f"{format_nbytes(self._alloc.used_nbytes)} of {format_nbytes(self.capacity)} in use, "
+                f"largest free run {format_nbytes(self._alloc.largest_free())}, "
+                f"{len(self._waiters)} waiter(s)"
             )
 
     def _timeout_message(self, me: _Waiter, timeout: float | None) -> str:

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import torch
 
+from infinity.aio.waits import result_of
 from infinity.optim.functional import adam_step, sum_squares
 from infinity.store import TieredStore
+
+log = logging.getLogger("infinity.optim")
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -234,7 +238,8 @@ class PartitionedAdam(torch.optim.Optimizer):
         issuer = self._issuer()
         pending = issuer.submit(self._fetch, groups[0]) if groups else None
         for i, group in enumerate(groups):
-            current = pending.result()
+            current = result_of(pending, what=f"the reads of optimizer sub-group {i} of {len(groups)} "
+                                "(issued from thread infinity-optim-reads)", log=log)
             pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
             for s in group:
                 self._update_shard(s, {k[1]: f.result() for k, f in current.items() if k[0] == s.index},

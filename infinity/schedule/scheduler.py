@@ -86,6 +86,7 @@ from typing import Any, Literal
 
 import torch
 
+from infinity.aio.waits import wait_until
 from infinity.memory import round_up
 from infinity.schedule import lookahead
 from infinity.schedule.budget import ALIGN, ScheduleBudget
@@ -160,6 +161,7 @@ class PrefetchScheduler:
         self._copies_to_device = tier == "device" and store.device.type != "cpu"
         self._lock = threading.Condition(threading.Lock())
         self._fetch_lock = threading.Lock()
+        self._fetch_holder: threading.Thread | None = None  # the thread in _fetch_lock, for messages
         self._records: dict[Hashable, UnitRecord] = {}
         self._held: dict[Hashable, UnitRecord] = {}  # records not IDLE
         self._cached: dict[Hashable, UnitRecord] = {}  # IDLE records the store may still cache
@@ -364,7 +366,16 @@ class PrefetchScheduler:
 
     def close(self) -> None:
         """Ends any open step and gives every hold back to the store. Idempotent."""
-        with self._fetch_lock, self._lock:
+        self._take_fetch_lock()  # a fetch in progress finishes first
+        try:
+            self._close_locked()
+        finally:
+            self._fetch_lock.release()
+        self._pool.remove_reclaimer(self._reclaim)
+
+    def _close_locked(self) -> None:
+        """close(), holding ``_fetch_lock``."""
+        with self._lock:
             if self._closed:
                 return
             if self._step is not None:
@@ -383,7 +394,6 @@ class PrefetchScheduler:
                 self._drop(rec, "close")
             self._closed = True
             self._lock.notify_all()
-        self._pool.remove_reclaimer(self._reclaim)
 
     def __enter__(self) -> PrefetchScheduler:
         return self
@@ -531,9 +541,16 @@ class PrefetchScheduler:
             raise
 
     def _submitted_future(self, rec: UnitRecord) -> Any:
-        """The future of ``rec``'s fetch, waiting while another thread is still inside store.fetch for it."""
-        while rec.submitting:
-            self._lock.wait()
+        """The future of ``rec``'s fetch, waiting while another thread is still inside store.fetch for it
+        (under ``_lock``, which the wait releases; [Note: no silent waits])."""
+        if rec.submitting:
+            wait_until(
+                lambda s: self._lock.wait_for(lambda: not rec.submitting, s),
+                what=f"scheduler '{self.name}': another thread to finish submitting the fetch of key {rec.key!r}",
+                holder=self._fetch_holder_name,
+                cause=self._fetch_holder_died,
+                log=log,
+            )
         if rec.future is None:
             raise ScheduleError(
                 f"scheduler '{self.name}' was closed while key {rec.key!r} was being fetched"
@@ -583,7 +600,7 @@ class PrefetchScheduler:
         plans again before it lets go (it checks the flag after releasing, and
         whoever set the flag retried the lock after setting it).
         """
-        got = self._fetch_lock.acquire(blocking=block)
+        got = self._take_fetch_lock() if block else self._fetch_lock.acquire(blocking=False)
         result = None
         while True:
             if not got:
@@ -591,17 +608,43 @@ class PrefetchScheduler:
                     self._replan = True
                 if not self._fetch_lock.acquire(blocking=False):
                     return result
+            self._fetch_holder = threading.current_thread()
             try:
                 if work is not None:
                     w, work = work, None
                     result = w()
                 self._issue_prefetches()
             finally:
+                self._fetch_holder = None
                 self._fetch_lock.release()
             with self._lock:
                 if not self._replan:
                     return result
             got = self._fetch_lock.acquire(blocking=False)
+
+    def _take_fetch_lock(self) -> bool:
+        """Waits for ``_fetch_lock`` (an on-demand fetch), saying who holds it if that takes long."""
+        return wait_until(
+            lambda s: self._fetch_lock.acquire(timeout=s),
+            what=f"scheduler '{self.name}''s fetch lock (another thread is fetching)",
+            holder=self._fetch_holder_name,
+            cause=self._fetch_holder_died,
+            log=log,
+        )
+
+    def _fetch_holder_name(self) -> str:
+        holder = self._fetch_holder
+        return f"thread {holder.name}" if holder is not None else "a thread that is letting it go"
+
+    def _fetch_holder_died(self) -> ScheduleError | None:
+        """A cause for the waits above: the thread inside store.fetch died without letting go."""
+        holder = self._fetch_holder
+        if holder is None or holder.is_alive() or not self._fetch_lock.locked():
+            return None
+        return ScheduleError(
+            f"scheduler '{self.name}': thread {holder.name} died while fetching (it held the fetch "
+            "lock); its own error says why. Fetches from this scheduler cannot go on: close the engine"
+        )
 
     def _demand(self, rec: UnitRecord, c: StepCounters) -> Any:
         """The caller's own fetch of an idle unit (holding ``_fetch_lock``); returns its future."""

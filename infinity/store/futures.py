@@ -27,6 +27,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from infinity.aio.waits import wait_until
+
 log = logging.getLogger("infinity.store")
 
 REAPER_SLICE_S = 0.02
@@ -110,8 +112,11 @@ class IoOp:
         return req is not None and bool(req.done())
 
     def wait_io(self, timeout: float | None) -> bool:
-        """Waits until the request has ended (successfully or not); False on timeout."""
-        if self.req is None and not _wait_for(lambda: self.req is not None, timeout):
+        """Waits until the request has ended (successfully or not); False on timeout.
+
+        Long waits are logged ([Note: no silent waits]): the request's own wait names its file
+        and offset; before it is submitted, this names the op."""
+        if self.req is None and not self._wait_submitted(timeout):
             return False
         try:
             self.req.wait(timeout)
@@ -124,12 +129,29 @@ class IoOp:
     def wait_error(self) -> BaseException | None:
         """Waits until the request has ended; its exception, or None if it succeeded."""
         if self.req is None:
-            _wait_for(lambda: self.req is not None, None)
+            self._wait_submitted(None)
         try:
             self.req.wait(None)
         except Exception as e:
             return e
         return None
+
+    def _wait_submitted(self, timeout: float | None) -> bool:
+        return wait_until(
+            lambda s: _wait_for(lambda: self.req is not None, s),
+            what=lambda: f"the {self.describe()} to be submitted (its thread is still preparing it)",
+            log=log,
+            timeout=timeout,
+        )
+
+    def describe(self) -> str:
+        """What the op is, for messages: "read of 3 keys (1.0 MiB), started 2.0 s ago"."""
+        n = len(self.recs)
+        keys = f"key {self.recs[0].key!r}" if n == 1 else f"{n} keys"
+        return (
+            f"{self.kind} of {keys} ({self.nbytes} bytes), started "
+            f"{time.monotonic() - self.t0:.1f} s ago"
+        )
 
     def error(self) -> BaseException | None:
         """The request's exception, once it has ended."""
@@ -153,7 +175,12 @@ class IoOp:
                 _settle_cv.notify_all()
 
     def wait_finished(self, timeout: float | None = None) -> bool:
-        return self._finished or _wait_for(lambda: self._finished, timeout)
+        return self._finished or wait_until(
+            lambda s: _wait_for(lambda: self._finished, s),
+            what=lambda: f"another thread to complete the {self.describe()}",
+            log=log,
+            timeout=timeout,
+        )
 
 
 class Outcome(NamedTuple):
@@ -255,23 +282,33 @@ class StoreFuture:
         try:
             for dep in self._deps:
                 dep._drive(_remaining(deadline))
-            while not self._done:
-                op = self._op
-                if op is not None and self._store is not None and not op.finished:
-                    if not op.wait_io(_remaining(deadline)):
-                        raise TimeoutError(self._timeout_message(timeout))
-                    self._store._finish(op)  # settles the futures it resolves before returning
-                    continue
-                # Settled by another thread (one finding a region, a write this
-                # fetch follows, a device copy it was moved to): wait for it, a
-                # slice at a time so a newly attached op gets driven.
-                left = _remaining(deadline)
-                if left == 0.0:
-                    raise TimeoutError(self._timeout_message(timeout))
-                _wait_settled(self, 0.01 if left is None else min(left, 0.01))
+            if not self._done and not wait_until(
+                self._step, what=self._waiting_for, log=log, timeout=_remaining(deadline)
+            ):
+                raise TimeoutError(self._timeout_message(timeout))
         finally:
             if self._store is not None:
                 self._store._count_wait(time.monotonic() - t0)
+
+    def _step(self, slice_s: float) -> bool:
+        """One slice of a wait: drives the op in flight, if any ([Note: completing ops]); True once done."""
+        op = self._op
+        if op is not None and self._store is not None and not op.finished:
+            if op.wait_io(slice_s):
+                self._store._finish(op)  # settles the futures it resolves before returning
+            return self._done
+        # Settled by another thread (one finding a region, a write this fetch
+        # follows, a device copy it was moved to): wait for it, a short slice at a
+        # time so a newly attached op gets driven.
+        _wait_settled(self, min(slice_s, 0.01))
+        return self._done
+
+    def _waiting_for(self) -> str:
+        store = f" in store '{self._store.name}'" if self._store is not None else ""
+        op = self._op
+        if op is None or op.finished:
+            return f"{self.label}{store} (settled by another thread: finding pool memory or copying)"
+        return f"{self.label}{store}: its {op.describe()}"
 
     @property
     def label(self) -> str:
@@ -350,8 +387,10 @@ def gather(futures: Sequence[StoreFuture], label: str) -> StoreFuture:
 class Reaper:
     """A daemon thread that completes a store's ops nobody waits for (see [Note: completing ops])."""
 
-    def __init__(self, finish: Callable[..., None], name: str):
-        self._finish = weakref.WeakMethod(finish)  # type: ignore[arg-type]
+    def __init__(self, owner: Any, name: str):
+        # A plain weak reference to the store (whose ``_finish`` completes ops): a WeakMethod's own
+        # callback would run Python code when the store is dropped ([Note: finalizers run no Python]).
+        self._owner = weakref.ref(owner)
         self._cv = threading.Condition()
         self._ops: list[IoOp] = []
         self._stop = False
@@ -369,15 +408,20 @@ class Reaper:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        thread = self._thread
+        if thread is not threading.current_thread():
+            wait_until(
+                lambda s: not (thread.join(s) or thread.is_alive()),
+                what=f"thread {thread.name} to stop (it is completing an op)",
+                log=log,
+            )
 
     def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._ops and not self._stop:
                     self._cv.wait(1.0)
-                    if self._finish() is None:
+                    if self._owner() is None:
                         return
                 if self._stop:
                     return
@@ -389,12 +433,12 @@ class Reaper:
                 for op in self._ops:
                     (ended if op.claimed or op.io_done() else pending).append(op)
                 self._ops = pending
-            finish = self._finish()
-            if finish is None:
+            owner = self._owner()
+            if owner is None:
                 return
             for op in ended:
                 try:
-                    finish(op, wait=False)
+                    owner._finish(op, wait=False)
                 except Exception:  # never let the reaper die: later ops would go unnoticed
                     log.exception("infinity store reaper: completing an op failed")
-            del finish
+            del owner

@@ -1,6 +1,9 @@
 """Integrity: a CRC32C per key of home "nvme", taken when its write home ends and checked when a read ends.
 
-With ``TieredStore(integrity=True)`` a completed write records the CRC32C of
+On by default (``DEFAULT``): a swap file zeroed, truncated or bit-flipped
+behind the store's back must stop training, not change it. The runtime's
+stores take it from the config (``offload_param.integrity``,
+``offload_optimizer.integrity``). With it, a completed write records the CRC32C of
 the bytes it wrote (``KeyRecord.crc``); a completed read computes the CRC32C
 of what it read and fails the key's fetches with IntegrityError, naming the
 key, the file and the offset, when the two differ. A key never written by
@@ -13,6 +16,7 @@ their pool bytes until it completes them); ``verify`` runs under the lock.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from infinity.aio import crc32c
@@ -24,13 +28,25 @@ from infinity.store.record import KeyRecord
 if TYPE_CHECKING:
     from infinity.store.state import StoreState
 
+DEFAULT = True
+"""Whether a TieredStore checksums its keys when ``integrity`` is not given."""
 
-def checksums(st: StoreState, op: IoOp, err: BaseException | None) -> list[int] | None:
+
+def checksums(st: StoreState, op: IoOp, err: BaseException | None, *, caller: bool) -> list[int] | None:
     """The CRC32C of each key of a read or write that succeeded, in ``op.recs`` order; None
-    when integrity is off, the op failed, or it is not a read or write."""
+    when integrity is off, the op failed, or it is not a read or write. ``caller``: the thread
+    is a caller waiting on the op (not the reaper), for ``stats().checksum_caller_s``."""
     if not st.integrity or err is not None or op.kind not in ("read", "write"):
         return None
-    return [crc32c(r.slot.region.bytes_at(r.slot_offset, r.nbytes)) for r in op.recs]
+    t0 = time.thread_time()  # CPU time: what the checksums cost, whatever else runs on the machine
+    crcs = [crc32c(r.slot.region.bytes_at(r.slot_offset, r.nbytes)) for r in op.recs]
+    dt = time.thread_time() - t0
+    with st.stats_lock:
+        st.checksum_nbytes += sum(r.nbytes for r in op.recs)
+        st.checksum_s += dt
+        if caller:
+            st.checksum_caller_s += dt
+    return crcs
 
 
 def verify(st: StoreState, rec: KeyRecord, crc: int) -> IntegrityError | None:

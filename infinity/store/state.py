@@ -17,8 +17,8 @@ Invariants (``check_invariants`` asserts them; tests call it after every step):
 Threading: ``lock`` (a plain Lock, never held while waiting for I/O or pool
 space) guards ``records``, ``lru``, ``ops``, the flags, the traffic counters
 and every KeyRecord and Slot; each function of the paths says whether it is
-called with it held. ``stats_lock`` guards only the two wait-time sums, which
-waiting callers add to without the store lock. Lock order: store lock, then
+called with it held. ``stats_lock`` guards only the wait-time and checksum-time sums,
+which callers and the reaper add to without the store lock. Lock order: store lock, then
 pool lock.
 
 The state holds its facade only weakly: the store's finalizer holds the state,
@@ -81,6 +81,9 @@ class StoreState:
         self.ops: set[IoOp] = set()
         self.closing = False  # close() is draining I/O: no new operations, no more write-backs
         self.closed = False
+        # The first background write-back that failed and has not been retried since
+        # ([Note: failed write-backs] in write_path.py).
+        self.fault: StoreIOError | None = None
         self.read = Traffic()
         self.write = Traffic()
         self.h2d = Traffic()
@@ -90,6 +93,9 @@ class StoreState:
         self.stats_lock = threading.Lock()
         self.wait_s = 0.0
         self.pool_wait_s = 0.0
+        self.checksum_nbytes = 0  # integrity.py: bytes checksummed, seconds it took, and the
+        self.checksum_s = 0.0  # part of those in callers' threads
+        self.checksum_caller_s = 0.0
 
     # -- lookups and checks (under the lock) ----------------------------------
 
@@ -107,6 +113,47 @@ class StoreState:
 
     def closed_error(self) -> StoreStateError:
         return StoreStateError(f"store '{self.name}' is closed")
+
+    def check_usable(self, action: str) -> None:
+        """check_open, and refuses work that needs the drive while a write-back failure stands."""
+        self.check_open()
+        if self.fault is not None:
+            raise self.fault_error(action)
+
+    def fault_error(self, action: str) -> StoreIOError:
+        """The error raised for ``action`` while ``fault`` stands ([Note: failed write-backs])."""
+        fault = self.fault
+        assert fault is not None
+        stuck = [r for r in self.records.values() if r.error is not None]
+        keys = ", ".join(repr(r.key) for r in stuck[:3]) + (" …" if len(stuck) > 3 else "")
+        exc = StoreIOError(
+            fault.errno or errno.EIO,
+            f"{action} refused: store '{self.name}' could not write its data home: {fault}. "
+            f"Nothing is lost: {len(stuck)} key(s) ({keys}) stay resident and dirty in host memory. "
+            "Fix the drive (or free space on it) and call flush_all() on the store to retry the "
+            "write-back, or stop and resume from the last checkpoint on a working drive",
+            key=fault.key,
+        )
+        exc.__cause__ = fault
+        return exc
+
+    def settle_fault(self) -> bool:
+        """Clears ``fault`` once no key's last write home has failed (retried, or unregistered);
+        True if it was cleared now. Under the lock."""
+        if self.fault is None or any(r.error is not None for r in self.records.values()):
+            return False
+        self.fault = None
+        return True
+
+    def wait_cause(self, label: str) -> BaseException | None:
+        """Why ``label``'s wait for pool memory can never end well, if it cannot (BufferPool.acquire's
+        ``cause``; called without the lock): the store was closed, or a write-back failed."""
+        with self.lock:
+            if self.closed or self.closing:
+                return self.closed_error()
+            if self.fault is not None:
+                return self.fault_error(label)
+            return None
 
     def refuse_if_busy(self, rec: KeyRecord, action: str) -> None:
         if rec.holds:
@@ -175,7 +222,9 @@ class StoreState:
         """A pool region of ``nbytes`` (waiting up to pool_timeout); called without the lock."""
         t0 = time.monotonic()
         try:
-            return self.pool.acquire(nbytes, timeout=self.pool_timeout, name=label)
+            return self.pool.acquire(
+                nbytes, timeout=self.pool_timeout, name=label, cause=lambda: self.wait_cause(label)
+            )
         finally:
             dt = time.monotonic() - t0
             with self.stats_lock:

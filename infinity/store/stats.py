@@ -102,6 +102,13 @@ class StoreStats:
     writes: int
     """write() calls."""
     integrity_checks: int
+    checksum_nbytes: int
+    """Bytes checksummed (integrity): every byte written home and read back."""
+    checksum_s: float
+    """CPU seconds spent computing those checksums, in any thread."""
+    checksum_caller_s: float
+    """The part of ``checksum_s`` spent in callers' threads waiting on the op (the rest ran in the
+    store's reaper, behind the caller's back): the most integrity can add to a caller's time."""
     swap_capacity: int
     swap_used: int
     pool: PoolStats

@@ -28,8 +28,10 @@ where the three paths' completions meet.
 
 Where tier features go: checksums (and their default) in integrity.py; what a
 failed write-back reports and when, in write_path.complete_write and
-StoreState.io_error; what a wait names, in the futures' labels (futures.py)
-and StoreState.acquire's pool label; drives and striping in swapspace.py
+StoreState.io_error / fault_error ([Note: failed write-backs]); what a wait
+names, in the futures' labels (futures.py) and StoreState.acquire's pool
+label ([Note: no silent waits] in infinity/aio/waits.py); cleanup of a store
+never closed, in finalizer.py; drives and striping in swapspace.py
 ([Note: striping]).
 
 Invariants:
@@ -37,7 +39,7 @@ Invariants:
 - a key's host view lies in exactly one Slot (pool region), which returns to
   the pool when its last member goes back to rest;
 - a dirty key is never dropped: eviction writes it home first, and a failed
-  write leaves it dirty and resident;
+  write leaves it dirty and resident, and stops the store until retried;
 - a fetch of a key resident or being read never reads it again;
 - peak host memory = the pool + the home "cpu" tensors + metadata.
 
@@ -54,7 +56,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -63,10 +64,12 @@ import torch
 
 from infinity.aio import AioConfig, aligned_empty
 from infinity.memory import BufferPool, round_up
-from infinity.store import read_path, write_path
+from infinity.store import finalizer, read_path, write_path
 from infinity.store.device import DeviceTier, Tier, complete_copy_in
+from infinity.store.errors import StoreIOError
 from infinity.store.futures import IoOp, Outcome, Reaper, Settlement, StoreFuture, settle
 from infinity.store.handles import AioHandleLike, IoHandles
+from infinity.store.integrity import DEFAULT as integrity_default
 from infinity.store.integrity import checksums
 from infinity.store.record import RESIDENT, KeyRecord, KeySpec, key_label
 from infinity.store.state import StoreState
@@ -89,8 +92,10 @@ class TieredStore:
     resident keys live in. ``aio``: an AioConfig (the store opens its own read
     and write handles) or an AioHandle-like object to use as is (tests wrap
     one to record or inject failures). ``integrity``: CRC32C per key, stored
-    at write and verified at read. ``pool_timeout``: how long a fetch or write
-    waits for pool space before its future fails with TimeoutError.
+    at write and verified at read (on by default, integrity.py).
+    ``pool_timeout``: how long a fetch or write waits for pool space before
+    its future fails with TimeoutError (a failed write-back or close ends the
+    wait at once, with its own error).
     """
 
     def __init__(
@@ -101,7 +106,7 @@ class TieredStore:
         aio: AioConfig | AioHandleLike | None = None,
         device: torch.device | str = "cpu",
         name: str = "store",
-        integrity: bool = False,
+        integrity: bool = integrity_default,
         file_nbytes: int = DEFAULT_FILE_NBYTES,
         stripe_nbytes: int | None = None,
         pool_timeout: float | None = 300.0,
@@ -135,12 +140,13 @@ class TieredStore:
             io=io,
             swap=swap,
             device=device_tier,
-            reaper=Reaper(self._finish, name),
+            reaper=Reaper(self, name),
             integrity=integrity,
             pool_timeout=pool_timeout,
         )
         pool.add_reclaimer(self._reclaim)
-        self._finalizer = weakref.finalize(self, _finalize, self._st)
+        # Not weakref.finalize: the cleanup runs in a thread of its own (finalizer.py).
+        self._finalizer = finalizer.on_collect(self, _finalize, self._st)
 
     @property
     def integrity(self) -> bool:
@@ -231,6 +237,7 @@ class TieredStore:
             if rec.extent is not None:
                 st.swap.free(rec.extent)
             del st.records[key]
+            st.settle_fault()  # its failed write-back, if it had one, is moot now
 
     def spec(self, key: Hashable) -> KeySpec:
         with self._st.lock:
@@ -327,7 +334,7 @@ class TieredStore:
                 op.wait_finished()
             return
         err = op.wait_error()
-        ended = Outcome(err, checksums(st, op, err))
+        ended = Outcome(err, checksums(st, op, err, caller=wait))
         res: list[Settlement] = []
         try:
             with st.lock:
@@ -390,6 +397,9 @@ class TieredStore:
                 writebacks=n["writebacks"],
                 writes=n["writes"],
                 integrity_checks=n["integrity_checks"],
+                checksum_nbytes=st.checksum_nbytes,
+                checksum_s=st.checksum_s,
+                checksum_caller_s=st.checksum_caller_s,
                 swap_capacity=st.swap.capacity if st.swap else 0,
                 swap_used=st.swap.used if st.swap else 0,
                 pool=self.pool.stats(),
@@ -399,6 +409,19 @@ class TieredStore:
     def closed(self) -> bool:
         return self._st.closed
 
+    @property
+    def fault(self) -> StoreIOError | None:
+        """The failed write-back that stops this store, until a flush retries it; else None."""
+        return self._st.fault
+
+    def check_writebacks(self, action: str) -> None:
+        """Raises StoreIOError, naming ``action``, the failed write (errno, file, offset, key) and
+        the fix, while a write-back failure stands ([Note: failed write-backs] in write_path.py)."""
+        st = self._st
+        with st.lock:
+            if st.fault is not None:
+                raise st.fault_error(action)
+
     def close(self) -> None:
         """Waits for I/O in flight, returns every region to the pool, removes the swap files. Idempotent."""
         st = self._st
@@ -407,6 +430,7 @@ class TieredStore:
                 return
             st.closing = True
             ops = list(st.ops)
+        self.pool.wake()  # fetches waiting for pool memory end now (the store is closed)
         while ops:
             for op in ops:
                 op.wait_io(None)

@@ -12,8 +12,28 @@ per pool region, the keys WRITING until it completes in ``complete_write``):
 
 A failed write leaves its keys DIRTY and resident, so nothing is lost: the
 future of an explicit write, flush or evict fails with StoreIOError naming the
-key, file and offset; a background write-back keeps that error on the record
-(``KeyRecord.error``, not a cache entry any more) until a flush retries it.
+key, file and offset, and the failure stands for the store as a whole:
+
+[Note: failed write-backs]
+Nobody waits for a background write-back (eviction's), nor for the evictions
+and flushes the optimizer starts and leaves running, so a failed write home
+must not wait to be noticed: a drive failing on writes used to show only as a
+fetch timing out minutes later for pool space the unwritten data held. Now,
+whoever started the write:
+- the error (errno, file, offset, key) is logged at once, kept on the record
+  (``KeyRecord.error``: the key stays DIRTY and resident, no longer a cache
+  entry, so its data is never dropped) and becomes the store's ``fault``;
+- while the fault stands, every call that needs the drive (fetch, write, and
+  each wait for pool memory, which is woken) raises StoreIOError naming it
+  and the keys held back (StoreState.check_usable, fault_error); release,
+  evict of clean keys, flush and close still work. The engine asks its
+  stores before each forward, backward and step (TieredStore.check_writebacks);
+- ``flush(key)`` / ``flush_all()`` retry: once no key's write-back has failed
+  since, the fault is cleared and the store carries on. A failed retry keeps it.
+Keeping the data (rather than dropping it and failing later reads) is the
+choice: a transient error (a full file system being cleaned, a drive reset)
+can be retried without losing a step, and otherwise the error is immediate
+and says to resume from a checkpoint.
 
 Threading: the entry points (``write``, ``mark_dirty``, ``evict``, ``flush``,
 ``flush_all``, ``reclaim``) take the store lock themselves; the others are
@@ -23,6 +43,7 @@ caller's tensor without the lock.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from typing import NamedTuple
 
@@ -30,10 +51,12 @@ import torch
 
 from infinity.memory import PoolRegion
 from infinity.store.device import serve_waiters
-from infinity.store.errors import StoreStateError
+from infinity.store.errors import StoreIOError, StoreStateError
 from infinity.store.futures import IoOp, Outcome, Settlement, StoreFuture, done_future, gather
 from infinity.store.record import IN_IO, KeyRecord, Residency, Slot
 from infinity.store.state import StoreState
+
+log = logging.getLogger("infinity.store")
 
 # -- write ---------------------------------------------------------------------
 
@@ -50,7 +73,7 @@ def write(st: StoreState, key: Hashable, tensor: torch.Tensor) -> StoreFuture:
     label = f"write of key {key!r}"
     while True:
         with st.lock:
-            st.check_open()
+            st.check_usable(label)
             rec = st.record(key)
             _check_tensor(rec, tensor)
             pending = rec.write_future if rec.state is Residency.WRITING and not rec.holds else None
@@ -176,7 +199,7 @@ def submit_write(
 ) -> list[StoreFuture]:
     """Writes resident keys home, one request per slot; returns one future per key (under the lock).
 
-    ``background``: a write-back nobody asked for (its error stays on the record);
+    ``background``: a write-back nobody asked for (eviction's: its room counts as on its way back);
     ``evict``: the keys leave the pool when it ends, unless held or fetched meanwhile.
     """
     by_slot: dict[int, list[KeyRecord]] = {}
@@ -202,7 +225,9 @@ def submit_write(
 
 def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlement]) -> None:
     """A write ended (under the lock): its keys are clean (or gone, if evicting), or it failed
-    and they stay DIRTY and resident; fetches that waited for the write are served."""
+    and they stay DIRTY and resident; fetches that waited for the write are served. A failed
+    write is the store's fault until retried ([Note: failed write-backs])."""
+    failed: StoreIOError | None = None
     for i, rec in enumerate(op.recs):
         rec.op = None
         wf, rec.write_future = rec.write_future, None
@@ -214,8 +239,8 @@ def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlemen
             exc = st.io_error(rec, "write", ended.error)
             rec.to_dirty()  # still resident: nothing is lost
             rec.pending_dirty = False
-            if op.background:
-                rec.error = exc
+            rec.error = exc  # not a cache entry until a flush retries it
+            failed = failed or exc
             res.append((wf, None, exc))
         else:
             rec.written = True
@@ -231,6 +256,24 @@ def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlemen
             res.append((wf, None, None))
         serve_waiters(st, rec, res)
         st.sync_lru(rec)
+    if failed is not None:
+        _fault(st, failed, len(op.recs))
+    elif st.settle_fault():
+        log.warning("store '%s': the failed write-backs were retried successfully; carrying on", st.name)
+
+
+def _fault(st: StoreState, exc: StoreIOError, nkeys: int) -> None:
+    """A write-back failed (under the lock): say so now, and make it the store's fault."""
+    log.error(
+        "store '%s': %s (%d key(s) in the request). The data stays in host memory; the store "
+        "refuses further fetches and writes until flush_all() succeeds",
+        st.name,
+        exc,
+        nkeys,
+    )
+    if st.fault is None:
+        st.fault = exc
+    st.pool.wake()  # waiters for pool memory this data holds: they raise now, not at a timeout
 
 
 # -- eviction ------------------------------------------------------------------

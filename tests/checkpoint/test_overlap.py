@@ -18,28 +18,44 @@ from tests.checkpoint.helpers import N_STEPS, assert_same, config, make_engine, 
 
 @contextlib.contextmanager
 def step_held_back(engine):
-    """The overlapped step starts but does no work until someone calls ``synchronize()``."""
+    """The overlapped step starts but does no work until someone waits for it: ``synchronize()``, or
+    a fetch waiting for a unit's update (the next forward).
+
+    Each step gets a gate of its own: ``start`` itself synchronizes with the step before it (through
+    the patched ``synchronize``), which must not open the gate of the step being started."""
     overlap = engine.runtime.overlap
-    release = threading.Event()
-    start, sync = overlap.start, overlap.synchronize
+    progress = overlap.progress
+    gates: list[threading.Event] = []
+    start, sync, wait_unit = overlap.start, overlap.synchronize, progress.wait_unit
 
     def held_start(step):
+        gate = threading.Event()
+
         def held(done):
-            release.wait()
+            gate.wait()
             step(done)
 
-        start(held)
+        start(held)  # runs releasing_sync for the step before this gate is listed
+        gates.append(gate)
+
+    def open_gates():
+        for gate in gates:
+            gate.set()
 
     def releasing_sync():
-        release.set()
+        open_gates()
         sync()
 
-    overlap.start, overlap.synchronize = held_start, releasing_sync
+    def releasing_wait_unit(index):
+        open_gates()
+        wait_unit(index)
+
+    overlap.start, overlap.synchronize, progress.wait_unit = held_start, releasing_sync, releasing_wait_unit
     try:
         yield
     finally:
-        release.set()
-        del overlap.start, overlap.synchronize  # the class's methods again
+        open_gates()
+        del overlap.start, overlap.synchronize, progress.wait_unit  # the class's methods again
 
 
 @pytest.fixture

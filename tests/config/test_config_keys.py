@@ -85,7 +85,7 @@ def test_a_key_like_no_known_key_is_refused_with_the_keys_its_section_takes():
         )
     assert str(e.value).startswith(
         "unknown key zero_optimization.offload_param.frobnicate = 1 (zero_optimization.offload_param "
-        "takes buffer_count, buffer_size, device, max_in_cpu, nvme_path, pin_memory). "
+        "takes buffer_count, buffer_size, device, integrity, max_in_cpu, nvme_path, pin_memory). "
     )
     with pytest.raises(ConfigError) as e:
         load_config({"frobnicate": True})

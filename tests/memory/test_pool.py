@@ -175,3 +175,48 @@ def test_many_threads_never_overlap_and_account_exactly():
         and st.acquires == 800
         and st.peak_in_use <= pool.capacity
     )
+
+
+def test_a_long_wait_for_pool_space_is_logged_naming_the_holders(monkeypatch, caplog):
+    import logging
+
+    from infinity.aio import waits
+
+    monkeypatch.setattr(waits, "LOG_EVERY_S", 0.05)
+    pool = BufferPool(1, MiB, name="params")
+    held = pool.acquire(MiB, name="unit 'h.0'")
+    with caplog.at_level(logging.WARNING, logger="infinity.memory"):
+        with pytest.raises(TimeoutError, match="waited 0.5 s"):
+            pool.acquire(MiB, name="fetch of key 'h.1'", timeout=0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(
+        "still waiting after" in m and "1.0 MiB of contiguous pinned buffer space in pool 'params' for "
+        "fetch of key 'h.1'" in m and "held by 1 region(s) ('unit 'h.0'' 1.0 MiB)" in m
+        for m in lines
+    ), lines
+    held.release()
+
+
+def test_a_cause_ends_a_wait_for_pool_space_at_once_and_wake_makes_it_look():
+    pool = BufferPool(1, MiB, name="p")
+    held = pool.acquire(MiB, name="dirty data")
+    failure: list[BaseException] = []
+    errors: list[BaseException] = []
+
+    def waiter():
+        try:
+            pool.acquire(MiB, name="fetch", timeout=300, cause=lambda: failure[0] if failure else None)
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    while pool.stats().waiting == 0:
+        time.sleep(0.001)
+    failure.append(OSError(5, "write-back of 'dirty data' failed"))
+    pool.wake()
+    t.join(30)
+    assert not t.is_alive(), "the wait went on after its cause was known"
+    assert len(errors) == 1 and "write-back of 'dirty data' failed" in str(errors[0])
+    assert pool.stats().waiting == 0
+    held.release()

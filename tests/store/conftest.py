@@ -77,10 +77,11 @@ class _Rule:
 
 
 class RecordingAio:
-    """Wraps a real AioHandle: logs requests; fail_next()/gate_next() alter the next matching ones."""
+    """Wraps a real AioHandle (``inner``, or a new one on ``engine``): logs requests;
+    fail_next()/gate_next() alter the next matching ones."""
 
-    def __init__(self, engine: str = "auto"):
-        self.inner = AioHandle(engine=engine)
+    def __init__(self, engine: str = "auto", *, inner: AioHandle | None = None):
+        self.inner = inner if inner is not None else AioHandle(engine=engine)
         self.config = self.inner.config
         self.engine = self.inner.engine
         self.log: list[Logged] = []

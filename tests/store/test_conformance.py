@@ -222,7 +222,7 @@ def test_a_store_dropped_without_close_gives_everything_back(nvme_dir):
     import gc
 
     from infinity.memory import BufferPool
-    from infinity.store import TieredStore
+    from infinity.store import TieredStore, finalizer
 
     pool = BufferPool(4, 1 << 20)
     store = TieredStore(nvme_dir, pool=pool, name="dropped")
@@ -232,4 +232,5 @@ def test_a_store_dropped_without_close_gives_everything_back(nvme_dir):
     assert pool.stats().in_use > 0 and dirs[0].exists()
     del store
     gc.collect()
+    assert finalizer.drain(30), "the finalizer thread did not run the store's cleanup"
     assert pool.stats().in_use == 0 and not dirs[0].exists()

@@ -2,7 +2,9 @@
 state stays consistent and nothing leaks from the pool."""
 
 import errno
+import logging
 import os
+import time
 
 import pytest
 import torch
@@ -58,24 +60,73 @@ def test_a_failed_write_keeps_the_data_resident_and_dirty(make_store):
     store.release("opt.m")
 
 
-def test_a_failed_background_write_back_is_reported_by_flush(make_store):
-    store, aio = make_store(recording=True, pool_count=1, pool_size=16 * KiB, pool_timeout=0.3)
+def test_a_failed_background_write_back_fails_the_fetch_waiting_for_its_room_at_once(make_store):
+    """The fetch that needs the room the unwritten data holds raises the write's error (errno, file,
+    offset, key) as soon as the write-back fails, not at the pool timeout; nothing is lost, and
+    flush_all() after the drive recovers lets the store carry on."""
+    store, aio = make_store(recording=True, pool_count=1, pool_size=16 * KiB, pool_timeout=300)
     store.register_many([("a", (4 * KiB,), torch.float32), ("b", (4 * KiB,), torch.float32)])
     store.fetch("a", overwrite=True).result(10).fill_(1)
     store.release("a")
     aio.fail_next("write", errno=errno.EIO)
+    t0 = time.monotonic()
     # b needs a's room; a's write-back fails, so a stays resident and b cannot get in
-    with pytest.raises(TimeoutError, match="fetch of key 'b'"):
-        store.fetch("b", overwrite=True).result(10)
+    with pytest.raises(StoreIOError) as e:
+        store.fetch("b", overwrite=True).result(60)
+    assert time.monotonic() - t0 < 30, "the fetch waited for the pool timeout instead"
+    msg = str(e.value)
+    assert "fetch of key 'b'" in msg and "write of key 'a'" in msg, msg
+    assert "swap.0 at offset 0" in msg and "Input/output error" in msg and "flush_all()" in msg, msg
+    assert e.value.errno == errno.EIO and store.fault is not None
     assert store.spec("a").state is Residency.DIRTY and store.spec("a").dirty
     assert store.spec("b").state is Residency.AT_REST and store.spec("b").holds == 0
+    with pytest.raises(StoreIOError, match="fetch of key 'a' refused.*write of key 'a'"):
+        store.fetch("a")  # every call that needs the drive says so until the retry
+    with pytest.raises(StoreIOError, match="write of key 'b' refused"):
+        store.write("b", torch.zeros(4 * KiB))
     with pytest.raises(StoreStateError, match="evict of key 'a': its last write home failed"):
         store.evict("a")
-    store.flush("a").result(10)  # the retry succeeds
+    store.flush_all().result(10)  # the retry succeeds: the store carries on
+    assert store.fault is None
     store.fetch("b", overwrite=True).result(10)  # a is clean now: dropped for b
     assert store.spec("a").state is Residency.AT_REST
     store.release("b")
     assert torch.equal(store.fetch("a").result(10), torch.ones(4 * KiB))
+    store.release("a")
+
+
+def test_a_failed_write_back_is_logged_at_once(make_store, caplog):
+    store, aio = make_store(recording=True, pool_count=1, pool_size=16 * KiB)
+    store.register_many([("a", (4 * KiB,), torch.float32), ("b", (4 * KiB,), torch.float32)])
+    store.fetch("a", overwrite=True).result(10).fill_(1)
+    store.release("a")
+    aio.fail_next("write", errno=errno.ENOSPC)
+    with caplog.at_level(logging.ERROR, logger="infinity.store"):
+        with pytest.raises(StoreIOError):
+            store.fetch("b", overwrite=True).result(60)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("write of key 'a'" in m and "No space left on device" in m for m in lines), lines
+    with pytest.raises(StoreIOError, match="No space left on device"):
+        store.check_writebacks("engine.step()")
+
+
+def test_a_failed_retry_keeps_the_fault(make_store):
+    store, aio = make_store(recording=True, pool_count=1, pool_size=16 * KiB)
+    store.register_many([("a", (4 * KiB,), torch.float32), ("b", (4 * KiB,), torch.float32)])
+    store.fetch("a", overwrite=True).result(10).fill_(2)
+    store.release("a")
+    aio.fail_next("write", errno=errno.EIO, count=2)
+    with pytest.raises(StoreIOError):
+        store.fetch("b", overwrite=True).result(60)
+    with pytest.raises(StoreIOError, match="write of key 'a'"):
+        store.flush_all().result(10)
+    assert store.fault is not None and store.spec("a").dirty
+    with pytest.raises(StoreIOError, match="refused"):
+        store.fetch("b")
+    store.flush("a").result(10)
+    assert store.fault is None
+    store.evict("a").result(10)
+    assert torch.equal(store.fetch("a").result(10), torch.full((4 * KiB,), 2.0))
     store.release("a")
 
 
@@ -133,3 +184,16 @@ def test_a_write_whose_copy_fails_gives_its_region_back(make_store):
     store.write("k", torch.ones(1024)).result()  # the key is writable again
     assert torch.equal(store.fetch("k").result(), torch.ones(1024))
     store.release("k")
+
+
+def test_unregistering_the_key_whose_write_failed_ends_the_fault(make_store):
+    store, aio = make_store(recording=True)
+    store.register_many([("a", (1024,), torch.float32), ("b", (1024,), torch.float32)])
+    aio.fail_next("write", errno=errno.EIO)
+    with pytest.raises(StoreIOError):
+        store.write("a", torch.ones(1024)).result(10)
+    with pytest.raises(StoreIOError, match="write of key 'b' refused"):
+        store.write("b", torch.ones(1024))
+    store.unregister("a")  # its data is discarded on purpose: nothing is left unwritten
+    assert store.fault is None
+    store.write("b", torch.ones(1024)).result(10)

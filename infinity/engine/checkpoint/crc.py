@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 
 import torch
 
 from infinity.aio import crc32c
+from infinity.aio.waits import result_of
+
+log = logging.getLogger("infinity.checkpoint")
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 PIECE_NBYTES = 4 << 20
@@ -77,7 +81,8 @@ class PendingCrc:
     def result(self) -> int:
         crc = 0
         for i, (fut, n) in enumerate(self._parts):
-            c = fut.result()
+            c = result_of(fut, what=f"the CRC32C of piece {i} of {len(self._parts)} (thread pool infinity-crc32c)",
+                          log=log)
             crc = c if i == 0 else crc32c_combine(crc, c, n)
         return crc
 

@@ -1,0 +1,79 @@
+"""Ctrl-C during save_checkpoint always ends the program with KeyboardInterrupt.
+
+It used to be lost about once in 70 saves: the interrupt landed in
+AioRequest.__del__, was printed as "Exception ignored" and training went on
+([Note: finalizers run no Python] in infinity/aio/handle.py). Each try is a
+child that trains a step, then saves in a loop until SIGINT arrives at a
+random point of a save; it must exit with KeyboardInterrupt, never carry on.
+tests/aio/test_finalizers.py and tests/store/test_finalizers.py check the
+cause directly (dropping runtime objects runs no Python code); this is the
+symptom, sampled.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRIES = 5
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    torch.set_num_threads(1)
+    from tests.checkpoint.helpers import config, make_engine, train
+
+    swap, ckpt = Path(sys.argv[1]), Path(sys.argv[2])
+    engine, _ = make_engine("gpt", config(3, "nvme", "nvme", swap), seed=0)
+    train(engine, 0, 1)
+    t = time.perf_counter()
+    engine.save_checkpoint(ckpt, tag="t0")
+    print("ready", time.perf_counter() - t, flush=True)
+    i = 0
+    while True:
+        i += 1
+        engine.save_checkpoint(ckpt, tag=f"t{i % 2}")
+        if i > 10_000:
+            print("carried on", flush=True)
+            sys.exit(3)
+""")
+
+
+@pytest.mark.slow
+def test_sigint_during_save_checkpoint_always_raises_keyboard_interrupt(nvme_dir, tmp_path):
+    rng = random.Random(int(time.time()))
+    for attempt in range(TRIES):
+        ckpt = tmp_path / f"ckpt{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(nvme_dir), str(ckpt)], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            line = child.stdout.readline()
+            assert line.startswith("ready"), f"the child did not start saving: {line!r}\n{child.stderr.read()}"
+            save_s = float(line.split()[1])
+            time.sleep(rng.uniform(0.0, 2 * save_s))
+            child.send_signal(signal.SIGINT)
+            try:
+                _out, err = child.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                _out, err = child.communicate()
+                pytest.fail(f"try {attempt}: SIGINT was swallowed, the save loop carried on:\n{err[-3000:]}")
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+        assert "Exception ignored" not in err, f"try {attempt}: the interrupt was lost in a finalizer:\n{err}"
+        last = err.strip().splitlines()[-1] if err.strip() else ""
+        assert child.returncode != 0 and last == "KeyboardInterrupt", (
+            f"try {attempt}: exit {child.returncode}, expected a KeyboardInterrupt traceback:\n{err[-3000:]}"
+        )
