@@ -379,6 +379,11 @@ class Stage3Partitioner:
             unit.backward_held = False
             self._unhold(unit)
 
+    def abort_backward(self) -> None:
+        """After a backward that raised (autograd then drops the callback queued for its end):
+        lets go of what it gathered, so the next backward starts clean and queues its own."""
+        self._end_of_backward()
+
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False
         for unit in self._backward_units:
