@@ -26,7 +26,8 @@ waits, per unit, for the unit's update to be in place), and the pool's
 contents are untouched by a change made without ``modifier_rank`` (lost, as
 DeepSpeed documents). Before anything is gathered the bytes asked are checked
 against the memory free on that device (MemAvailable, or CUDA's free memory)
-and refused at once, with both figures, when they cannot fit.
+and refused at once (MemoryError), with both figures, when they cannot fit —
+on every rank when on one (the gathers are collectives).
 
 Threading: the training thread, outside forward and backward.
 """
@@ -149,14 +150,14 @@ def free_memory_nbytes(device: torch.device) -> int | None:
     return None
 
 
-def check_room(need_nbytes: int, device: torch.device, what: str) -> None:
-    """Refuses a user gather of ``need_nbytes`` (copies outside the pool, [Note: user gathers outside the
-    pool]) that ``device``'s free memory cannot hold; ``what`` names the parameters."""
+def room_refusal(need_nbytes: int, device: torch.device, what: str) -> str | None:
+    """Why a user gather of ``need_nbytes`` (copies outside the pool, [Note: user gathers outside the
+    pool]) cannot be held in ``device``'s free memory, or None when it can; ``what`` names the parameters."""
     free = free_memory_nbytes(device)
     if free is None or need_nbytes <= free:
-        return
+        return None
     where = "host memory (MemAvailable)" if device.type == "cpu" else f"memory on {device}"
-    raise MemoryError(
+    return (
         f"GatheredParameters needs {need_nbytes:,} bytes to hold {what} whole (gathered outside the parameter "
         f"pool, which holds a few layers at a time), but only {free:,} bytes of {where} are free. Gather fewer "
         "parameters at a time (one module's per context: with GatheredParameters(module.parameters()) for each "

@@ -43,7 +43,7 @@ from torch import nn
 
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
-from infinity.zero.gathered import PARAM_OWNERS, check_room
+from infinity.zero.gathered import PARAM_OWNERS, room_refusal
 from infinity.zero.masters import MasterCopy, ShardSnapshot
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
@@ -276,10 +276,7 @@ class Stage3Partitioner:
                 units.append(unit)
         units.sort(key=lambda u: u.index)  # the same order on every rank
         snapshot = modifier_rank is not None and self.masters is not None
-        new = [u for u in units if not u.persistent and u.state is UnitState.RELEASED]
-        check_room(sum(u.full_nbytes for u in new) + (sum(u.layout.shard_nbytes for u in units) if snapshot else 0),
-                   units[0].device if units else torch.device("cpu"),
-                   f"{len(params)} parameter(s) ({len(new)} layer(s) to gather)")
+        self._check_room(units, snapshot, f"{len(params)} parameter(s)")
         self.hold_for_user(units)
         try:
             snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units] if snapshot else []
@@ -287,6 +284,20 @@ class Stage3Partitioner:
             self.unhold_for_user(units)
             raise
         return _UserHold(self, units, modifier_rank, snapshots)
+
+    def _check_room(self, units: list[ParamUnit], snapshot: bool, what: str) -> None:
+        """Refuses (MemoryError) on every rank a user gather that one rank's free memory cannot hold."""
+        new = [u for u in units if not u.persistent and u.state is UnitState.RELEASED]
+        need = sum(u.full_nbytes for u in new) + (sum(u.layout.shard_nbytes for u in units) if snapshot else 0)
+        device = units[0].device if units else torch.device("cpu")
+        refusal = room_refusal(need, device, f"{what} ({len(new)} layer(s) to gather)") if need else None
+        if self.group.world_size > 1:
+            refused = torch.tensor([refusal is not None], dtype=torch.uint8)
+            self.group.all_reduce_max(refused)
+            if refused.item() and refusal is None:
+                refusal = "GatheredParameters was refused on another rank: its free memory cannot hold the parameters"
+        if refusal is not None:
+            raise MemoryError(refusal)
 
     def hold_for_user(self, units: list[ParamUnit]) -> None:
         """Gathers ``units`` until unhold_for_user (persistent units are always gathered), each one

@@ -18,6 +18,7 @@ import torch
 import infinity
 import infinity.zero.gathered as gathered
 from infinity.zero.gathered import GatheredParameters
+from tests.distributed import run_distributed
 from tests.engine.models import batch
 from tests.engine.reference import BETAS, CLIP, EPS, LR, WD, engine_config
 
@@ -156,6 +157,39 @@ def test_a_gather_memory_cannot_hold_is_refused_at_once_and_training_goes_on(nvm
     assert_close(whole, oracle(3, None), "after the refusal")
     assert_close({"blocks.0.mlp.fc.weight": fc["weight"]}, {"blocks.0.mlp.fc.weight": oracle(1, None)[
         "blocks.0.mlp.fc.weight"]}, "one module's gather")
+
+
+def _refused_on_rank_1(rank, nvme):
+    """Rank 1's memory cannot hold the gather: both ranks refuse it (one gathering alone would wait
+    for the other in all_gather for good), then train on and gather together."""
+    m = model()
+    engine = infinity.initialize(m, config(nvme))
+    train(engine, [0])
+    if rank == 1:
+        gathered.free_memory_nbytes = lambda device: 1
+    try:
+        gather_all(m)
+        refused = ""
+    except MemoryError as e:
+        refused = str(e)
+    gathered.free_memory_nbytes = FREE_MEMORY
+    train(engine, [1, 2])
+    whole = gather_all(m)
+    engine.close()
+    return refused, whole
+
+
+FREE_MEMORY = gathered.free_memory_nbytes
+
+
+@pytest.mark.distributed
+def test_a_refusal_on_one_rank_is_every_rank_s(nvme_dir):
+    (refused0, whole0), (refused1, whole1) = run_distributed(_refused_on_rank_1, str(nvme_dir), world_size=2,
+                                                             timeout=300)
+    assert refused0 == "GatheredParameters was refused on another rank: its free memory cannot hold the parameters"
+    assert refused1.startswith("GatheredParameters needs ") and "only 1 bytes of host memory" in refused1
+    for n, w in whole0.items():
+        assert (w == whole1[n]).all(), n
 
 
 def test_a_gather_that_fails_midway_lets_go_of_what_it_gathered(nvme_dir, monkeypatch):
