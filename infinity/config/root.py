@@ -49,6 +49,10 @@ class InfinityConfig:
     """Log progress every this many optimizer steps (DeepSpeed's code default is unset)."""
     preflight: bool = knob(True)
     """infinity: check memory and disk against the run before allocating anything."""
+    skip_nonfinite_steps: bool = knob(False)
+    """infinity (DeepSpeed has no such key): skip an optimizer step whose gradient norm or loss is inf
+    or NaN, as fp16 skips an overflowing one (parameters, optimizer state and lr schedule stay;
+    skipped_steps counts it). Off, such a step is applied and a warning names it."""
     fp16: FP16Config = knob(FP16Config())
     """fp16 training and loss scaling."""
     bf16: BF16Config = knob(BF16Config(), aliases=("bfloat16",))

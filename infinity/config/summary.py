@@ -98,7 +98,8 @@ def render(cfg: InfinityConfig) -> str:
         lines.append(f"  scheduler  {cfg.scheduler.type}: {params}")
     clip = f"{cfg.gradient_clipping:g}" if cfg.gradient_clipping else "off"
     lines.append(
-        f"  clipping   {clip}; steps_per_print {cfg.steps_per_print or '-'}; preflight {_onoff(cfg.preflight)}"
+        f"  clipping   {clip}; steps_per_print {cfg.steps_per_print or '-'}; preflight {_onoff(cfg.preflight)}; "
+        f"non-finite steps {'skipped' if cfg.skip_nonfinite_steps else 'applied, with a warning'}"
     )
     a = cfg.aio
     lines.append(

@@ -7,6 +7,11 @@ only at the accumulation boundary: it takes the global gradient norm (all
 shards, all ranks), skips the step on fp16 overflow, clips, runs the
 partitioned Adam over the shards (streamed from NVMe where they live there),
 and advances the lr schedule.
+
+backward(), step() and zero_grad() follow torch in any order ([Note: the
+training loop's call order]); a step whose loss or gradient norm is not
+finite is named, or skipped on request ([Note: non-finite steps]); both in
+engine/window.py.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
+from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
@@ -96,6 +102,7 @@ class Engine:
         self._trace: StepTrace | None = source if isinstance(source, StepTrace) else None
         self.lr_scheduler = self._make_scheduler(lr_scheduler)
         self.last_grad_norm: float | None = None
+        self._window = UpdateWindow()
         # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
         self.overlap_step = self.stage == 3
 
@@ -143,39 +150,75 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagates ``loss`` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale)."""
+        """Backpropagates ``loss`` scaled by 1/gradient_accumulation_steps (and the fp16 loss scale),
+        adding to the gradient since the last update ([Note: the training loop's call order])."""
         self._check_open("engine.backward()")
         if loss.dim() != 0:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.synchronize()
-        boundary = self.is_gradient_accumulation_boundary()
-        first = self.micro_steps % self.gradient_accumulation_steps == 0
         rt = self.runtime
         if rt.reducer is not None:
-            rt.reducer.begin_micro(first=first, last=boundary)
+            rt.reducer.begin_micro(last=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
-        trace = self._trace
         try:
             (loss * scale if scale != 1.0 else loss).backward()
-            if rt.reducer is not None and boundary and rt.reducer.deferred:
-                rt.reducer.reduce_window()
-        except BaseException:
-            if trace is not None:
-                trace.abort_step()
+        except BaseException as e:
+            self._backward_failed(e)
             raise
+        self._window.completed(self.micro_steps, loss)
+        trace = self._trace
         if trace is not None and trace.step_open:
             trace.end_step()
 
+    def _backward_failed(self, error: BaseException) -> None:
+        """Settles what a backward that raised left behind, and says in ``error`` what state that is."""
+        rt = self.runtime
+        dropped = False
+        try:
+            if self._trace is not None:
+                self._trace.abort_step()
+            if rt.grad_hooks is not None:
+                dropped = rt.grad_hooks.abort_backward()
+            if rt.partitioner is not None:
+                rt.partitioner.abort_backward()
+        except BaseException as cleanup:
+            error.add_note(f"infinity: settling the engine after this error failed too ({cleanup!r}); close "
+                           "the engine and resume from a checkpoint")
+            return
+        error.add_note(self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped))
+
+    def zero_grad(self) -> None:
+        """Drops the gradient accumulated since the last update (DeepSpeed's ``engine.zero_grad()``,
+        torch's ``optimizer.zero_grad()``): a step() before the next backward() changes nothing. The
+        micro-step count stays, so the next update is still at the accumulation boundary."""
+        self._check_open("engine.zero_grad()")
+        self.synchronize()
+        self._end_window()
+
+    def _end_window(self) -> None:
+        rt = self.runtime
+        if rt.reducer is not None:
+            rt.reducer.end_window()
+        if rt.passthrough is not None:
+            rt.passthrough.zero_grad(set_to_none=True)
+        self._window = UpdateWindow()
+
     def step(self) -> None:
-        """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
+        """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step
+        ([Note: the training loop's call order], [Note: non-finite steps])."""
         self._check_open("engine.step()")
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
+            if self._window.failed_at is not None:
+                log.warning("step %d applies a gradient that holds part of a backward() that raised (micro-step "
+                            "%d); call engine.zero_grad() after such an error to drop it instead",
+                            self.global_steps, self._window.failed_at)
             if self.runtime.passthrough is not None:
-                self._passthrough_step()
+                outcome = self._passthrough_step()
             else:
-                self._partitioned_step()
-            if self.lr_scheduler is not None:
+                outcome = self._partitioned_step()
+            self._end_window()
+            if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
                 self.lr_scheduler.step()
             self.global_steps += 1
             every = self.config.steps_per_print
@@ -184,21 +227,28 @@ class Engine:
                          self.skipped_steps, self.get_lr(), self.last_grad_norm, self.loss_scale)
         self.micro_steps += 1
 
-    def _partitioned_step(self) -> None:
+    def _partitioned_step(self) -> Outcome:
         rt = self.runtime
-        has_grad = rt.reducer.window_has_grad()
-        sumsq = torch.tensor([rt.optimizer.local_grad_sumsq(has_grad)], dtype=torch.float64)
-        if self.stage >= 1:  # shards: the norm is spread over the ranks (stage 0 holds it whole)
-            self.group.all_reduce_sum(sumsq)
+        if rt.reducer.deferred:  # stages 0 and 1 reduce the window's gradient once, here
+            rt.reducer.reduce_window()
+        has_grad = rt.reducer.window_has_grad()  # the same on every rank
+        sumsq = rt.optimizer.local_grad_sumsq(has_grad)
+        if self.stage == 0 and self.group.rank != 0:
+            sumsq = 0.0  # stage 0 holds the whole gradient on every rank: rank 0's sum is everyone's
+        if not any(bool(f.any()) for f in has_grad):
+            self._no_gradient()
+            return Outcome.NO_GRADIENT
         scale = self.loss_scaler.scale
-        norm = math.sqrt(float(sumsq)) / scale
+        norm, bad_losses = self._window.global_norm(self.group, sumsq, scale)
         self.last_grad_norm = norm
         if self.config.fp16.enabled and not math.isfinite(norm):
             self.skipped_steps += 1
             self.loss_scaler.update(overflow=True)
             log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
                         self.global_steps, scale, self.loss_scaler.scale)
-            return
+            return Outcome.SKIPPED
+        if (not math.isfinite(norm) or bad_losses) and self._nonfinite(norm, bad_losses):
+            return Outcome.SKIPPED
         coef = 1.0 / scale
         clip = self.config.gradient_clipping
         if clip > 0:
@@ -222,18 +272,37 @@ class Engine:
             if rt.partitioner is not None:
                 rt.partitioner.gather_persistent()
         self.loss_scaler.update(overflow=False)
+        return Outcome.APPLIED
 
-    def _passthrough_step(self) -> None:
-        params = self.runtime.params
-        for p in params:
-            if p.grad is not None:
-                self.group.all_reduce_mean(p.grad)
+    def _passthrough_step(self) -> Outcome:
+        with_grad = [p for p in self.runtime.params if p.grad is not None]
+        for p in with_grad:
+            self.group.all_reduce_mean(p.grad)
+        if not with_grad:
+            self._no_gradient()
+            return Outcome.NO_GRADIENT
         if self.config.gradient_clipping > 0:
-            self.last_grad_norm = float(
-                torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], self.config.gradient_clipping)
-            )
+            norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.config.gradient_clipping))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad])))
+        self.last_grad_norm = norm  # the grads were all-reduced: every rank holds this norm
+        _, bad_losses = self._window.global_norm(self.group, 0.0, 1.0)
+        if (not math.isfinite(norm) or bad_losses) and self._nonfinite(norm, bad_losses):
+            return Outcome.SKIPPED
         self.runtime.passthrough.step()
-        self.runtime.passthrough.zero_grad(set_to_none=True)
+        return Outcome.APPLIED
+
+    def _nonfinite(self, norm: float, bad_losses: int) -> bool:
+        """Warns of a step whose gradient norm or loss is inf or NaN; True: skip it (skip_nonfinite_steps)."""
+        skip = self.config.skip_nonfinite_steps
+        log.warning("%s", self._window.nonfinite_message(self.global_steps, norm, bad_losses, skipped=skip))
+        if skip:
+            self.skipped_steps += 1
+        return skip
+
+    def _no_gradient(self) -> None:
+        if self._window.backwards == 0:
+            log.warning("%s", no_backward_message(self.global_steps))
 
     # -- checkpoints (infinity.engine.checkpoint) ---------------------------------
 
@@ -265,10 +334,12 @@ class Engine:
         engine is left as it was (``verify=False`` halves the reads but gives up that promise for corrupt
         data found mid-load). Every rank must call it."""
         self._check_open("engine.load_checkpoint()")
-        return checkpoint.load_checkpoint(
+        client_state = checkpoint.load_checkpoint(
             self, load_dir, tag, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             verify_checksums=verify, progress=progress)
+        self._end_window()  # a gradient taken before the load belongs to other weights
+        return client_state
 
     def save_16bit_model(
         self, save_dir: Any, save_filename: str = "model.safetensors", *, progress: bool | None = None

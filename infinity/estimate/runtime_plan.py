@@ -443,8 +443,8 @@ def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | No
 
 def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan) -> StorePlan:
     """The optimizer store: with NVMe, a pool of three sub-groups' swapped arrays (read ‖ update ‖ write)
-    and a reserve for every shard's."""
-    if off.device != "nvme":
+    and a reserve for every shard's. A model without parameters has no state to keep anywhere."""
+    if off.device != "nvme" or not units:
         return StorePlan("optimizer", UNUSED_POOL)
     per = optimizer.swapped_nbytes_per_element
     largest = max((u.layout.shard_numel for u in units), default=0)

@@ -54,7 +54,7 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     total = sum(u.layout.shard_numel for u in units)
     if zero.offload_optimizer.device == "nvme" or off.device == "nvme":
         target = max(largest, round_up(min(SUB_GROUP_TARGET, -(-total // 16)), _ROUND))
-        if target < sub:
+        if 0 < target < sub:  # 0: a model without parameters, nothing to size
             changes.append(("zero_optimization.sub_group_size", sub, target))
             sub = target
     new_off = off

@@ -165,6 +165,7 @@ class PartitionedAdam(torch.optim.Optimizer):
 
     def open(self, unit_index: int, *, first: bool) -> torch.Tensor:
         key = (unit_index, "g")
+        self._sumsq.pop(unit_index, None)  # the gradient changes: its norm is taken again
         g = self.state_store.fetch(key, overwrite=first).result()
         if first:
             g.zero_()

@@ -13,6 +13,22 @@ the business of each parameter's owner (a ``ParamOwner``), found through
 an engine's Stage3Partitioner or ResidentParams, or zero.Init's store before
 ``initialize``. Parameters no owner holds are left as they are.
 
+[Note: user gathers outside the pool]
+DeepSpeed users write ``with GatheredParameters(model.parameters()):
+torch.save(model.state_dict())`` — the whole model at once, which may be far
+more than the parameter pool holds (the pool is sized for a few layers at a
+time). So a unit gathered for a user is copied into memory of its own on the
+compute device, one shard at a time, and its pool buffer is given back at
+once: the gather never waits for pool room, never holds room the next
+forward, the prefetcher or an optimizer step still running in the background
+needs (that step reads and writes through the same pool; the gather only
+waits, per unit, for the unit's update to be in place), and the pool's
+contents are untouched by a change made without ``modifier_rank`` (lost, as
+DeepSpeed documents). Before anything is gathered the bytes asked are checked
+against the memory free on that device (MemAvailable, or CUDA's free memory)
+and refused at once (MemoryError), with both figures, when they cannot fit —
+on every rank when on one (the gathers are collectives).
+
 Threading: the training thread, outside forward and backward.
 """
 
@@ -24,6 +40,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from infinity.host import meminfo
 from infinity.zero.owners import LiveOwners
 
 
@@ -120,3 +137,29 @@ class GatheredParameters:
                     error = error or e
         if error is not None:
             raise error
+
+
+def free_memory_nbytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on ``device`` (host: MemAvailable); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        info = meminfo()
+        return info.get("MemAvailable", info.get("MemFree")) or None
+    return None
+
+
+def room_refusal(need_nbytes: int, device: torch.device, what: str) -> str | None:
+    """Why a user gather of ``need_nbytes`` (copies outside the pool, [Note: user gathers outside the
+    pool]) cannot be held in ``device``'s free memory, or None when it can; ``what`` names the parameters."""
+    free = free_memory_nbytes(device)
+    if free is None or need_nbytes <= free:
+        return None
+    where = "host memory (MemAvailable)" if device.type == "cpu" else f"memory on {device}"
+    return (
+        f"GatheredParameters needs {need_nbytes:,} bytes to hold {what} whole (gathered outside the parameter "
+        f"pool, which holds a few layers at a time), but only {free:,} bytes of {where} are free. Gather fewer "
+        "parameters at a time (one module's per context: with GatheredParameters(module.parameters()) for each "
+        "module), or write the weights with engine.save_16bit_model(), which streams them. Nothing was gathered."
+    )

@@ -94,3 +94,18 @@ class GradHooks:
         self.reducer.finish_all()
         for unit in self.unit_map.units:
             unit.grads_arrived = 0
+
+    def abort_backward(self) -> bool:
+        """After a backward that raised: autograd drops the callbacks queued for its end, so the
+        next backward would queue none. Settles what it left instead: the reducer keeps what reached
+        the gradient (GradReducer.abort_micro), counts start afresh, and released parameters a
+        grad pre-hook had pointed at its NaN stand-in get their placeholder back. Returns whether
+        part of the backward's gradient had to be dropped (see abort_micro)."""
+        self._queued = False
+        dropped = self.reducer.abort_micro()
+        for unit in self.unit_map.units:
+            unit.grads_arrived = 0
+            if self.partitioned and unit.state is UnitState.RELEASED:
+                for p in unit.params:
+                    p.data = unit.placeholder
+        return dropped

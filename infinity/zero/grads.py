@@ -10,6 +10,17 @@ fp16 modes do; 16-bit ``p.grad`` accumulation would round), across the
 micro-batches of a window and reduce once at its end (all-reduce for 0,
 reduce-scatter for 1).
 
+[Note: the accumulation window]
+A window is every backward() between two updates (DeepSpeed's
+gradient_accumulation_steps micro-batches, or any number of backward() calls
+before one step(), as torch accumulates them into ``.grad``). It is opened by
+its first contribution and closed only by ``end_window`` (the optimizer took
+the gradient, or the engine dropped it): so a second backward before a step
+adds to the first instead of starting over, and a step with no backward
+finds no parameter flagged, rather than the previous window's flags. A
+backward that raises (``abort_micro``) keeps what it had already added, as
+torch's ``.grad`` keeps it, and never touches what earlier backwards added.
+
 The shards are reached through a GradSink (implemented by the optimizer):
 ``open(unit, first=)`` returns the fp32 shard (zeroed when ``first``: the
 unit's first contribution in this accumulation window) and ``close(unit,
@@ -62,16 +73,46 @@ class GradReducer:
         self._open: dict[int, torch.Tensor] = {}  # unit -> opened shard (W == 1)
         self._touched: set[int] = set()  # units with a contribution in this window
         self._has_grad = [torch.zeros(len(u.params), dtype=torch.bool) for u in units]
+        self._flags_before: list[torch.Tensor] | None = None  # _has_grad as this backward found it (W > 1)
         self._last_micro = True
 
-    # -- window bookkeeping -------------------------------------------------
+    # -- window bookkeeping ([Note: the accumulation window]) -----------------
 
-    def begin_micro(self, *, first: bool, last: bool) -> None:
-        if first:
-            self._touched.clear()
-            for f in self._has_grad:
-                f.zero_()
+    def begin_micro(self, *, last: bool) -> None:
+        """A backward starts. ``last``: it is the window's last micro-batch (the gradient is then
+        complete, so the optimizer may take its norm as shards close)."""
         self._last_micro = last
+        if not self.deferred and self.shard_world > 1:
+            self._flags_before = [f.clone() for f in self._has_grad]
+
+    def end_window(self) -> None:
+        """The window's gradient was taken by the optimizer, or dropped: the next contribution
+        starts a new window (each shard's first one overwrites it)."""
+        self._touched.clear()
+        for f in self._has_grad:
+            f.zero_()
+        for local in self._local.values():
+            self.cache.put(local)
+        self._local.clear()
+
+    def abort_micro(self) -> bool:
+        """The backward raised. What it added to the gradient stays (a parameter's grad is added
+        whole or not at all, as into torch's ``.grad``): shards it had opened are closed. With
+        more than one rank, the units whose grads it had not yet reduce-scattered are dropped
+        (reducing them is a collective the other ranks may not join), and their flags go back to
+        what the backward found. Returns whether it dropped any."""
+        for index in list(self._open):
+            del self._open[index]
+            self.sink.close(index, final=self._last_micro)
+        before = self._flags_before
+        for index, flat in self._flat.items():
+            if before is not None:
+                self._has_grad[index].copy_(before[index])
+            self.cache.put(flat)
+        dropped = bool(self._flat)
+        self._flat.clear()
+        self._flags_before = None
+        return dropped
 
     def window_has_grad(self) -> list[torch.Tensor]:
         """Per unit, per parameter: did it get a gradient in this window, on any rank."""
@@ -133,8 +174,9 @@ class GradReducer:
     # -- stages 0 and 1: reduce the window's local accumulators at its end ------
 
     def reduce_window(self) -> None:
-        """Stages 0 and 1, at the accumulation boundary: every unit in order (every rank takes
-        part in every collective, with zeros where it has no gradient)."""
+        """Stages 0 and 1, at the update (whatever number of backwards the window had): every unit
+        in order (every rank takes part in every collective, with zeros where it has no gradient)."""
+        self._last_micro = True  # the window is complete: shards may take their norms as they close
         for unit in self.units:
             local = self._local.pop(unit.index, None)
             if local is None:

@@ -20,9 +20,11 @@ end of backward (a callback the partitioner queues on the autograd engine).
 
 GatheredParameters: the partitioner is the ParamOwner of its parameters
 (``PARAM_OWNERS`` holds it while installed; see [Note: finding a parameter's
-owner] in owners.py). A change made on the modifier rank is broadcast into
-every rank's gathered buffer, written to its shard, and handed to ``masters``
-(16-bit training: the optimizer's fp32 masters; see masters.py).
+owner] in owners.py). A unit gathered for the user is a copy outside the
+shard source's pool ([Note: user gathers outside the pool] in gathered.py).
+A change made on the modifier rank is broadcast into every rank's gathered
+buffer, written to its shard, and handed to ``masters`` (16-bit training:
+the optimizer's fp32 masters; see masters.py).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
@@ -41,7 +43,7 @@ from torch import nn
 
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
-from infinity.zero.gathered import PARAM_OWNERS
+from infinity.zero.gathered import PARAM_OWNERS, room_refusal
 from infinity.zero.masters import MasterCopy, ShardSnapshot
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
@@ -135,6 +137,7 @@ class Stage3Partitioner:
         self._saved_hooks: Any = None
         self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
+        self._copies: set[int] = set()  # units whose gathered buffer is a user copy (gather_for_user)
         self._handles: list[Any] = []
         self._end_of_backward_queued = False
         self._installed = False
@@ -187,10 +190,26 @@ class Stage3Partitioner:
             start = full.data_ptr()
             bisect.insort(self._ranges, (start, start + unit.full_nbytes, unit), key=lambda r: r[0])
 
+    def _gather_copy(self, unit: ParamUnit) -> None:
+        """Gathers ``unit`` into memory of its own, giving its pool buffer back at once
+        ([Note: user gathers outside the pool])."""
+        full = torch.empty(unit.layout.padded_numel, dtype=unit.layout.dtype, device=unit.device)
+        shard = self.shards.acquire(unit.key)
+        try:
+            self.group.all_gather(full, shard)
+        finally:
+            self.shards.release(unit.key)
+        unit.to_gathered(full)
+        self._copies.add(unit.index)
+        start = full.data_ptr()
+        bisect.insort(self._ranges, (start, start + unit.full_nbytes, unit), key=lambda r: r[0])
+
     def _ungather(self, unit: ParamUnit) -> None:
         full = unit.to_released()
         self._ranges = [r for r in self._ranges if r[2] is not unit]
-        if self.group.world_size == 1:
+        if unit.index in self._copies:
+            self._copies.discard(unit.index)  # its own memory, freed with it
+        elif self.group.world_size == 1:
             self.shards.release(unit.key)
         else:
             self.cache.put(full)
@@ -256,16 +275,45 @@ class Stage3Partitioner:
             if all(unit is not u for u in units):
                 units.append(unit)
         units.sort(key=lambda u: u.index)  # the same order on every rank
+        snapshot = modifier_rank is not None and self.masters is not None
+        self._check_room(units, snapshot, f"{len(params)} parameter(s)")
         self.hold_for_user(units)
-        snapshots = []
-        if modifier_rank is not None and self.masters is not None:
-            snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units]
+        try:
+            snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units] if snapshot else []
+        except BaseException:
+            self.unhold_for_user(units)
+            raise
         return _UserHold(self, units, modifier_rank, snapshots)
 
+    def _check_room(self, units: list[ParamUnit], snapshot: bool, what: str) -> None:
+        """Refuses (MemoryError) on every rank a user gather that one rank's free memory cannot hold."""
+        new = [u for u in units if not u.persistent and u.state is UnitState.RELEASED]
+        need = sum(u.full_nbytes for u in new) + (sum(u.layout.shard_nbytes for u in units) if snapshot else 0)
+        device = units[0].device if units else torch.device("cpu")
+        refusal = room_refusal(need, device, f"{what} ({len(new)} layer(s) to gather)") if need else None
+        if self.group.world_size > 1:
+            refused = torch.tensor([refusal is not None], dtype=torch.uint8)
+            self.group.all_reduce_max(refused)
+            if refused.item() and refusal is None:
+                refusal = "GatheredParameters was refused on another rank: its free memory cannot hold the parameters"
+        if refusal is not None:
+            raise MemoryError(refusal)
+
     def hold_for_user(self, units: list[ParamUnit]) -> None:
-        """Gathers ``units`` until unhold_for_user (persistent units are always gathered)."""
-        for unit in units:
-            self._hold(unit)
+        """Gathers ``units`` until unhold_for_user (persistent units are always gathered), each one
+        not gathered yet into a copy of its own ([Note: user gathers outside the pool]). If one
+        fails, those it had gathered are released before the error is raised."""
+        held: list[ParamUnit] = []
+        try:
+            for unit in units:
+                if not unit.persistent:
+                    if unit.state is UnitState.RELEASED:
+                        self._gather_copy(unit)
+                    unit.holds += 1
+                held.append(unit)
+        except BaseException:
+            self.unhold_for_user(held)
+            raise
 
     def unhold_for_user(self, units: list[ParamUnit]) -> None:
         for unit in units:
@@ -378,6 +426,11 @@ class Stage3Partitioner:
         if unit.backward_held:
             unit.backward_held = False
             self._unhold(unit)
+
+    def abort_backward(self) -> None:
+        """After a backward that raised (autograd then drops the callback queued for its end):
+        lets go of what it gathered, so the next backward starts clean and queues its own."""
+        self._end_of_backward()
 
     def _end_of_backward(self) -> None:
         self._end_of_backward_queued = False

@@ -109,6 +109,27 @@ def test_stage3_model_without_parameters():
         infinity.initialize(Empty(), engine_config(3, "none", "none", "/unused", gas=1))
 
 
+@pytest.mark.parametrize("stage,offload_optimizer", [(0, "none"), (1, "nvme"), (2, "nvme"), (2, "cpu")])
+def test_model_without_parameters_trains_below_stage_3(stage, offload_optimizer, nvme_dir):
+    """Nothing to optimize: forward, backward and step run (its inputs get their gradient), and
+    nothing is swapped; the estimate of such a run needs no optimizer pool either."""
+
+    class Empty(nn.Module):
+        def forward(self, x):
+            return (x * 2).sum()
+
+    cfg = engine_config(stage, "none", offload_optimizer, nvme_dir, gas=1)
+    estimate = infinity.estimate_memory(Empty(), config=cfg, machine=False)
+    assert estimate.settings and estimate.table()
+    with infinity.initialize(Empty(), cfg) as engine:
+        for _ in range(2):
+            x = torch.ones(3, requires_grad=True)
+            engine.backward(engine(x))
+            engine.step()
+            assert torch.equal(x.grad, torch.full((3,), 2.0))
+        assert engine.global_steps == 2 and engine.get_lr() == [0.003]
+
+
 def test_unsupported_optimizer_is_refused_with_the_reason(nvme_dir):
     model = tiny_gpt()
     cfg = engine_config(3, "none", "cpu", nvme_dir, gas=1)

@@ -73,12 +73,13 @@ def run(model_name, path, make_source):
                 model.step = step
             x, y = batch(step, 0, 0)
             source.begin_step()
-            reducer.begin_micro(first=True, last=True)
+            reducer.begin_micro(last=True)
             loss = model(x, y)
             loss.backward()
             source.end_step()
             losses.append(loss.item())
             grads.append({i: g.clone() for i, g in sink.grads.items()})
+            reducer.end_window()  # the optimizer took them: the next step's grads start afresh
             source.begin_step()  # an eval forward between training steps
             with torch.no_grad():
                 losses.append(model(*batch(step, 99, 0)).item())
