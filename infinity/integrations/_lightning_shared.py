@@ -104,7 +104,7 @@ def strategy_config(
     zero_allow_untested_optimizer: bool | None,
 ) -> dict[str, Any]:
     """The config DeepSpeedStrategy builds from its arguments (``_create_default_config``), with
-    unset knobs left out. ``nvme_path`` is written only under an ``nvme`` device."""
+    unset knobs left out (``nvme_path`` is read only under an ``nvme`` device)."""
     for name, device in (("offload_params_device", offload_params_device),
                          ("offload_optimizer_device", offload_optimizer_device)):
         if device not in ("cpu", "nvme"):
@@ -117,13 +117,13 @@ def strategy_config(
         if offload_optimizer:
             zero["offload_optimizer"] = {
                 "device": offload_optimizer_device,
-                **({"nvme_path": nvme_path} if offload_optimizer_device == "nvme" else {}),
+                "nvme_path": nvme_path,
                 **_given(buffer_count=optimizer_buffer_count, pin_memory=pin_memory),
             }
         if offload_parameters:
             zero["offload_param"] = {
                 "device": offload_params_device,
-                **({"nvme_path": nvme_path} if offload_params_device == "nvme" else {}),
+                "nvme_path": nvme_path,
                 **_given(buffer_count=params_buffer_count, buffer_size=params_buffer_size, max_in_cpu=max_in_cpu,
                          pin_memory=pin_memory),
             }
@@ -135,6 +135,16 @@ def strategy_config(
     if any(activation_checkpointing.values()):
         cfg["activation_checkpointing"] = activation_checkpointing
     return cfg
+
+
+def make_default_nvme_path(config: Mapping[str, Any]) -> None:
+    """Creates ``./infinity_nvme`` where an offload section names it: the strategies' default swap
+    folder (as ``infinity demo``'s). A path the user gave must exist; the engine says so otherwise."""
+    zero = config.get("zero_optimization")
+    for key in ("offload_param", "offload_optimizer"):
+        node = zero.get(key) if isinstance(zero, Mapping) else None
+        if isinstance(node, Mapping) and node.get("device") == "nvme" and node.get("nvme_path") == DEFAULT_NVME_PATH:
+            os.makedirs(DEFAULT_NVME_PATH, exist_ok=True)
 
 
 def zero_stage(config: Mapping[str, Any]) -> int:
@@ -202,7 +212,9 @@ def sharded_context(config: dict[str, Any], remote_device: str | None, nvme_path
     if zero_stage(config) != 3:
         yield
         return
-    with infinity.zero.Init(config=init_config(config, remote_device, nvme_path)):
+    config = init_config(config, remote_device, nvme_path)
+    make_default_nvme_path(config)
+    with infinity.zero.Init(config=config):
         yield
 
 
@@ -230,6 +242,7 @@ def build_engine(module: nn.Module, config: dict[str, Any], optimizer: Any = Non
         # checks, at its first step, that its optimizer's step() ran, and would warn that the
         # schedule skips its first value, which it does not: every engine update counts as one.
         optimizer._opt_called = True
+    make_default_nvme_path(config)
     engine = infinity.initialize(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
     _ENGINES[module] = engine
     return engine

@@ -127,10 +127,9 @@ def engine_config(nvme_dir: Path | str, *, stage: int = 3, offload: str = "nvme"
 
 
 def trainer(strategy, *, epochs: int = 2, **kwargs) -> L.Trainer:
-    kwargs.setdefault("enable_checkpointing", False)
-    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, accumulate_grad_batches=GAS,
-                     gradient_clip_val=CLIP, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                     num_sanity_val_steps=0, **kwargs)
+    kwargs = {"enable_checkpointing": False, "accumulate_grad_batches": GAS, "gradient_clip_val": CLIP, **kwargs}
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
 def lightning_config(nvme_dir, **kwargs) -> dict:
