@@ -127,8 +127,9 @@ def engine_config(nvme_dir: Path | str, *, stage: int = 3, offload: str = "nvme"
 
 
 def trainer(strategy, *, epochs: int = 2, **kwargs) -> L.Trainer:
-    kwargs = {"enable_checkpointing": False, "accumulate_grad_batches": GAS, "gradient_clip_val": CLIP, **kwargs}
-    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False,
+    kwargs = {"enable_checkpointing": False, "accumulate_grad_batches": GAS, "gradient_clip_val": CLIP, "devices": 1,
+              **kwargs}
+    return L.Trainer(accelerator="cpu", strategy=strategy, max_epochs=epochs, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
 
 
@@ -207,3 +208,58 @@ def assert_weights_close(got: dict, want: dict) -> None:
 
 def infinity_strategy(nvme_dir, **kwargs) -> InfinityStrategy:
     return InfinityStrategy(config=lightning_config(nvme_dir, **kwargs))
+
+
+def fabric_run(strategy, *, epochs: int = 2, devices: int = 1, save_after: int | None = None, resume_from=None,
+               path=None):
+    """The training loop (and an evaluation pass after each epoch) as a Fabric user writes it for
+    ``strategy``: with InfinityFabricStrategy, DeepSpeed's loop (optimizer.step() after every
+    backward; accumulation, clipping and the schedule are the engine's); otherwise the plain loop
+    (loss / GAS, fabric.clip_gradients, a step and a schedule step every GAS micro-batches).
+    Optionally saves after epoch ``save_after`` or resumes from ``resume_from`` first.
+    Returns (losses, evaluation losses, final weights, parameter elements right after construction)."""
+    from lightning.fabric import Fabric
+
+    from infinity.integrations.fabric import InfinityFabricStrategy
+
+    ours = isinstance(strategy, InfinityFabricStrategy)
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module():
+        model = tiny_gpt()
+    built_numel = sum(p.numel() for p in model.parameters())
+    opt, sched = optimizer_and_schedule(model.parameters())
+    model, opt, sched = fabric.setup(model, opt, scheduler=sched)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "epoch": 0}
+    if resume_from is not None:
+        remainder = fabric.load(resume_from, state)
+        assert remainder == {}, remainder
+    data = list(loader(dataset(epochs, world_size=devices), rank=fabric.global_rank, world_size=devices))
+    val = dataset(1)[:2]
+    losses, val_losses = [], []
+    for epoch in range(state["epoch"], epochs):
+        for i, (x, y) in enumerate(data):
+            loss = model(x, y)
+            losses.append(loss.item())
+            if ours:
+                fabric.backward(loss)
+                opt.step()
+            else:
+                fabric.backward(loss / GAS)
+                if (i + 1) % GAS == 0:
+                    fabric.clip_gradients(model, opt, max_norm=CLIP)
+                    opt.step()
+                    opt.zero_grad()
+                    sched.step()
+        model.eval()
+        with torch.no_grad():
+            val_losses += [model(x, y).item() for x, y in val]
+        model.train()
+        state["epoch"] = epoch + 1
+        if save_after == epoch + 1:
+            fabric.save(path, state)
+    weights = full_weights(model.module)
+    if ours:
+        model._forward_module.engine.close()
+    return losses, val_losses, weights, built_numel

@@ -16,67 +16,17 @@ from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy as FabricDee
 
 from infinity.integrations.fabric import InfinityFabricPrecision, InfinityFabricStrategy
 from tests.engine.models import tiny_gpt
-from tests.engine.reference import CLIP
 from tests.integrations.lightning_runs import (
-    GAS,
     LIGHTNING_WARNINGS,
     assert_close,
     assert_weights_close,
     dataset,
     engine_config,
     engine_run,
-    full_weights,
-    optimizer_and_schedule,
+    fabric_run,
 )
 
 pytestmark = LIGHTNING_WARNINGS
-
-EPOCHS = 2
-
-
-def fabric_run(strategy, *, epochs=EPOCHS, save_after=None, resume_from=None, path=None):
-    """The training loop (and an evaluation pass after each epoch) as a Fabric user writes it for
-    ``strategy``; optionally saving after epoch ``save_after`` or resuming from ``resume_from``."""
-    ours = isinstance(strategy, InfinityFabricStrategy)
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
-    fabric.launch()
-    torch.manual_seed(0)
-    with fabric.init_module():
-        model = tiny_gpt()
-    built_numel = sum(p.numel() for p in model.parameters())
-    opt, sched = optimizer_and_schedule(model.parameters())
-    model, opt, sched = fabric.setup(model, opt, scheduler=sched)
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "epoch": 0}
-    if resume_from is not None:
-        remainder = fabric.load(resume_from, state)
-        assert remainder == {}, remainder
-    data, val = dataset(epochs), dataset(1)[:2]
-    losses, val_losses = [], []
-    for epoch in range(state["epoch"], epochs):
-        for i, (x, y) in enumerate(data):
-            loss = model(x, y)
-            losses.append(loss.item())
-            if ours:
-                fabric.backward(loss)
-                opt.step()
-            else:
-                fabric.backward(loss / GAS)
-                if (i + 1) % GAS == 0:
-                    fabric.clip_gradients(model, opt, max_norm=CLIP)
-                    opt.step()
-                    opt.zero_grad()
-                    sched.step()
-        model.eval()
-        with torch.no_grad():
-            val_losses += [model(x, y).item() for x, y in val]
-        model.train()
-        state["epoch"] = epoch + 1
-        if save_after == epoch + 1:
-            fabric.save(path, state)
-    weights = full_weights(model.module)
-    if ours:
-        model._forward_module.engine.close()
-    return losses, val_losses, weights, built_numel
 
 
 def stage3_nvme(nvme_dir, **kwargs):
