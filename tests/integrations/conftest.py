@@ -8,6 +8,11 @@ import sys
 import pytest
 import torch.distributed as dist
 
+try:
+    import lightning  # noqa: F401
+except ImportError:
+    raise ImportError("tests/integrations need lightning (the test extra pins 2.6.6): pip install -e '.[test]'") from None
+
 
 @pytest.fixture(autouse=True)
 def no_deepspeed(monkeypatch):
