@@ -386,6 +386,16 @@ class InfinityStrategy(DDPStrategy):
         self.optimizers = [engine.optimizer]
         return engine
 
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer
+        batches, window = trainer.num_training_batches, trainer.accumulate_grad_batches
+        if window > 1 and batches != float("inf") and batches % window:
+            rank_zero_warn(
+                f"an epoch has {batches} batches, not a multiple of accumulate_grad_batches={window}: the engine "
+                "carries its accumulation window over the epoch's end (as DeepSpeed does), where Lightning's other "
+                "strategies update on the epoch's last batch; make the batches a multiple of it to train as they do")
+        super().on_train_start()
+
     def setup_optimizers(self, trainer: Trainer) -> None:
         """The optimizer is set up with the engine, in ``setup``."""
 

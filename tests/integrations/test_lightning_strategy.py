@@ -190,3 +190,10 @@ def test_a_module_trained_by_another_trainer_is_refused_for_a_new_fit(nvme_dir):
     _, _, _, module = lightning_run(infinity_strategy(nvme_dir), epochs=1)
     with pytest.raises(RuntimeError, match="already trained by an infinity engine"):
         trainer(infinity_strategy(nvme_dir), epochs=1).fit(module, loader(dataset(1)), loader(dataset(1)[:2]))
+
+
+def test_an_epoch_that_splits_a_window_is_said(nvme_dir):
+    """5 batches an epoch, windows of 2: the engine's window runs over the epoch's end; a warning says
+    so (Lightning's other strategies step on the last batch)."""
+    with pytest.warns(UserWarning, match="carries its accumulation window over the epoch's end"):
+        lightning_run(infinity_strategy(nvme_dir), epochs=1, limit_train_batches=5)
