@@ -354,6 +354,10 @@ class InfinityStrategy(DDPStrategy):
             raise MisconfigurationException("InfinityStrategy clips the gradient norm (the engine's "
                                             "gradient_clipping); Trainer(gradient_clip_algorithm='value') is not "
                                             "supported: use 'norm'")
+        if self._layer_sync is not None:
+            raise MisconfigurationException("Trainer(sync_batchnorm=True) is not supported by InfinityStrategy (the "
+                                            "engine partitions the module as it is; DeepSpeedStrategy ignores the "
+                                            "flag): remove it, or convert the BatchNorm layers before fit")
         if is_overridden("configure_gradient_clipping", self.lightning_module, LightningModule):
             rank_zero_warn("LightningModule.configure_gradient_clipping is overridden, but the engine clips by "
                            "Trainer(gradient_clip_val=...) itself; the hook is called and clips nothing")

@@ -157,6 +157,8 @@ def test_refusals(nvme_dir):
         fit(InfinityStrategy(config={**lightning_config(nvme_dir), "gradient_accumulation_steps": 4}))
     with pytest.raises(MisconfigurationException, match="gradient_clip_algorithm='value'"):
         fit(infinity_strategy(nvme_dir), gradient_clip_algorithm="value")
+    with pytest.raises(MisconfigurationException, match="sync_batchnorm=True"):
+        fit(infinity_strategy(nvme_dir), sync_batchnorm=True)
     with pytest.raises(ValueError, match="cannot use the precision plugin DoublePrecision"):
         trainer(infinity_strategy(nvme_dir), precision="64-true")
     with pytest.raises(ConfigError, match="enables bf16 but the precision is '32-true'"):
