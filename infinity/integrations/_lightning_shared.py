@@ -2,8 +2,8 @@
 
 - ``strategy_config``: Lightning's ``DeepSpeedStrategy`` keyword arguments, with DeepSpeed's
   meanings, as a DeepSpeed-style config dict. Only what the user set is written: a knob left at
-  None is the engine's default (DeepSpeed's), so a config never carries keys the engine would
-  report as "accepted without effect" unless the user asked for them.
+  None is the engine's default (DeepSpeed's; infinity's own for aio), so a config never carries keys
+  the engine would report as "accepted without effect" unless the user asked for them.
 - ``read_config``: the ``config=`` argument (a dict, a path read as DeepSpeed reads it, or the
   ``PL_DEEPSPEED_CONFIG_PATH`` variable Lightning's DeepSpeed strategy honours).
 - Lightning's precision names onto the config's ``fp16`` / ``bf16`` sections (``add_precision``).
@@ -152,7 +152,7 @@ def zero_stage(config: Mapping[str, Any]) -> int:
     return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
 
 
-def _is_auto(value: Any) -> bool:
+def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value == "auto"
 
 
@@ -160,7 +160,7 @@ def fill(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
     """Sets a top-level key the framework decides (accumulation, clipping), where the config leaves
     it unset or ``"auto"``; a different value written in the config is refused, naming both."""
     have = config.get(key, "auto")
-    if _is_auto(have):
+    if is_auto(have):
         config[key] = value
     elif have != value:
         raise ConfigError(
@@ -175,7 +175,7 @@ def add_precision(config: dict[str, Any], precision: str, *, strategy: str, fp16
     _, section = check_precision(precision, strategy)
     for name in ("fp16", "bf16"):
         node = config.get(name)
-        if isinstance(node, Mapping) and _is_auto(node.get("enabled")):
+        if isinstance(node, Mapping) and is_auto(node.get("enabled")):
             config[name] = {**node, "enabled": name == section}
     enabled = [n for n in ("fp16", "bf16") if isinstance(config.get(n), Mapping) and config[n].get("enabled") is True]
     if enabled and enabled != [section]:

@@ -120,9 +120,9 @@ class _EngineAccumulation(_BackwardSyncControl):
 
 class InfinityFabricStrategy(DDPStrategy, _Sharded):
     """Fabric's DeepSpeedStrategy, running on infinity's engine. Arguments as Fabric's DeepSpeedStrategy's
-    (knobs left at None take the engine's default, which is DeepSpeed's; ``nvme_path`` defaults to
-    ``./infinity_nvme``). ``load_full_weights=True`` (stage 3): ``fabric.load`` reads a single-file
-    checkpoint of the whole model into the shards."""
+    (knobs left at None take the engine's defaults: DeepSpeed's, the aio ones infinity's own;
+    ``nvme_path`` defaults to ``./infinity_nvme``). ``load_full_weights=True`` (stage 3):
+    ``fabric.load`` reads a single-file checkpoint of the whole model into the shards."""
 
     def __init__(
         self,
@@ -251,7 +251,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
     def _format_config(self) -> None:
         if self._config_formatted:
             return
-        if shared._is_auto(self.config.get("train_micro_batch_size_per_gpu", "auto")):
+        if shared.is_auto(self.config.get("train_micro_batch_size_per_gpu", "auto")):
             self.config["train_micro_batch_size_per_gpu"] = 1
         shared.add_precision(self.config, self.precision.precision, strategy="InfinityFabricStrategy",
                              fp16=self._fp16)

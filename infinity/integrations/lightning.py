@@ -60,7 +60,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch.optim import LBFGS
 
 from infinity.engine import Engine
@@ -69,6 +69,7 @@ from infinity.integrations import _lightning_shared as shared
 __all__ = ["InfinityPrecision", "InfinityStrategy"]
 
 log = logging.getLogger("infinity.integrations")
+_warnings = WarningCache()  # each says its piece once
 
 
 class InfinityPrecision(Precision):
@@ -97,13 +98,13 @@ class InfinityPrecision(Precision):
 
     def backward(self, tensor: torch.Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
         if is_overridden("backward", model):
-            rank_zero_warn("LightningModule.backward is overridden, but InfinityStrategy runs the engine's backward "
+            _warnings.warn("LightningModule.backward is overridden, but InfinityStrategy runs the engine's backward "
                            "instead (it scales, reduces and offloads the gradients)")
         trainer = model.trainer
         if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
-            # Lightning's automatic optimization hands backward
-            # loss / accumulate_grad_batches, and the engine divides by gradient_accumulation_steps (the
-            # same number) itself; undone here so the gradients are those of plain Lightning.
+            # Lightning's automatic optimization hands backward loss / accumulate_grad_batches, and the
+            # engine divides by gradient_accumulation_steps (the same number) itself: undone here, so
+            # the gradients are plain Lightning's.
             tensor = tensor * trainer.accumulate_grad_batches
         _strategy_of(model).engine_module.backward(tensor)
 
@@ -150,8 +151,10 @@ def _as_infinity_precision(plugin: Precision | None) -> InfinityPrecision | None
 class InfinityStrategy(DDPStrategy):
     """Lightning's DeepSpeedStrategy, running on infinity's engine. Arguments as DeepSpeedStrategy's.
 
-    Knobs left at None take the engine's default, which is DeepSpeed's (``params_buffer_count`` 5,
-    ``params_buffer_size`` 1e8, ``max_in_cpu`` 1e9 elements kept in host memory before NVMe, ...).
+    Knobs left at None take the engine's defaults: DeepSpeed's config defaults (``params_buffer_count``
+    5, ``params_buffer_size`` 1e8, ``max_in_cpu`` 1e9 elements kept in host memory before NVMe, ...),
+    and for the aio knobs infinity's own (measured: ``infinity tune nvme``). The signature is
+    DeepSpeedStrategy's, hence its length.
     ``nvme_path`` defaults to ``./infinity_nvme`` (each rank swaps under ``rank<N>/`` there). The
     Lightning 1.x names in older guides are accepted: ``cpu_offload`` (= ``offload_optimizer``),
     ``cpu_offload_params`` (= ``offload_parameters``), ``cpu_offload_use_pin_memory`` (= ``pin_memory``).
@@ -332,7 +335,7 @@ class InfinityStrategy(DDPStrategy):
             if trainer.gradient_clip_val is not None:
                 shared.fill(cfg, "gradient_clipping", float(trainer.gradient_clip_val),
                             source=f"Trainer(gradient_clip_val={trainer.gradient_clip_val})")
-            if shared._is_auto(cfg.get("train_micro_batch_size_per_gpu", "auto")):
+            if shared.is_auto(cfg.get("train_micro_batch_size_per_gpu", "auto")):
                 cfg["train_micro_batch_size_per_gpu"] = self._auto_select_batch_size(trainer)
         shared.add_precision(cfg, self.precision_plugin.precision, strategy="InfinityStrategy", fp16=self._fp16)
         self._config_formatted = trainer is not None
