@@ -155,6 +155,7 @@ def lightning_run(strategy, *, build_in: str = "init", epochs: int = 2, **traine
     weights = full_weights(module.model)
     engine = getattr(t.strategy, "engine", None)
     if engine is not None:
+        module.io_stats = engine.io_stats()
         engine.close()
     return module.losses, module.val_losses, weights, module
 

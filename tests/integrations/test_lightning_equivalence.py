@@ -43,6 +43,7 @@ def test_stage3_nvme_matches_plain_lightning(plain, nvme_dir, build_in):
     assert_close(losses, plain[0], "training loss")
     assert_close(val_losses, plain[1], "validation loss")
     assert_weights_close(weights, plain[2])
+    assert module.io_stats["read_nbytes"] > 0 and module.io_stats["write_nbytes"] > 0  # NVMe in use
     built_partitioned = build_in != "init"
     assert (sum(module.numels_at_build) == 0) == built_partitioned, module.numels_at_build
 
