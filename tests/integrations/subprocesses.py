@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                    "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 
 
 def without_deepspeed(tmp_path: Path) -> dict[str, str]:
@@ -17,7 +19,9 @@ def without_deepspeed(tmp_path: Path) -> dict[str, str]:
     (blocker / "__init__.py").write_text(
         'raise ImportError("deepspeed was imported; infinity\'s Lightning and Fabric paths must not need it")\n')
     path = [str(blocker.parent), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
+    # A user's shell has no rank layout: Lightning would take one for ranks started on its behalf.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return {**env, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
 
 
 def run(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:

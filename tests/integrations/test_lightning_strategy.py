@@ -199,3 +199,26 @@ def test_an_epoch_that_splits_a_window_is_said(nvme_dir):
     so (Lightning's other strategies step on the last batch)."""
     with pytest.warns(UserWarning, match="carries its accumulation window over the epoch's end"):
         lightning_run(infinity_strategy(nvme_dir), epochs=1, limit_train_batches=5)
+
+
+def test_deepspeed_cannot_be_imported_here():
+    """The fixture every test here runs under (conftest.py): the strategies above ran without it."""
+    with pytest.raises(ImportError):
+        import deepspeed  # noqa: F401
+
+
+def test_config_from_a_file_or_lightnings_variable(tmp_path, monkeypatch):
+    """config= a path (read as DeepSpeed reads it: hjson), or PL_DEEPSPEED_CONFIG_PATH as Lightning's
+    DeepSpeed strategies read it; the caller's dict is not changed by the Trainer's fill-ins."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 3,}, // DeepSpeed reads hjson\n"gradient_clipping": 1.0}')
+    want = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
+    assert InfinityStrategy(config=path).config == want
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    assert InfinityStrategy().config == want
+    given = {"zero_optimization": {"stage": 1}}
+    strategy = InfinityStrategy(config=given)
+    strategy.config["train_micro_batch_size_per_gpu"] = 2
+    assert given == {"zero_optimization": {"stage": 1}}
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        InfinityStrategy(config=tmp_path / "missing.json")
