@@ -26,8 +26,8 @@ def test_layers_import_only_downward():
 
 
 def test_ruff_clean():
-    # bench/ is checked once it exists (ruff fails with E902 on a missing path)
-    paths = [p for p in ("infinity", "tests", "bench") if (ROOT / p).exists()]
+    # bench/ and examples/ are checked once they exist (ruff fails with E902 on a missing path)
+    paths = [p for p in ("infinity", "tests", "bench", "examples") if (ROOT / p).exists()]
     r = subprocess.run([_tool("ruff"), "check", *paths], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -1,0 +1,29 @@
+"""examples/ run as users run them (a fresh interpreter, deepspeed unimportable), small sizes:
+training lowers the loss, a checkpoint is written, and --resume continues from it to more steps."""
+
+import json
+
+import pytest
+
+from tests.integrations.subprocesses import ROOT, run, without_deepspeed
+
+
+def _summary(stdout: str) -> dict:
+    return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.mark.parametrize("script,checkpoint", [
+    ("lightning_stage3_nvme.py", "last.ckpt"),
+    ("fabric_loop.py", ""),
+])
+def test_example_trains_and_resumes(script, checkpoint, tmp_path, nvme_dir):
+    env = without_deepspeed(tmp_path)
+    args = [str(ROOT / "examples" / script), "--quick", "--nvme-path", str(nvme_dir), "--out", "out"]
+    first = _summary(run(args, cwd=tmp_path, env=env).stdout)
+    assert first["steps"] == 6 and first["last_loss"] < first["first_loss"] - 0.2, first
+    assert first["nvme_read_nbytes"] > 0 and first["nvme_write_nbytes"] > 0  # parameters and moments on NVMe
+    assert (tmp_path / "out" / checkpoint / "checkpoint").is_dir()
+    again = _summary(run([*args, "--resume", "--steps", "8"], cwd=tmp_path, env=env).stdout)
+    assert again["steps"] == 8, again
+    # picked up where the first run stopped: its loss is that of the trained model, not of a fresh one
+    assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)
