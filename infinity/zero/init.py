@@ -93,9 +93,16 @@ class _InitHold:
     def release(self, *, commit: bool) -> None:
         for p in self.params:
             if commit and self.modifier_rank is not None:
-                self.store.group.broadcast(p.data, src=self.modifier_rank)
-                self.store.rewrite(p, p.data)
+                if p.shape != self.store.shape(p):  # e.g. resize_token_embeddings: ``.data`` = a larger tensor
+                    self.store.repartition(p, src=self.modifier_rank)
+                else:
+                    self.store.group.broadcast(p.data, src=self.modifier_rank)
+                    self.store.rewrite(p, p.data)
             self.store.unhold(p)
+
+    def repartitions(self) -> bool:
+        """A parameter given a new shape inside the context is laid out anew (see ReshapingGather)."""
+        return True
 
 
 class InitStore:
@@ -144,17 +151,33 @@ class InitStore:
             )
 
     def partition(self, p: nn.Parameter) -> None:
-        data = p.data.detach().reshape(-1)
-        layout = make_layout(["p"], [p.shape], p.dtype, self.group.world_size)
-        lo, hi = layout.shard_range(self.group.rank)
-        shard = torch.zeros(layout.shard_numel, dtype=p.dtype)
-        part = data[lo:min(hi, data.numel())]
-        shard[: part.numel()] = part
-        keys = self._register(layout.shard_numel, p.dtype)
-        self._write(keys, shard)
-        self.records[p] = _Record(keys, p.shape, p.dtype, layout.shard_numel, data.numel())
+        data = p.data.detach()
+        self.records[p] = self._store_slice(data)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
+
+    def repartition(self, p: nn.Parameter, *, src: int) -> None:
+        """``p`` (held whole) was given a new shape: rank ``src``'s ``.data`` becomes its value, laid out
+        anew (collective: every rank, with the same new shape)."""
+        rec = self.records[p]
+        self.group.broadcast(p.data, src=src)
+        for key, _, _ in rec.keys:
+            self.store.unregister(key)
+        new = self._store_slice(p.data.detach())
+        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel = (
+            new.keys, new.shape, new.dtype, new.shard_numel, new.numel)
+
+    def _store_slice(self, data: torch.Tensor) -> _Record:
+        """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest)."""
+        flat = data.reshape(-1)
+        layout = make_layout(["p"], [data.shape], data.dtype, self.group.world_size)
+        lo, hi = layout.shard_range(self.group.rank)
+        shard = torch.zeros(layout.shard_numel, dtype=data.dtype)
+        part = flat[lo:min(hi, flat.numel())]
+        shard[: part.numel()] = part
+        keys = self._register(layout.shard_numel, data.dtype)
+        self._write(keys, shard)
+        return _Record(keys, data.shape, data.dtype, layout.shard_numel, flat.numel())
 
     def _register(self, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
         step = max(1, _INIT_CHUNK_NBYTES // dtype.itemsize)
