@@ -61,7 +61,7 @@ def batch(arch: str, step: int) -> dict[str, torch.Tensor]:
 
 def ds_config(nvme_path, *, precision: str = "fp32", lr: float | None = None) -> dict:
     """Stage 3, parameters and optimizer state on NVMe, nothing kept in host memory (max_in_cpu 0) and a
-    persistence threshold below every weight matrix, so nearly every unit streams from the disk."""
+    persistence threshold below every unit (LayerNorms too), so nearly every unit streams from the disk."""
     from tests.engine.reference import BETAS, CLIP, EPS, LR, WD
 
     cfg = {
@@ -71,9 +71,9 @@ def ds_config(nvme_path, *, precision: str = "fp32", lr: float | None = None) ->
         "optimizer": {"type": "AdamW", "params": {"lr": lr or LR, "betas": list(BETAS), "eps": EPS,
                                                   "weight_decay": WD}},
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 64,
+            "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 16,
             "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": 4,
-                              "buffer_size": 1 << 14, "max_in_cpu": 0},
+                              "buffer_size": 1 << 16, "max_in_cpu": 0},
             "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_path)},
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8},
@@ -81,3 +81,12 @@ def ds_config(nvme_path, *, precision: str = "fp32", lr: float | None = None) ->
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
     return cfg
+
+
+def build_under_init(arch: str, ds: dict, seed: int = 0) -> torch.nn.Module:
+    """``build`` inside ``infinity.zero.Init(ds)``: the same seed, parameters partitioned as they are made."""
+    import infinity
+
+    torch.manual_seed(seed)
+    with infinity.zero.Init(ds):
+        return ARCHS[arch][0](config(arch))
