@@ -36,7 +36,7 @@ import dataclasses
 import enum
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -189,6 +189,24 @@ class InitStore:
             self.store.register(key, (hi - lo,), dtype, home=self.home)
             keys.append((key, lo, hi))
         return keys
+
+    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Writes this rank's slice of ``p`` (at rest) from ``read(lo, hi, out)``, which puts the flat
+        elements [lo, hi) of the whole parameter into ``out``: a stored piece at a time, straight into
+        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective."""
+        rec = self.records[p]
+        if rec.state is not InitState.AT_REST:
+            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}")
+        base = self.group.rank * rec.shard_numel
+        for key, lo, hi in rec.keys:
+            buf = self.store.fetch(key, overwrite=True).result()
+            try:
+                n = max(0, min(base + hi, rec.numel) - (base + lo))
+                if n:
+                    read(base + lo, base + lo + n, buf[:n])
+                buf[n:].zero_()  # the shard's padding past the parameter's end
+            finally:
+                self.store.release(key)
 
     def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
         for key, lo, hi in keys:
