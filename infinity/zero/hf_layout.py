@@ -29,6 +29,7 @@ Threading: none (pure functions and immutable records).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -289,3 +290,43 @@ def _conversions(hf: Any) -> tuple[tuple[tuple[Any, ...], tuple[Any, ...]], tupl
         used = [t for t in get_model_conversion_mapping(hf, add_legacy=False) if not isinstance(t, PrefixChange)]
     save = [t.reverse_transform() for t in used[::-1]]
     return split(load), split(save)
+
+
+def names_from_config(directory: Path, state_names: set[str]) -> tuple[HfNames, Any, str]:
+    """(HfNames, config, class name) of the transformers model ``directory/config.json`` describes and
+    whose ``state_dict`` names are ``state_names``: the class its ``architectures`` names, else the one of
+    transformers' auto classes for its model type that has exactly these names (a config saved by
+    ``config.save_pretrained`` records no class). Candidates are built on the meta device: nothing is
+    allocated."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory)
+    tried = []
+    for name in dict.fromkeys([*(getattr(config, "architectures", None) or []), *_auto_classes(config.model_type)]):
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            continue
+        try:
+            with torch.device("meta"):
+                model = cls(copy.deepcopy(config))
+        except Exception:  # a head this config cannot build (missing fields): not the model
+            continue
+        if set(model.state_dict(keep_vars=True)) == state_names:
+            return HfNames.of(model), config, name
+        tried.append(name)
+    raise ValueError(f"no transformers model class for '{directory / CONFIG_NAME}' (model type "
+                     f"{config.model_type!r}) has the checkpoint's tensor names (tried {', '.join(tried) or 'none'}); "
+                     "give the config.json of the model that was trained (model.save_pretrained records its class)")
+
+
+def _auto_classes(model_type: str) -> list[str]:
+    """The class names transformers' Auto* factories map ``model_type`` to (base model first)."""
+    from transformers.models.auto import modeling_auto
+
+    out: list[str] = []
+    tables = sorted(a for a in dir(modeling_auto) if a.startswith("MODEL_") and a.endswith("_MAPPING_NAMES"))
+    for attr in ["MODEL_MAPPING_NAMES", *(a for a in tables if a != "MODEL_MAPPING_NAMES")]:
+        value = getattr(modeling_auto, attr, {}).get(model_type)
+        out += [value] if isinstance(value, str) else list(value or ())
+    return out
