@@ -342,12 +342,18 @@ class Engine:
         return client_state
 
     def save_16bit_model(
-        self, save_dir: Any, save_filename: str = "model.safetensors", *, progress: bool | None = None
+        self, save_dir: Any, save_filename: str = "model.safetensors", *, layout: str | None = None,
+        max_shard_size: int | str | None = None, progress: bool | None = None,
     ) -> Any:
-        """Writes the full parameters (in the training dtype) and buffers to one safetensors file that
-        ``model.load_state_dict(safetensors.torch.load_file(path))`` takes. Every rank must call it."""
+        """Writes the full parameters (in the training dtype) and buffers. For a transformers model (or
+        ``layout="hf"``, or with ``max_shard_size``): ``save_dir`` as ``from_pretrained`` reads it —
+        ``model.safetensors`` or shards of at most ``max_shard_size`` ("5GB", bytes; default "50GB") with
+        their index, and ``config.json``; returns the directory. Otherwise (``layout="state_dict"``):
+        ``save_dir/save_filename``, one file ``model.load_state_dict(safetensors.torch.load_file(path))``
+        takes; returns its path. Every rank must call it."""
         self._check_open("engine.save_16bit_model()")
-        return checkpoint.save_16bit_model(self, save_dir, save_filename, progress=progress)
+        return checkpoint.save_16bit_model(self, save_dir, save_filename, layout=layout,
+                                           max_shard_size=max_shard_size, progress=progress)
 
     def checkpoint_parts(self) -> checkpoint.TrainingParts:
         """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace

@@ -2,5 +2,6 @@
 
 from infinity.zero.gathered import GatheredParameters
 from infinity.zero.init import Init
+from infinity.zero.pretrained import load_pretrained
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "load_pretrained"]

@@ -53,6 +53,19 @@ class UserGather(Protocol):
         ...
 
 
+@runtime_checkable
+class ReshapingGather(Protocol):
+    """A UserGather whose owner lays a parameter out anew when the context gave it another shape
+    (zero.Init's store, before ``initialize``). Hugging Face's ``resize_token_embeddings`` does that
+    (``embedding.weight.data = larger``); an engine's units have a fixed layout, so its owners refuse it."""
+
+    def release(self, *, commit: bool) -> None: ...
+
+    def repartitions(self) -> bool:
+        """True: a committed change of shape (``modifier_rank`` set) is kept."""
+        ...
+
+
 class ParamOwner(Protocol):
     """What holds the data of some parameters (Stage3Partitioner, ResidentParams, InitStore)."""
 
@@ -97,7 +110,7 @@ class GatheredParameters:
         self.params = _as_params(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held: list[UserGather] = []
+        self._held: list[tuple[UserGather, list[tuple[nn.Parameter, torch.Size]]]] = []  # with the shapes gathered
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
@@ -115,7 +128,8 @@ class GatheredParameters:
                 by_owner.append((owner, [p]))
         try:
             for owner, owned in by_owner:
-                self._held.append(owner.gather_for_user(owned, modifier_rank=self.modifier_rank))
+                gather = owner.gather_for_user(owned, modifier_rank=self.modifier_rank)
+                self._held.append((gather, [(p, p.shape) for p in owned]))
         except BaseException:
             self._release(commit=False)  # __exit__ is not called when __enter__ raises
             raise
@@ -130,7 +144,10 @@ class GatheredParameters:
         held, self._held = self._held, []
         error: BaseException | None = None
         with torch.no_grad():
-            for gather in held:
+            for gather, shapes in held:
+                reshaped = [(before, p.shape) for p, before in shapes if p.shape != before]
+                if commit and reshaped:
+                    error = error or self._reshape_error(gather, reshaped)
                 try:
                     gather.release(commit=commit)
                 except BaseException as e:
@@ -138,6 +155,21 @@ class GatheredParameters:
         if error is not None:
             raise error
 
+    def _reshape_error(self, gather: UserGather, reshaped: list[tuple[torch.Size, torch.Size]]) -> Exception | None:
+        """The error for parameters given a new shape inside the context, if their owner cannot keep it."""
+        (before, after), *_ = reshaped
+        if isinstance(gather, ReshapingGather) and gather.repartitions():
+            if self.modifier_rank is not None:
+                return None
+            return RuntimeError(
+                f"a parameter of shape {list(before)} was given shape {list(after)} inside GatheredParameters without "
+                "modifier_rank, so the change is dropped at exit; pass modifier_rank=0 to keep it (as for "
+                "resize_token_embeddings on a model built under infinity.zero.Init)")
+        return RuntimeError(
+            f"a parameter of shape {list(before)} was given shape {list(after)} inside GatheredParameters after "
+            "infinity.initialize, whose units have a fixed layout; change shapes (e.g. resize_token_embeddings) "
+            "before initialize, on the model built under infinity.zero.Init, inside "
+            "GatheredParameters(..., modifier_rank=0)")
 
 def free_memory_nbytes(device: torch.device) -> int | None:
     """Bytes that can still be allocated on ``device`` (host: MemAvailable); None where unknown."""

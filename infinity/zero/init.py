@@ -13,8 +13,9 @@ still works and consumes the RNG exactly as without Init: a TorchFunctionMode
 sees every torch function a partitioned parameter takes part in (``.data``,
 ``.shape`` and in-place inits included), materialises the parameter first,
 and writes it back as soon as a torch function involves other parameters
-(or the context ends). At most the parameters of one operation are
-materialised at a time.
+(or the context ends) — unless a view of it is still alive (see [Note: views
+of a materialised parameter]). At most the parameters of one operation, and
+those a live view points into, are materialised at a time.
 
 ``infinity.initialize`` then lays the parameters out in units (which may
 differ from construction-time modules after tying) from the init store.
@@ -35,7 +36,7 @@ import dataclasses
 import enum
 import logging
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -93,9 +94,16 @@ class _InitHold:
     def release(self, *, commit: bool) -> None:
         for p in self.params:
             if commit and self.modifier_rank is not None:
-                self.store.group.broadcast(p.data, src=self.modifier_rank)
-                self.store.rewrite(p, p.data)
+                if p.shape != self.store.shape(p):  # e.g. resize_token_embeddings: ``.data`` = a larger tensor
+                    self.store.repartition(p, src=self.modifier_rank)
+                else:
+                    self.store.group.broadcast(p.data, src=self.modifier_rank)
+                    self.store.rewrite(p, p.data)
             self.store.unhold(p)
+
+    def repartitions(self) -> bool:
+        """A parameter given a new shape inside the context is laid out anew (see ReshapingGather)."""
+        return True
 
 
 class InitStore:
@@ -144,17 +152,33 @@ class InitStore:
             )
 
     def partition(self, p: nn.Parameter) -> None:
-        data = p.data.detach().reshape(-1)
-        layout = make_layout(["p"], [p.shape], p.dtype, self.group.world_size)
-        lo, hi = layout.shard_range(self.group.rank)
-        shard = torch.zeros(layout.shard_numel, dtype=p.dtype)
-        part = data[lo:min(hi, data.numel())]
-        shard[: part.numel()] = part
-        keys = self._register(layout.shard_numel, p.dtype)
-        self._write(keys, shard)
-        self.records[p] = _Record(keys, p.shape, p.dtype, layout.shard_numel, data.numel())
+        data = p.data.detach()
+        self.records[p] = self._store_slice(data)
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
+
+    def repartition(self, p: nn.Parameter, *, src: int) -> None:
+        """``p`` (held whole) was given a new shape: rank ``src``'s ``.data`` becomes its value, laid out
+        anew (collective: every rank, with the same new shape)."""
+        rec = self.records[p]
+        self.group.broadcast(p.data, src=src)
+        for key, _, _ in rec.keys:
+            self.store.unregister(key)
+        new = self._store_slice(p.data.detach())
+        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel = (
+            new.keys, new.shape, new.dtype, new.shard_numel, new.numel)
+
+    def _store_slice(self, data: torch.Tensor) -> _Record:
+        """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest)."""
+        flat = data.reshape(-1)
+        layout = make_layout(["p"], [data.shape], data.dtype, self.group.world_size)
+        lo, hi = layout.shard_range(self.group.rank)
+        shard = torch.zeros(layout.shard_numel, dtype=data.dtype)
+        part = flat[lo:min(hi, flat.numel())]
+        shard[: part.numel()] = part
+        keys = self._register(layout.shard_numel, data.dtype)
+        self._write(keys, shard)
+        return _Record(keys, data.shape, data.dtype, layout.shard_numel, flat.numel())
 
     def _register(self, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
         step = max(1, _INIT_CHUNK_NBYTES // dtype.itemsize)
@@ -166,6 +190,24 @@ class InitStore:
             self.store.register(key, (hi - lo,), dtype, home=self.home)
             keys.append((key, lo, hi))
         return keys
+
+    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Writes this rank's slice of ``p`` (at rest) from ``read(lo, hi, out)``, which puts the flat
+        elements [lo, hi) of the whole parameter into ``out``: a stored piece at a time, straight into
+        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective."""
+        rec = self.records[p]
+        if rec.state is not InitState.AT_REST:
+            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}")
+        base = self.group.rank * rec.shard_numel
+        for key, lo, hi in rec.keys:
+            buf = self.store.fetch(key, overwrite=True).result()
+            try:
+                n = max(0, min(base + hi, rec.numel) - (base + lo))
+                if n:
+                    read(base + lo, base + lo + n, buf[:n])
+                buf[n:].zero_()  # the shard's padding past the parameter's end
+            finally:
+                self.store.release(key)
 
     def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
         for key, lo, hi in keys:
@@ -279,26 +321,77 @@ def init_store_of(params: Iterable[nn.Parameter]) -> InitStore | None:
     return None
 
 
+# [Note: views of a materialised parameter]
+# Initialisers often write through a view rather than the parameter itself:
+# ``module.weight.data.normal_()``, ``nn.init.zeros_(emb.weight[padding_idx])``
+# (Hugging Face's ``_init_weights``), ``w = p.t(); w.copy_(...)``. The view is a
+# plain tensor over the whole parameter's storage, so the torch function that
+# writes through it names no partitioned parameter; were the parameter written
+# back before it (a torch function "involving other parameters"), the write
+# would land in memory the store no longer reads, and be lost without a word.
+# So the mode remembers every tensor a torch function over a materialised
+# parameter returns that shares that parameter's storage (views of views
+# included), weakly: a function given such a view involves its parameter,
+# and a parameter stays whole while any view of it is alive — the view holds
+# its memory anyway, so keeping the parameter whole costs nothing more. The
+# end of the context writes back everything, views or not (writes through a
+# view after the context, where no mode watches, reach nothing, as under
+# DeepSpeed).
+
+
+def _shares_storage(t: torch.Tensor, p: nn.Parameter) -> bool:
+    return (t.layout == torch.strided and t.device == p.device and p.data.numel() > 0
+            and t.untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr())
+
+
 class _InitMode(TorchFunctionMode):
     def __init__(self, store: InitStore):
         super().__init__()
         self.store = store
         self.materialized: list[nn.Parameter] = []  # made whole by a torch function, in the store's WHOLE state
         self.tracked: list[tuple[weakref.ref[nn.Module], weakref.ref[nn.Parameter]]] = []
+        # a live view of a materialised parameter -> that parameter ([Note: views of a materialised parameter])
+        self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        involved = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, nn.Parameter) and a in self.store]
+        involved = self._involved(tree_flatten((args, kwargs))[0])
         self.flush(keep=involved)
         with torch._C.DisableTorchFunction():
             for p in involved:
                 if all(p is not q for q in self.materialized):
                     self.store.to_whole(p)
                     self.materialized.append(p)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if involved:
+            self._remember_views(out, involved)
+        return out
 
-    def flush(self, keep: Sequence[nn.Parameter] = ()) -> None:
-        """Writes back every materialised parameter not in ``keep``."""
+    def _involved(self, flat: list[Any]) -> list[nn.Parameter]:
+        """The partitioned parameters among ``flat``, and those the views among it point into."""
+        involved: list[nn.Parameter] = []
+        for a in flat:
+            if not isinstance(a, torch.Tensor):
+                continue
+            p = a if isinstance(a, nn.Parameter) and a in self.store else self.views.get(a)
+            if p is not None and all(p is not q for q in involved):
+                involved.append(p)
+        return involved
+
+    def _remember_views(self, out: Any, involved: Sequence[nn.Parameter]) -> None:
+        with torch._C.DisableTorchFunction():
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+                    for p in involved:
+                        if _shares_storage(t, p):
+                            self.views[t] = p
+                            break
+
+    def flush(self, keep: Sequence[nn.Parameter] = (), *, force: bool = False) -> None:
+        """Writes back every materialised parameter not in ``keep`` and, unless ``force``, that no
+        live view points into."""
+        if not force:
+            keep = [*keep, *self.views.values()]
         kept = []
         with torch._C.DisableTorchFunction():
             for p in self.materialized:
@@ -322,7 +415,8 @@ class _InitMode(TorchFunctionMode):
 
     def finish(self) -> None:
         """The context ends: parameters not yet partitioned (the root's) are partitioned now."""
-        self.flush()
+        self.flush(force=True)
+        self.views = WeakIdKeyDictionary()
         with torch._C.DisableTorchFunction():
             for module_ref, p_ref in self.tracked:
                 module, p = module_ref(), p_ref()

@@ -136,3 +136,36 @@ def test_model_built_under_init_trains_like_plain_pytorch(nvme_dir, monkeypatch)
         assert losses[k] == pytest.approx(v, rel=1e-5), k
     for n, ref in ref_weights.items():
         assert (weights[n] - ref).abs().max() <= 1e-5 * ref.abs().max(), n
+
+
+class _InitThroughViews(torch.nn.Module):
+    """A parent that initialises its children's parameters through views, as Hugging Face's
+    ``_init_weights`` does (``init.zeros_(emb.weight[padding_idx])``, ``module.weight.data.normal_()``),
+    and keeps one view while other parameters are initialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        with torch.no_grad():
+            torch.nn.init.zeros_(self.emb.weight[1])
+            self.a.weight.data.normal_(0.0, 3.0)
+            row = self.b.weight[0]
+            self.a.bias.data.uniform_(-5.0, 5.0)  # another parameter between the view's making and its use
+            row.fill_(2.0)
+            self.b.weight.t()[1].mul_(10.0)  # a view of a view
+
+
+def test_writes_through_views_of_parameters_are_kept(nvme_dir):
+    cfg = engine_config(3, "nvme", "cpu", nvme_dir, gas=1)
+    torch.manual_seed(0)
+    plain = dict(_InitThroughViews().named_parameters())
+    torch.manual_seed(0)
+    with infinity.zero.Init(cfg):
+        model = _InitThroughViews()
+    assert all(p.numel() == 0 for p in model.parameters())
+    with GatheredParameters(model):
+        for n, p in model.named_parameters():
+            assert torch.equal(p, plain[n]), n
+        assert (model.emb.weight[1] == 0).all() and (model.b.weight[0, 0] == 2.0)

@@ -1,13 +1,23 @@
-"""Full-weight safetensors files: from a checkpoint directory (export) or from a live engine (save_16bit_model).
+"""Full weights as safetensors: from a checkpoint directory (export) or from a live engine (save_16bit_model).
 
 Both stream: a unit's flat values are read (or all-gathered) a chunk or a
 unit at a time, converted, and appended to the output through a few aligned
-buffers, so a model larger than host memory exports. The file is a standard
-safetensors file holding every ``state_dict`` entry of the model (tied
-parameters under each of their names, persistent buffers included): it loads
-with ``safetensors.torch.load_file`` and ``model.load_state_dict(strict=True)``
-into the plain PyTorch model. Like a checkpoint it appears atomically:
-written under a temporary name, fsynced, renamed, directory fsynced.
+buffers (weights_out.py), so a model larger than host memory exports. Two
+layouts:
+
+- ``"state_dict"``: one file holding every ``state_dict`` entry of the model
+  (tied parameters under each of their names, persistent buffers included):
+  ``safetensors.torch.load_file`` + ``model.load_state_dict(strict=True)``
+  put it into the plain PyTorch model. The default for models that are not
+  Hugging Face's.
+- ``"hf"``: a directory ``from_pretrained`` reads: ``model.safetensors``, or
+  shards of at most ``max_shard_size`` with ``model.safetensors.index.json``,
+  under the names ``save_pretrained`` writes (infinity.zero.hf_layout: tied
+  weights once, HF's renamings), and ``config.json`` (plus
+  ``generation_config.json``) when there is a Hugging Face config. The
+  default for transformers models.
+
+The files appear atomically: written under temporary names, fsynced, renamed.
 
 DeepSpeed's counterparts: ``zero_to_fp32.py`` (export, fp32 from the
 masters) and ``save_16bit_model`` / ``stage3_gather_16bit_weights_on_model_save``.
@@ -15,69 +25,61 @@ masters) and ``save_16bit_model`` / ``stage3_gather_16bit_weights_on_model_save`
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
-import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from infinity.aio import AioConfig, AioHandle
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, collective_device
-from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, StreamWriter, read_tensors
-from infinity.engine.checkpoint.format import build_header, parse_dtype_name
+from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, read_tensors
+from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
+from infinity.engine.checkpoint.weights_out import Segment, WeightFiles
+from infinity.zero.hf_layout import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    WEIGHTS_NAME,
+    HfNames,
+    hf_config,
+    names_from_config,
+    parse_size,
+)
 
 log = logging.getLogger("infinity.checkpoint")
 
 FP32 = torch.float32
-
-# (name, dtype, shape) of each output tensor, in file order.
-Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
+DEFAULT_MAX_SHARD_SIZE = "50GB"  # save_pretrained's default in transformers 5
+Layout = Literal["hf", "state_dict"]
 
 
 def _check_out_path(out: Path) -> None:
     if out.suffix != ".safetensors":
-        raise ValueError(f"the output '{out}' must end in .safetensors: this writes safetensors, never pickle")
+        raise ValueError(f"the output '{out}' must end in .safetensors (or, for the Hugging Face layout, be a "
+                         "directory: a path without a suffix): this writes safetensors, never pickle")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"the directory of '{out}' does not exist; create it first")
 
 
-class _Output:
-    """The output file under a temporary name until ``commit``."""
-
-    def __init__(self, out: Path, handle: AioHandle, layout: Layout):
-        self.out = out
-        self.tmp = out.with_name(f".{out.name}{atomic.PARTIAL}{secrets.token_hex(8)}")
-        blob, self.header = build_header(layout)
-        self.writer = StreamWriter(handle, self.tmp)
-        self.writer.append(blob)
-
-    def commit(self) -> int:
-        try:
-            size = self.writer.close()
-            if size != self.header.file_nbytes:
-                raise RuntimeError(f"wrote {size} bytes to '{self.tmp}', the header implies {self.header.file_nbytes}")
-            os.replace(self.tmp, self.out)
-            atomic.fsync_path(self.out.parent, directory=True)
-        except BaseException:
-            self.abort()
-            raise
-        return size
-
-    def abort(self) -> None:
-        self.writer.abort()
-        try:
-            self.tmp.unlink()
-        except FileNotFoundError:
-            pass
+def _choose_layout(layout: str | None, is_hf: bool, max_shard_size: int | str | None) -> Layout:
+    if layout is None:
+        layout = "hf" if is_hf or max_shard_size is not None else "state_dict"
+    if layout not in ("hf", "state_dict"):
+        raise ValueError(f"layout={layout!r}: use 'hf' (a directory from_pretrained reads) or 'state_dict' (one "
+                         "file with every state_dict name)")
+    if layout == "state_dict" and max_shard_size is not None:
+        raise ValueError("max_shard_size shards the Hugging Face layout; the 'state_dict' layout is one file "
+                         "(pass layout='hf', or no max_shard_size)")
+    return layout  # type: ignore[return-value]
 
 
 def _convert(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -95,6 +97,24 @@ def _convert(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return conv
 
 
+def _hf_name(names: HfNames, aliases: list[str] | tuple[str, ...]) -> str | None:
+    kept = names.saved(list(aliases))
+    return names.file_name(kept) if kept is not None else None
+
+
+def _write_config_files(out: Path, config: Any, dtype: torch.dtype, *, architecture: str | None,
+                        generation: Any, nonce: str) -> None:
+    """``config.json`` (and ``generation_config.json``) as save_pretrained writes them, atomically."""
+    config = copy.deepcopy(config)
+    config.dtype = str(dtype).removeprefix("torch.")  # what the weights are, as save_pretrained records it
+    if architecture is not None:
+        config.architectures = [architecture]
+    atomic.replace_durably(out / CONFIG_NAME, config.to_json_string(use_diff=True).encode(), "config.json", nonce)
+    if generation is not None:
+        atomic.replace_durably(out / GENERATION_CONFIG_NAME, generation.to_json_string(use_diff=True).encode(),
+                               "generation_config.json", nonce)
+
+
 # -- from a checkpoint directory --------------------------------------------------
 
 
@@ -106,58 +126,142 @@ def export_checkpoint(
     dtype: torch.dtype = FP32,
     aio: AioConfig | None = None,
     progress: bool | None = None,
+    max_shard_size: int | str | None = None,
+    config: str | os.PathLike | None = None,
 ) -> Path:
-    """Writes the full weights of a checkpoint (the fp32 masters, converted to ``dtype``) and its buffers to
-    ``out`` (.safetensors). ``checkpoint``: a checkpoint directory, or a root with ``latest`` (or ``tag``)."""
+    """Writes the full weights of a checkpoint (the fp32 masters, converted to ``dtype``) and its buffers.
+    ``checkpoint``: a checkpoint directory, or a root with ``latest`` (or ``tag``). ``out``: a
+    ``.safetensors`` file (the "state_dict" layout), or a directory (an existing one, or a path without a
+    suffix, created), which gets the Hugging Face layout
+    (shards of ``max_shard_size``, default "50GB"). Its ``config.json`` comes from ``config`` (the file
+    or its directory), else from beside the checkpoint (the tag's directory, then the root: where the
+    HF Trainer, or ``model.config.save_pretrained(root)``, puts it); with transformers installed the
+    model class it names (built on the meta device) gives the names save_pretrained writes."""
     out = Path(out)
-    _check_out_path(out)
+    hf = out.is_dir() or out.suffix == ""
+    if not hf:
+        _check_out_path(out)
+        _choose_layout("state_dict", False, max_shard_size)
     with CheckpointReader(checkpoint, tag) as reader, AioHandle.from_config(aio or AioConfig()) as handle:
-        layout, units, alias_of = _layout_from_checkpoint(reader, dtype)
-        output = _Output(out, handle, layout)
+        names, hf_cfg, config_dir, arch = _names_for_export(reader, config) if hf else (None, None, None, None)
+        segments, alias_of = _segments_from_checkpoint(reader, dtype, names)
+        if hf:
+            out.mkdir(parents=True, exist_ok=True)
+            output = WeightFiles(out, handle, segments, weights_name=WEIGHTS_NAME,
+                                 max_shard_nbytes=parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                                 replace_stale=True)
+        else:
+            output = WeightFiles(out.parent, handle, segments, weights_name=out.name)
         try:
-            with Progress(output.header.file_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
+            with Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
                 if reader.manifest.get("optimizer") == "passthrough":
-                    _stream_passthrough(reader, handle, output.writer, dtype, bar)
+                    _stream_passthrough(reader, handle, output, dtype, bar, aliases=not hf)
                 else:
-                    _stream_units(reader, handle, output.writer, dtype, bar, units)
-                    _stream_aliases(reader, handle, output.writer, dtype, alias_of)
+                    _stream_units(reader, handle, output, dtype, bar, reader.units)
+                    _stream_aliases(reader, handle, output, dtype, alias_of)
                 buffers = reader.rank(0)[1]
-                for name, bdtype, _shape in layout[len(layout) - len(reader.manifest["buffers"]):]:
-                    output.writer.append(buffers[f"buffer.{name}"].to(bdtype).contiguous())
-            size = output.commit()
+                for name, b in reader.manifest["buffers"].items():
+                    bdt = parse_dtype_name(b["dtype"], f"buffer {name}")
+                    output.append(buffers[f"buffer.{name}"].to(dtype if bdt.is_floating_point else bdt).contiguous())
+            files = output.commit()
         except BaseException:
             output.abort()
             raise
-    log.info("exported '%s' to '%s' (%d tensors, %.2f GB)", reader.dir, out, len(layout), size / 1e9)
+        if hf:
+            _export_config(out, hf_cfg, config_dir, dtype, arch, output.nonce)
+    size = sum(f.stat().st_size for f in files)
+    log.info("exported '%s' to '%s' (%d tensors in %d file(s), %.2f GB)", reader.dir, out,
+             sum(s.name is not None for s in segments), len(files), size / 1e9)
     return out
 
 
-def _layout_from_checkpoint(reader: CheckpointReader, dtype: torch.dtype):
-    """The output's tensors: each parameter under its first name (in unit order), then the other names of
-    tied parameters, then the buffers."""
-    layout: Layout = []
-    alias_of: list[tuple[str, tuple[int, int]]] = []  # (alias, (unit, slot)) to write again
+def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
+                      ) -> tuple[HfNames, Any, Path | None, str | None]:
+    """The HF names to write, the transformers config (or None), the directory holding config.json and the
+    model class it describes (or None)."""
+    if config is not None:
+        config_dir = Path(config)
+        if config_dir.is_file():
+            config_dir = config_dir.parent
+        if not (config_dir / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"no {CONFIG_NAME} at '{config}'; give the file, or the directory save_pretrained "
+                                    "wrote it to")
+    else:
+        config_dir = next((d for d in (reader.dir, reader.dir.parent) if (d / CONFIG_NAME).is_file()), None)
+    plain = HfNames(frozenset())
+    if config_dir is None:
+        log.warning("no %s beside the checkpoint '%s': the weights are written without it, and from_pretrained "
+                    "needs one (pass config=, or --config, naming the model's config.json)", CONFIG_NAME, reader.dir)
+        return plain, None, None, None
+    try:
+        names, hf_cfg, arch = names_from_config(config_dir, _checkpoint_names(reader))
+    except ImportError:
+        log.warning("transformers is not installed: '%s' is copied as it is and the tensors keep their state_dict "
+                    "names (the model's tied weights once)", config_dir / CONFIG_NAME)
+        return plain, None, config_dir, None
+    return names, hf_cfg, config_dir, arch
+
+
+def _checkpoint_names(reader: CheckpointReader) -> set[str]:
+    """Every state_dict name of the model the checkpoint was saved from."""
     m = reader.manifest
     if m.get("optimizer") == "passthrough":
+        params = {a for p in m["params"] for a in [p["name"], *p["aliases"]]}
+    else:
+        params = {a for u in reader.units for s in u.slots for a in s.aliases}
+    return params | set(m["buffers"])
+
+
+def _export_config(out: Path, hf_cfg: Any, config_dir: Path | None, dtype: torch.dtype, arch: str | None,
+                   nonce: str) -> None:
+    if config_dir is None:
+        return
+    if hf_cfg is None:  # no transformers: the files as they are
+        for name in (CONFIG_NAME, GENERATION_CONFIG_NAME):
+            if (config_dir / name).is_file() and config_dir.resolve() != out.resolve():
+                atomic.replace_durably(out / name, (config_dir / name).read_bytes(), name, nonce)
+        return
+    generation = None
+    if (config_dir / GENERATION_CONFIG_NAME).is_file():
+        import transformers
+
+        generation = transformers.GenerationConfig.from_pretrained(config_dir)
+    _write_config_files(out, hf_cfg, dtype, architecture=arch, generation=generation, nonce=nonce)
+
+
+def _segments_from_checkpoint(reader: CheckpointReader, dtype: torch.dtype, names: HfNames | None):
+    """The stream's tensors: each parameter under its first name (in unit order), then (state_dict layout)
+    the other names of tied parameters, then the buffers. ``names``: the HF layout's naming (one name per
+    parameter), or None."""
+    segments: list[Segment] = []
+    alias_of: list[tuple[str, tuple[int, int]]] = []  # (alias, (unit, slot)) to write again
+    m = reader.manifest
+
+    def name(aliases: list[str]) -> str | None:
+        return aliases[0] if names is None else _hf_name(names, aliases)
+
+    if m.get("optimizer") == "passthrough":
         for p in m["params"]:
-            layout.append((p["name"], dtype, tuple(p["shape"])))
-        for p in m["params"]:
-            layout += [(a, dtype, tuple(p["shape"])) for a in p["aliases"][1:]]
+            segments.append(Segment(name(p["aliases"] or [p["name"]]), dtype, tuple(p["shape"])))
+        if names is None:
+            for p in m["params"]:
+                segments += [Segment(a, dtype, tuple(p["shape"])) for a in p["aliases"][1:]]
     else:
         for u in reader.units:
-            layout += [(s.name, dtype, s.shape) for s in u.slots]
-        for u in reader.units:
-            for k, s in enumerate(u.slots):
-                for a in s.aliases[1:]:
-                    layout.append((a, dtype, s.shape))
-                    alias_of.append((a, (u.index, k)))
-    for name, b in m["buffers"].items():
-        bdt = parse_dtype_name(b["dtype"], f"buffer {name}")
-        layout.append((name, dtype if bdt.is_floating_point else bdt, tuple(b["shape"])))
-    return layout, reader.units, alias_of
+            segments += [Segment(name(list(s.aliases)), dtype, s.shape) for s in u.slots]
+        if names is None:
+            for u in reader.units:
+                for k, s in enumerate(u.slots):
+                    for a in s.aliases[1:]:
+                        segments.append(Segment(a, dtype, s.shape))
+                        alias_of.append((a, (u.index, k)))
+    for bname, b in m["buffers"].items():
+        bdt = parse_dtype_name(b["dtype"], f"buffer {bname}")
+        segments.append(Segment(name([bname]), dtype if bdt.is_floating_point else bdt, tuple(b["shape"])))
+    return segments, alias_of
 
 
-def _stream_units(reader: CheckpointReader, handle: AioHandle, writer: StreamWriter, dtype: torch.dtype,
+def _stream_units(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
                   bar: Progress, units: list[Any]) -> None:
     """Each unit's masters, partition after partition: flat elements [0, numel) are its slots end to end."""
     conv = _convert(dtype)
@@ -175,7 +279,7 @@ def _stream_units(reader: CheckpointReader, handle: AioHandle, writer: StreamWri
         lo = first + off // 4
         n = min(data.numel() // 4, numel - lo)
         if n > 0:
-            writer.append(conv(data[: n * 4].view(FP32)))
+            output.append(conv(data[: n * 4].view(FP32)))
 
     read_tensors(handle, checks, progress=bar, on_chunk=on_chunk)
 
@@ -195,22 +299,22 @@ def _read_flat(reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, 
         pos += n
 
 
-def _stream_aliases(reader: CheckpointReader, handle: AioHandle, writer: StreamWriter, dtype: torch.dtype,
+def _stream_aliases(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
                     alias_of: list[tuple[str, tuple[int, int]]]) -> None:
     conv = _convert(dtype)
     for _alias, (ui, k) in alias_of:
         u = reader.units[ui]
         slot = u.slots[k]
         for chunk in _read_flat(reader, handle, u, slot.offset, slot.offset + slot.numel):
-            writer.append(conv(chunk))
+            output.append(conv(chunk))
 
 
-def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, writer: StreamWriter, dtype: torch.dtype,
-                        bar: Progress) -> None:
+def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
+                        bar: Progress, *, aliases: bool) -> None:
     conv = _convert(dtype)
     params = reader.manifest["params"]
-    order = [p["name"] for p in params] + [a for p in params for a in p["aliases"][1:]]
-    source = {a: p for p in params for a in p["aliases"]}
+    order = [p["name"] for p in params] + ([a for p in params for a in p["aliases"][1:]] if aliases else [])
+    source = {a: p for p in params for a in [p["name"], *p["aliases"]]}
     checks, dtypes = [], []
     for name in order:
         p = source[name]
@@ -222,45 +326,65 @@ def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, writer: Str
         checks.append(Check(reader.part_path(0), reader.open_part(0, handle), e, reader.part_crc(0, e.name)))
         dtypes.append(pdt)
     read_tensors(handle, checks, progress=bar,
-                 on_chunk=lambda i, off, data: writer.append(conv(data.view(dtypes[i]))))
+                 on_chunk=lambda i, off, data: output.append(conv(data.view(dtypes[i]))))
 
 
 # -- from a live engine -------------------------------------------------------------
 
 
-def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save_filename: str = "model.safetensors",
-                     *, progress: bool | None = None) -> Path:
-    """Rank 0 writes the live parameters, in the dtype they train in, and the buffers to
-    ``save_dir/save_filename``; under stage 3 every rank takes part in the gathers (every rank must call it)."""
-    out = Path(save_dir) / save_filename
+def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save_filename: str = WEIGHTS_NAME,
+                     *, layout: str | None = None, max_shard_size: int | str | None = None,
+                     progress: bool | None = None) -> Path:
+    """Rank 0 writes the live parameters, in the dtype they train in, and the buffers; under stage 3 every
+    rank takes part in the gathers (every rank must call it). ``layout`` "hf" (the default for a
+    transformers model, or when ``max_shard_size`` is given) makes ``save_dir`` a directory
+    ``from_pretrained`` reads and returns it; "state_dict" (the default otherwise) writes the one file
+    ``save_dir/save_filename`` and returns its path."""
+    module = engine.module
     group = engine.group
     err = None
-    output = None
+    output: WeightFiles | None = None
     handle = None
+    hf_cfg = hf_config(module)
+    out = Path(save_dir) / save_filename
     try:
+        chosen = _choose_layout(layout, hf_cfg is not None, max_shard_size)
         engine.synchronize()  # the live values are those after an optimizer step still in flight
-        _check_out_path(out)
+        if chosen == "state_dict":
+            _check_out_path(out)
+        elif not save_filename.endswith(".safetensors"):
+            raise ValueError(f"save_filename={save_filename!r} must end in .safetensors: this writes safetensors, "
+                             "never pickle")
+        names = HfNames.of(module) if chosen == "hf" else None
+        max_nbytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if chosen == "hf" else None
         parts = engine.checkpoint_parts()
-        layout, slots = _layout_live(engine, parts)
+        segments, slots = _segments_live(engine, parts, names)
         if group.rank == 0:
             handle = AioHandle.from_config(engine.config.aio)
-            output = _Output(out, handle, layout)
+            if chosen == "hf":
+                Path(save_dir).mkdir(parents=True, exist_ok=True)
+            output = WeightFiles(Path(save_dir), handle, segments, weights_name=save_filename,
+                                 max_shard_nbytes=max_nbytes, replace_stale=chosen == "hf")
     except Exception as e:
         err = e
     agree(group, err, f"starting to write '{out}'")
     err = None
     try:
-        bar = Progress(output.header.file_nbytes if output else 0, f"save {out.name}", progress if output else False)
+        bar = Progress(output.total_nbytes if output else 0, f"save {out.name}", progress if output else False)
         with bar, torch_threads(1):
-            append = output.writer.append if output is not None else (lambda t: None)
+            append = output.append if output is not None else (lambda t: None)
             for full in _live_values(engine, parts, slots):
                 append(full)
                 bar.update(full.numel() * full.element_size())
             if output is not None:
-                _, buffers = state_dict_names(engine.module)
+                _, buffers = state_dict_names(module)
                 for b in buffers.values():
                     append(b.detach().cpu().contiguous())
                 output.commit()
+                if hf_cfg is not None and chosen == "hf":
+                    generation = getattr(module, "generation_config", None) if module.can_generate() else None
+                    _write_config_files(Path(save_dir), hf_cfg, engine.dtype, architecture=type(module).__name__,
+                                        generation=generation, nonce=output.nonce)
                 output = None
     except Exception as e:
         err = e
@@ -270,31 +394,40 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save
         if handle is not None:
             handle.close()
     agree(group, err, f"writing '{out}'")
-    return out
+    return Path(save_dir) if chosen == "hf" else out
 
 
-def _layout_live(engine: CheckpointTarget, parts: TrainingParts):
-    names, buffers = state_dict_names(engine.module)
-    layout: Layout = []
-    slots = []  # (unit or None, slot index or param, alias?) in output order
+def _segments_live(engine: CheckpointTarget, parts: TrainingParts, names: HfNames | None):
+    """The stream's tensors and, per parameter tensor, where its values come from: (unit index, slot) or
+    (None, param). ``names``: the HF layout (one name per parameter; the values of a name it drops are
+    still gathered: every rank runs the same gathers), or None for every state_dict name."""
+    sd_names, buffers = state_dict_names(engine.module)
+    segments: list[Segment] = []
+    slots: list[tuple[Any, Any]] = []  # (unit or None, slot index or param) in output order
+
+    def name(aliases: list[str]) -> str | None:
+        return aliases[0] if names is None else _hf_name(names, aliases)
+
     if parts.passthrough is not None:
-        params = [(names.get(id(p), [f"<unnamed {i}>"]), p) for i, p in enumerate(parts.params)]
-        layout += [(n[0], p.dtype, tuple(p.shape)) for n, p in params]
+        params = [(sd_names.get(id(p), [f"<unnamed {i}>"]), p) for i, p in enumerate(parts.params)]
+        segments += [Segment(name(n), p.dtype, tuple(p.shape)) for n, p in params]
         slots += [(None, p) for _, p in params]
-        for n, p in params:
-            layout += [(a, p.dtype, tuple(p.shape)) for a in n[1:]]
-            slots += [(None, p)] * (len(n) - 1)
+        if names is None:
+            for n, p in params:
+                segments += [Segment(a, p.dtype, tuple(p.shape)) for a in n[1:]]
+                slots += [(None, p)] * (len(n) - 1)
     else:
         infos = describe_units(engine.module, parts.units)
         for info in infos:
-            layout += [(s.name, engine.dtype, s.shape) for s in info.slots]
+            segments += [Segment(name(list(s.aliases)), engine.dtype, s.shape) for s in info.slots]
             slots += [(info.index, k) for k in range(len(info.slots))]
-        for info in infos:
-            for k, s in enumerate(info.slots):
-                layout += [(a, engine.dtype, s.shape) for a in s.aliases[1:]]
-                slots += [(info.index, k)] * (len(s.aliases) - 1)
-    layout += [(n, b.dtype, tuple(b.shape)) for n, b in buffers.items()]
-    return layout, slots
+        if names is None:
+            for info in infos:
+                for k, s in enumerate(info.slots):
+                    segments += [Segment(a, engine.dtype, s.shape) for a in s.aliases[1:]]
+                    slots += [(info.index, k)] * (len(s.aliases) - 1)
+    segments += [Segment(name([n]), b.dtype, tuple(b.shape)) for n, b in buffers.items()]
+    return segments, slots
 
 
 def _live_values(engine: CheckpointTarget, parts: TrainingParts,
