@@ -20,8 +20,9 @@ not known until generate).
 [Note: inference activations]
 Measured, not mirrored (CPU, torch 2.13, transformers 5.23, GPT-2 / Llama /
 OPT shapes, bf16 and fp32, eager and sdpa attention; tests/inference/
-test_estimate.py holds the whole estimate above the peak RSS of a run): a
-forward over B × P tokens holds at most ~12 fp32 values per token per hidden
+test_estimate.py checks the KV cache item against the cache generate makes
+and the swap files against the engine's, not yet the whole estimate against
+a run's peak RSS): a forward over B × P tokens holds at most ~12 fp32 values per token per hidden
 unit (the residual stream, the normed input, q/k/v, the attention output,
 kernels' fp32 upcasts) plus 3 per token per MLP unit (gate, up and their
 product), the attention scores of one layer (B × heads × P × P fp32, the
@@ -232,9 +233,10 @@ def plan_inference(spec: ModelSpec, cfg: InfinityConfig, *, shape: DecoderShape 
 def inference_config(config: Any, *, world_size: int, precision: str | None,
                      nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> InfinityConfig:
     """The config an estimate is for: the user's (which must be stage 3), else stage 3 with the weights on
-    NVMe at ``nvme_path`` and DeepSpeed's default sizes."""
+    NVMe at ``nvme_path``, none kept in host memory (max_in_cpu 0: streamed, not DeepSpeed's default of
+    keeping up to 1e9 elements) and DeepSpeed's default sizes otherwise."""
     if config is None:
-        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme",
+        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "max_in_cpu": 0,
                                                                        "nvme_path": _nvme_path(nvme_path)}}}
     cfg = _as_config(config, world_size, precision, None)
     if cfg.zero_optimization.stage != 3:
