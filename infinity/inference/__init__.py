@@ -10,6 +10,7 @@ infinity.integrations; see docs/ARCHITECTURE.md.
 
 from infinity.inference.engine import InferenceEngine
 from infinity.inference.initialize import initialize
+from infinity.inference.pretrained import load_pretrained
 from infinity.inference.stats import InferenceStats
 
-__all__ = ["InferenceEngine", "InferenceStats", "initialize"]
+__all__ = ["InferenceEngine", "InferenceStats", "initialize", "load_pretrained"]
