@@ -6,7 +6,14 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+)
 
 VOCAB = 128
 PAD = 0
@@ -27,18 +34,27 @@ def llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
-MODELS = {"gpt2": gpt2, "llama": llama}
+def opt(seed: int = 0) -> OPTForCausalLM:
+    torch.manual_seed(seed)
+    cfg = OPTConfig(num_hidden_layers=4, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=VOCAB,
+                    max_position_embeddings=64, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=PAD)
+    return OPTForCausalLM(cfg).eval()
 
 
-def pair(name: str):
-    """The model for the engine and an identical copy that stays plain PyTorch."""
-    model = MODELS[name]()
+MODELS = {"gpt2": gpt2, "llama": llama, "opt": opt}
+
+
+def pair(name: str, dtype: torch.dtype = torch.float32):
+    """The model for the engine (in ``dtype``) and an identical copy that stays plain PyTorch."""
+    model = MODELS[name]().to(dtype)
     return model, copy.deepcopy(model)
 
 
 def inference_config(nvme_path, **extra) -> dict:
     """Stage 3, weights on NVMe, no optimizer: infinity.initialize builds the inference engine. The pool
-    (4 × 16384 fp32 elements) holds a layer but not the model, so every forward reads from NVMe."""
+    (4 × 16384 elements of the weights' dtype) holds a layer but not the model (fp32 or bf16), so
+    every forward reads from NVMe."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {

@@ -12,7 +12,9 @@ import torch
 import infinity
 from tests.inference.models import PAD, inference_config, pair, prompts
 
-MODELS = ("gpt2", "llama")
+MODELS = ("gpt2", "llama", "opt")
+# fp32: within 1e-5 relative; bf16 (weights at rest as loaded, computed in bf16): within bf16 rounding
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
 def _swap_dirs(nvme, name):
@@ -45,10 +47,11 @@ def test_an_lr_scheduler_without_an_optimizer_is_refused(nvme_dir):
         infinity.initialize(model, inference_config(nvme_dir), lr_scheduler=object())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
-def test_logits_equal_plain_pytorch(name, batch, padded, nvme_dir):
-    model, plain = pair(name)
+def test_logits_equal_plain_pytorch(name, batch, padded, dtype, nvme_dir):
+    model, plain = pair(name, dtype)
     ids, mask = prompts(batch, padded=padded)
     with torch.no_grad():
         want = plain(input_ids=ids, attention_mask=mask).logits
@@ -56,17 +59,20 @@ def test_logits_equal_plain_pytorch(name, batch, padded, nvme_dir):
     try:
         for _ in range(2):  # the first forward records the trace, the second replays it
             got = engine(input_ids=ids, attention_mask=mask).logits
-            assert got.dtype == torch.float32
+            assert got.dtype == dtype
             real = mask.bool()  # padded positions' logits are not defined the same way by every kernel
-            assert torch.allclose(got[real], want[real], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+            tol = TOLERANCE[dtype]
+            g, w = got[real].float(), want[real].float()
+            assert torch.allclose(g, w, rtol=tol, atol=tol * w.abs().max().item())
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])
-def test_greedy_generation_equals_plain_generate(name, batch, padded, nvme_dir):
-    model, plain = pair(name)
+@pytest.mark.parametrize("batch,padded,dtype", [(1, False, torch.float32), (3, True, torch.float32),
+                                                (3, True, torch.bfloat16)])
+def test_greedy_generation_equals_plain_generate(name, batch, padded, dtype, nvme_dir):
+    model, plain = pair(name, dtype)
     ids, mask = prompts(batch, padded=padded)
     kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=PAD)
     want = plain.generate(ids, **kw)
