@@ -84,8 +84,8 @@ class Progress:
             self.stream.flush()
 
     def end(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + self.line() + "\n")
+        if self.enabled:  # the last put() drew the final line
+            self.stream.write(("\r" + self.line() if self.steps <= 0 else "") + "\n")
             self.stream.flush()
 
     def line(self) -> str:
