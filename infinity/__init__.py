@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "GatheredParameters",
+    "InferenceEngine",
     "PreflightError",
     "__version__",
     "estimate_memory",
@@ -27,7 +28,8 @@ __all__ = [
 
 _LAZY = {
     "Engine": ("infinity.engine", "Engine"),
-    "initialize": ("infinity.engine", "initialize"),
+    "initialize": ("infinity.inference", "initialize"),
+    "InferenceEngine": ("infinity.inference", "InferenceEngine"),
     "GatheredParameters": ("infinity.zero.gathered", "GatheredParameters"),
     "estimate_memory": ("infinity.estimate", "estimate_memory"),
     "PreflightError": ("infinity.estimate", "PreflightError"),

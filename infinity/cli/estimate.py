@@ -2,9 +2,13 @@
 
     infinity estimate --params 13e9 [--model-config gpt.json] [--nodes 1] [--gpus-per-node 1]
                       [--config ds_config.json] [--micro-batch 1 --seq 2048] [--json]
+    infinity estimate --inference --params 7e9 [--batch 8 --prompt 128 --gen 16] [--config ...] [--json]
 
 Prints the table (or, with --json, the whole estimate as JSON) from
-infinity.estimate.estimate_memory. Exit status 0, or 2 for bad arguments.
+infinity.estimate.estimate_memory; with --inference, the plan of generation
+with the weights streamed from NVMe (estimate_inference: weights, KV cache,
+working memory) and the largest batch that fits. Exit status 0, or 2 for bad
+arguments.
 Registered in infinity.cli.main.COMMANDS (NAME, HELP, add_arguments, run).
 """
 
@@ -18,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import ConfigError
-from infinity.estimate import estimate_memory
+from infinity.estimate import estimate_inference, estimate_memory
 from infinity.models import GPTConfig
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -98,6 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="count activations as with every transformer block checkpointed")
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
+    g = p.add_argument_group("inference (--inference)")
+    g.add_argument("--inference", action="store_true",
+                   help="estimate generation with the weights streamed from NVMe (stage 3, no optimizer) and "
+                   "the largest batch that fits, instead of training")
+    g.add_argument("--batch", type=int, default=1, help="sequences generated at once (default 1)")
+    g.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    g.add_argument("--gen", type=int, default=16, help="new tokens per sequence (default 16)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +124,24 @@ def run(args: argparse.Namespace) -> int:
                 notes.append(f"--model-config: ignored keys {', '.join(ignored)}")
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be at least 1")
+        if args.inference:
+            if args.nodes * args.gpus_per_node != 1:
+                raise ValueError("--inference estimates one rank (--nodes 1 --gpus-per-node 1)")
+            if args.micro_batch is not None or args.seq is not None or args.activation_checkpointing:
+                raise ValueError("--micro-batch, --seq and --activation-checkpointing are training's; "
+                                 "--inference takes --batch, --prompt and --gen")
+            est = estimate_inference(
+                args.params if args.params is not None else model_config,
+                model_config=model_config,
+                config=args.config,
+                batch=args.batch,
+                prompt=args.prompt,
+                gen=args.gen,
+                precision=args.precision,
+                nvme_path=args.nvme_path,
+                device=args.device,
+            )
+            return _print(est, args, notes, model_config)
         est = estimate_memory(
             args.params if args.params is not None else model_config,
             model_config=model_config,
@@ -129,6 +158,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"infinity estimate: {e}", file=sys.stderr)
         return 2
+    return _print(est, args, notes, model_config)
+
+
+def _print(est: Any, args: argparse.Namespace, notes: list[str], model_config: GPTConfig | None) -> int:
     if args.params is not None and model_config is not None:
         rel = abs(est.num_params - args.params) / args.params
         if rel > 0.05:

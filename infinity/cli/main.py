@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, demo, doctor, estimate, export, tune
+from infinity.cli import bench, demo, doctor, estimate, export, generate, tune
 
-COMMANDS = [demo, bench, tune, estimate, doctor, export]
+COMMANDS = [demo, bench, tune, estimate, doctor, export, generate]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from infinity.config.optim import (
     WarmupLRParams,
 )
 from infinity.config.precision import BF16Config, FP16Config
+from infinity.config.quantization import QuantizedInitializationConfig, WeightQuantizationConfig
 from infinity.config.root import InfinityConfig
 from infinity.config.support import NOT_ACTED_ON, OPAQUE, acted_on
 from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
@@ -44,11 +45,13 @@ __all__ = [
     "InfinityConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
+    "QuantizedInitializationConfig",
     "OptimizerConfig",
     "SchedulerConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
+    "WeightQuantizationConfig",
     "ZeroConfig",
     "acted_on",
     "load_config",

@@ -18,6 +18,7 @@ from infinity.aio.config import AioConfig
 from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
+from infinity.config.quantization import WeightQuantizationConfig
 from infinity.config.summary import render
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
 from infinity.config.values import (
@@ -65,6 +66,8 @@ class InfinityConfig:
     """The lr schedule to build, if the user passes none."""
     aio: AioConfig = knob(AioConfig())
     """NVMe I/O engine settings (aio.intra_op_parallelism is an alias of aio.thread_count)."""
+    weight_quantization: WeightQuantizationConfig = knob(WeightQuantizationConfig())
+    """Weight-only quantisation at rest, for inference (DeepSpeed ZeRO-Inference's keys)."""
     wall_clock_breakdown: bool = knob(False)
     """DeepSpeed: time forward/backward/step."""
     dump_state: bool = knob(False)

@@ -41,6 +41,14 @@ REFUSED: dict[str, str] = {
         "optimizer.params.max_grad_norm is not supported as an optimizer parameter (DeepSpeed "
         'refuses it too): use the top-level "gradient_clipping" instead'
     ),
+    **{
+        f"weight_quantization.{key}": (
+            f"weight_quantization.{key} (DeepSpeed's per-module quantisation after loading) is not "
+            'supported: use "weight_quantization": {"quantized_initialization": {"num_bits": 4 or 8, '
+            '"group_size": 64}}, which quantises every matrix parameter'
+        )
+        for key in ("post_init_quant", "post_init_quantization")
+    },
 }
 
 # Keys other tools write that no runtime reads; the hint replaces difflib's guess.

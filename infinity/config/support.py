@@ -126,7 +126,6 @@ OPAQUE: frozenset[str] = frozenset(
         "use_data_before_expert_parallelism",
         "vocabulary_size",
         "wandb",
-        "weight_quantization",
         "zero_optimization.leaf_module",
         "zero_optimization.zenflow",
         "zero_optimization.zeropp_loco_param",

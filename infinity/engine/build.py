@@ -6,6 +6,9 @@ size itself — the estimate and the pre-flight check read the same plan.
 Memory is bounded throughout: parameters are moved into their home one unit
 at a time (from the module, or from zero.Init's store) through one staging
 buffer, and the only large host allocations are the plan's buffer pools.
+A plan without an optimizer (nothing trains, or an inference engine: [Note:
+frozen units] in runtime_plan.py) gets no optimizer, state store, gradient
+path or overlapped step; frozen units get none of them in any plan.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
+from infinity.zero.quant import QuantizedShards, quantize_into
 from infinity.zero.resident import ResidentParams
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
@@ -51,7 +55,7 @@ class Runtime:
     """The plan it was built from (None for a passthrough optimizer, which needs none)."""
     unit_map: UnitMap = dataclasses.field(default_factory=lambda: UnitMap([], {}, {}))
     params: list[nn.Parameter] = dataclasses.field(default_factory=list)
-    """Every parameter, in the units' order (the optimizer's)."""
+    """Every parameter the optimizer steps, in the units' order (the optimizer's); empty without one."""
     optimizer: PartitionedAdam | None = None
     passthrough: torch.optim.Optimizer | None = None
     """The user's optimizer, stepped as it is (initialize's optimizer= that is not Adam-family)."""
@@ -88,13 +92,14 @@ class Runtime:
 def build_runtime(
     model: nn.Module,
     cfg: InfinityConfig,
-    choice: OptimizerChoice,
+    choice: OptimizerChoice | None,
     *,
     group: DataParallelGroup,
     device: torch.device,
     plan: RuntimePlan | None = None,
 ) -> Runtime:
-    """Allocates and wires what ``plan`` says (made here when not given: plan_runtime for this rank)."""
+    """Allocates and wires what ``plan`` says (made here when not given: plan_runtime for this rank).
+    ``choice``: the optimizer, None when nothing trains (the plan then has no optimizer either)."""
     stage = cfg.zero_optimization.stage
     params = list(dict.fromkeys(model.parameters()))
     if stage == 3 and not params:
@@ -102,7 +107,7 @@ def build_runtime(
             f"zero_optimization.stage=3 partitions parameters, but {type(model).__name__} has none; "
             "give initialize() a model with parameters"
         )
-    if choice.passthrough is not None:
+    if choice is not None and choice.passthrough is not None:
         model.to(device)
         resident = ResidentParams(params, UnitMap([], {}, {}), group, masters=None)
         resident.install()
@@ -115,26 +120,32 @@ def build_runtime(
     with torch.no_grad():
         if stage < 3:
             model.to(device)
-    plan = plan or plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
+    plan = plan or plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device,
+                                trains=choice is not None)
     _check_plan(plan, stage, group, device)
+    if plan.optimizer is not None and choice is None:
+        raise ValueError("the runtime plan has optimizer state but no optimizer was chosen; plan it with "
+                         "trains=False for an engine without one")
     for warning in plan.warnings:
         log.warning("%s", warning)
     cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)
-    flat_params = [p for u in plan.units for p in u.params]
     param_store, state_store = _stores(plan, cfg)
-    optimizer = PartitionedAdam(
-        choice.param_groups,
-        choice.defaults,
-        flat_params,
-        _shard_specs(plan, flat_params),
-        state_store=state_store,
-        param_store=param_store,
-        state_home=plan.optimizer.state_home,
-        grad_home=plan.optimizer.grad_home,
-        adamw=choice.adamw,
-        sub_group_numel=plan.optimizer.sub_group_numel,
-        on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
-    )
+    optimizer = None
+    if plan.optimizer is not None:
+        flat_params = [p for u in plan.trainable_units() for p in u.params]
+        optimizer = PartitionedAdam(
+            choice.param_groups,
+            choice.defaults,
+            flat_params,
+            _shard_specs(plan, flat_params),
+            state_store=state_store,
+            param_store=param_store,
+            state_home=plan.optimizer.state_home,
+            grad_home=plan.optimizer.grad_home,
+            adamw=choice.adamw,
+            sub_group_numel=plan.optimizer.sub_group_numel,
+            on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
+        )
     init_store = zero_init.init_store_of(params)
     _move_home(plan, init_store, param_store, optimizer)
     if init_store is not None:
@@ -154,9 +165,10 @@ def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device:
         )
 
 
-def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None, TieredStore]:
-    """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store —
-    after checking that every swap file fits and that the parameter pool holds the largest layer."""
+def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None, TieredStore | None]:
+    """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store
+    (None without an optimizer plan) — after checking that every swap file fits and that the parameter
+    pool holds the largest layer."""
     needs = []
     for r in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
         dirs = nvme_path.rank_dirs(r.nvme_path, plan.rank, o_direct=cfg.aio.o_direct)
@@ -169,9 +181,13 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
             raise ConfigError(plan.param_pool_refusal.message())
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
-            param_store.register(unit.key, (unit.layout.shard_numel,), plan.dtype,
-                                 home=plan.shards[unit.index].param_home)
-    return param_store, _open_store(plan.state_store, plan.rank, cfg)
+            home = plan.shards[unit.index].param_home
+            if plan.formats is not None:  # packed bytes ([Note: quantised shards] in infinity/zero/quant.py)
+                param_store.register(unit.key, (plan.formats[unit.index].nbytes,), torch.uint8, home=home)
+            else:
+                param_store.register(unit.key, (unit.layout.shard_numel,), unit.layout.dtype, home=home)
+    state_store = _open_store(plan.state_store, plan.rank, cfg) if plan.state_store is not None else None
+    return param_store, state_store
 
 
 def _open_store(sp: StorePlan, rank: int, cfg: InfinityConfig) -> TieredStore:
@@ -186,10 +202,10 @@ def _open_store(sp: StorePlan, rank: int, cfg: InfinityConfig) -> TieredStore:
 
 
 def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[ShardSpec]:
-    """This rank's shard of every unit, as the optimizer sees it, with the plan's state keys."""
+    """This rank's shard of every trainable unit, as the optimizer sees it, with the plan's state keys."""
     index_of = {id(p): i for i, p in enumerate(flat_params)}
     shards = []
-    for unit in plan.units:
+    for unit in plan.trainable_units():
         segs = tuple(
             ShardSegment(index_of[id(unit.params[s.slot])], s.slot, s.shard_lo, s.shard_hi)
             for s in unit.layout.segments(plan.shard_rank)
@@ -200,28 +216,43 @@ def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[Sha
     return shards
 
 
-def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None, optimizer: PartitionedAdam) -> None:
-    """Moves the starting values home, one unit at a time, through one staging buffer."""
+def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
+               optimizer: PartitionedAdam | None) -> None:
+    """Moves the starting values home, one unit at a time, through one staging buffer; only trainable
+    units get optimizer state ([Note: frozen units] in runtime_plan.py)."""
     staging = torch.empty(plan.staging_numel, dtype=FP32)
+    trained = {u.index for u in plan.trainable_units()}
     with torch.no_grad():
         for unit in plan.units:
+            dtype = unit.layout.dtype
+            state = optimizer is not None and unit.index in trained
             full = _full_values(unit, init_store, staging)
             lo, hi = unit.layout.shard_range(plan.shard_rank)
             shard = full[lo:hi]
-            if plan.stage == 3:
-                param_store.write(unit.key, shard.to(plan.dtype)).result()
-                optimizer.init_state(unit.index, None if plan.dtype == FP32 else shard)
+            if plan.stage == 3 and plan.formats is not None:
+                fmt = plan.formats[unit.index]
+                packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+                quantize_into(fmt, shard.to(dtype), packed, name=unit.module_name)
+                param_store.write(unit.key, packed).result()
+            elif plan.stage == 3:
+                param_store.write(unit.key, shard.to(dtype)).result()
+                if state:
+                    optimizer.init_state(unit.index, None if dtype == FP32 else shard)
             else:
-                optimizer.init_state(unit.index, shard)
+                if state:
+                    optimizer.init_state(unit.index, shard)
                 for p in unit.params:
-                    p.data = p.data.to(device=plan.device, dtype=plan.dtype)
+                    p.data = p.data.to(device=plan.device, dtype=dtype)
             del full, shard
 
 
 def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,
-          optimizer: PartitionedAdam, param_store: TieredStore | None, state_store: TieredStore) -> Runtime:
-    """The gradient path, and at stage 3 the shard source and the partitioner's hooks."""
+          optimizer: PartitionedAdam | None, param_store: TieredStore | None,
+          state_store: TieredStore | None) -> Runtime:
+    """The gradient path (with an optimizer), and at stage 3 the shard source and the partitioner's hooks."""
     unit_map, units, stage = plan.unit_map, plan.units, plan.stage
+    if optimizer is None:
+        return _wire_frozen(model, plan, group, cache, param_store)
     reducer = GradReducer(units, group, optimizer, stage=stage, cache=cache)
     partitioner = None
     shard_source = None
@@ -238,7 +269,9 @@ def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: 
         partitioner.install()
     else:
         overlap = OverlappedStep()
-        resident = ResidentParams(optimizer.params, unit_map, group, masters=optimizer)
+        # Every parameter (frozen ones too: GatheredParameters may change them); only trainable units
+        # have a master for the change to reach.
+        resident = ResidentParams(list(dict.fromkeys(model.parameters())), unit_map, group, masters=optimizer)
         resident.install()
     grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3,
                            on_unit_done=partitioner.release_backward if partitioner is not None else None)
@@ -249,8 +282,28 @@ def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: 
                    resident=resident)
 
 
-def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, progress: StepProgress) -> PrefetchScheduler:
-    """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets."""
+def _wire_frozen(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,
+                 param_store: TieredStore | None) -> Runtime:
+    """Nothing trains: the partitioner over a prefetch scheduler at stage 3 (no step to wait for), the
+    module's own parameters at stages 0-2; no gradient path."""
+    if plan.stage == 3:
+        shard_source = _prefetch_scheduler(plan, param_store, None)
+        shards = shard_source
+        if plan.formats is not None:
+            shards = QuantizedShards(shard_source, {u.key: plan.formats[u.index] for u in plan.units}, cache)
+        partitioner = Stage3Partitioner(model, plan.unit_map, shards=shards, group=group, cache=cache,
+                                        masters=None)
+        partitioner.install()
+        return Runtime(plan=plan, unit_map=plan.unit_map, partitioner=partitioner, param_store=param_store,
+                       shard_source=shard_source, cache=cache)
+    resident = ResidentParams(list(dict.fromkeys(model.parameters())), plan.unit_map, group, masters=None)
+    resident.install()
+    return Runtime(plan=plan, unit_map=plan.unit_map, cache=cache, resident=resident)
+
+
+def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, progress: StepProgress | None) -> PrefetchScheduler:
+    """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets (and, with an
+    overlapped optimizer step, ``progress``, only what that step has updated)."""
     sched = plan.schedule
     index_of_key = {u.key: u.index for u in plan.units}
     try:
@@ -262,7 +315,7 @@ def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, progress: StepPro
             working_set_nbytes=sched.working_set_nbytes,
             pool_working_set_nbytes=sched.pool_working_set_nbytes,
             tier="device",
-            ready=lambda key: progress.is_done(index_of_key[key]),
+            ready=None if progress is None else lambda key: progress.is_done(index_of_key[key]),
         )
     except ScheduleConfigError as e:
         raise ConfigError(str(e)) from None

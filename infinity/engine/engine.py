@@ -12,6 +12,9 @@ backward(), step() and zero_grad() follow torch in any order ([Note: the
 training loop's call order]); a step whose loss or gradient norm is not
 finite is named, or skipped on request ([Note: non-finite steps]); both in
 engine/window.py.
+Only parameters with ``requires_grad`` get optimizer state; a model with
+none needs no optimizer (``step`` then only counts), see [Note: frozen units]
+in infinity/estimate/runtime_plan.py.
 """
 
 from __future__ import annotations
@@ -90,7 +93,11 @@ class Engine:
         self.loss_scaler = (
             LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
         )
-        choice = choose_optimizer(config, model, optimizer)
+        trains = any(p.requires_grad for p in dict.fromkeys(model.parameters()))
+        choice = choose_optimizer(config, model, optimizer) if trains else None
+        if not trains and (optimizer is not None or config.optimizer is not None):
+            log.info("no parameter of %s requires grad: the optimizer allocates no state and step() updates "
+                     "nothing", type(model).__name__)
         try:
             self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device,
                                                   plan=plan)
@@ -107,6 +114,10 @@ class Engine:
         self.overlap_step = self.stage == 3
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
+        if self.optimizer is None:
+            if lr_scheduler is not None or self.config.scheduler is not None:
+                log.info("no parameter requires grad: the lr schedule has nothing to schedule and is not built")
+            return None
         if lr_scheduler is not None:
             if self.config.scheduler is not None:
                 raise ValueError(
@@ -215,8 +226,10 @@ class Engine:
                             self.global_steps, self._window.failed_at)
             if self.runtime.passthrough is not None:
                 outcome = self._passthrough_step()
-            else:
+            elif self.runtime.optimizer is not None:
                 outcome = self._partitioned_step()
+            else:
+                outcome = Outcome.NO_GRADIENT  # nothing to train: the update only counts
             self._end_window()
             if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
                 self.lr_scheduler.step()
@@ -262,9 +275,16 @@ class Engine:
             rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=persistent)
             rt.partitioner.gather_persistent()
             rest = {u.index for u in rt.unit_map.units if not u.persistent}
+            stepped = rest & {s.index for s in rt.optimizer.shards}
             hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
-            rt.overlap.start(lambda done: rt.optimizer.step(
-                grad_scale=coef, has_grad=has_grad, only=rest, hyper=hyper, on_shard_done=done))
+
+            def step_rest(done) -> None:
+                for i in sorted(rest - stepped):  # frozen units: nothing to update, readable at once
+                    done(i)
+                rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=stepped, hyper=hyper,
+                                  on_shard_done=done)
+
+            rt.overlap.start(step_rest)
         else:
             if rt.partitioner is not None:
                 rt.partitioner.release_persistent()
@@ -385,7 +405,8 @@ class Engine:
         return self
 
     def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
+        """The lr of each param group (none when nothing trains)."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def prefetch_stats(self):
         """The prefetch scheduler's statistics (stage 3), or None."""

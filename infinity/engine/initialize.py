@@ -1,4 +1,9 @@
-"""infinity.initialize(): the one call from a model and a DeepSpeed-style config to a training engine."""
+"""initialize(): from a model and a DeepSpeed-style config to a training engine.
+
+``infinity.initialize`` (infinity.inference.initialize) is this, or the
+inference engine when nothing makes an optimizer at stage 3; both start from
+``start`` (process group, config, device).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from infinity.config import load_config
+from infinity.config import ConfigError, InfinityConfig, load_config
 from infinity.engine.engine import Engine
 from infinity.estimate import plan_runtime, preflight
 from infinity.zero.collectives import DataParallelGroup
@@ -48,11 +53,31 @@ def initialize(
     ``hidden_size=`` is given. With no optimizer section and none passed,
     ``lr=`` gives the HF Trainer's default AdamW.
     """
+    group, cfg, device = start(model, config, optimizer, **auto_values)
+    return training_engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)
+
+
+def start(model: nn.Module, config: Any, optimizer: torch.optim.Optimizer | None,
+          **auto_values: Any) -> tuple[DataParallelGroup, InfinityConfig, torch.device]:
+    """What every engine starts from: the process group torchrun describes, the config loaded with its
+    "auto" values filled, the compute device."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
     group = _bootstrap_distributed()
     cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, model=model, **auto_values)
-    device = compute_device()
+    return group, cfg, compute_device()
+
+
+def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.optim.Optimizer | None,
+                    lr_scheduler: Any, group: DataParallelGroup, device: torch.device) -> Engine:
+    """The training engine for a loaded config: planned, checked before anything is allocated, built."""
+    quant = cfg.weight_quantization.quantized_initialization
+    if quant is not None:
+        raise ConfigError(
+            "weight_quantization.quantized_initialization keeps weights quantised for inference, and this "
+            "engine trains (an optimizer was passed, configured or made from lr=); drop the section to "
+            "train, or call infinity.initialize with no optimizer at stage 3 for the inference engine"
+        )
     # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]).
     plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.

@@ -72,7 +72,9 @@ def choose_optimizer(
     if cfg.optimizer is None:
         raise ValueError(
             "no optimizer: pass one to initialize(optimizer=...), add an 'optimizer' section to the config, "
-            "or pass lr= (and betas=, eps=, weight_decay=) for the HF Trainer's default AdamW"
+            "or pass lr= (and betas=, eps=, weight_decay=) for the HF Trainer's default AdamW; a model that "
+            "does not train needs none (set requires_grad=False on its parameters, or for inference from "
+            "NVMe call infinity.initialize at zero_optimization.stage 3)"
         )
     oc = cfg.optimizer
     p = oc.params

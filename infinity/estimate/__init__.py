@@ -10,6 +10,13 @@ the engine allocates as it is.
 
 from infinity.estimate.activations import Activations, gpt_activations
 from infinity.estimate.estimate import Fit, MemoryEstimate, SettingEstimate, estimate_memory
+from infinity.estimate.inference import (
+    DecoderShape,
+    InferenceEstimate,
+    decoder_shape,
+    estimate_inference,
+    preflight_inference,
+)
 from infinity.estimate.machine import (
     DiskInfo,
     GPUInfo,
@@ -26,9 +33,11 @@ from infinity.estimate.tune import tune
 
 __all__ = [
     "Activations",
+    "DecoderShape",
     "DiskInfo",
     "Fit",
     "GPUInfo",
+    "InferenceEstimate",
     "Item",
     "MachineView",
     "MemoryEstimate",
@@ -40,12 +49,15 @@ __all__ = [
     "SettingEstimate",
     "SettingPlan",
     "all_settings",
+    "decoder_shape",
     "describe_machine",
+    "estimate_inference",
     "estimate_memory",
     "gpt_activations",
     "machine_view",
     "plan_runtime",
     "preflight",
+    "preflight_inference",
     "process_rss_nbytes",
     "runtime_baseline_nbytes",
     "tune",

@@ -239,7 +239,7 @@ class _Planner:
         self.unit_map = runtime.unit_map
         self.units = runtime.units
         numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
-        self.grad_numels = [numels[id(p)] for u in self.units for p in u.params if p.requires_grad]
+        self.grad_numels = [numels[id(p)] for u in runtime.trainable_units() for p in u.params]
         self.cuda = device_type == "cuda"
         self.world = runtime.world_size
         self.block = cfg.aio.block_size
@@ -305,12 +305,17 @@ class _Planner:
                           heap=True))
 
     def optimizer_state(self) -> None:
-        """RuntimePlan.optimizer's keys per shard and where they rest; the state store's pool and reserve."""
+        """RuntimePlan.optimizer's keys per trainable shard and where they rest; the state store's pool and
+        reserve. Nothing without an optimizer plan ([Note: frozen units] in runtime_plan.py)."""
         opt, store = self.rt.optimizer, self.rt.state_store
-        S = self.rt.shard_numel
+        if opt is None or store is None:
+            return
+        S = self.rt.trainable_shard_numel
+        frozen = self.rt.shard_numel - S
         keys = opt.state_keys
         tier: Tier = "nvme" if opt.state_home == "nvme" else "host"
-        detail = "fp32, this rank's shards" + (" (swap files)" if tier == "nvme" else " (host tensors)")
+        detail = ("fp32, this rank's shards" + (" of trainable units" if frozen else "")
+                  + (" (swap files)" if tier == "nvme" else " (host tensors)"))
         key = "zero_optimization.offload_optimizer.device"
         if "master" in keys:
             self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
@@ -361,11 +366,14 @@ class _Planner:
             self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
                           "huge pages", ", ".join(store.pool.keys)))
-            self._swap(f"parameter swap files ({dname})",
+            self._swap(f"parameter swap files ({self._at_rest_name()})",
                        rules.swap_nbytes(store.reserve_nbytes, self.block, self._drives(store.nvme_path)),
                        store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")
-            reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
-            self.nvme_traffic += store.reserve_nbytes * (reads + 1)
+            if self.rt.optimizer is None:  # nothing trains: forward (and backward) read, nothing is written
+                self.nvme_traffic += store.reserve_nbytes * 2
+            else:
+                reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
+                self.nvme_traffic += store.reserve_nbytes * (reads + 1)
             _check_param_pool(self.problems, self.rt, self.zero, b)
             where = "inside the parameter pool (host)"
         else:
@@ -373,7 +381,15 @@ class _Planner:
                           "unused (no parameter on NVMe)"))
             where = "on the device" if self.cuda else "in host memory"
         self._scheduler(bool(nv), where)
-        self.add(self._grad_in_flight())
+        if self.grad_numels:
+            self.add(self._grad_in_flight())
+
+    def _at_rest_name(self) -> str:
+        """How parameter shards rest: their dtype, or the quantised format (weight_quantization)."""
+        if self.rt.formats is None or not self.rt.formats:
+            return self.dname
+        q = self.rt.formats[0].spec
+        return f"int{q.num_bits}, groups of {q.group_size}, {self.dname} elsewhere"
 
     def _scheduler(self, nv: bool, where: str) -> None:
         """RuntimePlan.schedule: DeepSpeed's budgets per rank, the partitioner's working set
@@ -414,7 +430,7 @@ class _Planner:
                       "stages 0-2 keep every parameter resident", heap=True))
         if self.stage <= 1:
             self.add(Item("gradient accumulators (fp32)", "device",
-                          rules.grad_accumulator_nbytes(self.units, self.stage), "train",
+                          rules.grad_accumulator_nbytes(self.rt.trainable_units(), self.stage), "train",
                           "stages 0-1: every unit's whole grads, accumulated in fp32 until the window's end",
                           "zero_optimization.stage", heap=True))
         self.add(self._grad_in_flight())

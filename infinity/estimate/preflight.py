@@ -83,10 +83,7 @@ def preflight(
     engine will allocate (initialize's), checked as it is; by default plan_runtime's.
     """
     if not cfg.preflight:
-        log.warning(
-            "pre-flight check skipped (preflight: false): host memory, device memory and NVMe space are "
-            "not checked against this run before it allocates"
-        )
+        skip_warning()
         return None
     group = group or DataParallelGroup()
     device_type = torch.device(device).type
@@ -119,6 +116,13 @@ def preflight(
     fixes = _fixes(spec, cfg, own, view, plan, ranks, held, group.world_size)
     raise PreflightError(_refusal(own, fit.reasons, fixes, held, ranks, group.world_size, acts is not None),
                          own, fit.reasons)
+
+
+def skip_warning() -> None:
+    log.warning(
+        "pre-flight check skipped (preflight: false): host memory, device memory and NVMe space are "
+        "not checked against this run before it allocates"
+    )
 
 
 def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int, world: int, acts: bool) -> str:

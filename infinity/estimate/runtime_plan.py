@@ -10,6 +10,16 @@ the runtime does not decide (activations, the process baseline, measured
 overheads, allocator slack: rules.py). There is no second copy of these rules,
 so the estimate and what is allocated cannot disagree.
 
+[Note: frozen units] Only units that train get optimizer state. build_units
+cuts trainable and frozen parameters (``requires_grad`` when initialize runs)
+into separate units, and the OptimizerPlan, the state store and its swap
+reserve cover the trainable units alone: a frozen unit has its parameter
+shard (stage 3: in the parameter store; stages 0-2: in the module) and
+nothing else — no fp32 master, no moments, no gradient partition. A model with
+no trainable unit, and every inference plan (``trains=False``: an engine
+built with no optimizer), has no optimizer plan and no state store at all,
+so it needs no optimizer.
+
 Invariants: making a plan touches neither the model nor memory nor files (the
 units are cut on the device given: "meta" for an estimate); every figure is
 this rank's; sizes are bytes unless named ``*_numel``; a shard is one rank's
@@ -37,6 +47,7 @@ from infinity.memory import BufferPool, round_up
 from infinity.optim.partitioned_adam import split_sub_groups
 from infinity.schedule import ScheduleBudget
 from infinity.zero.init import init_store_of
+from infinity.zero.quant import QuantSpec, ShardFormat, shard_format
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
 
@@ -47,6 +58,11 @@ FP32_NBYTES = 4
 CACHED_FLAT_BUFFERS = 4
 """The TensorCache keeps up to this many of the largest unit's flat fp32 size for reuse (gathers for
 world size > 1, flat fp32 grads): the few buffers in use at once, not one per unit."""
+
+CACHED_DEQUANT_BUFFERS = 2
+"""Inference (no optimizer): the TensorCache keeps up to this many of the largest unit's size in its dtype for
+reuse — dequantised shards, gathers for world size > 1 (the units in use are the partitioner's working set,
+counted apart); nothing with neither (the partitioner computes from the pool)."""
 
 OPTIMIZER_POOL_BUFFERS = 3
 """Sub-groups the optimizer pool holds: the one being read, the one being updated and the one being
@@ -206,8 +222,10 @@ class RuntimePlan:
     """Per unit, by index."""
     param_store: StorePlan | None
     """Stage 3: the parameter store; None at stages 0-2."""
-    state_store: StorePlan
-    optimizer: OptimizerPlan
+    state_store: StorePlan | None
+    """The optimizer's store; None when nothing trains (see [Note: frozen units])."""
+    optimizer: OptimizerPlan | None
+    """The optimizer state of the trainable units; None when nothing trains (see [Note: frozen units])."""
     swap_reserves: tuple[SwapReserve, ...]
     """The free-space check: parameters first, then optimizer state."""
     tensor_cache_cap_nbytes: int
@@ -220,6 +238,9 @@ class RuntimePlan:
     """The pool check initialize refuses on (None: the pool holds every layer)."""
     warnings: tuple[str, ...] = ()
     """What the runtime tells the user about this plan as it allocates it."""
+    formats: tuple[ShardFormat, ...] | None = None
+    """Inference with weight_quantization (stage 3): each unit's shard format at rest, by index ([Note:
+    quantised shards] in infinity/zero/quant.py); None: shards rest in their dtype."""
 
     @property
     def units(self) -> list[ParamUnit]:
@@ -239,6 +260,19 @@ class RuntimePlan:
         """Elements of every shard of this rank."""
         return sum(u.layout.shard_numel for u in self.units)
 
+    def trainable_units(self) -> list[ParamUnit]:
+        """The units that get optimizer state (none without an optimizer plan: [Note: frozen units])."""
+        return [u for u in self.units if u.trainable] if self.optimizer is not None else []
+
+    @property
+    def trainable_shard_numel(self) -> int:
+        """Elements of this rank's shards that have optimizer state."""
+        return sum(u.layout.shard_numel for u in self.trainable_units())
+
+    def at_rest_nbytes(self, unit: ParamUnit) -> int:
+        """Bytes of the unit's shard as it rests in the parameter store (packed when quantised)."""
+        return self.formats[unit.index].nbytes if self.formats is not None else unit.layout.shard_nbytes
+
     def nvme_units(self) -> list[ParamUnit]:
         """The units whose parameter shard rests on NVMe."""
         return [u for u in self.units if self.shards[u.index].param_home == "nvme"]
@@ -253,9 +287,11 @@ class RuntimePlan:
     def sub_group_param_nbytes(self, sub_group_numel: int | None = None) -> list[int]:
         """Parameter-pool bytes each optimizer sub-group's NVMe shards take (the step fetches a whole
         sub-group before it updates any of it); ``sub_group_numel``: were sub_group_size that instead."""
+        if self.optimizer is None:
+            return []
         groups = self.optimizer.sub_groups
         if sub_group_numel is not None:
-            groups = split_sub_groups([u.layout.shard_numel for u in self.units], sub_group_numel)
+            groups = _unit_sub_groups(self.trainable_units(), sub_group_numel)
         return _sub_group_nvme_nbytes(self.units, [s.param_home for s in self.shards], groups)
 
 
@@ -272,17 +308,33 @@ def train_dtype(cfg: InfinityConfig) -> torch.dtype:
     return torch.float32
 
 
-def cut_units(model: nn.Module, cfg: InfinityConfig, *, world_size: int, device: torch.device) -> UnitMap:
+def weights_dtype(model: nn.Module, cfg: InfinityConfig) -> torch.dtype:
+    """The precision an inference plan keeps the weights in: bf16 or fp16 when the config enables one,
+    else the model's as loaded (its floating-point parameters' most common dtype; each unit keeps its
+    own, see cut_units)."""
+    if cfg.bf16.enabled or cfg.fp16.enabled:
+        return train_dtype(cfg)
+    counts: dict[torch.dtype, int] = {}
+    for p in dict.fromkeys(model.parameters()):
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
+
+
+def cut_units(model: nn.Module, cfg: InfinityConfig, *, world_size: int, device: torch.device,
+              trains: bool = True) -> UnitMap:
     """The units: whole at stage 0 (layout world 1), the persistence threshold only at stage 3,
-    zero.Init's true shapes where it holds the parameters."""
+    zero.Init's true shapes where it holds the parameters. ``trains=False`` (inference) keeps each
+    parameter's dtype as loaded unless the config enables bf16 or fp16."""
     zero = cfg.zero_optimization
     store = init_store_of(list(dict.fromkeys(model.parameters())))
+    as_loaded = not trains and not (cfg.bf16.enabled or cfg.fp16.enabled)
     return build_units(
         model,
         world_size=1 if zero.stage == 0 else world_size,
         persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
         device=device,
-        dtype=train_dtype(cfg),
+        dtype=None if as_loaded else train_dtype(cfg),
         shape_of=store.shape if store is not None else None,
     )
 
@@ -295,23 +347,32 @@ def plan_runtime(
     rank: int = 0,
     device: torch.device | str = "meta",
     unit_map: UnitMap | None = None,
+    trains: bool = True,
 ) -> RuntimePlan:
     """The plan for ``model`` under ``cfg`` on ``rank`` of ``world_size``. ``unit_map``: the units if
-    already cut for this config (a plan for the same model with other sizes reuses them)."""
+    already cut for this config (a plan for the same model with other sizes reuses them).
+    ``trains=False``: no parameter trains (an inference engine): no optimizer plan, weights in the
+    precision weights_dtype says (see [Note: frozen units])."""
     zero = cfg.zero_optimization
-    dtype = train_dtype(cfg)
+    dtype = train_dtype(cfg) if trains else weights_dtype(model, cfg)
     device = torch.device(device)
     if unit_map is None:
-        unit_map = cut_units(model, cfg, world_size=world_size, device=device)
+        unit_map = cut_units(model, cfg, world_size=world_size, device=device, trains=trains)
     units = unit_map.units
     homes = param_homes(units, zero) if zero.stage == 3 else (None,) * len(units)
-    optimizer = _optimizer(units, zero, dtype)
+    trainable = [u for u in units if u.trainable] if trains else []
+    optimizer = _optimizer(trainable, zero, dtype) if trainable else None
+    quant = cfg.weight_quantization.quantized_initialization
+    formats = None
+    if not trains and quant is not None and zero.stage == 3:
+        spec = QuantSpec(quant.num_bits, quant.group_size, quant.symmetric)
+        formats = tuple(shard_format(u.layout, rank, spec) for u in units)
     shards = tuple(ShardPlan(u.index, homes[u.index]) for u in units)
     schedule = _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
     param_store, refusal = None, None
     if zero.stage == 3:
-        param_store, refusal = _param_store(units, homes, zero.offload_param, dtype, optimizer, schedule)
-    state_store = _state_store(units, zero.offload_optimizer, optimizer)
+        param_store, refusal = _param_store(units, homes, zero.offload_param, dtype, optimizer, schedule, formats)
+    state_store = _state_store(trainable, zero.offload_optimizer, optimizer) if optimizer is not None else None
     largest_flat = max((u.layout.padded_numel for u in units), default=0)
     return RuntimePlan(
         stage=zero.stage,
@@ -325,11 +386,14 @@ def plan_runtime(
         state_store=state_store,
         optimizer=optimizer,
         swap_reserves=_swap_reserves(zero, param_store, state_store),
-        tensor_cache_cap_nbytes=CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat,
+        tensor_cache_cap_nbytes=(CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat if trains
+                                 else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_flat
+                                 if formats is not None or world_size > 1 else 0),
         staging_numel=largest_flat,
         schedule=schedule,
         param_pool_refusal=refusal,
         warnings=_max_in_cpu_warning(units, homes, zero.offload_param),
+        formats=formats,
     )
 
 
@@ -370,7 +434,14 @@ def partitioner_working_set(
     return chain(model) + largest
 
 
+def _unit_sub_groups(units: Sequence[ParamUnit], limit: int) -> tuple[tuple[int, ...], ...]:
+    """split_sub_groups over ``units`` (the trainable ones, in order), as unit indices."""
+    groups = split_sub_groups([u.layout.shard_numel for u in units], limit)
+    return tuple(tuple(units[i].index for i in g) for g in groups)
+
+
 def _optimizer(units: Sequence[ParamUnit], zero: ZeroConfig, dtype: torch.dtype) -> OptimizerPlan:
+    """The optimizer state of ``units`` (the trainable ones: [Note: frozen units])."""
     off = zero.offload_optimizer
     keys = STATE_KEYS[1:] if zero.stage == 3 and dtype == torch.float32 else STATE_KEYS
     home: Home = "nvme" if off.device == "nvme" else "cpu"
@@ -384,7 +455,7 @@ def _optimizer(units: Sequence[ParamUnit], zero: ZeroConfig, dtype: torch.dtype)
         grad_home=grad_home,
         swapped_nbytes_per_element=FP32_NBYTES * len(on_nvme),
         sub_group_numel=sub,
-        sub_groups=tuple(tuple(g) for g in split_sub_groups(numels, sub)),
+        sub_groups=_unit_sub_groups(units, sub),
         pool_buffer_numel=max(min(sub, sum(numels)), max(numels, default=0)),
     )
 
@@ -413,8 +484,8 @@ def _schedule(model: nn.Module, unit_map: UnitMap, homes: Sequence[Home | None],
 
 
 def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: OffloadParamConfig,
-                 dtype: torch.dtype, optimizer: OptimizerPlan,
-                 schedule: SchedulePlan | None) -> tuple[StorePlan, LayerTooLarge | None]:
+                 dtype: torch.dtype, optimizer: OptimizerPlan | None, schedule: SchedulePlan | None,
+                 formats: Sequence[ShardFormat] | None = None) -> tuple[StorePlan, LayerTooLarge | None]:
     """The parameter store: a pool of offload_param's buffers when any shard rests on NVMe. The pool must
     hold the largest such shard (else initialize refuses), the partitioner's NVMe working set and a
     whole sub-group of the step's (need_nbytes)."""
@@ -422,7 +493,8 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
     if not nvme:
         return StorePlan("params", UNUSED_POOL), None
     largest = max(nvme, key=lambda u: u.layout.shard_nbytes)
-    need = max([largest.layout.shard_nbytes, *_sub_group_nvme_nbytes(units, homes, optimizer.sub_groups),
+    sub_groups = optimizer.sub_groups if optimizer is not None else ()
+    need = max([largest.layout.shard_nbytes, *_sub_group_nvme_nbytes(units, homes, sub_groups),
                 round_up(schedule.pool_working_set_nbytes, DIRECT_ALIGNMENT) if schedule else 0])
     b = itemsize(dtype)
     pool = PoolPlan("params", int(off.buffer_count), int(off.buffer_size) * b, _pin(off.pin_memory),
@@ -431,7 +503,8 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
     if largest.layout.shard_nbytes > pool.capacity_nbytes:
         refusal = LayerTooLarge(largest.module_name, largest.layout.shard_numel, largest.layout.shard_nbytes,
                                 int(off.buffer_count), int(off.buffer_size), pool.capacity_nbytes)
-    store = StorePlan("params", pool, off.nvme_path, sum(u.layout.shard_nbytes for u in nvme), off.integrity)
+    at_rest = [formats[u.index].nbytes if formats is not None else u.layout.shard_nbytes for u in nvme]
+    store = StorePlan("params", pool, off.nvme_path, sum(at_rest), off.integrity)
     return store, refusal
 
 
@@ -442,8 +515,9 @@ def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | No
 
 
 def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan) -> StorePlan:
-    """The optimizer store: with NVMe, a pool of three sub-groups' swapped arrays (read ‖ update ‖ write)
-    and a reserve for every shard's. A model without parameters has no state to keep anywhere."""
+    """The optimizer store of ``units`` (the trainable ones): with NVMe, a pool of three sub-groups'
+    swapped arrays (read ‖ update ‖ write) and a reserve for every shard's. Without any such units
+    (no parameters, or all frozen) there is no state to keep anywhere."""
     if off.device != "nvme" or not units:
         return StorePlan("optimizer", UNUSED_POOL)
     per = optimizer.swapped_nbytes_per_element
@@ -454,11 +528,12 @@ def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimi
     return StorePlan("optimizer", pool, off.nvme_path, sum(u.layout.shard_numel for u in units) * per, off.integrity)
 
 
-def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None, state_store: StorePlan) -> tuple[SwapReserve, ...]:
+def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None,
+                   state_store: StorePlan | None) -> tuple[SwapReserve, ...]:
     out = []
     if param_store is not None and zero.offload_param.device == "nvme":
         out.append(SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes))
-    if zero.offload_optimizer.device == "nvme":
+    if state_store is not None and zero.offload_optimizer.device == "nvme":
         out.append(SwapReserve("optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes))
     return tuple(out)
 

@@ -72,7 +72,7 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
         if planned.nvme_units():
             held = round_up(planned.schedule.pool_working_set_nbytes, 4096)
             per_group = planned.sub_group_param_nbytes()
-            need = max(_two_consecutive(per_group), max(per_group) + held)
+            need = max(_two_consecutive(per_group), max(per_group, default=0) + held)
             size = round_up(math.ceil(need / off.buffer_count / base.itemsize), _ROUND)
             if size != off.buffer_size:
                 changes.append(("zero_optimization.offload_param.buffer_size", off.buffer_size, size))

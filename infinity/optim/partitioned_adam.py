@@ -89,6 +89,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.defaults = defaults
         self.params = list(params)
         self.shards = list(shards)
+        self._shard_of = {s.index: s for s in self.shards}  # by unit index (frozen units have none)
         self.state_store = state_store
         self.param_store = param_store
         self.adamw = adamw
@@ -131,7 +132,7 @@ class PartitionedAdam(torch.optim.Optimizer):
     def init_state(self, index: int, master: torch.Tensor | None) -> None:
         """Sets a shard's starting state: master = ``master`` (fp32, unless the parameter
         store holds it), moments and gradient zero."""
-        s = self.shards[index]
+        s = self._shard_of[index]
         for key in self._keys(s):
             t = self.state_store.fetch(key, overwrite=True).result()
             if key[1] == "master":
@@ -146,7 +147,10 @@ class PartitionedAdam(torch.optim.Optimizer):
 
     def overwrite_master(self, index: int, values: torch.Tensor, changed: torch.Tensor) -> None:
         """Shard ``index``'s fp32 master takes ``values`` where ``changed`` (the parameters were changed
-        outside a step: GatheredParameters). Moments and the accumulated gradient stay as they are."""
+        outside a step: GatheredParameters). Moments and the accumulated gradient stay as they are. A unit
+        the optimizer has no shard of (a frozen one) has no master: the parameters are all there is."""
+        if index not in self._master_in_param_store:
+            return
         if self._master_in_param_store[index]:
             raise ValueError(
                 f"shard {index} is an fp32 stage-3 parameter shard, its own master: write the parameter "

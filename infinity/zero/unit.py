@@ -61,6 +61,11 @@ class ParamUnit:
         self.placeholder = torch.empty(0, dtype=layout.dtype, device=device)
 
     @property
+    def trainable(self) -> bool:
+        """Whether the unit's parameters train (build_units never mixes trainable and frozen ones)."""
+        return self.grad_params > 0
+
+    @property
     def full_nbytes(self) -> int:
         return self.layout.padded_numel * self.layout.itemsize
 

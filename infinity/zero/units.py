@@ -3,7 +3,10 @@
 Each module's own (direct) parameters form its unit, split by dtype, and —
 for stage 3 — into a partitioned unit and a persistent one (parameters with
 fewer than ``persistence_threshold`` elements, which stay resident as
-DeepSpeed's stage3_param_persistence_threshold says). A parameter shared by
+DeepSpeed's stage3_param_persistence_threshold says), and into trainable and
+frozen parameters (``requires_grad`` as it is when the units are cut), so a
+unit either trains whole or not at all: only trainable units get optimizer
+state (see [Note: frozen units] in infinity/estimate/runtime_plan.py). A parameter shared by
 several modules (tied weights) belongs to the first module that lists it;
 the others *use* its unit, so their forward fetches it too.
 """
@@ -52,18 +55,19 @@ def build_units(
         for pname, p in own:
             if p not in unit_of and all(p is not q for _, q in new):
                 new.append((f"{mod_name}.{pname}" if mod_name else pname, p))
-        groups: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        groups: dict[tuple[torch.dtype, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in new:
             pdt = dtype if dtype is not None and p.is_floating_point() else p.dtype
             numel = math.prod(shape_of(p))
-            groups.setdefault((pdt, numel < persistence_threshold), []).append((name, p))
-        for (unit_dtype, small), members in groups.items():
+            groups.setdefault((pdt, numel < persistence_threshold, p.requires_grad), []).append((name, p))
+        for (unit_dtype, small, trains), members in groups.items():
             names = [n for n, _ in members]
             params = [p for _, p in members]
             layout = make_layout(names, [shape_of(p) for p in params], unit_dtype, world_size)
             label = mod_name or "<root>"
             if len(groups) > 1:
-                label += f"[{str(unit_dtype).removeprefix('torch.')}{', persistent' if small else ''}]"
+                label += (f"[{str(unit_dtype).removeprefix('torch.')}{', persistent' if small else ''}"
+                          f"{'' if trains else ', frozen'}]")
             unit = ParamUnit(len(units), label, params, names, layout, persistent=small, device=device)
             units.append(unit)
             for i, p in enumerate(params):

@@ -127,7 +127,8 @@ def test_model_without_parameters_trains_below_stage_3(stage, offload_optimizer,
             engine.backward(engine(x))
             engine.step()
             assert torch.equal(x.grad, torch.full((3,), 2.0))
-        assert engine.global_steps == 2 and engine.get_lr() == [0.003]
+        # nothing trains, so no optimizer is built (test_frozen.py): no lr to report
+        assert engine.global_steps == 2 and engine.optimizer is None and engine.get_lr() == []
 
 
 def test_unsupported_optimizer_is_refused_with_the_reason(nvme_dir):

@@ -71,6 +71,17 @@ def main() -> None:
     cfg = GPTConfig(**spec["model"])
     torch.manual_seed(0)
     if spec.get("zero_init"):
+        # The init store's files and the runtime's coexist only until initialize closes the init
+        # store: sample right then, not only when the sampler thread happens to run (it may miss it).
+        from infinity.zero.init import InitStore
+
+        close = InitStore.close
+
+        def sampled_close(store):
+            sampler.sample()
+            close(store)
+
+        InitStore.close = sampled_close
         with infinity.zero.Init(config=spec["config"]):
             model = GPT(cfg)
     else:

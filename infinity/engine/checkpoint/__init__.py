@@ -15,6 +15,7 @@ from infinity.engine.checkpoint.errors import (
     CheckpointNotFoundError,
     CheckpointPeerError,
     CheckpointSpaceError,
+    CheckpointUnsupportedError,
 )
 from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_model
 from infinity.engine.checkpoint.load import load_checkpoint
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIncompleteError",
     "CheckpointMismatchError",
+    "CheckpointUnsupportedError",
     "CheckpointNotFoundError",
     "CheckpointPeerError",
     "CheckpointReader",

@@ -40,7 +40,7 @@ import torch
 
 from infinity.aio import AioHandle
 from infinity.engine.checkpoint.collective import agree
-from infinity.engine.checkpoint.errors import CheckpointMismatchError
+from infinity.engine.checkpoint.errors import CheckpointMismatchError, refuse_frozen
 from infinity.engine.checkpoint.files import Check, verify
 from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import (
@@ -113,6 +113,7 @@ def load_checkpoint(
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
         parts = engine.checkpoint_parts()
+        refuse_frozen(parts.units)
         plan = _plan(engine, parts, reader, handle, scope)
     except Exception as e:
         err = e

@@ -33,6 +33,7 @@ import torch
 from infinity.aio import AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
+from infinity.engine.checkpoint.errors import refuse_frozen
 from infinity.engine.checkpoint.format import (
     ALIGN,
     DIR_MODE,
@@ -181,6 +182,7 @@ def _prepare(engine: CheckpointTarget, client_state: Any) -> _Prepared:
     # read through the store (window.py), so their current values are saved, and stay cached.
     engine.synchronize()
     parts = engine.checkpoint_parts()
+    refuse_frozen(parts.units)
     rank = engine.group.rank
     names = param_names(engine, parts)
     partitions = partitions_of(parts)

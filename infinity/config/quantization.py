@@ -1,0 +1,59 @@
+"""The ``weight_quantization`` section: weights kept group-quantised at rest, as DeepSpeed's ZeRO-Inference keys it.
+
+``weight_quantization.quantized_initialization`` (``num_bits`` 4 or 8,
+``group_size``, ``group_dim``, ``symmetric``) asks the inference engine
+(infinity.inference) to store every matrix parameter (2-D and up: the weights
+of Linear, Embedding, GPT-2's Conv1D) quantised in groups of ``group_size``
+consecutive elements along the last dimension, and to dequantise each unit
+after it is read (the format: infinity/zero/quant.py). Defaults are those of
+DeepSpeed's ZeRO-Inference examples (``group_dim`` 1, asymmetric).
+DeepSpeed's other flavour, ``post_init_quant`` (per module name), is refused
+by the schema with the reason (schema.py REFUSED). Training refuses the
+section (initialize names it): the quantised weights are what the model
+computes with, and an optimizer would have no full-precision values to update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+from infinity.config.errors import ConfigError
+from infinity.config.values import check_section, knob
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedInitializationConfig:
+    """``weight_quantization.quantized_initialization``: how the weights are quantised at rest."""
+
+    PATH: ClassVar[str] = "weight_quantization.quantized_initialization"
+
+    num_bits: Literal[4, 8] = knob(8)
+    """Bits per quantised element: 8, or 4 (two per byte)."""
+    group_size: int = knob(64, ge=2)
+    """Elements per group; each group has its own scale (and offset unless symmetric)."""
+    group_dim: int = knob(1, ge=0)
+    """The dimension groups run along; 1, the last dimension of a 2-D weight, is the one supported."""
+    symmetric: bool = knob(False)
+    """Symmetric groups (a scale only, zero at zero) instead of min/max groups (a scale and an offset)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+        if self.group_dim != 1:
+            raise ConfigError(
+                f"{self.PATH}.group_dim={self.group_dim} is not supported: groups run along the last "
+                "dimension (group_dim 1, DeepSpeed's default for 2-D weights); set it to 1"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuantizationConfig:
+    """``weight_quantization``: weight-only quantisation for inference."""
+
+    PATH: ClassVar[str] = "weight_quantization"
+
+    quantized_initialization: QuantizedInitializationConfig | None = knob(None)
+    """Quantise every matrix parameter as the engine stores it (None: weights stay as loaded)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)

@@ -1,0 +1,253 @@
+"""Weight-only group quantisation of a unit's shard at rest, and the ShardSource that dequantises it.
+
+[Note: quantised shards]
+With ``weight_quantization.quantized_initialization`` (inference only), a
+unit's shard rests in the parameter store as bytes laid out by its
+ShardFormat: the shard's elements in *pieces*, one per stretch of one
+parameter (Segment, layout.py) plus the padding. A piece of a matrix
+parameter (2-D and up: the weights of Linear, Embedding, Conv1D) is
+quantised; everything else (biases, norms, padding) stays in the unit's
+dtype, as DeepSpeed leaves them. A quantised piece of n elements is cut into
+groups of ``group_size`` consecutive elements (along the last dimension when
+the row length is a multiple of the group size: DeepSpeed's group_dim 1) and
+stored as
+- codes: ``num_bits`` per element, unsigned (8: one byte; 4: two per byte,
+  the even element in the low nibble), the last group padded with zeros;
+- scales: one fp16 per group;
+- offsets: one fp16 per group (asymmetric: the group's minimum); none when
+  symmetric (codes are then centred on 2^(bits-1)).
+Each part starts at a 16-byte boundary. Dequantised x = (q - zero) · scale +
+offset in fp32, rounded once to the unit's dtype; quantising computes q from
+the fp16-rounded scale and offset, so dequantising is exact given the codes.
+Per 64-element group of a bf16 weight: 128 B as loaded, 68 B at 8 bits (1.9×
+fewer), 36 B at 4 bits asymmetric (3.6×).
+
+QuantizedShards sits between the partitioner and the shard source (the
+prefetch scheduler): ``acquire`` takes the packed shard (read ahead like any
+other), dequantises it into a buffer of the unit's dtype from the
+TensorCache and gives the packed hold back; ``release`` returns the buffer;
+``mark_dirty`` (a change made under GatheredParameters) quantises the held
+values back into the store.
+
+Threading: the forward thread (the partitioner's); the inner source is thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Hashable, Mapping
+
+import torch
+
+from infinity.zero.buffers import TensorCache
+from infinity.zero.layout import UnitLayout
+
+PART_ALIGN = 16
+SCALE_DTYPE = torch.float16
+
+
+def _up(n: int, a: int = PART_ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How matrices are quantised: the config's quantized_initialization."""
+
+    num_bits: int
+    group_size: int
+    symmetric: bool
+
+    def __post_init__(self) -> None:
+        if self.num_bits not in (4, 8):
+            raise ValueError(f"num_bits must be 4 or 8; got {self.num_bits}")
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2; got {self.group_size}")
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.num_bits) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of the shard, raw (the unit's dtype) or quantised, at byte ``offset``."""
+
+    lo: int
+    hi: int
+    quantized: bool
+    offset: int
+    groups: int = 0
+    """Quantised pieces: groups of group_size elements (the last one padded)."""
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFormat:
+    """One unit's shard at rest (see [Note: quantised shards])."""
+
+    spec: QuantSpec
+    dtype: torch.dtype
+    """The unit's dtype: what raw pieces are stored in and what dequantising gives."""
+    numel: int
+    """Elements of the shard (padding included)."""
+    pieces: tuple[Piece, ...]
+    nbytes: int
+
+    def _codes_nbytes(self, p: Piece) -> int:
+        return p.groups * self.spec.group_size * self.spec.num_bits // 8
+
+    def _parts(self, p: Piece) -> tuple[int, int, int]:
+        """Byte offsets of a quantised piece's codes, scales and offsets."""
+        codes = p.offset
+        scales = codes + _up(self._codes_nbytes(p))
+        offsets = scales + _up(p.groups * 2)
+        return codes, scales, offsets
+
+
+def shard_format(layout: UnitLayout, rank: int, spec: QuantSpec) -> ShardFormat:
+    """The at-rest format of rank ``rank``'s shard of a unit with ``layout``."""
+    itemsize = layout.itemsize
+    pieces: list[Piece] = []
+    offset = 0
+    pos = 0
+
+    def add(lo: int, hi: int, quantized: bool) -> None:
+        nonlocal offset
+        if hi <= lo:
+            return
+        if quantized:
+            groups = math.ceil((hi - lo) / spec.group_size)
+            codes = _up(groups * spec.group_size * spec.num_bits // 8)
+            meta = _up(groups * 2) * (1 if spec.symmetric else 2)
+            pieces.append(Piece(lo, hi, True, offset, groups))
+            offset += codes + meta
+        else:
+            pieces.append(Piece(lo, hi, False, offset))
+            offset += _up((hi - lo) * itemsize)
+
+    for seg in layout.segments(rank):
+        add(pos, seg.shard_lo, False)
+        add(seg.shard_lo, seg.shard_hi, len(layout.slots[seg.slot].shape) >= 2)
+        pos = seg.shard_hi
+    add(pos, layout.shard_numel, False)
+    return ShardFormat(spec, layout.dtype, layout.shard_numel, tuple(pieces), _up(max(offset, 1), 4096))
+
+
+def quantize_into(fmt: ShardFormat, values: torch.Tensor, out: torch.Tensor, *, name: str = "the unit") -> None:
+    """Writes ``values`` (the shard, ``fmt.numel`` elements) into ``out`` (``fmt.nbytes`` uint8)."""
+    if values.numel() < fmt.numel or out.numel() < fmt.nbytes or out.dtype != torch.uint8:
+        raise ValueError(f"{name}: quantize_into needs {fmt.numel} values and {fmt.nbytes} bytes; got "
+                         f"{values.numel()} values and {out.numel()} {out.dtype}")
+    spec = fmt.spec
+    flat = values.reshape(-1)
+    for p in fmt.pieces:
+        src = flat[p.lo : p.hi]
+        if not p.quantized:
+            out[p.offset : p.offset + p.numel * src.element_size()].copy_(src.to(fmt.dtype).view(torch.uint8))
+            continue
+        g = spec.group_size
+        x = torch.zeros(p.groups * g, dtype=torch.float32)
+        x[: p.numel] = src.float()
+        x = x.view(p.groups, g)
+        if p.numel % g:  # the padded tail of the last group must not widen its range
+            x[-1, p.numel % g :] = x[-1, 0]
+        if spec.symmetric:
+            half = (spec.levels + 1) // 2  # codes 1..levels, centred on `half`
+            scale = (x.abs().amax(dim=1) / (half - 1)).to(SCALE_DTYPE)
+            s = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+            q = torch.clamp(torch.round(x / s[:, None]) + half, 1, spec.levels)
+            base = None
+        else:
+            lo_v, hi_v = x.amin(dim=1), x.amax(dim=1)
+            base = lo_v.to(SCALE_DTYPE)
+            scale = ((hi_v - base.float()) / spec.levels).to(SCALE_DTYPE)
+            s = torch.where(scale == 0, torch.ones_like(scale), scale).float()
+            q = torch.clamp(torch.round((x - base.float()[:, None]) / s[:, None]), 0, spec.levels)
+        if not (torch.isfinite(scale).all() and (base is None or torch.isfinite(base).all())):
+            raise ValueError(f"{name}: a weight group's range does not fit fp16 scales (|w| up to "
+                             f"{float(x.abs().max()):.3g}); quantise a model with weights below 65504, "
+                             "or leave weight_quantization out")
+        codes = q.to(torch.uint8).reshape(-1)
+        if spec.num_bits == 4:
+            codes = codes[0::2] | (codes[1::2] << 4)
+        c, so, oo = fmt._parts(p)
+        out[c : c + codes.numel()].copy_(codes)
+        out[so : so + 2 * p.groups].copy_(scale.view(torch.uint8))
+        if base is not None:
+            out[oo : oo + 2 * p.groups].copy_(base.view(torch.uint8))
+
+
+def dequantize_into(fmt: ShardFormat, packed: torch.Tensor, out: torch.Tensor) -> None:
+    """Fills ``out`` (``fmt.numel`` elements of ``fmt.dtype``) from the packed shard."""
+    spec = fmt.spec
+    flat = out.reshape(-1)
+    for p in fmt.pieces:
+        if not p.quantized:
+            n = p.numel * flat.element_size()
+            flat[p.lo : p.hi].view(torch.uint8).copy_(packed[p.offset : p.offset + n])
+            continue
+        g = spec.group_size
+        c, so, oo = fmt._parts(p)
+        codes = packed[c : c + fmt._codes_nbytes(p)]
+        if spec.num_bits == 4:
+            q = torch.stack((codes & 0xF, codes >> 4), dim=1).reshape(p.groups, g)
+        else:
+            q = codes.view(p.groups, g)
+        scale = packed[so : so + 2 * p.groups].view(SCALE_DTYPE).float()
+        x = q.float()
+        if spec.symmetric:
+            x.sub_((spec.levels + 1) // 2).mul_(scale[:, None])
+        else:
+            base = packed[oo : oo + 2 * p.groups].view(SCALE_DTYPE).float()
+            torch.addcmul(base[:, None], x, scale[:, None], out=x)
+        flat[p.lo : p.hi].copy_(x.reshape(-1)[: p.numel])
+
+
+class QuantizedShards:
+    """A ShardSource of dequantised shards over one of packed shards (see [Note: quantised shards])."""
+
+    def __init__(self, inner, formats: Mapping[Hashable, ShardFormat], cache: TensorCache):
+        """``inner``: the ShardSource holding the packed shards (acquire / release / mark_dirty);
+        ``formats``: each key's ShardFormat; ``cache``: where the dequantised buffers come from."""
+        self.inner = inner
+        self.formats = dict(formats)
+        self.cache = cache
+        self._held: dict[Hashable, tuple[torch.Tensor, int]] = {}  # key -> (values, holds)
+
+    def acquire(self, key: Hashable) -> torch.Tensor:
+        held = self._held.get(key)
+        if held is not None:
+            self._held[key] = (held[0], held[1] + 1)
+            return held[0]
+        fmt = self.formats[key]
+        packed = self.inner.acquire(key)
+        try:
+            values = self.cache.get(fmt.numel, fmt.dtype)
+            dequantize_into(fmt, packed, values)
+        finally:
+            self.inner.release(key)
+        self._held[key] = (values, 1)
+        return values
+
+    def release(self, key: Hashable) -> None:
+        values, holds = self._held[key]
+        if holds > 1:
+            self._held[key] = (values, holds - 1)
+            return
+        del self._held[key]
+        self.cache.put(values)
+
+    def mark_dirty(self, key: Hashable) -> None:
+        """The held values were changed: they are quantised again into the store."""
+        values, _ = self._held[key]
+        packed = self.inner.acquire(key)
+        try:
+            quantize_into(self.formats[key], values, packed, name=f"shard {key!r}")
+            self.inner.mark_dirty(key)
+        finally:
+            self.inner.release(key)

@@ -1,0 +1,93 @@
+"""estimate_inference and ``infinity estimate --inference`` (issue 15): no gradient or optimizer item, the
+swap files the engine writes, the KV cache Hugging Face allocates, the largest batch that fits.
+
+Oracles: the engine's swap files on disk (st_blocks), the tensors of the cache ``generate`` returns, and
+check_fit on a machine view whose memory is set between two batches' plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import infinity
+from infinity.cli.main import main
+from infinity.estimate import estimate_inference
+from tests.inference.models import PAD, inference_config, pair, prompts
+
+TRAINING_WORDS = ("optimizer", "Adam", "master", "gradient")
+
+
+def _disk_nbytes(d) -> int:
+    return sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvme_dir):
+    model, _ = pair("llama")
+    cfg = inference_config(nvme_dir)
+    if bits:
+        cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": bits, "group_size": 64}}
+        cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216
+    est = estimate_inference(model, config=cfg, batch=2, prompt=7, gen=8, machine=False)
+    assert not [i for i in est.plan.items if any(w in i.name for w in TRAINING_WORDS)]
+    assert est.plan.runtime.optimizer is None
+    engine = infinity.initialize(model, cfg)
+    try:
+        (param_dir,) = sorted((nvme_dir / "rank0").glob("infinity-params-*"))
+        on_disk = _disk_nbytes(param_dir)
+        assert on_disk <= est.plan.nvme_nbytes <= 1.15 * on_disk
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_the_kv_cache_item_holds_the_cache_generate_makes(name):
+    model, _ = pair(name)
+    batch, prompt, gen = 3, 7, 8
+    ids, mask = prompts(batch, padded=True)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=gen, do_sample=False, pad_token_id=PAD,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    actual = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    est = estimate_inference(model, batch=batch, prompt=prompt, gen=gen, machine=False)
+    (kv,) = [i.nbytes for i in est.plan.items if i.name == "KV cache"]
+    # the cache holds every position but the last token's (generate never feeds it back)
+    assert actual == kv * (prompt + gen - 1) // (prompt + gen)
+
+
+def test_the_largest_batch_is_the_last_that_fits(tmp_path):
+    probe = estimate_inference(150e6, batch=1, prompt=128, gen=16, nvme_path=str(tmp_path))
+    small = estimate_inference(150e6, batch=40, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
+    big = estimate_inference(150e6, batch=41, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
+    assert big.plan.ram_nbytes > small.plan.ram_nbytes
+    # a machine with room for batch 40's plan and not batch 41's
+    room = (small.plan.ram_nbytes + big.plan.ram_nbytes) // 2
+    view = dataclasses.replace(probe.machine, mem_total_nbytes=room, mem_available_nbytes=room, hugetlb_free_nbytes=0,
+                               self_rss_nbytes=0)
+    est = estimate_inference(150e6, batch=8, prompt=128, gen=16, nvme_path=str(tmp_path), machine=view)
+    assert est.fit.ok and est.largest_batch == 40
+
+
+def test_the_cli_prints_the_plan_and_the_largest_batch(capsys, tmp_path):
+    code = main(["estimate", "--inference", "--params", "150M", "--batch", "8", "--prompt", "128", "--gen", "16",
+                 "--nvme-path", str(tmp_path), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "batch 8 × (prompt 128 + 16 new tokens)" in out and "KV cache" in out
+    assert "largest batch that fits:" in out
+    assert not any(w in out for w in TRAINING_WORDS)
+    code = main(["estimate", "--inference", "--params", "150M", "--nvme-path", str(tmp_path), "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["batch"] == 1 and d["prompt"] == 128 and d["gen"] == 16
+    assert d["largest_batch"] >= 1
+    # streamed: only the small persistent parameters stay in host memory (not DeepSpeed's max_in_cpu 1e9)
+    in_host = sum(i["nbytes"] for i in d["items"] if i["name"].startswith("parameter shards in host memory"))
+    assert in_host < 0.01 * 2 * d["num_params"]
+
+
+def test_the_cli_refuses_trainings_arguments_with_inference(capsys, tmp_path):
+    code = main(["estimate", "--inference", "--params", "150M", "--seq", "2048", "--nvme-path", str(tmp_path)])
+    assert code == 2 and "--inference takes --batch, --prompt and --gen" in capsys.readouterr().err
