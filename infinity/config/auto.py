@@ -24,7 +24,7 @@ config writes (a disagreement is an error, as in HF's trainer). An argument
 that matches nothing -- a typo, or a key this config does not have -- is an
 error too. Two arguments are fallbacks the engine may always pass, never
 "unused": ``nvme_path=`` (its default swap folder) fills nvme_path where it is
-"auto" or missing under an nvme device; ``preflight=`` fills ``preflight``
+"auto" or missing under an nvme or "auto" device; ``preflight=`` fills ``preflight``
 where it is "auto" or missing (an explicit, different value is a mismatch).
 """
 
@@ -47,7 +47,15 @@ from infinity.config.schema import (
     known_paths,
     subsection,
 )
-from infinity.config.values import AUTO, coerce, describe, hints, is_internal, section_type
+from infinity.config.values import (
+    AUTO,
+    accepts_auto,
+    coerce,
+    describe,
+    hints,
+    is_internal,
+    section_type,
+)
 
 ENABLED_ARGS: dict[str, str] = {"fp16.enabled": "fp16", "bf16.enabled": "bf16"}
 HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
@@ -294,7 +302,7 @@ def resolve(
             if sub is not None and isinstance(node[name], dict):
                 continue
             p = join(path, name)
-            if is_auto(node[name]):
+            if is_auto(node[name]) and not accepts_auto(field_info(cls, name)[0]):
                 if p == WARMUP_MAX_LR:
                     deferred.append((cls, node, name))
                 else:
@@ -340,7 +348,7 @@ def _nvme_fallback(tree: dict[str, Any], r: _Resolver) -> None:
         node = zero.get(section)
         if (
             isinstance(node, dict)
-            and node.get("device") == "nvme"
+            and node.get("device") in ("nvme", AUTO)
             and node.get("nvme_path") is None
         ):
             path = f"zero_optimization.{section}.nvme_path"
