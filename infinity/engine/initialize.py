@@ -11,7 +11,8 @@ from torch import nn
 
 from infinity.config import load_config
 from infinity.engine.engine import Engine
-from infinity.estimate import plan_runtime, preflight
+from infinity.estimate import preflight
+from infinity.estimate.placement import plan_for_run
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -45,8 +46,9 @@ def initialize(
     group = _bootstrap_distributed()
     cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, **auto_values)
     device = compute_device()
-    # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]).
-    plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
+    # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]); with an
+    # offload device "auto", the placement planner chose where the state rests ([Note: the placement planner]).
+    plan, context = plan_for_run(model, cfg, group=group, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
-    preflight(model, cfg, device=device, group=group, runtime=plan)
+    preflight(model, cfg, device=device, group=group, runtime=plan, context=context)
     return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)

@@ -35,7 +35,7 @@ from infinity.zero import init as zero_init_mod
 DEFAULT_NVME_PATH = "./infinity_nvme"
 """Where settings that put state on NVMe swap when the config names no nvme_path (the demo's default)."""
 
-_TIER_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+_TIER_RANK = {"none": 0, "cpu": 1, "auto": 1, "nvme": 2}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,12 +31,13 @@ from infinity.estimate.runtime_plan import (
     partitioner_working_set,
     plan_runtime,
 )
+from infinity.estimate.traffic import worst_case_traffic
 from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.zero.unit import ParamUnit
 
 Tier = Literal["device", "host", "nvme"]
 Phase = Literal["init", "train", "run"]
-Where = Literal["none", "cpu", "nvme"]
+Where = Literal["none", "cpu", "nvme", "auto"]
 
 _ZINIT_CPU = "zero.Init store (fp32 shards)"
 
@@ -66,7 +67,8 @@ class Setting:
 
     def words(self) -> str:
         """A reader's description: 'params on NVMe and optimizer on NVMe'."""
-        where = {"none": "in device memory", "cpu": "in host memory", "nvme": "on NVMe"}
+        where = {"none": "in device memory", "cpu": "in host memory", "nvme": "on NVMe",
+                 "auto": "in host memory or on NVMe as the placement planner chose"}
         p = "partitioned params" if self.stage == 3 else "params"
         opt_where = where[self.offload_optimizer]
         if self.offload_optimizer == "none":
@@ -126,7 +128,8 @@ class SettingPlan:
     nvme_by_path: tuple[tuple[str, int], ...]
     """NVMe bytes per rank by directory (offload_param and offload_optimizer may differ)."""
     nvme_traffic_nbytes: int
-    """Bytes a rank moves to and from NVMe per optimizer step (the speed ranking's first key)."""
+    """Bytes a rank moves to and from NVMe per optimizer step with no cache hits (the speed ranking's
+    first key: it depends on where the state rests, not on pool sizes): traffic.worst_case_traffic."""
     changes: tuple[tuple[str, int, int], ...] = ()
     """(config key, the config's value, the value planned) for a tuned setting."""
     runtime: RuntimePlan | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -217,7 +220,7 @@ def plan_setting(
         problems=tuple(p.problems),
         device_type=device_type,
         nvme_by_path=tuple(p.nvme_paths.items()),
-        nvme_traffic_nbytes=p.nvme_traffic,
+        nvme_traffic_nbytes=worst_case_traffic(runtime).nbytes,
         changes=tuple(changes),
         runtime=runtime,
     )
@@ -230,7 +233,6 @@ class _Planner:
         self.spec = spec
         self.cfg = cfg
         self.rt = runtime
-        self.zero = cfg.zero_optimization
         self.stage = runtime.stage
         self.dtype = runtime.dtype
         self.b = runtime.itemsize
@@ -239,13 +241,13 @@ class _Planner:
         self.units = runtime.units
         numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
         self.grad_numels = [numels[id(p)] for u in self.units for p in u.params if p.requires_grad]
+        self.zero = runtime.zero or cfg.zero_optimization  # with the sizes the plan was made with
         self.cuda = device_type == "cuda"
         self.world = runtime.world_size
         self.block = cfg.aio.block_size
         self.items: list[Item] = []
         self.problems: list[Problem] = []
         self.nvme_paths: dict[str, int] = {}
-        self.nvme_traffic = 0
 
     def add(self, item: Item) -> None:
         self.items.append(item)
@@ -275,7 +277,7 @@ class _Planner:
                       "parameters freed as they were partitioned, kept by the heap until initialize trims it "
                       "(memory/trim.py)"))
         off = self.zero.offload_param
-        if off.device == "nvme":
+        if off.device in ("nvme", "auto"):
             self.add(Item("zero.Init pool", "host",
                           rules.mapped_nbytes(BufferPool.capacity_for(1, rules.INIT_POOL_NBYTES), huge_pages=True),
                           "init", "infinity/zero/init.py: the init store's pool (closed once initialize has every "
@@ -289,24 +291,32 @@ class _Planner:
                           heap=True))
 
     def optimizer_state(self) -> None:
-        """RuntimePlan.optimizer's keys per shard and where they rest; the state store's pool and reserve."""
-        opt, store = self.rt.optimizer, self.rt.state_store
-        S = self.rt.shard_numel
-        keys = opt.state_keys
-        tier: Tier = "nvme" if opt.state_home == "nvme" else "host"
-        detail = "fp32, this rank's shards" + (" (swap files)" if tier == "nvme" else " (host tensors)")
+        """RuntimePlan's optimizer arrays per shard at their homes (ShardPlan.state_homes); the state
+        store's pool and reserve."""
+        store, rt = self.rt.state_store, self.rt
+        off = self.zero.offload_optimizer
         key = "zero_optimization.offload_optimizer.device"
-        if "master" in keys:
-            self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
-        self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
-        if tier == "nvme" and opt.grad_home == "cpu":
-            self.add(Item("gradient partitions (fp32)", "host", S * 4, "run",
-                          "fp32, this rank's shards (host tensors); accumulated across micro-batches",
-                          "zero_optimization.offload_optimizer.grads_in_host"))
-        else:
-            self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
-                          detail + "; accumulated across micro-batches", key))
-        if tier != "nvme":
+        auto = off.device == "auto"
+        for name, classes in (("fp32 master weights", ("master",)), ("Adam moments m, v", ("m", "v")),
+                              ("gradient partitions (fp32)", ("g",))):
+            classes = tuple(c for c in classes if c in rt.optimizer.state_keys)
+            if not classes:
+                continue
+            accum = "; accumulated across micro-batches" if "g" in classes else ""
+            host = sum(rt.state_nbytes(c, "cpu") for c in classes)
+            nvme = sum(rt.state_nbytes(c, "nvme") for c in classes)
+            why = key
+            if classes == ("g",) and off.grads_in_host and not auto:
+                why = "zero_optimization.offload_optimizer.grads_in_host"
+            elif auto:
+                why = "host_memory_budget"
+            if host or not nvme:
+                self.add(Item(name, "host", host, "run", "fp32, this rank's shards (host tensors)"
+                              + (", as the placement planner chose" if auto else "") + accum, why))
+            if nvme:
+                self.add(Item(name, "nvme", nvme, "run", "fp32, this rank's shards (swap files)"
+                              + (", as the placement planner chose" if auto else "") + accum, why))
+        if not store.reserve_nbytes:
             self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run", "unused (no NVMe)"))
             return
         reserved = rules.swap_nbytes(store.reserve_nbytes, self.block)
@@ -318,11 +328,8 @@ class _Planner:
         path = str(store.nvme_path)
         self.nvme_paths[path] = self.nvme_paths.get(path, 0) + reserved + meta
         self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run",
-                      f"{store.pool.count} sub-groups × {opt.pool_buffer_numel:,} elements × "
-                      f"{opt.swapped_nbytes_per_element} B (read ‖ update ‖ write), pinned, huge pages",
-                      ", ".join(store.pool.keys)))
-        # The step reads every array and writes all but g back.
-        self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
+                      f"{store.pool.count} sub-groups × {format_nbytes(store.pool.buffer_nbytes)} of arrays on NVMe "
+                      "(read ‖ update ‖ write), pinned, huge pages", ", ".join(store.pool.keys)))
 
     def parameter_store(self) -> None:
         """Stage 3: RuntimePlan's parameter homes, store and pool, the budgets, what is gathered."""
@@ -337,17 +344,18 @@ class _Planner:
             why.append(f"{format_nbytes(n_persist)} persistent (< stage3_param_persistence_threshold)")
         if off.device == "nvme" and in_host > n_persist:
             why.append(f"{format_nbytes(in_host - n_persist)} kept by offload_param.max_in_cpu")
+        if off.device == "auto" and in_host > n_persist:
+            why.append(f"{format_nbytes(in_host - n_persist)} kept by the placement planner")
         self.add(Item(f"parameter shards in host memory ({dname})", "host", in_host, "run",
                       "; ".join(why) or "offload_param.device " + off.device,
-                      "zero_optimization.offload_param." + ("max_in_cpu" if off.device == "nvme" else "device")))
+                      {"nvme": "zero_optimization.offload_param.max_in_cpu",
+                       "auto": "host_memory_budget"}.get(off.device, "zero_optimization.offload_param.device")))
         if nv:
             self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
                           "huge pages", ", ".join(store.pool.keys)))
             self._swap(f"parameter swap files ({dname})", rules.swap_nbytes(store.reserve_nbytes, self.block),
                        store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")
-            reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
-            self.nvme_traffic += store.reserve_nbytes * (reads + 1)
             _check_param_pool(self.problems, self.rt, self.zero, b)
             where = "inside the parameter pool (host)"
         else:

@@ -98,7 +98,7 @@ def test_plan_matches_a_built_runtime(case, nvme_dir):
         state = rt.state_store
         opt = est.optimizer
         assert sorted(state.keys()) == sorted((u.index, k) for u in units for k in opt.state_keys)
-        assert all(state.spec(k).home == (opt.grad_home if k[1] == "g" else opt.state_home) for k in state.keys())
+        assert all(state.spec(k).home == est.shards[k[0]].state_home(k[1]) for k in state.keys())
         specs = [state.spec(k) for k in state.keys()]
         opt_names = ("fp32 master weights", "Adam moments m, v", "gradient partitions (fp32)")
         assert sum(s.nbytes for s in specs if s.home == "cpu") == sum(_items(plan, n, "host") for n in opt_names)
