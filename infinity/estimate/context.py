@@ -38,12 +38,14 @@ class RunContext:
     """"cpu" or "cuda"."""
     world_size: int
     ranks_per_node: int
+    checkpointing: bool = False
+    """Activations counted as with every transformer block checkpointed (the estimate's option)."""
 
     def itemise(self, cfg: InfinityConfig, runtime: RuntimePlan | None = None,
                 changes: Sequence[tuple[str, int, int]] = ()) -> SettingPlan:
         return plan_setting(self.spec, cfg, world_size=self.world_size, device_type=self.device_type,
                             baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
-                            activations=self.activations, checkpointing=False, zero_init=self.zero_init,
+                            activations=self.activations, checkpointing=self.checkpointing, zero_init=self.zero_init,
                             changes=changes, runtime=runtime)
 
     def host_need(self, plan: SettingPlan) -> int:

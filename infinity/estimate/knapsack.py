@@ -14,8 +14,8 @@ the capacity spans at most MAX_CELLS cells and rows × cells stays within
 MAX_WORK. Beyond that (budgets of tens of GiB for small shards, or thousands
 of shards of distinct sizes) the grid is coarsened and each weight rounded
 *up* to it: the choice still fits the capacity, and gives up at most one cell
-per chosen candidate — under 0.1% of the capacity per thousand candidates at
-MAX_CELLS cells.
+per chosen candidate, much of which a last greedy pass (best value per byte
+first) takes back — 0.3% of the optimum with 3000 distinct sizes in the tests.
 Candidates with the same weight and value are interchangeable: they are
 counted as one kind (binary splitting of the count keeps the DP small), and
 which of them are kept follows their ``priority`` (lower first), which is
@@ -92,6 +92,14 @@ def choose(candidates: Sequence[Candidate], capacity: int) -> set[int]:
     for k, ((_w, _v), members) in enumerate(order):
         members = sorted(members, key=lambda i: candidates[i].priority)
         kept.update(members[: counts[k]])
+    # On a coarse grid the rounded-up weights leave room unused: fill it, best value per byte first.
+    # (On an exact grid nothing more fits, or the DP's choice was not the best.)
+    room = capacity - sum(candidates[i].weight for i in kept)
+    for i in sorted(set(live) - kept, key=lambda i: (-candidates[i].value / candidates[i].weight,
+                                                     candidates[i].priority)):
+        if candidates[i].weight <= room:
+            kept.add(i)
+            room -= candidates[i].weight
     return kept
 
 

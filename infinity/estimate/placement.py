@@ -18,13 +18,16 @@ step are the fewest the host-memory budget allows. Its output is a RuntimePlan
    NVMe working set plus read-ahead, a live budget for the working set.
 3. Cost: what each array moves per step if it rests on NVMe (traffic.py
    [Note: traffic model]); kept in host memory it costs its bytes of budget.
-   Everything in host memory is taken when it fits. Otherwise the room is the
-   budget less what the all-NVMe plan needs (pools, activations, overheads),
-   and an exact 0/1 knapsack (knapsack.py) keeps the set of arrays that saves
-   the most traffic within it. Pools shrink as state moves to host memory, so
-   the room is recomputed from the chosen plan and the choice repeated while
-   it grows; every plan taken is checked against the budget by the same
-   itemisation the pre-flight check uses.
+   A pool exists while anything of its class rests on NVMe and is then sized
+   for all of it (runtime_plan.py), so what a placement needs in host memory
+   is a fixed part (pools, activations, overheads) plus the bytes it keeps.
+   The planner solves four cases — both pools, no parameter pool (every
+   parameter shard kept), no optimizer pool (every optimizer array kept),
+   neither — each an exact 0/1 knapsack (knapsack.py) over the arrays not
+   forced, within the budget less that case's fixed part, and takes the case
+   with the least traffic. Every need is the same itemisation the pre-flight
+   check uses (context.py), so the choice is optimal for the budget as the
+   pre-flight counts it (tests/estimate/test_placement.py enumerates).
 4. Ties (equal traffic) keep, in this order: parameter shards, master, m, v,
    then g — a spilled g is written during the backward, overlapping its
    compute, where the others move during the step — and lower unit indices
@@ -206,27 +209,37 @@ def plan_placement(
                          placement=Placement(homes))
         return p, ctx.host_need(ctx.itemise(sized, p))
 
-    base, base_need = make({})
+    base, _ = make({})
     choices = candidates(base, sized)
-    everything = {(c.index, c.cls): "cpu" for c in choices}
-    best, need = make(everything)
-    if need > budget_nbytes and choices:
-        best, need = base, base_need
-        room = budget_nbytes - base_need
-        kept_before: set[int] | None = None
-        while room > 0:
-            kept = choose([c.candidate for c in choices], room)
-            if kept == kept_before:
-                break
-            plan, plan_need = make({(choices[i].index, choices[i].cls): "cpu" for i in kept})
-            if plan_need > budget_nbytes:
-                break
-            best, need, kept_before = plan, plan_need, kept
-            fixed = plan_need - sum(choices[i].candidate.weight for i in kept)
-            if budget_nbytes - fixed <= room:
-                break
-            room = budget_nbytes - fixed
-    return dataclasses.replace(best, chosen=PlacementChoice(budget_nbytes, budget_source, need, changes))
+    solved = []  # (fits, traffic, need, plan) of each pool case's best
+    for forced in _pool_cases(choices):
+        homes = {(c.index, c.cls): "cpu" for c in forced}
+        plan, need = make(homes)
+        free = [c for c in choices if c not in forced]
+        kept = choose([c.candidate for c in free], budget_nbytes - need)
+        if kept:
+            homes.update({(free[i].index, free[i].cls): "cpu" for i in kept})
+            plan, need = make(homes)
+        solved.append((need <= budget_nbytes, worst_case_traffic(plan).nbytes, need, plan))
+    fitting = [x for x in solved if x[0]]
+    # The least traffic that fits; if nothing does, the least memory (the refusal then says how much).
+    _, _, need, plan = min(fitting, key=lambda x: x[1:3]) if fitting else min(solved, key=lambda x: x[2])
+    return dataclasses.replace(plan, chosen=PlacementChoice(budget_nbytes, budget_source, need, changes))
+
+
+def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
+    """The arrays forced into host memory in each case the planner solves: none (both pools present),
+    every parameter shard (no parameter pool), every optimizer array (no optimizer pool), both."""
+    params = [c for c in choices if c.cls == PARAM]
+    state = [c for c in choices if c.cls != PARAM]
+    cases = [[]]
+    if params:
+        cases.append(params)
+    if state:
+        cases.append(state)
+    if params and state:
+        cases.append(params + state)
+    return cases
 
 
 def check_budget(plan: RuntimePlan, cfg: InfinityConfig) -> None:

@@ -538,13 +538,15 @@ def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimi
     reserve = sum(optimizer.sub_group_swap_nbytes)
     if off.device != "nvme" and reserve == 0:
         return StorePlan("optimizer", UNUSED_POOL)
-    if off.device == "auto":  # the arrays on NVMe differ from unit to unit: the largest sub-group's
-        buffer = max(max(optimizer.sub_group_swap_nbytes, default=0), DIRECT_ALIGNMENT)
-    else:  # every shard swaps the same arrays: a sub_group_size of them
+    # Sized for every array on NVMe, whatever an "auto" placement spills: what a placement needs in host
+    # memory is then its fixed part plus what it keeps there (see [Note: the placement planner]).
+    per = FP32_NBYTES * len(optimizer.state_keys)
+    if off.device == "nvme":  # exactly what spills: every shard swaps the same arrays
         per = sum(optimizer.sub_group_swap_nbytes) // max(1, sum(u.layout.shard_numel for u in units))
-        buffer = round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT)
+    buffer = round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT)
+    largest = max((u.layout.shard_numel for u in units), default=0)
     pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, buffer, _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
-                    OPTIMIZER_POOL_BUFFERS * optimizer.largest_unit_swap_nbytes)
+                    OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
     return StorePlan("optimizer", pool, off.nvme_path, reserve)
 
 
