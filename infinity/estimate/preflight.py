@@ -32,6 +32,7 @@ from infinity.estimate import rules
 from infinity.estimate.context import RunContext, run_context
 from infinity.estimate.estimate import check_fit, config_for, host_shortfall_nbytes, speed_key
 from infinity.estimate.machine import MachineView, machine_view
+from infinity.estimate.placement import describe as describe_placement
 from infinity.estimate.plan import Setting, SettingPlan, all_settings
 from infinity.estimate.report import items_table
 from infinity.estimate.runtime_plan import RuntimePlan
@@ -118,6 +119,9 @@ def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int,
         f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
     )
     lines += ["  " + ln for ln in items_table(own)]
+    if own.runtime is not None and own.runtime.chosen is not None:
+        lines.append("Where the placement planner put the state, and what that moves per step:")
+        lines += ["  " + ln for ln in describe_placement(own.runtime)]
     lines.append("Fix:" if fixes else "Fix: no setting of stage and offload fits this machine;"
                  " use a machine with more memory or disk, or a smaller model")
     lines += ["  - " + f for f in fixes]
