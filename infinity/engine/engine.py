@@ -131,7 +131,9 @@ class Engine:
                 trace.abort_step()
             raise
         if trace is not None and trace.step_open:
-            trace.end_step()
+            # Inside an accumulation window nothing changes the parameters before the next forward: what
+            # it starts with stays held and is read ahead for ([Note: across the step boundary]).
+            trace.end_step(keep_for_next=not boundary)
 
     def step(self) -> None:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step."""
@@ -142,6 +144,8 @@ class Engine:
                 self._passthrough_step()
             else:
                 self._partitioned_step()
+            if self._trace is not None:
+                self._trace.prefetch_next_step()  # gated per unit on the step's updates
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1

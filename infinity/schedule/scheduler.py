@@ -37,6 +37,25 @@ pool rounds each region up to 4 KiB, which the budgets do not count).
 A fetch given up while its read is in flight is released to the store at
 once; the read ends into a cache entry the pool can reclaim.
 
+[Note: across the step boundary]
+A step's end no longer has to stop the reading: the next step replays the
+newest trace from its start, so the scheduler can read ahead for it while the
+current one finishes.
+- ``end_step(keep_for_next=True)`` (a micro-step inside an accumulation
+  window: nothing changes the parameters before the next forward) keeps what
+  it holds on its own judgement for the next step's uses within max_live of
+  its start — the backward's last units are the next forward's first — and
+  goes on prefetching from the next trace's start.
+- ``prefetch_next_step()`` (after an optimizer step has been started, which
+  changes the parameters: the engine calls it once the step's per-unit gate
+  is in place) prefetches from the next trace's start as ``ready`` allows:
+  each unit once its update is in place (with the step's fresh copy still
+  resident, a hold with no read).
+Between steps the walk follows the next trace from position 0, within the
+same budgets and pool rules; ``begin_step`` takes over what is held then, and
+a next step that leaves the trace gives it back as any divergence does.
+``abort_step`` and a plain ``end_step()`` give everything back, as before.
+
 [Note: pool room]
 Store fetches of units at rest take pool memory, and ``store.fetch`` waits
 (FIFO) when the pool is full. A speculative fetch must never wait there: a
@@ -168,6 +187,7 @@ class PrefetchScheduler:
         self._ahead = 0
         self._in_use = 0
         self._frontier = 0  # first trace position the lookahead has not examined in this step
+        self._bridging = False  # between steps, reading ahead for the next ([Note: across the step boundary])
         self._replan = False
         self._step: StepCounters | None = None
         self._steps = 0
@@ -303,10 +323,13 @@ class PrefetchScheduler:
             self._step = StepCounters(self._steps, time.monotonic())
             self._cursor.begin()
             self._frontier = 0
+            self._bridging = False
         self._under_fetch_lock(None, block=False)
 
-    def end_step(self) -> StepStats:
-        """Ends the step: gives back what was fetched or kept for it; a diverged step becomes the trace."""
+    def end_step(self, *, keep_for_next: bool = False) -> StepStats:
+        """Ends the step: gives back what was fetched or kept for it (``keep_for_next``: what the next
+        step's start uses is kept and read ahead for, see [Note: across the step boundary]); a diverged
+        step becomes the trace."""
         with self._lock:
             self._check_open()
             if self._step is None:
@@ -314,13 +337,34 @@ class PrefetchScheduler:
                     f"end_step() of scheduler '{self.name}' without begin_step(): call begin_step() "
                     "before the forward and end_step() after the backward"
                 )
-            return self._end(completed=True)
+            snap = self._end(completed=True, keep_for_next=keep_for_next)
+        if keep_for_next:
+            self._under_fetch_lock(None, block=False)
+        return snap
+
+    def prefetch_next_step(self) -> None:
+        """Between steps: reads ahead for the next step from its trace's start, as ``ready`` allows
+        (see [Note: across the step boundary]). A no-op inside a step or before a trace is known."""
+        with self._lock:
+            self._check_open()
+            if self._step is not None or not self._cursor.library:
+                return
+            self._bridging = True
+            self._frontier = 0
+        self._under_fetch_lock(None, block=False)
 
     def abort_step(self) -> StepStats | None:
         """Ends the step after a failure: gives back everything held on the scheduler's judgement,
-        records nothing. A no-op (None) when no step is open."""
+        records nothing. With no step open it gives back what it read ahead for the next one (someone
+        is about to change the shards behind its back: a checkpoint load) and returns None."""
         with self._lock:
-            if self._closed or self._step is None:
+            if self._closed:
+                return None
+            if self._step is None:
+                self._bridging = False
+                for rec in list(self._held.values()):
+                    if rec.state in DISCRETIONARY:
+                        self._drop(rec, "end")
                 return None
             return self._end(completed=False)
 
@@ -402,11 +446,12 @@ class PrefetchScheduler:
     def _counters(self) -> StepCounters:
         return self._step if self._step is not None else self._untraced
 
-    def _end(self, *, completed: bool) -> StepStats:
+    def _end(self, *, completed: bool, keep_for_next: bool = False) -> StepStats:
         assert self._step is not None
         kind = self._cursor.end(completed=completed)
+        nxt = self._cursor.library[0] if completed and keep_for_next and self._cursor.library else None
         for rec in list(self._held.values()):
-            if rec.state in DISCRETIONARY:
+            if rec.state in DISCRETIONARY and not (nxt is not None and self._soon_in(nxt, rec.key)):
                 self._drop(rec, "end")
         for rec in list(self._cached.values()):  # forget entries the store has evicted since
             if self.store.spec(rec.key).state is Residency.AT_REST:
@@ -415,9 +460,24 @@ class PrefetchScheduler:
         self._step = None
         self._steps += 1
         self._frontier = 0
+        self._bridging = nxt is not None
         self._history.append(snap)
         self._totals = snap if self._totals is None else total([self._totals, snap])
         return snap
+
+    def _soon_in(self, trace: Trace, key: Hashable) -> bool:
+        """Whether ``trace`` uses ``key`` within max_live bytes of its start (kept across the boundary)."""
+        first = trace.next_use(key, 0)
+        return first is not None and trace.bytes_between(0, first) < self.budget.max_live_nbytes
+
+    def _view(self) -> tuple[Trace, int] | None:
+        """The trace the lookahead follows and the position it starts from: the step's and its cursor;
+        between steps, while reading ahead for the next one, the next trace from its start."""
+        if self._step is not None:
+            return (self._cursor.trace, self._cursor.pos) if self._cursor.replaying else None
+        if self._bridging and self._cursor.library:
+            return self._cursor.library[0], 0
+        return None
 
     def _observe(self, rec: UnitRecord, c: StepCounters) -> None:
         """Follows the trace with this use; on a switch or a divergence, gives up what is no longer predicted."""
@@ -514,11 +574,12 @@ class PrefetchScheduler:
         if not submitting and fut is not None:
             self._give_back(rec.key, fut)  # a submitting thread gives it back itself (gen changed)
         # The lookahead passed over this unit's next use while it was held: look again from the cursor.
-        trace = self._cursor.trace if self._cursor.replaying else None
-        if trace is not None:
-            nxt = trace.next_use(rec.key, self._cursor.pos)
+        view = self._view()
+        if view is not None:
+            trace, pos = view
+            nxt = trace.next_use(rec.key, pos)
             if nxt is not None and nxt < self._frontier:
-                self._frontier = self._cursor.pos
+                self._frontier = pos
 
     def _give_back(self, key: Hashable, fut: Any) -> None:
         if _failed_done(fut):
@@ -635,8 +696,7 @@ class PrefetchScheduler:
 
     def _room_for_demand(self, rec: UnitRecord) -> None:
         """Gives up the scheduler's own holds until ``rec`` fits max_live and the pool (see the notes)."""
-        trace = self._cursor.trace if self._cursor.replaying else None
-        pos = self._cursor.pos
+        trace, pos = self._view() or (None, 0)
         over = self._live + rec.nbytes - self.budget.max_live_nbytes
         if over > 0:
             for victim in lookahead.furthest_first(self._discretionary(), trace, pos):
@@ -685,20 +745,20 @@ class PrefetchScheduler:
     def _plan(self) -> list[tuple[UnitRecord, int, bool]]:
         """Marks the next units to prefetch (under ``_lock``): in trace order, within the budgets and the
         pool, ending at the first that needs pool memory (the next room check must see it taken)."""
-        if self._closed or self._step is None or not self._cursor.replaying:
+        view = None if self._closed else self._view()
+        if view is None:
             return []
         if self.budget.prefetch_bucket_nbytes == 0 or self._in_use > self.budget.max_live_nbytes:
             return []
-        trace = self._cursor.trace
-        assert trace is not None
+        trace, pos = view
         batch: list[tuple[UnitRecord, int, bool]] = []
-        j = max(self._frontier, self._cursor.pos)
+        j = max(self._frontier, pos)
         while j < len(trace):
             rec = self._records.get(trace.keys[j]) or self._record(trace.keys[j])
             if rec.state is not UnitState.IDLE:
                 j += 1
                 continue
-            admitted = self._admit(rec, trace, j)
+            admitted = self._admit(rec, trace, pos, j)
             if admitted is None:
                 break
             reads, moves = admitted
@@ -710,7 +770,7 @@ class PrefetchScheduler:
             self._live += rec.nbytes
             if moves:
                 self._ahead += rec.nbytes
-            self._step.add("prefetches")
+            self._counters().add("prefetches")
             self._peaks()
             batch.append((rec, rec.gen, reads))
             j += 1
@@ -719,9 +779,10 @@ class PrefetchScheduler:
         self._frontier = j
         return batch
 
-    def _admit(self, rec: UnitRecord, trace: Trace, at: int) -> tuple[bool, bool] | None:
-        """(reads, moves) if ``rec``, used at trace position ``at``, may be prefetched now (giving up
-        kept units needed later if max_live asks it); None if the walk must stop here."""
+    def _admit(self, rec: UnitRecord, trace: Trace, pos: int, at: int) -> tuple[bool, bool] | None:
+        """(reads, moves) if ``rec``, used at trace position ``at`` (the walk starting at ``pos``), may be
+        prefetched now (giving up kept units needed later if max_live asks it); None if the walk must
+        stop here."""
         c = self._counters()
         b = self.budget
         if self._ready is not None and not self._ready(rec.key):
@@ -739,7 +800,6 @@ class PrefetchScheduler:
         )
         if not within_bucket:
             return None
-        pos = self._cursor.pos
         if lacking:
             kept = [r for r in self._held.values() if r.state is UnitState.KEPT]
             victims = lookahead.displace(kept, trace, pos, at, lacking)
@@ -816,7 +876,26 @@ class PrefetchScheduler:
         return True
 
     def _reclaim(self, nbytes: int) -> None:
-        """The pool's reclaimer: someone waits for ``nbytes`` of pool memory (see [Note: pool room]).
+        """The pool's reclaimer: someone waits for ``nbytes`` of pool memory (see [Note: across the step boundary]
+A step's end no longer has to stop the reading: the next step replays the
+newest trace from its start, so the scheduler can read ahead for it while the
+current one finishes.
+- ``end_step(keep_for_next=True)`` (a micro-step inside an accumulation
+  window: nothing changes the parameters before the next forward) keeps what
+  it holds on its own judgement for the next step's uses within max_live of
+  its start — the backward's last units are the next forward's first — and
+  goes on prefetching from the next trace's start.
+- ``prefetch_next_step()`` (after an optimizer step has been started, which
+  changes the parameters: the engine calls it once the step's per-unit gate
+  is in place) prefetches from the next trace's start as ``ready`` allows:
+  each unit once its update is in place (with the step's fresh copy still
+  resident, a hold with no read).
+Between steps the walk follows the next trace from position 0, within the
+same budgets and pool rules; ``begin_step`` takes over what is held then, and
+a next step that leaves the trace gives it back as any divergence does.
+``abort_step`` and a plain ``end_step()`` give everything back, as before.
+
+[Note: pool room]).
 
         Called by the waiting thread with no pool or store lock held. Idle cache
         entries the scheduler knows go first, then what it holds on its own
@@ -827,8 +906,7 @@ class PrefetchScheduler:
             if self._closed:
                 return
             need = round_up(nbytes, ALIGN)
-            trace = self._cursor.trace if self._cursor.replaying else None
-            pos = self._cursor.pos
+            trace, pos = self._view() or (None, 0)
             for idle in lookahead.furthest_first(list(self._cached.values()), trace, pos):
                 if self._pool.can_serve(need):
                     return
