@@ -74,7 +74,7 @@ CLASS_ORDER = (PARAM, "master", "m", "v", "g")
 SUB_GROUP_NUMEL = 1 << 22
 """Elements per optimizer sub-group under "auto" (reads of 16 MiB per array), unless a sixteenth of the
 state is less (the pool then costs 3/16 of what it streams); never below the largest shard."""
-READ_AHEAD_BUFFERS = 2
+READ_AHEAD_BUFFERS = 1
 """Largest units the auto-sized parameter pool holds beyond what the step and the forward need at once:
 room to read ahead."""
 _ROUND = 1 << 20
@@ -107,10 +107,17 @@ def resolve_budget(cfg: InfinityConfig, machine: MachineView, ranks_per_node: in
         return default_budget(machine, ranks_per_node)
     avail = (machine.mem_available_nbytes + machine.hugetlb_free_nbytes) // max(1, ranks_per_node)
     nbytes = budget.resolve(avail)
+    written = _written(cfg)
     if budget.nbytes is not None:
-        return nbytes, f"host_memory_budget={cfg.host_memory_budget!r}"
-    return nbytes, (f"host_memory_budget={cfg.host_memory_budget!r} of the available {format_nbytes(avail)}"
+        return nbytes, f"host_memory_budget={written!r}"
+    return nbytes, (f"host_memory_budget={written!r} of the available {format_nbytes(avail)}"
                     + (" per rank" if ranks_per_node > 1 else ""))
+
+
+def _written(cfg: InfinityConfig) -> object:
+    """host_memory_budget as the user wrote it (JSON numbers arrive as floats: 3e9 shows as 3000000000)."""
+    value = cfg.host_memory_budget
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def auto_sizes(model: nn.Module, cfg: InfinityConfig, unit_map: UnitMap, world_size: int
@@ -250,7 +257,7 @@ def check_budget(plan: RuntimePlan, cfg: InfinityConfig) -> None:
     if c is None or cfg.host_budget is None or c.need_nbytes <= c.budget_nbytes:
         return
     raise ConfigError(
-        f"host_memory_budget={cfg.host_memory_budget!r} gives {format_nbytes(c.budget_nbytes)} per rank, but this "
+        f"host_memory_budget={_written(cfg)!r} gives {format_nbytes(c.budget_nbytes)} per rank, but this "
         f"run needs {format_nbytes(c.need_nbytes)} of host memory with every \"auto\" section's state on NVMe "
         "(pools, activations, runtime overheads; `infinity estimate --config` itemises them): raise "
         f"host_memory_budget to at least {format_nbytes(c.need_nbytes)}, or lower what the rest needs"
@@ -300,7 +307,7 @@ def describe(plan: RuntimePlan) -> list[str]:
         host, nvme = plan.state_nbytes(cls, "cpu"), plan.state_nbytes(cls, "nvme")
         units = _unit_ranges(plan, cls)
         lines.append(f"  {names[cls]:20s} host {format_nbytes(host):>10s}, NVMe {format_nbytes(nvme):>10s}"
-                     + (f" (on NVMe: units {units})" if units and host and nvme else ""))
+                     + (f" (on NVMe: {'' if 'units' in units else 'units '}{units})" if units and host and nvme else ""))
     worst, expected = worst_case_traffic(plan), expected_traffic(plan)
     per = max(1, numel)
     lines.append(
@@ -311,8 +318,8 @@ def describe(plan: RuntimePlan) -> list[str]:
     return lines
 
 
-def _unit_ranges(plan: RuntimePlan, cls: str) -> str:
-    """The unit indices whose ``cls`` rests on NVMe, as ranges ("0-3, 7")."""
+def _unit_ranges(plan: RuntimePlan, cls: str, most: int = 6) -> str:
+    """The unit indices whose ``cls`` rests on NVMe, as ranges ("0-3, 7"); past ``most`` ranges, a count."""
     idx = [sp.index for sp in plan.shards
            if (sp.param_home if cls == PARAM else dict(sp.state_homes).get(cls)) == "nvme"]
     out, start = [], None
@@ -322,4 +329,6 @@ def _unit_ranges(plan: RuntimePlan, cls: str) -> str:
         if i + 1 == len(idx) or idx[i + 1] != j + 1:
             out.append(f"{start}" if start == j else f"{start}-{j}")
             start = None
+    if len(out) > most:
+        return f"{len(idx)} of {len(plan.shards)} units"
     return ", ".join(out)
