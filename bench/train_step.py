@@ -1,29 +1,49 @@
 #!/usr/bin/env python3
-"""Training step time: plain PyTorch in RAM vs ZeRO-3 with params and optimizer on NVMe.
+"""Training step time and NVMe bytes: plain PyTorch in RAM vs infinity with its state placed several ways.
 
-The same GPT (~150M parameters by default), data and seed, trained by plain
-PyTorch (torch AdamW, everything in RAM) and by infinity (stage 3, offload_param
-and offload_optimizer on NVMe, O_DIRECT), once as DeepSpeed would place the
-state, once with offload_optimizer.grads_in_host, and once with the swap-file
-checksums off (``"integrity": false`` in both offload sections): the step-time
-ratio of "infinity" to "no-integrity" is the cost of integrity. Each run is a fresh
-subprocess (so its peak memory is its own: VmHWM plus hugetlb pages); the kinds
-are interleaved, their order rotating each repeat, and the headline is the
-median ratio of their median step times after warm-up. Also reported: bytes
-read and written per step and the GB/s they imply, the time steps spent
-waiting for I/O, and peak RSS. DeepSpeed itself is not run (not installed here).
+The same GPT (~150M parameters by default), data and seed, trained by each
+kind below in a fresh subprocess (its peak memory is its own: VmHWM plus
+hugetlb pages); the kinds are interleaved, their order rotating each repeat,
+and each headline is the median over repeats of the ratio of a kind's median
+step time (after warm-up) to plain PyTorch's in the same repeat.
 
-  python bench/train_step.py                 # ~150M, seq 256, 3 repeats
-  python bench/train_step.py --kinds infinity,no-integrity --repeat 5   # integrity's cost only
-  python bench/train_step.py --capacity      # the largest model trained 3 steps
-  python bench/train_step.py --quick         # seconds: proves it still runs
+  plain          torch AdamW (fused), fp32, everything in RAM: the reference
+  infinity       ZeRO-3, params and optimizer on NVMe as DeepSpeed places them
+  grads-in-host  the same with offload_optimizer.grads_in_host
+  planner-100    "device": "auto": the placement planner within a host budget of what the run needs
+  planner-50     with everything on NVMe, plus 100%, 50% or 10% of the training state; the process
+  planner-10     runs in a memory cgroup whose limit is that budget plus what it held at initialize
+                 (memory.max on cgroup v2, memory.limit_in_bytes on v1), so the page cache cannot
+                 hold what the planner spilled
+  no-integrity   "infinity" with the swap-file checksums off ("integrity": false in both offload
+                 sections): its step-time ratio to "infinity" is the cost of integrity
+  plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
+  bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
+  deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
+                 (with stage3_max_reuse_distance 0 and the initial weights copied in after its
+                 zero.Init, which drops the model's own initialisation: see /work/shared/BENCHMARKS.md)
+
+Reported per kind: step-time ratio, bytes read and written per parameter per
+step next to the least the placement needs (infinity.estimate.traffic:
+``expected`` — each array on NVMe read and written the times the schedule
+needs it, less what the parameter pool keeps at each turn), the GB/s those
+bytes imply, the time steps waited for I/O, peak RSS, and whether the losses
+equal plain PyTorch's (bf16: plain-bf16's, within bf16's rounding).
+
+  python bench/train_step.py                      # ~150M, seq 256, 3 repeats, every kind
+  python bench/train_step.py --kinds plain,planner-50
+  python bench/train_step.py --kinds plain,infinity,no-integrity --repeat 5   # integrity's cost
+  python bench/train_step.py --capacity 2e9       # the largest model trained 3 steps (and a check at 300M)
+  python bench/train_step.py --quick              # seconds: proves it still runs
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -32,70 +52,284 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("plain", "infinity", "grads-in-host", "no-integrity")
 
-CHILD = r"""
-import json, os, sys, time, torch
-import infinity
-from infinity.models import GPT, GPTConfig, TextCorpus
-from infinity.cli.demo import demo_config
+KINDS = ["plain", "infinity", "grads-in-host", "no-integrity", "planner-100", "planner-50", "planner-10", "plain-bf16", "bf16",
+         "deepspeed"]
+QUICK_KINDS = ["plain", "infinity", "planner-10"]
+BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
+"""Share of the training state the planner may keep in host memory, on top of what the run needs with
+every array on NVMe (planner-0: the capacity runs)."""
+LOSS_RTOL = {"bf16": 2e-2}
+"""Loss agreement with the reference kind (plain, or plain-bf16 for bf16): 1e-4 relative unless named."""
+REFERENCE = {"bf16": "plain-bf16"}
 
-kind, params, seq, micro, steps, warmup, nvme = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-gpt = GPTConfig.for_params(params, seq_len=seq)
-corpus = TextCorpus()
-torch.manual_seed(0)
-times, cpus, io = [], [], []
-if kind == "plain":
+# -- the child: one kind, one process ----------------------------------------------------------
+
+
+def child(a: dict) -> dict:
+    import torch
+
+    from infinity.memory import peak_host_nbytes
+    from infinity.models import GPTConfig, TextCorpus
+
+    kind = a["kind"]
+    gpt = GPTConfig.for_params(a["params"], seq_len=a["seq"])
+    corpus = TextCorpus()
+    torch.manual_seed(0)
+    out: dict = {"params": gpt.num_params}
+    if kind in ("plain", "plain-bf16"):
+        step, stats = _plain(gpt, corpus, a, bf16=kind == "plain-bf16")
+    elif kind == "deepspeed":
+        step, stats = _deepspeed(gpt, corpus, a)
+    else:
+        step, stats, engine = _infinity(gpt, corpus, a, out)
+    times, cpus, io, losses = [], [], [], []
+    for i in range(a["warmup"] + a["steps"]):
+        before = stats()
+        t, c = time.perf_counter(), time.process_time()
+        losses.append(step(i))
+        dt, dc = time.perf_counter() - t, time.process_time() - c
+        after = stats()
+        if i >= a["warmup"]:
+            times.append(dt)
+            cpus.append(dc)
+            io.append({k: after[k] - before[k] for k in after})
+    if kind not in ("plain", "plain-bf16", "deepspeed"):
+        engine.synchronize()
+        pf = engine.prefetch_stats()
+        if pf is not None and pf.last is not None:
+            out["prefetch_last_step"] = {k: getattr(pf.last, k) for k in (
+                "prefetch_hits", "late_prefetches", "reuse_hits", "on_demand", "reads", "read_nbytes",
+                "duplicate_reads", "stall_s")}
+        engine.close()
+    out.update(times=times, cpus=cpus, io=io, hwm=peak_host_nbytes(), losses=losses)  # VmHWM + hugetlb pages
+    out["cgroup_peak"] = _cgroup_peak(a.get("cgroup"))
+    return out
+
+
+def _plain(gpt, corpus, a, *, bf16: bool):
+    import torch
+
+    from infinity.models import GPT
+
     model = GPT(gpt)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    params = list(model.parameters())
+    if bf16:  # fp32 masters stepped by AdamW; a bf16 copy runs forward and backward
+        masters = [p.detach().clone().requires_grad_(True) for p in params]
+        model.to(torch.bfloat16)
+        opt = torch.optim.AdamW(masters, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    else:
+        masters = params
+        opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
     def step(i):
-        x, y = corpus.batch(i, micro, seq)
-        loss = model(x, y); loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step(); opt.zero_grad(set_to_none=True)
+        x, y = corpus.batch(i, a["micro_batch"], a["seq"])
+        loss = model(x, y)
+        loss.backward()
+        if bf16:
+            for m, p in zip(masters, params, strict=True):
+                m.grad = p.grad.float()
+                p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if bf16:
+            with torch.no_grad():
+                for m, p in zip(masters, params, strict=True):
+                    p.copy_(m)
         return loss.item()
-    stats = lambda: {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
-else:
+
+    return step, lambda: {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
+
+
+def _infinity(gpt, corpus, a, out):
+
+    import infinity
+    from infinity.cli.demo import demo_config
+    from infinity.models import GPT
+
+    kind = a["kind"]
     largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
-    cfg = demo_config(nvme, lr=3e-4, steps=steps + warmup, micro_batch=micro, bf16=False, largest_unit=largest)
+    cfg = demo_config(a["nvme"], lr=3e-4, steps=a["steps"] + a["warmup"], micro_batch=a["micro_batch"],
+                      bf16=kind == "bf16", largest_unit=largest)
     del cfg["scheduler"]
-    cfg["zero_optimization"]["offload_optimizer"]["grads_in_host"] = kind == "grads-in-host"
+    zero = cfg["zero_optimization"]
+    zero["offload_optimizer"]["grads_in_host"] = kind == "grads-in-host"
+    if kind in BUDGETS:  # the planner decides; it sizes the pools and sub-groups itself
+        for section in ("offload_param", "offload_optimizer"):
+            zero[section] = {"device": "auto", "nvme_path": a["nvme"]}
+        del zero["sub_group_size"]
     for section in ("offload_param", "offload_optimizer"):
-        cfg["zero_optimization"][section]["integrity"] = kind != "no-integrity"
+        zero[section]["integrity"] = kind != "no-integrity"
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
+    if kind in BUDGETS:
+        budget, floor, state = _planner_budget(model, cfg, BUDGETS[kind])
+        cfg["host_memory_budget"] = budget
+        out.update(budget_nbytes=budget, floor_nbytes=floor, state_nbytes=state,
+                   cgroup_limit=_enforce(a.get("cgroup"), budget))
     engine = infinity.initialize(model, cfg)
+    out.update(_plan_record(engine.runtime.plan))
+
     def step(i):
-        x, y = corpus.batch(i, micro, seq)
-        loss = engine(x, y); engine.backward(loss); engine.step()
+        x, y = corpus.batch(i, a["micro_batch"], a["seq"])
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
         return loss.item()
-    stats = engine.io_stats
-losses = []
-for i in range(warmup + steps):
-    before = stats()
-    t, c = time.perf_counter(), time.process_time()
-    losses.append(step(i))
-    dt, dc = time.perf_counter() - t, time.process_time() - c
-    after = stats()
-    if i >= warmup:
-        times.append(dt)
-        cpus.append(dc)
-        io.append({k: after[k] - before[k] for k in after})
-if kind != "plain":
-    engine.synchronize()
-from infinity.memory import peak_host_nbytes
-hwm = peak_host_nbytes()  # VmHWM + hugetlb pages (pools may live there)
-print(json.dumps({"times": times, "cpus": cpus, "io": io, "hwm": hwm, "params": gpt.num_params,
-                  "losses": losses}))
-"""
+
+    return step, engine.io_stats, engine
+
+
+def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
+    """(host_memory_budget, what the run needs with every array on NVMe, the training state's bytes):
+    the budget is the second plus ``share`` of the third."""
+    from infinity.config import load_config
+    from infinity.estimate.context import run_context
+    from infinity.estimate.placement import plan_placement
+    from infinity.estimate.runtime_plan import STATE_CLASSES
+
+    cfg = load_config(raw)
+    ctx = run_context(model, cfg, device="cpu", world_size=1)
+    low = plan_placement(model, cfg, ctx, budget_nbytes=0, budget_source="bench")
+    state = sum(low.state_nbytes(c) for c in STATE_CLASSES if c == "param" or c in low.optimizer.state_keys)
+    floor = low.chosen.need_nbytes
+    return floor + int(share * state), floor, state
+
+
+def _plan_record(plan) -> dict:
+    """Where the plan put each state class, and the bytes per step it should move."""
+    from infinity.estimate.placement import describe
+    from infinity.estimate.runtime_plan import STATE_CLASSES
+    from infinity.estimate.traffic import expected_traffic, worst_case_traffic
+
+    t, w = expected_traffic(plan), worst_case_traffic(plan)
+    classes = [c for c in STATE_CLASSES if (c == "param" and plan.stage == 3) or c in plan.optimizer.state_keys]
+    return {
+        "expected_read_nbytes": t.read_nbytes, "expected_write_nbytes": t.write_nbytes,
+        "worst_read_nbytes": w.read_nbytes, "worst_write_nbytes": w.write_nbytes,
+        "homes": {c: {"host": plan.state_nbytes(c, "cpu"), "nvme": plan.state_nbytes(c, "nvme")} for c in classes},
+        "plan": describe(plan),
+    }
+
+
+def _deepspeed(gpt, corpus, a):
+    """DeepSpeed ZeRO-3 with parameters and optimizer on NVMe (only where `deepspeed` is importable)."""
+    import deepspeed
+    import torch
+
+    from infinity.models import GPT
+
+    largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
+    buffer = max(largest, 1 << 20)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3, "sub_group_size": 2 * buffer, "stage3_param_persistence_threshold": 1e5,
+            "stage3_max_reuse_distance": 0,  # needed: its trace otherwise runs out of swap buffers
+            "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": 16, "buffer_size": buffer,
+                              "max_in_cpu": 0},
+            "offload_optimizer": {"device": "nvme", "nvme_path": a["nvme"]},
+        },
+    }
+    torch.manual_seed(0)
+    initial = GPT(gpt).state_dict()  # its zero.Init drops GPT's own initialisation: copied in below
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg):
+        model = GPT(gpt)
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            p.data.copy_(initial[name])
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+
+    def step(i):
+        x, y = corpus.batch(i, a["micro_batch"], a["seq"])
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, lambda: {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0,
+                          "checksum_caller_s": 0.0}
+
+
+# -- memory cgroups ---------------------------------------------------------------------------
+
+
+def _cgroup_root() -> tuple[Path, str] | None:
+    """Where this process may make a memory cgroup, and its version ("v2" or "v1"); None if nowhere."""
+    v2 = Path("/sys/fs/cgroup")
+    controllers = v2 / "cgroup.controllers"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        return v2, "v2"
+    v1 = v2 / "memory"
+    if (v1 / "memory.limit_in_bytes").exists():
+        return v1, "v1"
+    return None
+
+
+def _make_cgroup(name: str) -> str | None:
+    root = _cgroup_root()
+    if root is None:
+        return None
+    path = root[0] / name
+    try:
+        path.mkdir()
+    except OSError:
+        return None
+    return str(path)
+
+
+def _join(cgroup: str | None) -> None:
+    if cgroup:
+        (Path(cgroup) / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def _usage(cgroup: Path) -> int:
+    f = cgroup / ("memory.current" if (cgroup / "memory.current").exists() else "memory.usage_in_bytes")
+    return int(f.read_text())
+
+
+def _enforce(cgroup: str | None, budget: int) -> int | None:
+    """Limits this process's cgroup to what it holds now plus ``budget``; returns the limit."""
+    if not cgroup:
+        return None
+    path = Path(cgroup)
+    limit = _usage(path) + budget
+    f = path / ("memory.max" if (path / "memory.max").exists() else "memory.limit_in_bytes")
+    f.write_text(str(limit))
+    return limit
+
+
+def _cgroup_peak(cgroup: str | None) -> int | None:
+    if not cgroup:
+        return None
+    path = Path(cgroup)
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        if (path / name).exists():
+            return int((path / name).read_text())
+    return None
+
+
+# -- the parent: interleaved runs ------------------------------------------------------------
 
 
 def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
-    cmd = [sys.executable, "-c", CHILD, kind, str(args.params), str(args.seq), str(args.micro_batch),
-           str(args.steps), str(args.warmup), nvme]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    cgroup = _make_cgroup(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
+    a = {"kind": kind, "params": args.params, "seq": args.seq, "micro_batch": args.micro_batch,
+         "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup}
+    try:
+        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(a)], capture_output=True, text=True,
+                           cwd=ROOT)
+    finally:
+        if cgroup:
+            try:
+                os.rmdir(cgroup)
+            except OSError:
+                pass
     if r.returncode != 0:
-        raise SystemExit(f"{kind} run failed:\n{r.stderr[-4000:]}")
+        raise SystemExit(f"{kind} run failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -107,53 +341,46 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--kinds", default=None, help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under ~/.cache)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one repeat: proves the bench runs")
+    ap.add_argument("--quick", action="store_true", help="a tiny model, one repeat, three kinds: proves it runs")
     ap.add_argument("--capacity", type=float, default=None, metavar="PARAMS",
-                    help="instead: train a model of PARAMS parameters for 3 steps under infinity only and report "
-                         "training-state bytes / peak RSS")
-    ap.add_argument("--kinds", default=",".join(KINDS),
-                    help=f"comma-separated runs to compare, interleaved (default: all of {', '.join(KINDS)})")
+                    help="instead: train a model of PARAMS parameters for 3 steps with everything the planner "
+                         "can spill on NVMe, report training-state bytes / peak RSS, and check the losses "
+                         "against plain PyTorch at --capacity-check parameters")
+    ap.add_argument("--capacity-check", type=float, default=300e6, metavar="PARAMS")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child is not None:
+        a = json.loads(args.child)
+        _join(a.get("cgroup"))
+        print(json.dumps(child(a)))
+        return 0
+    kinds = args.kinds.split(",") if args.kinds else list(KINDS)
     if args.quick:
         args.params, args.seq, args.steps, args.warmup, args.repeat = 2e6, 64, 2, 1, 1
+        kinds = args.kinds.split(",") if args.kinds else QUICK_KINDS
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or "plain" not in kinds:
+        ap.error(f"--kinds: unknown {unknown}" if unknown else "--kinds must include plain (the reference)")
     base = args.nvme_path or os.path.join(Path.home(), ".cache", "infinity-bench")
     os.makedirs(base, exist_ok=True)
     if args.capacity:
         return capacity(args, base)
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not kinds or any(k not in KINDS for k in kinds):
-        raise SystemExit(f"--kinds takes a comma-separated subset of {', '.join(KINDS)}; got {args.kinds!r}")
-    runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    for rep in range(args.repeat):
-        for kind in kinds[rep % len(kinds):] + kinds[:rep % len(kinds)]:
-            with tempfile.TemporaryDirectory(dir=base) as nvme:
-                t = time.perf_counter()
-                res = run_child(kind, args, nvme)
-                print(f"  repeat {rep + 1}/{args.repeat} {kind:13s}: median step "
-                      f"{statistics.median(res['times']):.2f} s, peak RSS {res['hwm'] / 2**30:.2f} GiB "
-                      f"({time.perf_counter() - t:.0f} s)", flush=True)
-                runs[kind].append(res)
-    med = {k: [statistics.median(r["times"]) for r in v] for k, v in runs.items()}
-    result = {
-        "params": runs[kinds[0]][0]["params"],
-        "seq": args.seq,
-        "micro_batch": args.micro_batch,
-        "kinds": kinds,
-        "repeat": args.repeat,
-        "step_s": {k: statistics.median(v) for k, v in med.items()},
-        "peak_rss": {k: max(r["hwm"] for r in v) for k, v in runs.items()},
-    }
-    print(f"\nGPT {result['params'] / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}")
-    if "plain" in runs:
-        print(f"plain PyTorch {result['step_s']['plain']:.2f} s/step, peak RSS "
-              f"{result['peak_rss']['plain'] / 2**30:.2f} GiB")
-        for kind in kinds:
-            if kind != "plain":
-                result[kind] = _offload_summary(kind, runs, med)
-    if "infinity" in runs and "no-integrity" in runs:
-        result["integrity_overhead"] = _integrity_summary(runs, med)
+    notes = []
+    if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
+        kinds.remove("deepspeed")
+        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency); where it "
+                     "is, this row runs DeepSpeed ZeRO-3 with params and optimizer on NVMe, "
+                     "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init")
+    if any(k in BUDGETS for k in kinds) and _cgroup_root() is None:
+        notes.append("no memory cgroup could be made (needs root and a memory controller): the planner's "
+                     "budgets are planned for but not enforced")
+    for n in notes:
+        print("note: " + n)
+    runs = _interleaved(kinds, args, base)
+    result = _summary(runs, kinds, args, notes)
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
     results.mkdir(parents=True, exist_ok=True)
     out = args.out or results / f"train_step{'-quick' if args.quick else ''}.json"
@@ -195,48 +422,123 @@ def _integrity_summary(runs: dict[str, list[dict]], med: dict[str, list[float]])
     return r
 
 
-def _offload_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[float]]) -> dict:
-    """One infinity kind against plain PyTorch: step-time ratio per repeat, I/O per step, memory."""
+def _interleaved(kinds: list[str], args: argparse.Namespace, base: str) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
+    for rep in range(args.repeat):
+        shift = rep % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            with tempfile.TemporaryDirectory(dir=base) as nvme:
+                t = time.perf_counter()
+                res = run_child(kind, args, nvme)
+                print(f"  repeat {rep + 1}/{args.repeat} {kind:13s}: median step "
+                      f"{statistics.median(res['times']):.2f} s, peak RSS {res['hwm'] / 2**30:.2f} GiB "
+                      f"({time.perf_counter() - t:.0f} s; load {os.getloadavg()[0]:.1f})", flush=True)
+                runs[kind].append(res)
+    return runs
+
+
+def _summary(runs: dict[str, list[dict]], kinds: list[str], args: argparse.Namespace, notes: list[str]) -> dict:
+    med = {k: [statistics.median(r["times"]) for r in v] for k, v in runs.items()}
+    n = runs["plain"][0]["params"]
+    result = {
+        "params": n, "seq": args.seq, "micro_batch": args.micro_batch, "steps": args.steps,
+        "warmup": args.warmup, "repeat": args.repeat, "kinds": kinds, "notes": notes,
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")},
+        "step_s": {k: statistics.median(v) for k, v in med.items()},
+        "peak_rss": {k: max(r["hwm"] for r in v) for k, v in runs.items()},
+    }
+    print(f"\nGPT {n / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}: plain PyTorch "
+          f"{result['step_s']['plain']:.2f} s/step, peak RSS {result['peak_rss']['plain'] / 2**30:.2f} GiB")
+    for kind in kinds:
+        if kind != "plain":
+            result[kind] = _kind_summary(kind, runs, med, n)
+    if "infinity" in runs and "no-integrity" in runs:
+        result["integrity_overhead"] = _integrity_summary(runs, med)
+    return result
+
+
+def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[float]], n: int) -> dict:
+    """One kind against plain PyTorch: step-time ratio per repeat, NVMe bytes per step and per
+    parameter against the plan's least, GB/s, I/O waits, memory, losses."""
     ratios = [i / p for i, p in zip(med[kind], med["plain"], strict=True)]
     io = [s for r in runs[kind] for s in r["io"]]
     step_s = statistics.median(med[kind])
     read = statistics.median(s["read_nbytes"] for s in io)
     write = statistics.median(s["write_nbytes"] for s in io)
     wait = statistics.median(s["wait_s"] for s in io)
+    first = runs[kind][0]
+    ref = REFERENCE.get(kind, "plain")
+    rtol = LOSS_RTOL.get(kind, 1e-4)
     r = {
         "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-        "read_nbytes_per_step": read,
-        "write_nbytes_per_step": write,
-        "read_gbps": read / step_s / 1e9,
-        "write_gbps": write / step_s / 1e9,
+        "read_nbytes_per_step": read, "write_nbytes_per_step": write,
+        "read_per_param": read / n, "write_per_param": write / n,
+        "read_gbps": read / step_s / 1e9, "write_gbps": write / step_s / 1e9,
         "io_wait_s_per_step": wait,
-        "losses_equal_plain": all(abs(a - b) <= 1e-4 * abs(b) for a, b in
-                                  zip(runs[kind][0]["losses"], runs["plain"][0]["losses"], strict=True)),
+        "peak_rss": max(x["hwm"] for x in runs[kind]),
     }
-    print(f"{kind:13s}: {step_s:.2f} s/step -> ratio {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}-"
-          f"{r['ratio']['max']:.2f}); per step read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB "
-          f"({r['read_gbps']:.2f} / {r['write_gbps']:.2f} GB/s), waited {wait:.2f} s for I/O; peak RSS "
-          f"{max(x['hwm'] for x in runs[kind]) / 2**30:.2f} GiB; losses equal plain's: {r['losses_equal_plain']}")
+    if ref in runs:
+        r["losses_equal_" + ref] = all(abs(x - y) <= rtol * abs(y) for x, y in
+                                       zip(first["losses"], runs[ref][0]["losses"], strict=True))
+    for key in ("expected_read_nbytes", "expected_write_nbytes", "worst_read_nbytes", "worst_write_nbytes",
+                "homes", "plan", "budget_nbytes", "floor_nbytes", "state_nbytes", "cgroup_limit", "cgroup_peak",
+                "prefetch_last_step"):
+        if key in first:
+            r[key] = first[key]
+    line = (f"{kind:13s}: {step_s:.2f} s/step -> ratio {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}-"
+            f"{r['ratio']['max']:.2f}); per step read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB "
+            f"({r['read_gbps']:.2f} / {r['write_gbps']:.2f} GB/s), {read / n:.1f} / {write / n:.1f} B per param")
+    if "expected_read_nbytes" in r:
+        er, ew = r["expected_read_nbytes"], r["expected_write_nbytes"]
+        r["read_over_least"] = read / er if er else None
+        r["write_over_least"] = write / ew if ew else None
+        line += f" (least {er / n:.1f} / {ew / n:.1f})"
+    line += f"; waited {wait:.2f} s for I/O; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
+    if "budget_nbytes" in r:
+        line += f" (budget {r['budget_nbytes'] / 2**30:.2f} GiB over {r['floor_nbytes'] / 2**30:.2f} needed anyway"
+        line += f", cgroup limit {r['cgroup_limit'] / 2**30:.2f} GiB)" if r.get("cgroup_limit") else ", not enforced)"
+    if ("losses_equal_" + ref) in r:
+        line += f"; losses equal {ref}'s: {r['losses_equal_' + ref]}"
+    print(line)
     return r
 
 
 def capacity(args: argparse.Namespace, base: str) -> int:
-    args.params, args.steps, args.warmup = args.capacity, 3, 0
-    with tempfile.TemporaryDirectory(dir=base) as nvme:
-        t = time.perf_counter()
-        res = run_child("infinity", args, nvme)
-        wall = time.perf_counter() - t
-    state = res["params"] * 16
-    result = {"params": res["params"], "seq": args.seq, "training_state_nbytes": state, "peak_rss": res["hwm"],
-              "state_over_rss": state / res["hwm"], "step_s": res["times"], "losses": res["losses"], "wall_s": wall}
-    print(f"capacity: GPT {res['params'] / 1e9:.2f}B trained {len(res['times'])} steps; training state "
-          f"{state / 2**30:.1f} GiB on NVMe, peak RSS {res['hwm'] / 2**30:.2f} GiB -> "
-          f"{state / res['hwm']:.1f}x; steps {', '.join(f'{x:.0f} s' for x in res['times'])}")
+    """A model far larger than memory, 3 steps with the planner at its least budget, in a cgroup; then
+    plain PyTorch and the same configuration at --capacity-check parameters, whose losses must agree."""
+    out = {}
+    for label, params in (("capacity", args.capacity), ("check", args.capacity_check)):
+        args.params, args.steps, args.warmup = params, 3, 0
+        kinds = ["planner-0"] + (["plain"] if label == "check" else [])
+        for kind in kinds:
+            with tempfile.TemporaryDirectory(dir=base) as nvme:
+                t = time.perf_counter()
+                res = run_child(kind, args, nvme)
+                res["wall_s"] = time.perf_counter() - t
+            out[f"{label}/{kind}"] = res
+            print(f"  {label} {kind}: {res['params'] / 1e9:.2f}B, steps {', '.join(f'{x:.0f} s' for x in res['times'])}"
+                  f", losses {', '.join(f'{x:.3f}' for x in res['losses'])}, peak RSS {res['hwm'] / 2**30:.2f} GiB",
+                  flush=True)
+    big = out["capacity/planner-0"]
+    state = big["state_nbytes"]
+    same = all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(out["check/planner-0"]["losses"],
+                                                           out["check/plain"]["losses"], strict=True))
+    result = {"params": big["params"], "seq": args.seq, "training_state_nbytes": state, "peak_rss": big["hwm"],
+              "state_over_rss": state / big["hwm"], "step_s": big["times"], "losses": big["losses"],
+              "losses_finite": all(x == x and abs(x) != float("inf") for x in big["losses"]),
+              "cgroup_limit": big.get("cgroup_limit"), "plan": big.get("plan"), "wall_s": big["wall_s"],
+              "check": {"params": out["check/plain"]["params"], "plain_losses": out["check/plain"]["losses"],
+                        "infinity_losses": out["check/planner-0"]["losses"], "losses_equal": same}}
+    print(f"capacity: GPT {big['params'] / 1e9:.2f}B trained {len(big['times'])} steps; training state "
+          f"{state / 2**30:.1f} GiB, peak RSS {big['hwm'] / 2**30:.2f} GiB -> {state / big['hwm']:.1f}x; "
+          f"losses finite: {result['losses_finite']}; at {result['check']['params'] / 1e6:.0f}M the losses equal "
+          f"plain PyTorch's: {same}")
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
     results.mkdir(parents=True, exist_ok=True)
-    out = args.out or results / "train_capacity.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    path = args.out or results / "train_capacity.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
     return 0
 
 

@@ -57,6 +57,8 @@ models that are not HF's. Below stage 3 HF leaves the two stage3_* sizes
 spells keys one way (``bf16``), so it leaves DeepSpeed's aliases
 (``bfloat16``) "auto"; here an alias is its key. tests/config/test_config_hf.py
 holds the rest to HF's own code.
+An offload ``device`` written "auto" is a value (the placement planner
+decides), not a blank: it is kept as written.
 """
 
 from __future__ import annotations
@@ -80,7 +82,15 @@ from infinity.config.arguments import (
 )
 from infinity.config.errors import ConfigError
 from infinity.config.schema import field_info, iter_sections, join, known_paths, subsection
-from infinity.config.values import AUTO, coerce, describe, hints, is_internal, section_type
+from infinity.config.values import (
+    AUTO,
+    accepts_auto,
+    coerce,
+    describe,
+    hints,
+    is_internal,
+    section_type,
+)
 from infinity.config.zero import NvmePath
 
 logger = logging.getLogger("infinity.config")
@@ -366,7 +376,7 @@ def resolve(
             if sub is not None and isinstance(node[name], dict):
                 continue
             p = join(path, name)
-            if is_auto(node[name]):
+            if is_auto(node[name]) and not accepts_auto(field_info(cls, name)[0]):
                 if p == WARMUP_MAX_LR or p in HIDDEN_SIZE_KEYS:
                     deferred.append((cls, node, name, p))  # after the stage and the lr are known
                 else:
@@ -418,7 +428,7 @@ def _nvme_fallback(tree: dict[str, Any], r: _Resolver) -> None:
         node = zero.get(section)
         if (
             isinstance(node, dict)
-            and node.get("device") == "nvme"
+            and node.get("device") in ("nvme", AUTO)
             and node.get("nvme_path") is None
         ):
             path = f"zero_optimization.{section}.nvme_path"

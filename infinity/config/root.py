@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from infinity.aio.config import AioConfig
+from infinity.config.budget import HostMemoryBudget, parse_host_memory_budget
 from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
@@ -54,6 +55,10 @@ class InfinityConfig:
     """infinity (DeepSpeed has no such key): skip an optimizer step whose gradient norm or loss is inf
     or NaN, as fp16 skips an overflowing one (parameters, optimizer state and lr schedule stay;
     skipped_steps counts it). Off, such a step is applied and a warning names it."""
+    host_memory_budget: float | str | None = knob(None)
+    """infinity: the host memory the placement planner may fill when an offload section's device is
+    "auto": bytes (12884901888, "12GiB") or a fraction of the available memory (0.5, "50%"); unset:
+    the available memory less a safety margin (infinity/config/budget.py)."""
     fp16: FP16Config = knob(FP16Config())
     """fp16 training and loss scaling."""
     bf16: BF16Config = knob(BF16Config(), aliases=("bfloat16",))
@@ -103,6 +108,7 @@ class InfinityConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        parse_host_memory_budget(self.host_memory_budget)  # refused here, naming the key
         if (
             isinstance(self.world_size, bool)
             or not isinstance(self.world_size, int)
@@ -140,6 +146,11 @@ class InfinityConfig:
                 "bf16.bf16_optimizer_states needs bf16.bf16_master_weights_and_grads to be true "
                 "(as in DeepSpeed)"
             )
+
+    @property
+    def host_budget(self) -> HostMemoryBudget | None:
+        """``host_memory_budget`` parsed (None: unset, the planner's default applies)."""
+        return parse_host_memory_budget(self.host_memory_budget)
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -29,6 +29,8 @@ def _nvme_at(section: OffloadParamConfig | OffloadOptimizerConfig) -> str:
 def _param_offload(p: OffloadParamConfig) -> str:
     if p.device == "none":
         return "on the compute device"
+    if p.device == "auto":
+        return f"auto: host memory or {_nvme_at(p)}, per unit, as the placement planner chooses"
     where = _nvme_at(p) if p.device == "nvme" else "cpu"
     extra = (
         f"; {p.buffer_count} buffers x {_n(p.buffer_size)} elements" if p.device == "nvme" else ""
@@ -40,6 +42,8 @@ def _param_offload(p: OffloadParamConfig) -> str:
 def _optimizer_offload(o: OffloadOptimizerConfig) -> str:
     if o.device == "none":
         return "on the compute device"
+    if o.device == "auto":
+        return f"auto: host memory or {_nvme_at(o)}, per unit and array, as the placement planner chooses"
     where = _nvme_at(o) if o.device == "nvme" else "cpu"
     extra = (
         f"; {o.buffer_count} buffers; pipelined read {_onoff(o.pipeline_read)}, "
@@ -73,6 +77,10 @@ def render(cfg: InfinityConfig) -> str:
     lines.append(f"  zero       stage {z.stage}; sub_group_size {_n(z.sub_group_size)} elements")
     lines.append(f"    params     {_param_offload(z.offload_param)}")
     lines.append(f"    optimizer  {_optimizer_offload(z.offload_optimizer)}")
+    if "auto" in (z.offload_param.device, z.offload_optimizer.device):
+        budget = cfg.host_budget
+        lines.append("    host memory budget  " + (budget.describe() if budget else
+                                                  "the available host memory less a safety margin"))
     if z.stage == 3:
         lines.append(
             f"    prefetch {_n(z.stage3_prefetch_bucket_size)}, persistence threshold "

@@ -142,9 +142,17 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def accepts_auto(tp: Any) -> bool:
+    """Whether "auto" is one of the values a key of type ``tp`` takes (offload devices: the placement
+    planner decides), rather than a blank for load_config() to fill."""
+    if _is_union(tp):
+        return any(accepts_auto(a) for a in typing.get_args(tp))
+    return typing.get_origin(tp) is Literal and AUTO in typing.get_args(tp)
+
+
 def coerce(value: Any, tp: Any, path: str, meta: Mapping[str, Any]) -> Any:
     """``value`` as type ``tp`` (within the range in ``meta``), or ConfigError naming ``path``."""
-    if isinstance(value, str) and value == AUTO and tp is not str:
+    if isinstance(value, str) and value == AUTO and tp is not str and not accepts_auto(tp):
         raise ConfigError(
             f'{path} is "auto"; "auto" values are filled by load_config()/initialize() '
             "from their keyword arguments, not by building a section by hand"

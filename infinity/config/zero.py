@@ -17,7 +17,10 @@ from typing import ClassVar, Literal
 from infinity.config.errors import ConfigError
 from infinity.config.values import check_section, knob
 
-OffloadDevice = Literal["none", "cpu", "nvme"]
+OffloadDevice = Literal["none", "cpu", "nvme", "auto"]
+"""Where a section's state rests. "auto" (infinity): the placement planner decides per unit and per
+state class between host memory and NVMe, within ``host_memory_budget`` (infinity.estimate.placement);
+an "auto" here is a value, not a blank for initialize() to fill."""
 ZeroStage = Literal[0, 1, 2, 3]
 NvmePath = str | tuple[str, ...] | None
 """One folder, or (an infinity extension: DeepSpeed takes one) a list of folders, one per drive."""
@@ -52,7 +55,9 @@ class OffloadParamConfig:
     PATH: ClassVar[str] = "zero_optimization.offload_param"
 
     device: OffloadDevice = knob("none")
-    """none | cpu | nvme. DeepSpeed's docs say the default is cpu; its code says none."""
+    """none | cpu | nvme | auto. DeepSpeed's docs say the default is cpu; its code says none. auto
+    (infinity): each unit's parameter shard in host memory or on NVMe, as the placement planner
+    decides within host_memory_budget."""
     nvme_path: NvmePath = knob(None)
     """Folder for the swap files (required with device nvme; each rank uses ``rank<N>/`` below it), or a
     list of folders, one per drive, that each rank's swap space is striped over (infinity; DeepSpeed
@@ -84,7 +89,9 @@ class OffloadOptimizerConfig:
     PATH: ClassVar[str] = "zero_optimization.offload_optimizer"
 
     device: OffloadDevice = knob("none")
-    """none | cpu | nvme. The optimizer step runs on the CPU for cpu and nvme."""
+    """none | cpu | nvme | auto. The optimizer step runs on the CPU for cpu, nvme and auto. auto
+    (infinity): each unit's master weights, moments and gradient in host memory or on NVMe, as the
+    placement planner decides within host_memory_budget."""
     nvme_path: NvmePath = knob(None)
     """Folder for the swap files (required with device nvme), or a list of folders, one per drive,
     striped over as offload_param.nvme_path is."""
@@ -234,9 +241,11 @@ class ZeroConfig:
                 'optimizer: set "stage" to 1, 2 or 3, or "offload_optimizer": {"device": "none"}'
             )
         for section in (p, o):
-            if section.device == "nvme" and section.nvme_path is None:
+            if section.device in ("nvme", "auto") and section.nvme_path is None:
+                why = " (the placement planner spills there what host memory cannot hold)" \
+                    if section.device == "auto" else ""
                 raise ConfigError(
-                    f'{section.PATH}.nvme_path is required when {section.PATH}.device is "nvme": '
-                    "a folder on a fast local disk for the swap files; set it in the config, "
+                    f'{section.PATH}.nvme_path is required when {section.PATH}.device is "{section.device}"'
+                    f"{why}: a folder on a fast local disk for the swap files; set it in the config, "
                     "or pass nvme_path= to initialize()/load_config()"
                 )

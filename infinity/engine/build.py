@@ -22,6 +22,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.optimizers import OptimizerChoice
 from infinity.engine.overlap import GatedMasters, GatedShardSource, OverlappedStep, StepProgress
+from infinity.estimate import placement
 from infinity.estimate.runtime_plan import RuntimePlan, StorePlan, plan_runtime
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
@@ -128,6 +129,9 @@ def build_runtime(
                          "trains=False for an engine without one")
     for warning in plan.warnings:
         log.warning("%s", warning)
+    zero = cfg.zero_optimization
+    if group.rank == 0 and (zero.offload_param.device, zero.offload_optimizer.device) != ("none", "none"):
+        log.info("where the training state rests:\n%s", "\n".join(placement.describe(plan)))
     cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)
     param_store, state_store = _stores(plan, cfg)
     optimizer = None
@@ -140,8 +144,6 @@ def build_runtime(
             _shard_specs(plan, flat_params),
             state_store=state_store,
             param_store=param_store,
-            state_home=plan.optimizer.state_home,
-            grad_home=plan.optimizer.grad_home,
             adamw=choice.adamw,
             sub_group_numel=plan.optimizer.sub_group_numel,
             on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
@@ -210,9 +212,11 @@ def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[Sha
             ShardSegment(index_of[id(unit.params[s.slot])], s.slot, s.shard_lo, s.shard_hi)
             for s in unit.layout.segments(plan.shard_rank)
         )
+        sp = plan.shards[unit.index]
         shards.append(ShardSpec(unit.index, unit.layout.shard_numel, plan.dtype, segs,
                                 param_key=unit.key if plan.stage == 3 else None,
-                                state_keys=plan.optimizer.state_keys))
+                                state_keys=tuple(k for k, _ in sp.state_homes),
+                                state_homes=tuple(h for _, h in sp.state_homes)))
     return shards
 
 

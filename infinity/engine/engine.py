@@ -168,8 +168,9 @@ class Engine:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.synchronize()
         rt = self.runtime
+        boundary = self.is_gradient_accumulation_boundary()
         if rt.reducer is not None:
-            rt.reducer.begin_micro(last=self.is_gradient_accumulation_boundary())
+            rt.reducer.begin_micro(last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         try:
             (loss * scale if scale != 1.0 else loss).backward()
@@ -179,7 +180,9 @@ class Engine:
         self._window.completed(self.micro_steps, loss)
         trace = self._trace
         if trace is not None and trace.step_open:
-            trace.end_step()
+            # Inside an accumulation window nothing changes the parameters before the next forward: what
+            # it starts with stays held and is read ahead for ([Note: across the step boundary]).
+            trace.end_step(keep_for_next=not boundary)
 
     def _backward_failed(self, error: BaseException) -> None:
         """Settles what a backward that raised left behind, and says in ``error`` what state that is."""
@@ -231,6 +234,8 @@ class Engine:
             else:
                 outcome = Outcome.NO_GRADIENT  # nothing to train: the update only counts
             self._end_window()
+            if self._trace is not None:
+                self._trace.prefetch_next_step()  # gated per unit on the step's updates
             if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
                 self.lr_scheduler.step()
             self.global_steps += 1

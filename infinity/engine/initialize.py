@@ -16,7 +16,8 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig, load_config
 from infinity.engine.engine import Engine
-from infinity.estimate import plan_runtime, preflight
+from infinity.estimate import preflight
+from infinity.estimate.placement import plan_for_run
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -78,8 +79,9 @@ def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.o
             "engine trains (an optimizer was passed, configured or made from lr=); drop the section to "
             "train, or call infinity.initialize with no optimizer at stage 3 for the inference engine"
         )
-    # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]).
-    plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
+    # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]); with an
+    # offload device "auto", the placement planner chose where the state rests ([Note: the placement planner]).
+    plan, context = plan_for_run(model, cfg, group=group, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
-    preflight(model, cfg, device=device, group=group, runtime=plan)
+    preflight(model, cfg, device=device, group=group, runtime=plan, context=context)
     return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)

@@ -24,9 +24,11 @@ from infinity.config import ConfigError, InfinityConfig, load_config, read_confi
 from infinity.config.auto import HIDDEN_SIZE_KEYS
 from infinity.config.zero import NvmePath
 from infinity.estimate.activations import Activations, gpt_activations
+from infinity.estimate.context import RunContext
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.model import describe_model
-from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
+from infinity.estimate.placement import is_auto, plan_placement, resolve_budget
+from infinity.estimate.plan import Setting, SettingPlan, all_settings
 from infinity.estimate.runtime_plan import itemsize, train_dtype
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
@@ -36,7 +38,7 @@ from infinity.zero import init as zero_init_mod
 DEFAULT_NVME_PATH = "./infinity_nvme"
 """Where settings that put state on NVMe swap when the config names no nvme_path (the demo's default)."""
 
-_TIER_RANK = {"none": 0, "cpu": 1, "nvme": 2}
+_TIER_RANK = {"none": 0, "cpu": 1, "auto": 1, "nvme": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,14 +391,24 @@ def estimate_memory(
     own = cfg.zero_optimization
     selected = Setting(own.stage, own.offload_param.device, own.offload_optimizer.device) if config is not None else None
 
-    def plan(c: InfinityConfig, changes=()) -> SettingPlan:
-        return plan_setting(spec, c, world_size=world_size, device_type=device, baseline_nbytes=baseline_nbytes,
-                            activations=acts, checkpointing=activation_checkpointing, zero_init=zero_init,
-                            changes=changes)
+    ctx = RunContext(spec=spec, held_nbytes=baseline_nbytes + spec.built_nbytes, zero_init=zero_init,
+                     activations=acts, device_type=device, world_size=world_size, ranks_per_node=gpus_per_node,
+                     checkpointing=activation_checkpointing)
 
+    def plan(c: InfinityConfig, changes=()) -> SettingPlan:
+        if is_auto(c):  # the placement planner's choice within the budget, on this machine
+            view = machine if isinstance(machine, MachineView) else machine_view()
+            budget, source = resolve_budget(c, view, gpus_per_node)
+            runtime = plan_placement(spec.module, c, ctx, budget_nbytes=budget, budget_source=source)
+            return ctx.itemise(c, runtime, changes)
+        return ctx.itemise(c, None, changes)
+
+    wanted = list(settings) if settings is not None else all_settings()
+    if selected is not None and "auto" in (selected.offload_param, selected.offload_optimizer) \
+            and selected not in wanted:
+        wanted.append(selected)
     ests, view, skipped = _estimate_all(
-        cfg, selected, list(settings) if settings is not None else all_settings(),
-        _nvme_path(nvme_path),
+        cfg, selected, wanted, _nvme_path(nvme_path),
         plan, lambda c: tune(spec, c, world_size), machine, gpus_per_node,
     )
     ests.sort(key=lambda e: speed_key(e.plan))

@@ -227,7 +227,8 @@ def plan_inference(spec: ModelSpec, cfg: InfinityConfig, *, shape: DecoderShape 
     zero = cfg.zero_optimization
     return SettingPlan(setting=Setting(3, zero.offload_param.device, "none"), dtype=p.dname, items=tuple(p.items),
                        problems=tuple(p.problems), device_type=device_type, nvme_by_path=tuple(p.nvme_paths.items()),
-                       nvme_traffic_nbytes=p.nvme_traffic, runtime=runtime)
+                       nvme_traffic_nbytes=sum(runtime.at_rest_nbytes(u) for u in runtime.nvme_units()),
+                       runtime=runtime)  # a forward reads every shard on NVMe once, writes nothing
 
 
 def inference_config(config: Any, *, world_size: int, precision: str | None,

@@ -31,13 +31,14 @@ from infinity.estimate.runtime_plan import (
     partitioner_working_set,
     plan_runtime,
 )
+from infinity.estimate.traffic import worst_case_traffic
 from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.store.nvme_path import paths_of
 from infinity.zero.unit import ParamUnit
 
 Tier = Literal["device", "host", "nvme"]
 Phase = Literal["init", "train", "run"]
-Where = Literal["none", "cpu", "nvme"]
+Where = Literal["none", "cpu", "nvme", "auto"]
 
 _ZINIT_CPU = "zero.Init store (fp32 shards)"
 
@@ -67,7 +68,8 @@ class Setting:
 
     def words(self) -> str:
         """A reader's description: 'params on NVMe and optimizer on NVMe'."""
-        where = {"none": "in device memory", "cpu": "in host memory", "nvme": "on NVMe"}
+        where = {"none": "in device memory", "cpu": "in host memory", "nvme": "on NVMe",
+                 "auto": "in host memory or on NVMe as the placement planner chose"}
         p = "partitioned params" if self.stage == 3 else "params"
         opt_where = where[self.offload_optimizer]
         if self.offload_optimizer == "none":
@@ -127,7 +129,8 @@ class SettingPlan:
     nvme_by_path: tuple[tuple[str, int], ...]
     """NVMe bytes per rank by directory (offload_param and offload_optimizer may differ)."""
     nvme_traffic_nbytes: int
-    """Bytes a rank moves to and from NVMe per optimizer step (the speed ranking's first key)."""
+    """Bytes a rank moves to and from NVMe per optimizer step with no cache hits (the speed ranking's
+    first key: it depends on where the state rests, not on pool sizes): traffic.worst_case_traffic."""
     changes: tuple[tuple[str, int, int], ...] = ()
     """(config key, the config's value, the value planned) for a tuned setting."""
     runtime: RuntimePlan | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -218,7 +221,7 @@ def plan_setting(
         problems=tuple(p.problems),
         device_type=device_type,
         nvme_by_path=tuple(p.nvme_paths.items()),
-        nvme_traffic_nbytes=p.nvme_traffic,
+        nvme_traffic_nbytes=worst_case_traffic(runtime).nbytes,
         changes=tuple(changes),
         runtime=runtime,
     )
@@ -231,7 +234,6 @@ class _Planner:
         self.spec = spec
         self.cfg = cfg
         self.rt = runtime
-        self.zero = cfg.zero_optimization
         self.stage = runtime.stage
         self.dtype = runtime.dtype
         self.b = runtime.itemsize
@@ -240,13 +242,13 @@ class _Planner:
         self.units = runtime.units
         numels = {id(p): s.numel for u in self.units for p, s in zip(u.params, u.layout.slots, strict=True)}
         self.grad_numels = [numels[id(p)] for u in runtime.trainable_units() for p in u.params]
+        self.zero = runtime.zero or cfg.zero_optimization  # with the sizes the plan was made with
         self.cuda = device_type == "cuda"
         self.world = runtime.world_size
         self.block = cfg.aio.block_size
         self.items: list[Item] = []
         self.problems: list[Problem] = []
         self.nvme_paths: dict[str, int] = {}
-        self.nvme_traffic = 0
 
     def add(self, item: Item) -> None:
         self.items.append(item)
@@ -290,7 +292,7 @@ class _Planner:
                       "parameters freed as they were partitioned, kept by the heap until initialize trims it "
                       "(memory/trim.py)"))
         off = self.zero.offload_param
-        if off.device == "nvme":
+        if off.device in ("nvme", "auto"):
             self.add(Item("zero.Init pool", "host",
                           rules.mapped_nbytes(BufferPool.capacity_for(1, rules.INIT_POOL_NBYTES), huge_pages=True),
                           "init", "infinity/zero/init.py: the init store's pool (closed once initialize has every "
@@ -305,29 +307,36 @@ class _Planner:
                           heap=True))
 
     def optimizer_state(self) -> None:
-        """RuntimePlan.optimizer's keys per trainable shard and where they rest; the state store's pool and
-        reserve. Nothing without an optimizer plan ([Note: frozen units] in runtime_plan.py)."""
-        opt, store = self.rt.optimizer, self.rt.state_store
-        if opt is None or store is None:
+        """RuntimePlan's optimizer arrays per trainable shard at their homes (ShardPlan.state_homes); the
+        state store's pool and reserve. Nothing without an optimizer plan ([Note: frozen units] in
+        runtime_plan.py)."""
+        store, rt = self.rt.state_store, self.rt
+        if rt.optimizer is None or store is None:
             return
-        S = self.rt.trainable_shard_numel
-        frozen = self.rt.shard_numel - S
-        keys = opt.state_keys
-        tier: Tier = "nvme" if opt.state_home == "nvme" else "host"
-        detail = ("fp32, this rank's shards" + (" of trainable units" if frozen else "")
-                  + (" (swap files)" if tier == "nvme" else " (host tensors)"))
+        of = " of trainable units" if rt.shard_numel > rt.trainable_shard_numel else ""
+        off = self.zero.offload_optimizer
         key = "zero_optimization.offload_optimizer.device"
-        if "master" in keys:
-            self.add(Item("fp32 master weights", tier, S * 4, "run", detail, key))
-        self.add(Item("Adam moments m, v", tier, 2 * S * 4, "run", detail, key))
-        if tier == "nvme" and opt.grad_home == "cpu":
-            self.add(Item("gradient partitions (fp32)", "host", S * 4, "run",
-                          "fp32, this rank's shards (host tensors); accumulated across micro-batches",
-                          "zero_optimization.offload_optimizer.grads_in_host"))
-        else:
-            self.add(Item("gradient partitions (fp32)", tier, S * 4, "run",
-                          detail + "; accumulated across micro-batches", key))
-        if tier != "nvme":
+        auto = off.device == "auto"
+        for name, classes in (("fp32 master weights", ("master",)), ("Adam moments m, v", ("m", "v")),
+                              ("gradient partitions (fp32)", ("g",))):
+            classes = tuple(c for c in classes if c in rt.optimizer.state_keys)
+            if not classes:
+                continue
+            accum = "; accumulated across micro-batches" if "g" in classes else ""
+            host = sum(rt.state_nbytes(c, "cpu") for c in classes)
+            nvme = sum(rt.state_nbytes(c, "nvme") for c in classes)
+            why = key
+            if classes == ("g",) and off.grads_in_host and not auto:
+                why = "zero_optimization.offload_optimizer.grads_in_host"
+            elif auto:
+                why = "host_memory_budget"
+            if host or not nvme:
+                self.add(Item(name, "host", host, "run", f"fp32, this rank's shards{of} (host tensors)"
+                              + (", as the placement planner chose" if auto else "") + accum, why))
+            if nvme:
+                self.add(Item(name, "nvme", nvme, "run", f"fp32, this rank's shards{of} (swap files)"
+                              + (", as the placement planner chose" if auto else "") + accum, why))
+        if not store.reserve_nbytes:
             self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run", "unused (no NVMe)"))
             return
         n = self._drives(store.nvme_path)
@@ -340,11 +349,8 @@ class _Planner:
         self.add(Item("optimizer swap directory", "nvme", meta, "run", "lock file and file-system extent blocks"
                       + (" (one per folder)" if n > 1 else "")))
         self.add(Item("optimizer pool", "host", _pool_nbytes(store.pool), "run",
-                      f"{store.pool.count} sub-groups × {opt.pool_buffer_numel:,} elements × "
-                      f"{opt.swapped_nbytes_per_element} B (read ‖ update ‖ write), pinned, huge pages",
-                      ", ".join(store.pool.keys)))
-        # The step reads every array and writes all but g back.
-        self.nvme_traffic += S * 4 * len(keys) * 2 - S * 4
+                      f"{store.pool.count} sub-groups × {format_nbytes(store.pool.buffer_nbytes)} of arrays on NVMe "
+                      "(read ‖ update ‖ write), pinned, huge pages", ", ".join(store.pool.keys)))
 
     def parameter_store(self) -> None:
         """Stage 3: RuntimePlan's parameter homes, store and pool, the budgets, what is gathered."""
@@ -359,9 +365,12 @@ class _Planner:
             why.append(f"{format_nbytes(n_persist)} persistent (< stage3_param_persistence_threshold)")
         if off.device == "nvme" and in_host > n_persist:
             why.append(f"{format_nbytes(in_host - n_persist)} kept by offload_param.max_in_cpu")
+        if off.device == "auto" and in_host > n_persist:
+            why.append(f"{format_nbytes(in_host - n_persist)} kept by the placement planner")
         self.add(Item(f"parameter shards in host memory ({dname})", "host", in_host, "run",
                       "; ".join(why) or "offload_param.device " + off.device,
-                      "zero_optimization.offload_param." + ("max_in_cpu" if off.device == "nvme" else "device")))
+                      {"nvme": "zero_optimization.offload_param.max_in_cpu",
+                       "auto": "host_memory_budget"}.get(off.device, "zero_optimization.offload_param.device")))
         if nv:
             self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
                           f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
@@ -369,11 +378,6 @@ class _Planner:
             self._swap(f"parameter swap files ({self._at_rest_name()})",
                        rules.swap_nbytes(store.reserve_nbytes, self.block, self._drives(store.nvme_path)),
                        store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")
-            if self.rt.optimizer is None:  # nothing trains: forward (and backward) read, nothing is written
-                self.nvme_traffic += store.reserve_nbytes * 2
-            else:
-                reads = 3 if self.dtype == torch.float32 else 2  # forward, backward (+ the step reads an fp32 master)
-                self.nvme_traffic += store.reserve_nbytes * (reads + 1)
             _check_param_pool(self.problems, self.rt, self.zero, b)
             where = "inside the parameter pool (host)"
         else:

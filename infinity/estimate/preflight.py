@@ -23,27 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.estimate import rules
-from infinity.estimate.activations import gpt_activations
+from infinity.estimate.context import RunContext, run_context
 from infinity.estimate.estimate import check_fit, config_for, host_shortfall_nbytes, speed_key
-from infinity.estimate.machine import (
-    MachineView,
-    machine_view,
-    runtime_baseline_nbytes,
-)
-from infinity.estimate.model import describe_model
-from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
+from infinity.estimate.machine import MachineView, machine_view
+from infinity.estimate.placement import describe as describe_placement
+from infinity.estimate.plan import Setting, SettingPlan, all_settings
 from infinity.estimate.report import items_table
-from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
+from infinity.estimate.runtime_plan import RuntimePlan
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
-from infinity.zero import init as zero_init_mod
 from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.estimate")
@@ -75,32 +69,24 @@ def preflight(
     group: DataParallelGroup | None = None,
     machine: MachineView | None = None,
     runtime: RuntimePlan | None = None,
+    context: RunContext | None = None,
 ) -> PreflightResult | None:
     """Checks that ``model`` trained under ``cfg`` fits; raises PreflightError (table + fix) if not.
 
     Returns the plan it checked, or None when ``cfg.preflight`` is false.
     ``machine`` replaces the machine read from the OS (tests). ``runtime``: the RuntimePlan the
-    engine will allocate (initialize's), checked as it is; by default plan_runtime's.
+    engine will allocate (initialize's), checked as it is; by default plan_runtime's. ``context``: the
+    run's context when already measured (initialize's, which the placement planner read too).
     """
     if not cfg.preflight:
         skip_warning()
         return None
     group = group or DataParallelGroup()
-    device_type = torch.device(device).type
-    device_type = "cuda" if device_type == "cuda" else "cpu"
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    spec = describe_model(model)
-    held = runtime_baseline_nbytes()
-    zinit = zero_init_mod.init_store_of(list(model.parameters())) is not None
-    acts = None
-    if spec.gpt is not None:
-        acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
-                               itemsize=itemsize(train_dtype(cfg)))
+    ctx = context or run_context(model, cfg, device=device, world_size=group.world_size)
+    spec, held, ranks, acts = ctx.spec, ctx.held_nbytes, ctx.ranks_per_node, ctx.activations
 
     def plan(c: InfinityConfig, changes=(), runtime: RuntimePlan | None = None) -> SettingPlan:
-        return plan_setting(spec, c, world_size=group.world_size, device_type=device_type,
-                            baseline_nbytes=max(0, held - spec.built_nbytes), activations=acts,
-                            checkpointing=False, zero_init=zinit, changes=changes, runtime=runtime)
+        return ctx.itemise(c, runtime, changes)
 
     own = plan(cfg, runtime=runtime)
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
@@ -137,6 +123,9 @@ def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int,
         f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
     )
     lines += ["  " + ln for ln in items_table(own)]
+    if own.runtime is not None and own.runtime.chosen is not None:
+        lines.append("Where the placement planner put the state, and what that moves per step:")
+        lines += ["  " + ln for ln in describe_placement(own.runtime)]
     lines.append("Fix:" if fixes else "Fix: no setting of stage and offload fits this machine;"
                  " use a machine with more memory or disk, or a smaller model")
     lines += ["  - " + f for f in fixes]

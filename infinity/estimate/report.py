@@ -6,6 +6,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from infinity.estimate.machine import describe_machine
+from infinity.estimate.placement import describe as describe_placement
+from infinity.estimate.traffic import expected_traffic
 from infinity.memory import format_nbytes
 
 if TYPE_CHECKING:
@@ -103,6 +105,10 @@ def render(est: MemoryEstimate, *, items: bool = True) -> str:
         )
         if focus.fit is not None and not focus.fit.ok:
             lines += ["  does not fit: " + r for r in focus.fit.reasons]
+        if p.runtime is not None and (p.setting.offload_param, p.setting.offload_optimizer) != ("none", "none"):
+            lines.append("")
+            lines.append("where the training state rests, and what it moves per step:")
+            lines += ["  " + ln for ln in describe_placement(p.runtime)]
     return "\n".join(lines)
 
 
@@ -117,9 +123,25 @@ def _plan_dict(p: SettingPlan) -> dict[str, Any]:
         "nvme_nbytes": p.nvme_nbytes,
         "nvme_by_path": dict(p.nvme_by_path),
         "nvme_traffic_nbytes_per_step": p.nvme_traffic_nbytes,
+        **_traffic_dict(p),
         "items": [dataclasses.asdict(i) for i in p.items],
         "problems": [dataclasses.asdict(x) for x in p.problems],
     }
+
+
+def _traffic_dict(p: SettingPlan) -> dict[str, Any]:
+    """The plan's expected NVMe bytes per step (traffic.py) and, for a planner's plan, its budget."""
+    if p.runtime is None:
+        return {}
+    t = expected_traffic(p.runtime)
+    out: dict[str, Any] = {"nvme_read_nbytes_per_step": t.read_nbytes, "nvme_write_nbytes_per_step": t.write_nbytes}
+    c = p.runtime.chosen
+    if c is not None:
+        out["placement"] = {"budget_nbytes": c.budget_nbytes, "budget_source": c.budget_source,
+                            "need_nbytes": c.need_nbytes, "changes": [list(x) for x in c.changes],
+                            "homes": [{"unit": sp.index, "param": sp.param_home, **dict(sp.state_homes)}
+                                      for sp in p.runtime.shards]}
+    return out
 
 
 def as_dict(est: MemoryEstimate) -> dict[str, Any]:

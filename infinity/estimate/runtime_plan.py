@@ -20,6 +20,17 @@ no trainable unit, and every inference plan (``trains=False``: an engine
 built with no optimizer), has no optimizer plan and no state store at all,
 so it needs no optimizer.
 
+[Note: placement] Where each unit's state rests — its parameter shard (stage 3)
+and each fp32 array the optimizer keeps for it (master, m, v, g) — is the
+plan's: ShardPlan.param_home and ShardPlan.state_homes. A section whose device
+is "cpu" or "nvme" places all of its state there, as DeepSpeed does
+(offload_param.max_in_cpu and offload_optimizer.grads_in_host as they say); a
+section whose device is "auto" places each unit's arrays as a Placement says
+— the placement planner's choice (placement.py), NVMe where none is given —
+and the engine obeys it by construction: the stores register each key at the
+home the plan names, and the pools and swap reserves are sized from the keys
+at home on NVMe.
+
 Invariants: making a plan touches neither the model nor memory nor files (the
 units are cut on the device given: "meta" for an estimate); every figure is
 this rank's; sizes are bytes unless named ``*_numel``; a shard is one rank's
@@ -34,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -70,6 +81,11 @@ written (PartitionedAdam streams read i+1 ‖ update i ‖ write i-1)."""
 
 STATE_KEYS = ("master", "m", "v", "g")
 """The fp32 arrays PartitionedAdam keeps per shard: master weights, Adam's moments, the gradient."""
+
+PARAM = "param"
+"""The state class of a unit's parameter shard (stage 3) in a Placement; the others are STATE_KEYS."""
+
+STATE_CLASSES = (PARAM, *STATE_KEYS)
 
 STATE_NBYTES_PER_ELEMENT = FP32_NBYTES * len(STATE_KEYS)
 """The most optimizer-state bytes per element (every array swapped)."""
@@ -131,35 +147,61 @@ class SwapReserve:
 
 
 @dataclasses.dataclass(frozen=True)
+class Placement:
+    """Homes for the state of the sections whose device is "auto", by (unit index, state class): the
+    placement planner's choice ([Note: placement]). A class it does not name rests on NVMe."""
+
+    homes: Mapping[tuple[int, str], Home] = dataclasses.field(default_factory=dict)
+
+    def home(self, index: int, cls: str) -> Home:
+        return self.homes.get((index, cls), "nvme")
+
+    @classmethod
+    def everywhere(cls, units: Sequence[ParamUnit], home: Home) -> Placement:
+        """Every class of every unit at ``home``."""
+        return cls({(u.index, c): home for u in units for c in STATE_CLASSES})
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardPlan:
-    """One unit's shard on this rank."""
+    """One unit's shard on this rank, and where each part of its state rests."""
 
     index: int
     """The unit's index in the UnitMap."""
     param_home: Home | None
     """Stage 3: where the parameter shard rests in the parameter store; None at stages 0-2, which keep
-    parameters whole in the module. A placement planner may choose it per unit: the runtime obeys."""
+    parameters whole in the module."""
+    state_homes: tuple[tuple[str, Home], ...] = ()
+    """(key, home) for each of the optimizer's state_keys, in that order."""
+    numel: int = 0
+    """Elements of the shard (every array of it has this many)."""
+
+    def state_home(self, key: str) -> Home:
+        return dict(self.state_homes)[key]
+
+    def nvme_keys(self) -> tuple[str, ...]:
+        return tuple(k for k, h in self.state_homes if h == "nvme")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerPlan:
-    """PartitionedAdam's state: which fp32 arrays each shard has, where they rest, how the step streams them."""
+    """PartitionedAdam's state: which fp32 arrays each shard has and how the step streams them (where each
+    array rests is ShardPlan.state_homes)."""
 
     state_keys: tuple[str, ...]
     """Per shard: m, v, g, and a master unless the shard is a stage-3 fp32 parameter (its own master)."""
-    state_home: Home
-    """Where master, m and v rest: "nvme" with offload_optimizer.device nvme, else "cpu"."""
-    grad_home: Home
-    """Where g rests: "cpu" with offload_optimizer.grads_in_host, else with the rest."""
-    swapped_nbytes_per_element: int
-    """Bytes per element of the arrays at home on NVMe (0 when none is): the unit of the optimizer
-    pool's buffers and of its swap reserve."""
     sub_group_numel: int
     """zero_optimization.sub_group_size: the most elements the step streams at once."""
     sub_groups: tuple[tuple[int, ...], ...]
     """The step's sub-groups, as unit indices (split_sub_groups, which the optimizer itself uses)."""
+    sub_group_swap_nbytes: tuple[int, ...]
+    """Per sub-group, the bytes of its arrays at home on NVMe (each padded to 4 KiB): what the step reads
+    into the optimizer pool at once. The pool's buffers hold the largest."""
+    largest_unit_swap_nbytes: int
+    """The most bytes of one unit's arrays at home on NVMe (a sub-group never splits a unit)."""
     pool_buffer_numel: int
-    """Elements per optimizer-pool buffer: a sub-group, no more than every shard, no less than the largest."""
+    """Elements per optimizer-pool buffer when every shard swaps the same arrays (an offload_optimizer
+    device of nvme): a sub-group, no more than every shard, no less than the largest (DeepSpeed's sizing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +248,21 @@ class LayerTooLarge:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementChoice:
+    """Why the homes of a plan's "auto" sections are what they are: the placement planner's record."""
+
+    budget_nbytes: int
+    """The host memory it planned within (per rank, beyond what the process held)."""
+    budget_source: str
+    """Where the budget came from: host_memory_budget, or the available memory less a margin."""
+    need_nbytes: int
+    """The host memory the chosen plan needs (per rank, beyond what the process held)."""
+    changes: tuple[tuple[str, int, int], ...] = ()
+    """(config key, the config's value, the value planned): sizes the planner chose for keys the config
+    leaves unset under "auto" (pools, sub-groups)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RuntimePlan:
     """What one rank allocates and how, for a model under a config (see [Note: one sizing model])."""
 
@@ -241,6 +298,12 @@ class RuntimePlan:
     formats: tuple[ShardFormat, ...] | None = None
     """Inference with weight_quantization (stage 3): each unit's shard format at rest, by index ([Note:
     quantised shards] in infinity/zero/quant.py); None: shards rest in their dtype."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (what the state moves per step depends on it: traffic.py)."""
+    chosen: PlacementChoice | None = None
+    """Set when the placement planner chose the "auto" sections' homes (placement.py)."""
+    zero: ZeroConfig | None = None
+    """The zero_optimization section the plan was made from (with the sizes the planner chose)."""
 
     @property
     def units(self) -> list[ParamUnit]:
@@ -276,6 +339,18 @@ class RuntimePlan:
     def nvme_units(self) -> list[ParamUnit]:
         """The units whose parameter shard rests on NVMe."""
         return [u for u in self.units if self.shards[u.index].param_home == "nvme"]
+
+    def state_nbytes(self, cls: str, home: Home | None = None) -> int:
+        """Bytes of state class ``cls`` (PARAM or an optimizer key) over every shard, at ``home`` (any: None)."""
+        out = 0
+        for sp, u in zip(self.shards, self.units, strict=True):
+            if cls == PARAM:
+                if sp.param_home is not None and home in (None, sp.param_home):
+                    out += u.layout.shard_nbytes
+            elif self.optimizer is not None and cls in self.optimizer.state_keys and sp.state_homes \
+                    and home in (None, sp.state_home(cls)):
+                out += FP32_NBYTES * sp.numel
+        return out
 
     @property
     def resident_param_nbytes(self) -> int:
@@ -348,9 +423,12 @@ def plan_runtime(
     device: torch.device | str = "meta",
     unit_map: UnitMap | None = None,
     trains: bool = True,
+    placement: Placement | None = None,
 ) -> RuntimePlan:
     """The plan for ``model`` under ``cfg`` on ``rank`` of ``world_size``. ``unit_map``: the units if
-    already cut for this config (a plan for the same model with other sizes reuses them).
+    already cut for this config (a plan for the same model with other sizes reuses them). ``placement``:
+    the homes of the "auto" sections' state (see [Note: placement]; by default all on NVMe, the
+    placement planner's starting point — infinity.estimate.placement.plan_placement chooses).
     ``trains=False``: no parameter trains (an inference engine): no optimizer plan, weights in the
     precision weights_dtype says (see [Note: frozen units])."""
     zero = cfg.zero_optimization
@@ -359,15 +437,21 @@ def plan_runtime(
     if unit_map is None:
         unit_map = cut_units(model, cfg, world_size=world_size, device=device, trains=trains)
     units = unit_map.units
-    homes = param_homes(units, zero) if zero.stage == 3 else (None,) * len(units)
+    placement = placement or Placement()
+    homes = param_homes(units, zero, placement) if zero.stage == 3 else (None,) * len(units)
+    keys = STATE_KEYS[1:] if zero.stage == 3 and dtype == torch.float32 else STATE_KEYS
     trainable = [u for u in units if u.trainable] if trains else []
-    optimizer = _optimizer(trainable, zero, dtype) if trainable else None
+    trains_unit = {u.index for u in trainable}
+    shards = tuple(ShardPlan(u.index, homes[u.index],
+                             state_homes(u, keys, zero, placement) if u.index in trains_unit else (),
+                             u.layout.shard_numel)
+                   for u in units)
+    optimizer = _optimizer(trainable, shards, keys, zero) if trainable else None
     quant = cfg.weight_quantization.quantized_initialization
     formats = None
     if not trains and quant is not None and zero.stage == 3:
         spec = QuantSpec(quant.num_bits, quant.group_size, quant.symmetric)
         formats = tuple(shard_format(u.layout, rank, spec) for u in units)
-    shards = tuple(ShardPlan(u.index, homes[u.index]) for u in units)
     schedule = _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
     param_store, refusal = None, None
     if zero.stage == 3:
@@ -394,18 +478,24 @@ def plan_runtime(
         param_pool_refusal=refusal,
         warnings=_max_in_cpu_warning(units, homes, zero.offload_param),
         formats=formats,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        zero=zero,
     )
 
 
-def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig) -> tuple[Home, ...]:
+def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig, placement: Placement | None = None) -> tuple[Home, ...]:
     """Stage-3 shards at rest, by unit index: persistent units, and every unit unless offload_param is
-    nvme, in host memory; with nvme, units stay in host memory greedily while their shards fit in
-    ``max_in_cpu`` elements (DeepSpeed's meaning of the key), the rest on NVMe."""
+    nvme or auto, in host memory; with auto, where ``placement`` says; with nvme, units stay in host
+    memory greedily while their shards fit in ``max_in_cpu`` elements (DeepSpeed's meaning of the key),
+    the rest on NVMe."""
     offload = zero.offload_param
+    placement = placement or Placement()
     homes: list[Home] = []
     in_cpu = 0
     for unit in units:
-        if unit.persistent or offload.device != "nvme":
+        if offload.device == "auto" and not unit.persistent:
+            homes.append(placement.home(unit.index, PARAM))
+        elif unit.persistent or offload.device != "nvme":
             homes.append("cpu")
         elif in_cpu + unit.layout.shard_numel <= offload.max_in_cpu:
             homes.append("cpu")
@@ -440,22 +530,31 @@ def _unit_sub_groups(units: Sequence[ParamUnit], limit: int) -> tuple[tuple[int,
     return tuple(tuple(units[i].index for i in g) for g in groups)
 
 
-def _optimizer(units: Sequence[ParamUnit], zero: ZeroConfig, dtype: torch.dtype) -> OptimizerPlan:
-    """The optimizer state of ``units`` (the trainable ones: [Note: frozen units])."""
+def state_homes(unit: ParamUnit, keys: Sequence[str], zero: ZeroConfig,
+                placement: Placement | None = None) -> tuple[tuple[str, Home], ...]:
+    """Where each of a unit's optimizer arrays rests: with offload_optimizer auto, where ``placement``
+    says; with nvme, on NVMe (g in host memory with grads_in_host); else in host memory."""
     off = zero.offload_optimizer
-    keys = STATE_KEYS[1:] if zero.stage == 3 and dtype == torch.float32 else STATE_KEYS
+    if off.device == "auto":
+        placement = placement or Placement()
+        return tuple((k, placement.home(unit.index, k)) for k in keys)
     home: Home = "nvme" if off.device == "nvme" else "cpu"
-    grad_home: Home = "cpu" if off.grads_in_host else home
-    on_nvme = [k for k in keys if (grad_home if k == "g" else home) == "nvme"]
+    return tuple((k, "cpu" if k == "g" and off.grads_in_host else home) for k in keys)
+
+
+def _optimizer(units: Sequence[ParamUnit], shards: Sequence[ShardPlan], keys: tuple[str, ...],
+               zero: ZeroConfig) -> OptimizerPlan:
+    """The optimizer state of ``units`` (the trainable ones: [Note: frozen units])."""
     numels = [u.layout.shard_numel for u in units]
     sub = int(zero.sub_group_size)
+    groups = _unit_sub_groups(units, sub)
+    unit_swap = {sp.index: len(sp.nvme_keys()) * round_up(FP32_NBYTES * sp.numel, DIRECT_ALIGNMENT) for sp in shards}
     return OptimizerPlan(
         state_keys=keys,
-        state_home=home,
-        grad_home=grad_home,
-        swapped_nbytes_per_element=FP32_NBYTES * len(on_nvme),
         sub_group_numel=sub,
-        sub_groups=_unit_sub_groups(units, sub),
+        sub_groups=groups,
+        sub_group_swap_nbytes=tuple(sum(unit_swap[i] for i in g) for g in groups),
+        largest_unit_swap_nbytes=max((unit_swap[u.index] for u in units), default=0),
         pool_buffer_numel=max(min(sub, sum(numels)), max(numels, default=0)),
     )
 
@@ -515,25 +614,30 @@ def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | No
 
 
 def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan) -> StorePlan:
-    """The optimizer store of ``units`` (the trainable ones): with NVMe, a pool of three sub-groups'
-    swapped arrays (read ‖ update ‖ write) and a reserve for every shard's. Without any such units
-    (no parameters, or all frozen) there is no state to keep anywhere."""
-    if off.device != "nvme" or not units:
+    """The optimizer store of ``units`` (the trainable ones): with arrays on NVMe, a pool of three
+    sub-groups' swapped arrays (read ‖ update ‖ write) and a reserve for every one of them."""
+    reserve = sum(optimizer.sub_group_swap_nbytes)
+    if off.device != "nvme" and reserve == 0:
         return StorePlan("optimizer", UNUSED_POOL)
-    per = optimizer.swapped_nbytes_per_element
+    # Sized for every array on NVMe, whatever an "auto" placement spills: what a placement needs in host
+    # memory is then its fixed part plus what it keeps there (see [Note: the placement planner]).
+    per = FP32_NBYTES * len(optimizer.state_keys)
+    if off.device == "nvme":  # exactly what spills: every shard swaps the same arrays
+        per = sum(optimizer.sub_group_swap_nbytes) // max(1, sum(u.layout.shard_numel for u in units))
+    buffer = round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT)
     largest = max((u.layout.shard_numel for u in units), default=0)
-    pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT),
-                    _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
+    pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, buffer, _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
                     OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
-    return StorePlan("optimizer", pool, off.nvme_path, sum(u.layout.shard_numel for u in units) * per, off.integrity)
+    return StorePlan("optimizer", pool, off.nvme_path, reserve, off.integrity)
 
 
 def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None,
                    state_store: StorePlan | None) -> tuple[SwapReserve, ...]:
+    """Every offload section on NVMe, and every "auto" one that places something there."""
     out = []
-    if param_store is not None and zero.offload_param.device == "nvme":
+    if param_store is not None and (zero.offload_param.device == "nvme" or param_store.reserve_nbytes):
         out.append(SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes))
-    if state_store is not None and zero.offload_optimizer.device == "nvme":
+    if state_store is not None and (zero.offload_optimizer.device == "nvme" or state_store.reserve_nbytes):
         out.append(SwapReserve("optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes))
     return tuple(out)
 

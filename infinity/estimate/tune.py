@@ -72,7 +72,7 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
         if planned.nvme_units():
             held = round_up(planned.schedule.pool_working_set_nbytes, 4096)
             per_group = planned.sub_group_param_nbytes()
-            need = max(_two_consecutive(per_group), max(per_group, default=0) + held)
+            need = max(two_consecutive(per_group), max(per_group, default=0) + held)
             size = round_up(math.ceil(need / off.buffer_count / base.itemsize), _ROUND)
             if size != off.buffer_size:
                 changes.append(("zero_optimization.offload_param.buffer_size", off.buffer_size, size))
@@ -88,6 +88,6 @@ def _with(cfg: InfinityConfig, sub_group_size: int, offload_param, max_live: int
     return dataclasses.replace(cfg, zero_optimization=zero)
 
 
-def _two_consecutive(per_group: list[int]) -> int:
+def two_consecutive(per_group: list[int]) -> int:
     """The most parameter-pool bytes two consecutive sub-groups take (one read while the other is updated)."""
     return max([a + b for a, b in zip(per_group, per_group[1:], strict=False)] + per_group, default=0)

@@ -3,7 +3,9 @@
 For every unit shard the optimizer keeps the fp32 arrays its ShardSpec names
 (``state_keys``, from the runtime plan) in ``state_store``: ``m``, ``v``, the
 accumulated gradient ``g`` and, unless the parameters are fp32 stage-3 shards
-(which are their own master copy), an fp32 ``master``.
+(which are their own master copy), an fp32 ``master`` — each at the home the
+spec gives it (``state_homes``: host memory or NVMe, per shard and per array,
+as the plan's placement says).
 The step streams sub-groups of units (at most ``sub_group_numel`` elements
 each): the reads of sub-group i+1 are issued before sub-group i is updated,
 and i's dirty state is evicted (written back asynchronously) right after —
@@ -64,6 +66,15 @@ class ShardSpec:
     state_keys: tuple[str, ...] = dataclasses.field(kw_only=True)
     """The fp32 arrays kept for it in the state store, as the plan says (infinity.estimate.runtime_plan):
     "m", "v", "g" and "master", which only an fp32 shard in the parameter store (its own master) lacks."""
+    state_homes: tuple[str, ...] = dataclasses.field(kw_only=True)
+    """Where each of ``state_keys`` rests in the state store ("cpu" or "nvme"), in the same order."""
+
+    def __post_init__(self) -> None:
+        if len(self.state_homes) != len(self.state_keys) or not set(self.state_homes) <= {"cpu", "nvme"}:
+            raise ValueError(
+                f"shard {self.index}: state_homes {self.state_homes} must give \"cpu\" or \"nvme\" for each of "
+                f"state_keys {self.state_keys}"
+            )
 
 
 class PartitionedAdam(torch.optim.Optimizer):
@@ -76,8 +87,6 @@ class PartitionedAdam(torch.optim.Optimizer):
         *,
         state_store: TieredStore,
         param_store: TieredStore | None,
-        state_home: str,
-        grad_home: str | None = None,
         adamw: bool,
         sub_group_numel: int,
         on_updated: Callable[[int, torch.Tensor], None] | None = None,
@@ -102,7 +111,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.sub_group_numel = sub_group_numel
         self._issue_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.sub_groups = _split(self.shards, sub_group_numel)
-        self._register(state_home, grad_home or state_home)
+        self._register()
 
     # -- setup ----------------------------------------------------------------
 
@@ -116,18 +125,16 @@ class PartitionedAdam(torch.optim.Optimizer):
     def _keys(self, s: ShardSpec) -> list[tuple[int, str]]:
         return [(s.index, n) for n in s.state_keys]
 
-    def _register(self, home: str, grad_home: str) -> None:
-        specs = []
+    def _register(self) -> None:
+        by_home: dict[str, list] = {"nvme": [], "cpu": []}
         for s in self.shards:
-            for key in self._keys(s):
-                if key[1] != "g" or grad_home == home:
-                    specs.append((key, (s.numel,), torch.float32))
-        # Registered in step order, each unit's arrays side by side: a
+            for key, home in zip(self._keys(s), s.state_homes, strict=True):
+                by_home[home].append((key, (s.numel,), torch.float32))
+        # The NVMe arrays registered in step order, each unit's side by side: a
         # sub-group comes back in few large reads.
-        self.state_store.register_many(specs, home=home)
-        if grad_home != home:
-            self.state_store.register_many([((s.index, "g"), (s.numel,), torch.float32) for s in self.shards],
-                                           home=grad_home)
+        for home, specs in by_home.items():
+            if specs:
+                self.state_store.register_many(specs, home=home)
 
     def init_state(self, index: int, master: torch.Tensor | None) -> None:
         """Sets a shard's starting state: master = ``master`` (fp32, unless the parameter

@@ -463,7 +463,9 @@ class Init:
             self.enabled = False
             return self
         offload = zero.offload_param
-        home = "nvme" if offload.device == "nvme" else "cpu"
+        # "auto": the placement planner has not run yet (it needs the model); the model as built waits
+        # on NVMe, which holds any model, and goes home from there.
+        home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
         self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
                                aio=cfg.aio, group=group)
         self._mode = _InitMode(self.store)

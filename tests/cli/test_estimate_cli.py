@@ -140,3 +140,29 @@ def test_doctor_prints_the_estimators_view_of_the_machine(capsys, tmp_path):
     assert main(["doctor", "--path", str(tmp_path), "--json"]) == 0
     view = json.loads(capsys.readouterr().out)["machine_view"]
     assert view["mem_available_nbytes"] > 0 and view["disks"][0]["path"] == str(tmp_path)
+
+
+def test_an_auto_config_shows_the_planners_placement_and_its_bytes_per_step(capsys, tmp_path):
+    """"device": "auto": the config's own row is the planner's choice within host_memory_budget, itemised
+    with where each state class rests and the NVMe bytes per step; --json gives the homes per unit."""
+    nvme = str(tmp_path / "nvme")
+    raw = {"train_micro_batch_size_per_gpu": 1, "host_memory_budget": "1GiB",
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "auto", "nvme_path": nvme},
+                                 "offload_optimizer": {"device": "auto", "nvme_path": nvme}}}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(raw))
+    code, out, _ = _run(capsys, "--params", "150M", "--config", str(cfg), "--precision", "fp32", "--seq", "256")
+    assert code == 0
+    assert "stage 3, params auto, optimizer auto *" in out
+    assert "where the training state rests, and what it moves per step:" in out
+    assert "placement planner: budget 1.0 GiB (host_memory_budget='1GiB')" in out
+    assert "NVMe per step: read" in out
+    code, out, _ = _run(capsys, "--params", "150M", "--config", str(cfg), "--precision", "fp32", "--seq", "256",
+                        "--json")
+    d = json.loads(out)
+    own = next(s for s in d["settings"] if s["offload_param"] == "auto")
+    placed = own["placement"]
+    assert placed["budget_nbytes"] == 1 << 30 and placed["need_nbytes"] <= 1 << 30
+    homes = placed["homes"]
+    assert {h["m"] for h in homes} == {"cpu", "nvme"} or {h["param"] for h in homes} == {"cpu", "nvme"}
+    assert own["nvme_read_nbytes_per_step"] > 0

@@ -61,7 +61,7 @@ CASES = [
     ),
     (
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}},
-        r"^zero_optimization\.offload_param\.device must be one of 'none', 'cpu', 'nvme'; got 'disk'$",
+        r"^zero_optimization\.offload_param\.device must be one of 'none', 'cpu', 'nvme', 'auto'; got 'disk'$",
     ),
     (
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}},

@@ -65,14 +65,18 @@ def engine_config(stage: int, offload_param: str, offload_optimizer: str, nvme_p
     }
 
 
-def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int = 0, seed: int = 0):
-    """The same training through infinity.initialize; returns losses and the final full weights."""
+def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int = 0, seed: int = 0,
+               placement=None, inspect=None):
+    """The same training through infinity.initialize; returns losses and the final full weights.
+    ``placement(units)``: instead, the engine built from a plan with that Placement of the "auto"
+    sections' state (a placement forced, where initialize would let the planner choose).
+    ``inspect(engine)``: called after training, before the engine closes."""
     import infinity
     from infinity.zero.gathered import GatheredParameters
 
     torch.manual_seed(seed)
     model = MODELS[model_name]()
-    engine = infinity.initialize(model, config)
+    engine = infinity.initialize(model, config) if placement is None else _forced(model, config, placement)
     losses = {}
     try:
         for step in range(steps):
@@ -89,9 +93,24 @@ def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int
             engine.train()
         with GatheredParameters(engine):
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if inspect is not None:
+            inspect(engine)
     finally:
         engine.close()
     return losses, weights
+
+
+def _forced(model, config: dict, placement):
+    """An Engine (world size 1, CPU) allocated from the plan with ``placement(units)``."""
+    from infinity.config import load_config
+    from infinity.engine import Engine
+    from infinity.estimate.runtime_plan import cut_units, plan_runtime
+
+    cfg = load_config(config)
+    device = torch.device("cpu")
+    units = cut_units(model, cfg, world_size=1, device=device)
+    plan = plan_runtime(model, cfg, world_size=1, device=device, unit_map=units, placement=placement(units.units))
+    return Engine(model, cfg, plan=plan, device=device)
 
 
 # [Note: a 16-bit oracle that does not depend on the CPU]

@@ -201,3 +201,34 @@ def test_every_rank_refuses_when_one_does(nvme_dir):
     first = run_distributed(_rank_refuses, str(nvme_dir), world_size=2)
     assert "another rank's pre-flight check failed" in first[0]
     assert "does not fit" in first[1]
+
+
+def test_an_auto_placement_that_cannot_fit_is_refused_with_where_the_planner_put_it(nvme_dir, small_machine,
+                                                                                    monkeypatch):
+    """With no host_memory_budget the planner plans within the available memory less a margin; when
+    even everything on NVMe does not fit, the pre-flight refusal shows the placement it checked."""
+    placement_mod = importlib.import_module("infinity.estimate.placement")
+    monkeypatch.setattr(placement_mod, "machine_view", lambda paths=(): _machine(list(paths), ram=1 << 20))
+    small_machine(ram=1 << 20)
+    torch.manual_seed(0)
+    cfg = _config(nvme_dir, p="auto", o="auto")
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(GPT(MODEL), cfg)
+    msg = str(e.value)
+    assert "Where the placement planner put the state" in msg and "NVMe per step: read" in msg
+    assert "budget 0 B (the available host memory, 1.0 MiB, less a safety margin of 512.0 MiB)" in msg
+    assert not (nvme_dir / "rank0").exists()
+
+
+def test_the_engine_logs_where_the_state_rests_once(nvme_dir, caplog):
+    torch.manual_seed(0)
+    cfg = _config(nvme_dir, p="auto", o="auto")
+    with caplog.at_level(logging.INFO, logger="infinity.engine"):
+        engine = infinity.initialize(GPT(MODEL), cfg)
+    try:
+        lines = [r.getMessage() for r in caplog.records if "where the training state rests" in r.getMessage()]
+        assert len(lines) == 1
+        assert "placement planner: budget" in lines[0] and "NVMe per step: read" in lines[0]
+        assert "parameters (float32)" in lines[0] and "Adam m" in lines[0]
+    finally:
+        engine.close()

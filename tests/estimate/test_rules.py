@@ -25,7 +25,9 @@ MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
 
 def _config(stage, p="none", o="none", *, dtype="fp32", nvme=None, grads_in_host=False, **zero):
     z = {"stage": stage, **zero}
-    if p != "none":
+    if p == "auto":
+        z["offload_param"] = {"device": p, "nvme_path": str(nvme)}
+    elif p != "none":
         z["offload_param"] = {"device": p, "nvme_path": str(nvme), "buffer_count": 4, "buffer_size": 1 << 16,
                               "max_in_cpu": 0}
     if o != "none":
@@ -50,7 +52,31 @@ CASES = {
     "stage1-bf16-nvme-grads-in-host": dict(stage=1, o="nvme", dtype="bf16", sub_group_size=20_000,
                                            grads_in_host=True),
     "stage3-fp16-nvme-cpu": dict(stage=3, p="nvme", o="cpu", dtype="fp16", sub_group_size=20_000),
+    # The placement planner's choice within a budget that holds part of the state (see _config).
+    "stage3-fp32-auto-auto": dict(stage=3, p="auto", o="auto", budget=True),
+    "stage3-bf16-auto-auto": dict(stage=3, p="auto", o="auto", dtype="bf16", budget=True),
+    "stage3-fp32-nvme-auto": dict(stage=3, p="nvme", o="auto", sub_group_size=20_000, budget=True),
+    "stage2-fp32-auto": dict(stage=2, o="auto", budget=True),
 }
+
+
+
+def _partial_budget(model, raw) -> int:
+    """Halfway between what the run needs with every "auto" array on NVMe and with all in host memory:
+    the planner then keeps some and spills the rest."""
+    from infinity.estimate.activations import gpt_activations
+    from infinity.estimate.context import RunContext
+    from infinity.estimate.model import describe_model
+    from infinity.estimate.placement import plan_placement
+
+    cfg = load_config(raw)
+    spec = describe_model(model)
+    acts = gpt_activations(spec.gpt, micro_batch=1, seq=MODEL.seq_len, itemsize=2 if cfg.bf16.enabled else 4)
+    ctx = RunContext(spec, spec.built_nbytes, False, acts, "cpu", 1, 1)
+    lo, hi = (plan_placement(model, cfg, ctx, budget_nbytes=b, budget_source="").chosen.need_nbytes
+              for b in (0, 1 << 50))
+    assert lo < hi
+    return (lo + hi) // 2
 
 
 def _items(plan, name_prefix, tier=None):
@@ -58,7 +84,8 @@ def _items(plan, name_prefix, tier=None):
 
 
 DECISIONS = ("shards", "param_store", "state_store", "optimizer", "swap_reserves", "tensor_cache_cap_nbytes",
-             "staging_numel", "schedule", "param_pool_refusal", "warnings")
+             "staging_numel", "schedule", "param_pool_refusal", "warnings", "gradient_accumulation_steps", "chosen",
+             "zero")
 """Every RuntimePlan field but the units themselves (another model's) and the device (meta for an estimate)."""
 
 
@@ -66,7 +93,9 @@ def _estimate(model, cfg, stage):
     z = cfg["zero_optimization"]
     setting = Setting(stage, z.get("offload_param", {}).get("device", "none"),
                       z.get("offload_optimizer", {}).get("device", "none"))
-    est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0, settings=[setting])
+    # activations as initialize counts them (they take from an "auto" placement's budget)
+    est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0, settings=[setting],
+                          micro_batch=cfg["train_micro_batch_size_per_gpu"])
     return est.settings[0].plan
 
 
@@ -81,9 +110,12 @@ def _check_pool(store, pool_plan, plan, item):
 def test_plan_matches_a_built_runtime(case, nvme_dir):
     kw = dict(CASES[case])
     stage = kw.pop("stage")
+    partial = kw.pop("budget", False)
     cfg = _config(stage, kw.pop("p", "none"), kw.pop("o", "none"), dtype=kw.pop("dtype", "fp32"), nvme=nvme_dir, **kw)
     torch.manual_seed(0)
     model = GPT(MODEL)
+    if partial:
+        cfg["host_memory_budget"] = _partial_budget(model, cfg)
     plan = _estimate(model, cfg, stage)
     est = plan.runtime
     engine = infinity.initialize(model, cfg)
@@ -99,7 +131,7 @@ def test_plan_matches_a_built_runtime(case, nvme_dir):
         state = rt.state_store
         opt = est.optimizer
         assert sorted(state.keys()) == sorted((u.index, k) for u in units for k in opt.state_keys)
-        assert all(state.spec(k).home == (opt.grad_home if k[1] == "g" else opt.state_home) for k in state.keys())
+        assert all(state.spec(k).home == est.shards[k[0]].state_home(k[1]) for k in state.keys())
         specs = [state.spec(k) for k in state.keys()]
         opt_names = ("fp32 master weights", "Adam moments m, v", "gradient partitions (fp32)")
         assert sum(s.nbytes for s in specs if s.home == "cpu") == sum(_items(plan, n, "host") for n in opt_names)
@@ -108,6 +140,10 @@ def test_plan_matches_a_built_runtime(case, nvme_dir):
             _items(plan, "", "nvme") - _items(plan, "parameter swap") - _items(plan, "optimizer swap directory"))
         _check_pool(state, est.state_store.pool, plan, "optimizer pool")
         assert [[s.index for s in g] for g in rt.optimizer.sub_groups] == [list(g) for g in opt.sub_groups]
+        if partial:  # a mix, as the planner chose it within the budget
+            homes = {h for sp in est.shards for _, h in sp.state_homes}
+            homes |= {sp.param_home for sp in est.shards if sp.param_home and not units[sp.index].persistent}
+            assert homes == {"cpu", "nvme"} and est.chosen.need_nbytes <= cfg["host_memory_budget"]
         # Parameters: stage 3 shards at the plan's homes in the parameter store; else resident in the module.
         if stage == 3:
             ps = rt.param_store

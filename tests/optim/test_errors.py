@@ -157,10 +157,11 @@ def test_state_keys_that_do_not_fit_the_shard_are_refused(dtype, param_key, keys
     from infinity.store import TieredStore
 
     p = torch.nn.Parameter(torch.zeros(8))
-    spec = ShardSpec(0, 1024, dtype, (ShardSegment(0, 0, 0, 8),), param_key=param_key, state_keys=keys)
+    spec = ShardSpec(0, 1024, dtype, (ShardSegment(0, 0, 0, 8),), param_key=param_key, state_keys=keys,
+                     state_homes=("cpu",) * len(keys))
     with TieredStore(None, pool=BufferPool(1, 4096), name="state") as store:
         with pytest.raises(ValueError, match=f"shard 0.*{says}"):
             PartitionedAdam([{"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}],
-                            {}, [p], [spec], state_store=store, param_store=store, state_home="cpu", adamw=True,
+                            {}, [p], [spec], state_store=store, param_store=store, adamw=True,
                             sub_group_numel=1024)
         assert store.keys() == []

@@ -377,9 +377,10 @@ def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: Ai
 
 def _read_shards(parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
     """Reads every shard into its store key, with nothing else holding a copy of one meanwhile: persistent
-    units let go of theirs (gathered again afterwards, from the loaded values) and a prefetch step left
-    open by a forward without backward gives back what it read ahead (its copies would be stale)."""
-    if parts.trace is not None and parts.trace.step_open:
+    units let go of theirs (gathered again afterwards, from the loaded values) and the prefetch scheduler
+    gives back what it read ahead — in a step left open by a forward without backward, or for the next
+    step (its copies would be stale)."""
+    if parts.trace is not None:
         parts.trace.abort_step()
     if parts.partitioner is not None:
         parts.partitioner.release_persistent()

@@ -60,7 +60,8 @@ class Partitioner(Protocol):
 
 
 class PrefetchTrace(Protocol):
-    """Stage 3's prefetch scheduler: a step left open by a forward without backward holds read-ahead."""
+    """Stage 3's prefetch scheduler: a step left open by a forward without backward, or the gap before
+    the next step, holds read-ahead (abort_step gives it back)."""
 
     @property
     def step_open(self) -> bool: ...

@@ -1,0 +1,73 @@
+"""RunContext: what the pre-flight check and the placement planner know about a run before it allocates.
+
+The model as described for the estimate, what the process holds already (its
+baseline and the model as built: measured, not to be found again), whether
+zero.Init built it, the activations (known for infinity.models.GPT) and how
+many ranks share this node. ``itemise(cfg, runtime)`` is plan.py's itemised
+plan for a RuntimePlan under it, and ``host_need`` the host memory that plan
+still needs per rank — the quantity the pre-flight check compares with the
+available memory and ``host_memory_budget`` bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from infinity.config import InfinityConfig
+from infinity.estimate.activations import Activations, gpt_activations
+from infinity.estimate.machine import runtime_baseline_nbytes
+from infinity.estimate.model import ModelSpec, describe_model
+from infinity.estimate.plan import SettingPlan, plan_setting
+from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
+from infinity.zero import init as zero_init_mod
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    spec: ModelSpec
+    held_nbytes: int
+    """Host memory this process holds now (baseline and the model as built)."""
+    zero_init: bool
+    activations: Activations | None
+    device_type: str
+    """"cpu" or "cuda"."""
+    world_size: int
+    ranks_per_node: int
+    checkpointing: bool = False
+    """Activations counted as with every transformer block checkpointed (the estimate's option)."""
+
+    def itemise(self, cfg: InfinityConfig, runtime: RuntimePlan | None = None,
+                changes: Sequence[tuple[str, int, int]] = ()) -> SettingPlan:
+        return plan_setting(self.spec, cfg, world_size=self.world_size, device_type=self.device_type,
+                            baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
+                            activations=self.activations, checkpointing=self.checkpointing, zero_init=self.zero_init,
+                            changes=changes, runtime=runtime)
+
+    def host_need(self, plan: SettingPlan) -> int:
+        """Host memory ``plan`` needs per rank beyond what the process holds (RAM on a CPU device)."""
+        per_rank = plan.ram_nbytes if plan.device_type == "cpu" else plan.host_nbytes
+        return per_rank - self.held_nbytes
+
+
+def run_context(model: nn.Module, cfg: InfinityConfig, *, device: torch.device | str, world_size: int) -> RunContext:
+    """The context of ``model`` trained under ``cfg`` on ``device`` in this process, measured now."""
+    device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    spec = describe_model(model)
+    acts = None
+    if spec.gpt is not None:
+        acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
+                               itemsize=itemsize(train_dtype(cfg)))
+    return RunContext(
+        spec=spec,
+        held_nbytes=runtime_baseline_nbytes(),
+        zero_init=zero_init_mod.init_store_of(list(model.parameters())) is not None,
+        activations=acts,
+        device_type=device_type,
+        world_size=world_size,
+        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
