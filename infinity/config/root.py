@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from infinity.aio.config import AioConfig
+from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
@@ -61,6 +62,8 @@ class InfinityConfig:
     """The lr schedule to build, if the user passes none."""
     aio: AioConfig = knob(AioConfig())
     """NVMe I/O engine settings (aio.intra_op_parallelism is an alias of aio.thread_count)."""
+    activation_checkpointing: ActivationCheckpointingConfig = knob(ActivationCheckpointingConfig())
+    """Where infinity.checkpointing keeps checkpoint inputs (host memory, split across model parallelism)."""
     wall_clock_breakdown: bool = knob(False)
     """DeepSpeed: time forward/backward/step."""
     dump_state: bool = knob(False)
