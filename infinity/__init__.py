@@ -19,6 +19,7 @@ __all__ = [
     "GatheredParameters",
     "PreflightError",
     "__version__",
+    "checkpointing",
     "estimate_memory",
     "initialize",
     "models",
@@ -32,6 +33,7 @@ _LAZY = {
     "estimate_memory": ("infinity.estimate", "estimate_memory"),
     "PreflightError": ("infinity.estimate", "PreflightError"),
     "zero": ("infinity.zero", None),
+    "checkpointing": ("infinity.zero.checkpointing", None),  # deepspeed.checkpointing's API
     "models": ("infinity.models", None),
 }
 

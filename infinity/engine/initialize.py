@@ -12,6 +12,7 @@ from torch import nn
 from infinity.config import load_config
 from infinity.engine.engine import Engine
 from infinity.estimate import plan_runtime, preflight
+from infinity.zero import checkpointing
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -46,7 +47,8 @@ def initialize(
     infinity/config/arguments.py). The ZeRO sizes written "auto" follow the
     model's hidden size (``model.config``, as HF reads it) unless
     ``hidden_size=`` is given. With no optimizer section and none passed,
-    ``lr=`` gives the HF Trainer's default AdamW.
+    ``lr=`` gives the HF Trainer's default AdamW. A config with an ``activation_checkpointing``
+    section configures ``infinity.checkpointing`` from it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
@@ -57,4 +59,5 @@ def initialize(
     plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
     preflight(model, cfg, device=device, group=group, runtime=plan)
+    checkpointing.configure_from(cfg)
     return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)

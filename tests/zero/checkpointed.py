@@ -109,38 +109,43 @@ def loss_of(model: Callable, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
 
-def batch(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + step)
+def batch(step: int, rank: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + 10 * step + rank)
     return torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
 
 
-def train_step(model: Callable, step: int) -> torch.Tensor:
+def train_step(model: Callable, step: int, rank: int = 0) -> torch.Tensor:
     """One forward with the step's batch and dropout seed (the same in the engine and the oracle)."""
-    x = batch(step)
-    torch.manual_seed(step)
+    x = batch(step, rank)
+    torch.manual_seed(10 * step + rank)
     return loss_of(model, x)
 
 
-def oracle_run(name: str, mode: str | None, *, steps: int, dtype: torch.dtype = torch.float32):
-    """Plain PyTorch with the same checkpointing: per-step losses and the final (fp32 master) weights."""
+def oracle_run(name: str, mode: str | None, *, steps: int, dtype: torch.dtype = torch.float32,
+               world_size: int = 1):
+    """Plain PyTorch with the same checkpointing: losses by (step, rank) and the final (fp32 master)
+    weights; with ``world_size`` ranks, each step averages the grads of every rank's batch."""
     model = build(name, mode)
     model.train()
     if dtype == torch.float32:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-        losses = []
+        losses = {}
         for step in range(steps):
-            loss = train_step(model, step)
-            loss.backward()
+            for rank in range(world_size):
+                loss = train_step(model, step, rank)
+                (loss / world_size).backward()
+                losses[(step, rank)] = loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    if world_size != 1:
+        raise ValueError("the 16-bit oracle is for one rank")
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
     for p in model.parameters():  # the parameters only: the engine leaves buffers (rotary tables) as built
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
-    losses = []
+    losses = {}
     for step in range(steps):
         loss = train_step(model, step)
         loss.backward()
@@ -153,7 +158,7 @@ def oracle_run(name: str, mode: str | None, *, steps: int, dtype: torch.dtype = 
         with torch.no_grad():
             for p, m in zip(model.parameters(), masters, strict=True):
                 p.copy_(m)
-        losses.append(loss.item())
+        losses[(step, 0)] = loss.item()
     names = [n for n, _ in model.named_parameters()]
     return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
 
@@ -180,19 +185,20 @@ def stage3_nvme_config(nvme_path, *, dtype: str = "fp32", buffer_size: int = 1 <
 
 
 def engine_run(name: str, mode: str | None, config: dict, *, steps: int, rank: int = 0):
-    """The same training through infinity.initialize: losses, final full weights, the prefetch stats."""
+    """The same training through infinity.initialize (as rank ``rank``): losses by (step, rank), the
+    final full weights, the prefetch stats."""
     import infinity
     from infinity.zero.gathered import GatheredParameters
 
     model = build(name, mode)
     engine = infinity.initialize(model, config)
-    losses = []
+    losses = {}
     try:
         for step in range(steps):
-            loss = train_step(engine, step)
+            loss = train_step(engine, step, rank)
             engine.backward(loss)
             engine.step()
-            losses.append(loss.item())
+            losses[(step, rank)] = loss.item()
         stats = engine.prefetch_stats()
         weights = {}
         for n, p in model.named_parameters():  # one at a time: the pool may hold less than the model
