@@ -14,9 +14,11 @@ skips it, with a warning.
 With several ranks, every rank checks (ranks on one node share its memory
 and disks: the need is multiplied by LOCAL_WORLD_SIZE) and all refuse
 together (a MAX all-reduce of the verdict), so none is left waiting in a
-collective. Activations are counted for infinity.models.GPT (micro-batch from
-the config, sequence at the model's seq_len); for other models they are not
-known here and the message says so.
+collective. Activations are counted for one micro-batch of the config at the
+model's longest context (at most PREFLIGHT_MAX_SEQ tokens), in one forward of
+the model on fake tensors (infinity/estimate/traced.py), with the model's own
+checkpointing; for a model whose inputs or context are not known they are not
+included, and the message says so.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
 from infinity.estimate import rules
-from infinity.estimate.activations import gpt_activations
 from infinity.estimate.estimate import check_fit, config_for, host_shortfall_nbytes, speed_key
 from infinity.estimate.machine import (
     MachineView,
@@ -40,7 +41,8 @@ from infinity.estimate.machine import (
 from infinity.estimate.model import describe_model
 from infinity.estimate.plan import Setting, SettingPlan, all_settings, plan_setting
 from infinity.estimate.report import items_table
-from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
+from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
+from infinity.estimate.traced import PREFLIGHT_MAX_SEQ, max_context, model_activations
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.zero import init as zero_init_mod
@@ -95,15 +97,15 @@ def preflight(
     spec = describe_model(model)
     held = runtime_baseline_nbytes()
     zinit = zero_init_mod.init_store_of(list(model.parameters())) is not None
-    acts = None
-    if spec.gpt is not None:
-        acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
-                               itemsize=itemsize(train_dtype(cfg)))
+    context = max_context(model)
+    acts, checkpointing = model_activations(
+        spec, micro_batch=cfg.train_micro_batch_size_per_gpu,
+        seq=min(context, PREFLIGHT_MAX_SEQ) if context else None, dtype=train_dtype(cfg))
 
     def plan(c: InfinityConfig, changes=(), runtime: RuntimePlan | None = None) -> SettingPlan:
         return plan_setting(spec, c, world_size=group.world_size, device_type=device_type,
                             baseline_nbytes=max(0, held - spec.built_nbytes), activations=acts,
-                            checkpointing=False, zero_init=zinit, changes=changes, runtime=runtime)
+                            checkpointing=checkpointing, zero_init=zinit, changes=changes, runtime=runtime)
 
     own = plan(cfg, runtime=runtime)
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
@@ -130,7 +132,9 @@ def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int,
     lines += ["  " + r for r in reasons]
     lines.append(
         f"It would allocate per rank (this process holds {format_nbytes(held)} already: its baseline and the model"
-        f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
+        + ("" if acts else "; activations not included: its inputs or context length are not known (infinity GPT "
+                           "and transformers LMs are traced; estimate_memory(model, inputs=...) for others)")
+        + "):"
     )
     lines += ["  " + ln for ln in items_table(own)]
     lines.append("Fix:" if fixes else "Fix: no setting of stage and offload fits this machine;"
