@@ -78,7 +78,7 @@ log = logging.getLogger("infinity.estimate")
 # peak exceeded the saves by 0.2-1.0 × the layers' saves without checkpointing and by at most one
 # layer's transient (what it allocates beyond its saves) with checkpointing. The figures add the
 # upper end: the layers' saves once more, or one layer's transient; the estimates came out never
-# below the peak and at most 22% above it.
+# below the peak and 2-26% above it (the same run's peak varied by up to 15% between runs).
 
 Inputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
 """(micro_batch, seq) -> (args, kwargs) on the meta device: a model's forward arguments."""
