@@ -177,3 +177,15 @@ def test_infinity_gpt_keeps_its_measured_coefficients():
         assert est.activations == gpt_activations(cfg, micro_batch=B, seq=T, itemsize=4)
         assert "measured coefficients" in est.activations.source
         assert not est.checkpointing
+
+
+def test_a_model_built_under_zero_init_is_counted_at_its_true_shapes():
+    import infinity
+
+    kw = dict(micro_batch=B, seq=T, precision="fp32", device="cpu", machine=False, baseline_nbytes=0,
+              settings=[Setting(3, "cpu", "cpu")])
+    plain = estimate_memory(_gpt2(), **kw)
+    with infinity.zero.Init(config={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}):
+        placeholders = _gpt2()
+    assert any(p.numel() == 0 for p in placeholders.parameters())
+    assert estimate_memory(placeholders, **kw).activations == plain.activations
