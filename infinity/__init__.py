@@ -20,6 +20,7 @@ __all__ = [
     "InferenceEngine",
     "PreflightError",
     "__version__",
+    "checkpointing",
     "estimate_memory",
     "initialize",
     "models",
@@ -34,6 +35,7 @@ _LAZY = {
     "estimate_memory": ("infinity.estimate", "estimate_memory"),
     "PreflightError": ("infinity.estimate", "PreflightError"),
     "zero": ("infinity.zero", None),
+    "checkpointing": ("infinity.zero.checkpointing", None),  # deepspeed.checkpointing's API
     "models": ("infinity.models", None),
 }
 

@@ -3,14 +3,15 @@
 ``load_config(path_or_dict, world_size=..., optimizer=..., **auto_values)``
 is the one entry point; it returns an ``InfinityConfig`` composed of
 ``ZeroConfig`` (with ``OffloadParamConfig`` / ``OffloadOptimizerConfig``),
-``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig`` and
-``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
+``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig``,
+``ActivationCheckpointingConfig`` and ``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
 ``infinity.config.support.NOT_ACTED_ON``. Which keyword arguments fill "auto"
 is another, HF's (``infinity.config.arguments``); ``training_arguments_values``
 reads them off a transformers ``TrainingArguments`` for the adapters.
 """
 
 from infinity.aio.config import AioConfig
+from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.arguments import TRAINING_ARGUMENTS, training_arguments_values
 from infinity.config.errors import ConfigError
 from infinity.config.jsonfile import read_config_file
@@ -37,6 +38,7 @@ __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "SUPPORTED_SCHEDULERS",
     "TRAINING_ARGUMENTS",
+    "ActivationCheckpointingConfig",
     "AdamParams",
     "AioConfig",
     "BF16Config",

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Any, ClassVar, Literal
 
 from infinity.aio.config import AioConfig
+from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.budget import HostMemoryBudget, parse_host_memory_budget
 from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
@@ -73,6 +74,8 @@ class InfinityConfig:
     """NVMe I/O engine settings (aio.intra_op_parallelism is an alias of aio.thread_count)."""
     weight_quantization: WeightQuantizationConfig = knob(WeightQuantizationConfig())
     """Weight-only quantisation at rest, for inference (DeepSpeed ZeRO-Inference's keys)."""
+    activation_checkpointing: ActivationCheckpointingConfig = knob(ActivationCheckpointingConfig())
+    """Where infinity.checkpointing keeps checkpoint inputs (host memory, split across model parallelism)."""
     wall_clock_breakdown: bool = knob(False)
     """DeepSpeed: time forward/backward/step."""
     dump_state: bool = knob(False)

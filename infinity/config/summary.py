@@ -114,6 +114,11 @@ def render(cfg: InfinityConfig) -> str:
         f"  aio        block {_n(a.block_size)} B, queue depth {a.queue_depth}, threads {a.thread_count}, "
         f"engine {a.engine}, O_DIRECT {_onoff(a.o_direct)}"
     )
+    ac = cfg.activation_checkpointing
+    if ac.cpu_checkpointing or ac.partition_activations:
+        where = [w for w, on in (("in host memory", ac.cpu_checkpointing),
+                                 ("split across model-parallel ranks", ac.partition_activations)) if on]
+        lines.append(f"  checkpointing  infinity.checkpointing keeps checkpoint inputs {' and '.join(where)}")
     if cfg.auto_filled:
         lines.append('  "auto" filled:')
         lines.extend(f"    {path} <- {source}" for path, source in cfg.auto_filled)

@@ -83,13 +83,26 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         "optimizer.legacy_fusion",
         # aio
         "aio.use_gds",
+        # activation_checkpointing (cpu_checkpointing and partition_activations are acted on by
+        # infinity.checkpointing, see [Note: checkpoint inputs] in infinity/zero/checkpointing.py)
+        #   copies partitioned checkpoints into buffers preallocated for number_checkpoints layers,
+        #   against CUDA caching-allocator fragmentation; infinity keeps each input as its own
+        #   tensor (the allocator reuses the blocks every step), so there is nothing to copy into
+        "activation_checkpointing.contiguous_memory_optimization",
+        #   only sizes those buffers
+        "activation_checkpointing.number_checkpoints",
+        #   a device synchronize at every checkpoint boundary, a debugging aid that changes no
+        #   result; infinity's copies already wait where they must (unpack before the recomputation)
+        "activation_checkpointing.synchronize_checkpoint_boundary",
+        #   per-checkpoint timing through DeepSpeed's timers, which infinity does not have (as
+        #   wall_clock_breakdown)
+        "activation_checkpointing.profile",
     }
 )
 
 # Known DeepSpeed sections (and section-valued zero keys) kept verbatim, not read.
 OPAQUE: frozenset[str] = frozenset(
     {
-        "activation_checkpointing",
         "aim",
         "amp",
         "autotuning",

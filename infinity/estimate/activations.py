@@ -52,6 +52,8 @@ class Activations:
     """The same with every block checkpointed (block inputs + one recomputed block)."""
     working: int
     """Transient working memory of backward (at its start: the logits' gradients)."""
+    source: str = "infinity.models.GPT's measured coefficients"
+    """How the figures were made (the GPT coefficients here, or traced.py's count of one forward)."""
 
     def peak(self, *, checkpointing: bool) -> int:
         return (self.saved_checkpointed if checkpointing else self.saved) + self.working

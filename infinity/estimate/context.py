@@ -2,8 +2,9 @@
 
 The model as described for the estimate, what the process holds already (its
 baseline and the model as built: measured, not to be found again), whether
-zero.Init built it, the activations (known for infinity.models.GPT) and how
-many ranks share this node. ``itemise(cfg, runtime)`` is plan.py's itemised
+zero.Init built it, the activations of one micro-batch (infinity.models.GPT's
+measured coefficients, any other model traced: infinity/estimate/traced.py)
+and whether the model checkpoints them, and how many ranks share this node. ``itemise(cfg, runtime)`` is plan.py's itemised
 plan for a RuntimePlan under it, and ``host_need`` the host memory that plan
 still needs per rank — the quantity the pre-flight check compares with the
 available memory and ``host_memory_budget`` bounds.
@@ -19,11 +20,12 @@ import torch
 from torch import nn
 
 from infinity.config import InfinityConfig
-from infinity.estimate.activations import Activations, gpt_activations
+from infinity.estimate.activations import Activations
 from infinity.estimate.machine import runtime_baseline_nbytes
 from infinity.estimate.model import ModelSpec, describe_model
 from infinity.estimate.plan import SettingPlan, plan_setting
-from infinity.estimate.runtime_plan import RuntimePlan, itemsize, train_dtype
+from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
+from infinity.estimate.traced import PREFLIGHT_MAX_SEQ, max_context, model_activations
 from infinity.zero import init as zero_init_mod
 
 
@@ -39,7 +41,8 @@ class RunContext:
     world_size: int
     ranks_per_node: int
     checkpointing: bool = False
-    """Activations counted as with every transformer block checkpointed (the estimate's option)."""
+    """Activations counted as with every transformer block checkpointed (as the model is set up, or the
+    estimate's option)."""
 
     def itemise(self, cfg: InfinityConfig, runtime: RuntimePlan | None = None,
                 changes: Sequence[tuple[str, int, int]] = ()) -> SettingPlan:
@@ -58,10 +61,10 @@ def run_context(model: nn.Module, cfg: InfinityConfig, *, device: torch.device |
     """The context of ``model`` trained under ``cfg`` on ``device`` in this process, measured now."""
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
     spec = describe_model(model)
-    acts = None
-    if spec.gpt is not None:
-        acts = gpt_activations(spec.gpt, micro_batch=cfg.train_micro_batch_size_per_gpu, seq=spec.gpt.seq_len,
-                               itemsize=itemsize(train_dtype(cfg)))
+    context = max_context(model)
+    acts, checkpointing = model_activations(
+        spec, micro_batch=cfg.train_micro_batch_size_per_gpu,
+        seq=min(context, PREFLIGHT_MAX_SEQ) if context else None, dtype=train_dtype(cfg))
     return RunContext(
         spec=spec,
         held_nbytes=runtime_baseline_nbytes(),
@@ -70,4 +73,5 @@ def run_context(model: nn.Module, cfg: InfinityConfig, *, device: torch.device |
         device_type=device_type,
         world_size=world_size,
         ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        checkpointing=checkpointing,
     )

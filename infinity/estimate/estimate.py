@@ -23,13 +23,14 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
 from infinity.config.auto import HIDDEN_SIZE_KEYS
 from infinity.config.zero import NvmePath
-from infinity.estimate.activations import Activations, gpt_activations
+from infinity.estimate.activations import Activations
 from infinity.estimate.context import RunContext
 from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.model import describe_model
 from infinity.estimate.placement import is_auto, plan_placement, resolve_budget
 from infinity.estimate.plan import Setting, SettingPlan, all_settings
-from infinity.estimate.runtime_plan import itemsize, train_dtype
+from infinity.estimate.runtime_plan import train_dtype
+from infinity.estimate.traced import Inputs, model_activations
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.models import GPTConfig
@@ -347,7 +348,8 @@ def estimate_memory(
     precision: str | None = None,
     nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
     device: str = "auto",
-    activation_checkpointing: bool = False,
+    activation_checkpointing: bool | None = None,
+    inputs: Inputs | None = None,
     zero_init: bool | None = None,
     baseline_nbytes: int | None = None,
     machine: MachineView | bool = True,
@@ -361,7 +363,13 @@ def estimate_memory(
     config (path, dict or InfinityConfig) whose keys (buffer sizes, sub_group_size,
     thresholds, precision) every setting keeps; without one, DeepSpeed's defaults
     and ``precision`` (default bf16). ``world_size`` = ``nodes × gpus_per_node``
-    (give either). ``micro_batch`` / ``seq``: activations of a GPT-style model.
+    (give either). ``micro_batch`` / ``seq``: count activations (either given; seq defaults to the
+    model's maximum context): a module's are counted in one forward of it on fake tensors (any
+    architecture, infinity/estimate/traced.py; ``inputs(micro_batch, seq) -> (args, kwargs)`` for a
+    model whose forward takes other than infinity GPT's or a transformers LM's inputs), a GPT stand-in's
+    from measured coefficients. ``activation_checkpointing``: count them with every layer checkpointed
+    (True) or none (False); None: as the module is set up (transformers' gradient checkpointing, torch
+    or infinity.checkpointing calls), none for a stand-in.
     ``device``: "auto" (CUDA when available), "cpu" or "cuda". ``zero_init``: the
     model is built under infinity.zero.Init at stage 3 (default: detected for a
     module, assumed for a count). ``baseline_nbytes``: the process baseline
@@ -384,16 +392,18 @@ def estimate_memory(
     else:
         baseline_source = "given"
     acts = None
-    if spec.gpt is not None and (micro_batch is not None or seq is not None):
+    checkpointing = bool(activation_checkpointing)
+    if micro_batch is not None or seq is not None:
         mb = micro_batch or cfg.train_micro_batch_size_per_gpu
-        acts = gpt_activations(spec.gpt, micro_batch=mb, seq=seq or spec.gpt.seq_len,
-                               itemsize=itemsize(train_dtype(cfg)))
+        acts, detected = model_activations(spec, micro_batch=mb, seq=seq, dtype=train_dtype(cfg), inputs=inputs)
+        if activation_checkpointing is None:
+            checkpointing = detected
     own = cfg.zero_optimization
     selected = Setting(own.stage, own.offload_param.device, own.offload_optimizer.device) if config is not None else None
 
     ctx = RunContext(spec=spec, held_nbytes=baseline_nbytes + spec.built_nbytes, zero_init=zero_init,
                      activations=acts, device_type=device, world_size=world_size, ranks_per_node=gpus_per_node,
-                     checkpointing=activation_checkpointing)
+                     checkpointing=checkpointing)
 
     def plan(c: InfinityConfig, changes=()) -> SettingPlan:
         if is_auto(c):  # the placement planner's choice within the budget, on this machine
@@ -424,7 +434,7 @@ def estimate_memory(
         baseline_nbytes=baseline_nbytes,
         baseline_source=baseline_source,
         activations=acts,
-        checkpointing=activation_checkpointing,
+        checkpointing=checkpointing,
         settings=tuple(ests),
         selected=selected,
         machine=view,

@@ -34,10 +34,12 @@ class ModelSpec:
     """The transformer's shape, when known: activations can then be estimated."""
     description: str
     """How the model was given, for the report."""
+    live: bool = False
+    """The user's own module (its forward can be traced); False for a stand-in built from a shape."""
 
 
 def _num_params(module: nn.Module) -> int:
-    shapes = _placeholder_shapes(module)
+    shapes = placeholder_shapes(module)
     return sum(shapes[p].numel() if p in shapes else p.numel() for p in dict.fromkeys(module.parameters()))
 
 
@@ -58,14 +60,14 @@ def describe_model(
     of a GPT-shaped stand-in (default: the config's seq_len).
     """
     if isinstance(model, nn.Module):
-        placeholders = _placeholder_shapes(model)
+        placeholders = placeholder_shapes(model)
         built = sum(
             p.numel() * p.element_size()
             for p in dict.fromkeys(model.parameters())
             if p.device.type == "cpu" and p not in placeholders
         )
         gpt = model.cfg if isinstance(model, GPT) else model_config
-        return ModelSpec(model, _num_params(model), built, gpt, f"{type(model).__name__} (module)")
+        return ModelSpec(model, _num_params(model), built, gpt, f"{type(model).__name__} (module)", live=True)
     if isinstance(model, GPTConfig):
         model_config, model = model, None
     if model is None:
@@ -96,7 +98,7 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def _placeholder_shapes(module: nn.Module) -> dict[nn.Parameter, torch.Size]:
+def placeholder_shapes(module: nn.Module) -> dict[nn.Parameter, torch.Size]:
     """The true shapes of parameters zero.Init left as empty placeholders (its init store knows them)."""
     params = list(dict.fromkeys(module.parameters()))
     store = zero_init.init_store_of(params)

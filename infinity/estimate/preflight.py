@@ -14,9 +14,11 @@ skips it, with a warning.
 With several ranks, every rank checks (ranks on one node share its memory
 and disks: the need is multiplied by LOCAL_WORLD_SIZE) and all refuse
 together (a MAX all-reduce of the verdict), so none is left waiting in a
-collective. Activations are counted for infinity.models.GPT (micro-batch from
-the config, sequence at the model's seq_len); for other models they are not
-known here and the message says so.
+collective. Activations are counted for one micro-batch of the config at the
+model's longest context (at most PREFLIGHT_MAX_SEQ tokens), in one forward of
+the model on fake tensors (infinity/estimate/traced.py), with the model's own
+checkpointing; for a model whose inputs or context are not known they are not
+included, and the message says so.
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ def _refusal(own: SettingPlan, reasons, fixes: list[str], held: int, ranks: int,
     lines += ["  " + r for r in reasons]
     lines.append(
         f"It would allocate per rank (this process holds {format_nbytes(held)} already: its baseline and the model"
-        f"{'' if acts else '; activations not included: only known for infinity.models.GPT'}):"
+        + ("" if acts else "; activations not included: its inputs or context length are not known (infinity GPT "
+                           "and transformers LMs are traced; estimate_memory(model, inputs=...) for others)")
+        + "):"
     )
     lines += ["  " + ln for ln in items_table(own)]
     if own.runtime is not None and own.runtime.chosen is not None:

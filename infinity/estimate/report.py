@@ -67,7 +67,7 @@ def render(est: MemoryEstimate, *, items: bool = True) -> str:
         lines.append(
             f"activations micro-batch {a.micro_batch} × seq {a.seq}: {format_nbytes(a.peak(checkpointing=False))} "
             f"without checkpointing, {format_nbytes(a.peak(checkpointing=True))} with"
-            f" ({'checkpointing assumed' if est.checkpointing else 'no checkpointing assumed'})"
+            f" ({'checkpointing assumed' if est.checkpointing else 'no checkpointing assumed'}; {a.source})"
         )
     lines.append("")
     head = ["setting", "sizes changed"] + (["RAM"] if cpu else ["GPU", "host"]) + ["NVMe", "fits"]

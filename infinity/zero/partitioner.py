@@ -13,6 +13,29 @@ than as memory; unpacking gathers the unit again, on demand or already
 prefetched. A unit gathered for backward is released once all its parameters'
 grads have been reduced, or at the end of backward.
 
+[Note: recomputation under stage 3]
+Activation checkpointing runs a module's forward a second time inside
+backward (torch.utils.checkpoint in either mode, infinity.checkpointing).
+A forward whose outermost module starts while autograd runs a backward
+(``torch._C._current_graph_task_id() != -1``) is such a recomputation, and
+the partitioner treats it differently in two ways:
+- it pushes no saved-tensor hooks: the non-reentrant checkpoint collects the
+  recomputed tensors with its own hooks (``_recomputation_hook``), which must
+  be the innermost ones, and the reentrant one saves them for its inner
+  backward, which runs at once;
+- the units it gathers are not released at the module's post-hook but handed
+  to backward (held as ``_unpack`` holds them): the recomputed graph saved
+  views of their gathered memory itself, not references, so the memory must
+  stay until the unit's grads are reduced (GradHooks' ``on_unit_done``) or,
+  for a unit whose grads never all arrive, until the end of backward.
+A parameter read during backward outside any module's forward (a
+checkpointed layer's own parameter, read by its forward before any child
+module runs: transformers checkpoints ``forward``, not ``__call__``) is
+gathered and handed to backward the same way. The recomputation's gathers are
+ordinary acquires of the step: the prefetch trace records them in step 0 and
+replays them after (the order is the same every step), so a recomputation
+costs reads ahead of use, not on-demand misses.
+
 Gradients are handed to the GradReducer by GradHooks (grad_hooks.py), which
 is built with ``on_unit_done=partitioner.release_backward``: a unit gathered
 for backward is released once its grads are reduced, everything else at the
@@ -47,6 +70,11 @@ from infinity.zero.gathered import PARAM_OWNERS, room_refusal
 from infinity.zero.masters import MasterCopy, ShardSnapshot
 from infinity.zero.unit import ParamUnit, UnitState
 from infinity.zero.units import UnitMap
+
+
+def _in_backward() -> bool:
+    """Whether this thread is running autograd's backward (a forward now is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ShardSource(Protocol):
@@ -134,6 +162,7 @@ class Stage3Partitioner:
         self.cache = cache
         self.masters = masters
         self._frames: list[_Frame] = []
+        self._recomputing = False  # the running forward is a recomputation inside backward
         self._saved_hooks: Any = None
         self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
@@ -259,6 +288,7 @@ class Stage3Partitioner:
                 unit.backward_held = False
                 self._unhold(unit)
         self._backward_units.clear()
+        self._recomputing = False
         if self._saved_hooks is not None:
             self._saved_hooks.__exit__(None, None, None)
             self._saved_hooks = None
@@ -349,10 +379,12 @@ class Stage3Partitioner:
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if not self._frames:
-            # The outermost module entered: from here until it returns, tensors
-            # autograd saves that view gathered parameters are packed by reference.
-            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            self._saved_hooks.__enter__()
+            self._recomputing = _in_backward()
+            if not self._recomputing:
+                # The outermost module entered: from here until it returns, tensors
+                # autograd saves that view gathered parameters are packed by reference.
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks.__enter__()
         frame = _Frame(module, [])
         self._frames.append(frame)
         for unit in self.uses.get(module, ()):
@@ -364,19 +396,26 @@ class Stage3Partitioner:
             return  # a forward that raised before our pre-hook ran
         frame = self._frames.pop()
         for unit in frame.units:
+            if self._recomputing:
+                self._hold_for_backward(unit)  # [Note: recomputation under stage 3]
             self._unhold(unit)
-        if not self._frames and self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        if not self._frames:
+            self._recomputing = False
+            if self._saved_hooks is not None:
+                self._saved_hooks.__exit__(None, None, None)
+                self._saved_hooks = None
 
     def _on_param_read(self, p: nn.Parameter) -> None:
-        if not self._frames:
+        if not self._frames and not _in_backward():
             return
         entry = self.unit_of.get(p)
         if entry is None:
             return
         unit = entry[0]
         if unit.persistent or unit.state is UnitState.GATHERED:
+            return
+        if not self._frames:
+            self._hold_for_backward(unit)  # read by a recomputation outside any module's forward
             return
         self._hold(unit)
         self._frames[-1].units.append(unit)

@@ -264,3 +264,38 @@ def test_deepspeed_legacy_forms_are_translated():
                 }
             }
         )
+
+
+def test_activation_checkpointing_is_read_and_names_what_has_no_effect(caplog):
+    """cpu_checkpointing and partition_activations are infinity.checkpointing's; the other four are
+    accepted without effect (support.py says why) and reported as such."""
+    caplog.set_level(logging.WARNING, "infinity.config")
+    section = {
+        "partition_activations": True,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": True,
+        "number_checkpoints": 4,
+        "synchronize_checkpoint_boundary": True,
+        "profile": True,
+    }
+    cfg = load_config({"activation_checkpointing": section})
+    ac = cfg.activation_checkpointing
+    assert (ac.partition_activations, ac.cpu_checkpointing, ac.number_checkpoints) == (True, True, 4)
+    no_effect = [
+        "activation_checkpointing.contiguous_memory_optimization",
+        "activation_checkpointing.number_checkpoints",
+        "activation_checkpointing.profile",
+        "activation_checkpointing.synchronize_checkpoint_boundary",
+    ]
+    assert cfg.ignored_keys() == no_effect
+    assert [r.getMessage() for r in caplog.records if r.name == "infinity.config"] == [
+        "these DeepSpeed config keys are accepted but have no effect in infinity: " + ", ".join(no_effect)
+    ]
+    assert acted_on("activation_checkpointing.cpu_checkpointing")
+    assert acted_on("activation_checkpointing.partition_activations")
+    assert load_config(cfg.to_dict()).activation_checkpointing == ac
+    assert "checkpoint inputs in host memory and split across model-parallel ranks" in cfg.summary()
+    with pytest.raises(ConfigError, match=r"^activation_checkpointing\.number_checkpoints must be an integer >= 1"):
+        load_config({"activation_checkpointing": {"number_checkpoints": 0}})
+    with pytest.raises(ConfigError, match=r"did you mean activation_checkpointing\.cpu_checkpointing\?"):
+        load_config({"activation_checkpointing": {"cpu_checkpoint": True}})

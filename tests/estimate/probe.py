@@ -1,4 +1,9 @@
-"""Trains a GPT for a few steps through infinity.initialize and reports what the OS saw.
+"""Trains a model for a few steps through infinity.initialize and reports what the OS saw.
+
+The model is infinity's GPT (``"model"``: GPTConfig fields) or a transformers
+one (``"hf"``: ``{"arch": "gpt2" | "llama", "config": {...}, "checkpointing":
+"reentrant" | "non_reentrant" | null}``, built from its config as
+``build_hf`` builds it, with gradient checkpointing enabled as asked).
 
 Run as ``python tests/estimate/probe.py '<json spec>'`` (a fresh process, so
 the peak is this run's): prints one JSON line with the resident set after
@@ -56,6 +61,24 @@ class Sampler(threading.Thread):
         self.sample()
 
 
+def build_hf(hf: dict):
+    """A transformers model from its config (random weights), checkpointed as ``hf["checkpointing"]`` says."""
+    import warnings
+
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    arch = {"gpt2": (GPT2Config, GPT2LMHeadModel), "llama": (LlamaConfig, LlamaForCausalLM)}
+    config_cls, model_cls = arch[hf["arch"]]
+    model = model_cls(config_cls(**hf["config"]))
+    if hf.get("checkpointing"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": hf["checkpointing"] == "reentrant"})
+    model.train()
+    return model
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     import torch
@@ -65,28 +88,38 @@ def main() -> None:
     from infinity.models import GPT, GPTConfig
 
     torch.set_num_threads(1)
+    if spec.get("hf") is not None:
+        # the user's process has imported the model's classes before initialize: part of its baseline
+        from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
     baseline = runtime_baseline_nbytes()
     sampler = Sampler(spec.get("nvme_path"))
     sampler.start()
-    cfg = GPTConfig(**spec["model"])
+    hf = spec.get("hf")
     torch.manual_seed(0)
-    if spec.get("zero_init"):
-        # The init store's files and the runtime's coexist only until initialize closes the init
-        # store: sample right then, not only when the sampler thread happens to run (it may miss it).
-        from infinity.zero.init import InitStore
-
-        close = InitStore.close
-
-        def sampled_close(store):
-            sampler.sample()
-            close(store)
-
-        InitStore.close = sampled_close
-        with infinity.zero.Init(config=spec["config"]):
-            model = GPT(cfg)
+    if hf is not None:
+        model = build_hf(hf)
+        vocab = model.config.vocab_size
+        num_params = sum(p.numel() for p in dict.fromkeys(model.parameters()))
     else:
-        model = GPT(cfg)
-    num_params = cfg.num_params
+        cfg = GPTConfig(**spec["model"])
+        vocab = cfg.vocab_size
+        if spec.get("zero_init"):
+            # The init store's files and the runtime's coexist only until initialize closes the init
+            # store: sample right then, not only when the sampler thread happens to run (it may miss it).
+            from infinity.zero.init import InitStore
+
+            close = InitStore.close
+
+            def sampled_close(store):
+                sampler.sample()
+                close(store)
+
+            InitStore.close = sampled_close
+            with infinity.zero.Init(config=spec["config"]):
+                model = GPT(cfg)
+        else:
+            model = GPT(cfg)
+        num_params = cfg.num_params
     phases = {"built": status()}
     engine = infinity.initialize(model, spec["config"])
     phases["initialized"] = status()
@@ -95,8 +128,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(spec.get("steps", 2)):
-        x = torch.randint(0, cfg.vocab_size, (spec["micro_batch"], spec["seq"]), generator=g)
-        loss = engine(x, x)
+        x = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"]), generator=g)
+        loss = engine(input_ids=x, labels=x).loss if hf is not None else engine(x, x)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

@@ -232,3 +232,29 @@ def test_the_engine_logs_where_the_state_rests_once(nvme_dir, caplog):
         assert "parameters (float32)" in lines[0] and "Adam m" in lines[0]
     finally:
         engine.close()
+
+
+def test_the_refusal_counts_any_models_activations_as_it_checkpoints(nvme_dir, small_machine):
+    """A transformers LM's activations are traced (with its checkpointing); a model whose inputs are not
+    known is refused without them, and the message says so."""
+    transformers = pytest.importorskip("transformers")
+    small_machine(ram=1 << 20)
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=6, n_embd=64, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    lm.train()
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(lm, _config(nvme_dir))
+    msg = str(e.value)
+    assert "activations not included" not in msg and "activations saved for backward" in msg
+    plain = next(i.nbytes for i in e.value.plan.items if i.name == "activations saved for backward")
+    with pytest.warns(FutureWarning):
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(lm, _config(nvme_dir))
+    checkpointed = next(i.nbytes for i in e.value.plan.items if i.name == "activations saved for backward")
+    assert checkpointed < plain
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    with pytest.raises(PreflightError) as e:
+        infinity.initialize(mlp, _config(nvme_dir))
+    assert "activations not included: its inputs or context length are not known" in str(e.value)
