@@ -10,6 +10,7 @@ and hyper-parameters as tests/engine and the Lightning tests: per-step losses an
 run's losses. deepspeed is unimportable throughout (conftest.py).
 """
 
+import json
 import sys
 
 import pytest
@@ -20,14 +21,10 @@ from torch.utils.data import DataLoader
 
 import infinity
 from infinity.config import ConfigError
-from infinity.integrations.accelerate import (
-    EngineOptimizer,
-    EngineScheduler,
-    prepare,
-    prepare_frozen,
-)
+from infinity.integrations.accelerate import prepare, prepare_frozen
+from tests.distributed import run_distributed
 from tests.engine.models import tiny_gpt
-from tests.engine.reference import CLIP
+from tests.integrations.accelerate_runs import auto_config, infinity_run, loader, plain_run
 from tests.integrations.lightning_runs import (
     GAS,
     MICRO_PER_EPOCH,
@@ -36,9 +33,8 @@ from tests.integrations.lightning_runs import (
     dataset,
     engine_config,
     engine_run,
-    full_weights,
-    optimizer_and_schedule,
 )
+from tests.integrations.subprocesses import ROOT, run, without_deepspeed
 
 
 @pytest.fixture(autouse=True)
@@ -49,70 +45,6 @@ def fresh_accelerate():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def loader() -> DataLoader:
-    """The micro-batches of lightning_runs.dataset, one epoch, as rows a DataLoader(batch_size=2) collates back."""
-    rows = [(x[i], y[i]) for x, y in dataset(1) for i in range(x.shape[0])]
-    return DataLoader(rows, batch_size=2, shuffle=False)
-
-
-def auto_config(nvme_dir, **kwargs) -> dict:
-    """engine_config with what Accelerate fills left "auto"; clipping is the test's, not Accelerate's 1.0."""
-    cfg = engine_config(nvme_dir, **kwargs)
-    cfg["train_micro_batch_size_per_gpu"] = "auto"
-    cfg["gradient_accumulation_steps"] = "auto"
-    cfg["train_batch_size"] = "auto"
-    return cfg
-
-
-def plain_run(epochs: int = 2):
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS)
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    opt, sched = optimizer_and_schedule(model.parameters())
-    model, opt, dl, sched = accelerator.prepare(model, opt, loader(), sched)
-    losses = []
-    for _ in range(epochs):
-        for x, y in dl:
-            with accelerator.accumulate(model):
-                loss = model(x, y)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), CLIP)
-                opt.step()
-                sched.step()
-                opt.zero_grad()
-            losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def infinity_run(config, *, epochs: int = 2, start: int = 0, save_to=None, load_from=None):
-    """The DeepSpeed-plugin loop through infinity's prepare(); epochs [start, epochs); optionally
-    ``accelerator.load_state`` first or ``accelerator.save_state`` at the end."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS)
-    torch.manual_seed(0)
-    model = tiny_gpt()
-    opt, sched = optimizer_and_schedule(model.parameters())
-    model, opt, dl, sched = prepare(accelerator, model, opt, loader(), sched, config=config)
-    assert isinstance(opt, EngineOptimizer) and isinstance(sched, EngineScheduler)
-    if load_from is not None:
-        accelerator.load_state(load_from)
-    losses = []
-    for _ in range(start, epochs):
-        for x, y in dl:
-            loss = model(x, y)
-            accelerator.backward(loss)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    if save_to is not None:
-        accelerator.save_state(save_to)
-    weights = full_weights(model.module)
-    lr = opt.param_groups[0]["lr"]
-    model.engine.close()
-    return losses, weights, lr
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +178,23 @@ def test_load_state_of_a_folder_without_the_engine_checkpoint_is_refused(tmp_pat
 def test_nothing_imported_deepspeed():
     assert sys.modules.get("deepspeed") is None
     assert not [m for m in sys.modules if m.startswith("deepspeed.")]
+
+
+def _own_loop(rank, nvme):
+    return engine_run(engine_config(nvme), rank=rank, world_size=2)[0]
+
+
+@pytest.mark.distributed
+def test_world_size_2_matches_plain_accelerate_ddp_and_infinitys_loop(tmp_path, nvme_dir):
+    """Two processes started by torchrun (gloo): each rank's losses under prepare() (stage 3, NVMe) are
+    plain Accelerate DDP's and those of infinity's own loop at world size 2."""
+    own = run_distributed(_own_loop, str(nvme_dir), world_size=2)
+    got = {}
+    for mode in ("infinity", "plain"):
+        run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             "tests/integrations/accelerate_world_size_2.py", mode, str(tmp_path), str(nvme_dir)],
+            cwd=ROOT, env=without_deepspeed(tmp_path))
+        got[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())["losses"] for r in range(2)]
+    for rank in range(2):
+        assert_close(got["infinity"][rank], got["plain"][rank], f"training loss (rank {rank})")
+        assert_close(got["infinity"][rank], own[rank], f"training loss against infinity's loop (rank {rank})")
