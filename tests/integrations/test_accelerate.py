@@ -36,6 +36,8 @@ from tests.integrations.lightning_runs import (
 )
 from tests.integrations.subprocesses import ROOT, run, without_deepspeed
 
+CONFIGS = ROOT / "tests" / "config" / "data"  # copies of ../shared/configs
+
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate():
@@ -95,6 +97,32 @@ def test_auto_values_are_filled_as_accelerates_deepspeed_plugin_fills_them(nvme_
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (2, 3, 6)
     assert c.gradient_clipping == 1.0 and c.bf16.enabled and not c.fp16.enabled
     assert sched is None
+    model.engine.close()
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_a_guides_config_unchanged_with_its_optimizer_and_schedule(mixed_precision, nvme_dir):
+    """The zero2_offload_cpu.json users copy from DeepSpeed's guides (optimizer and WarmupLR sections,
+    "auto" everywhere, bf16 under its alias bfloat16): optimizer=None uses the config's, keyword
+    arguments fill what Accelerate's DummyOptim/DummyScheduler would."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, mixed_precision=mixed_precision)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    model, opt, dl, sched = prepare(accelerator, model, None, loader(), config=CONFIGS / "zero2_offload_cpu.json",
+                                    lr=1e-3, warmup_num_steps=2)
+    c = model.engine.config
+    assert c.bf16.enabled is (mixed_precision == "bf16") and not c.fp16.enabled
+    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.gradient_clipping) == (2, GAS, 1.0)
+    losses = []
+    for x, y in dl:
+        loss = model(x, y)
+        accelerator.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert model.engine.global_steps == MICRO_PER_EPOCH // GAS and losses[-1] < losses[0]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3)  # WarmupLR reached warmup_max_lr
     model.engine.close()
 
 
@@ -160,6 +188,38 @@ def test_a_precision_the_config_contradicts_is_refused(nvme_dir):
     with pytest.raises(ValueError, match="mixed_precision is 'bf16' and the config enables fp16"):
         prepare(accelerator, model, torch.optim.AdamW(model.parameters()), loader(),
                 config={**engine_config(nvme_dir), "fp16": {"enabled": True}})
+
+
+def test_two_trained_models_on_one_accelerator(tmp_path, nvme_dir):
+    """accelerator.backward cannot tell whose loss it is: refused, model.backward(loss) instead;
+    save_state / load_state carry both engines (infinity_model/, infinity_model_1/)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS)
+    prepared = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = tiny_gpt()
+        model, opt, dl, _ = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                    loader(), config=auto_config(nvme_dir, stage=2, offload="cpu"))
+        prepared.append((model, opt))
+    x, y = next(iter(dl))
+    with pytest.raises(RuntimeError, match="call model.backward\\(loss\\)"):
+        accelerator.backward(prepared[0][0](x, y))
+    prepared[0][0].engine.zero_grad()
+    for model, opt in prepared:
+        for _ in range(GAS):
+            model.backward(model(x, y))
+            opt.step()
+    accelerator.save_state(tmp_path / "two")
+    assert (tmp_path / "two" / "infinity_model").is_dir() and (tmp_path / "two" / "infinity_model_1").is_dir()
+    want = [model(x, y).item() for model, _ in prepared]
+    for model, opt in prepared:  # move both away from the saved weights, then back
+        for _ in range(GAS):
+            model.backward(model(x, y))
+            opt.step()
+    accelerator.load_state(tmp_path / "two")
+    assert [model(x, y).item() for model, _ in prepared] == want
+    for model, _ in prepared:
+        model.engine.close()
 
 
 def test_load_state_of_a_folder_without_the_engine_checkpoint_is_refused(tmp_path, nvme_dir):
