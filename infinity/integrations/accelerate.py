@@ -302,7 +302,6 @@ def prepare(
     _refuse_wrapped(accelerator, model, optimizer, scheduler)
     cfg = _read(config)
     values = {**auto_values(accelerator, cfg, dataloader), **auto}
-    prepared_loader = accelerator.prepare(dataloader) if dataloader is not None else None
     if optimizer is not None:
         optimizer._opt_called = True  # type: ignore[attr-defined]  # [Note: the engine steps in the optimizer's place]
     shared.make_default_nvme_path(cfg)
@@ -313,6 +312,8 @@ def prepare(
                          "model use prepare_frozen(model, config))")
     em = shared.EngineModule(engine)
     _register(accelerator, em)
+    # After the engine: a refused config leaves no dataloader registered with the Accelerator.
+    prepared_loader = accelerator.prepare(dataloader) if dataloader is not None else None
     wrapped = EngineScheduler(engine.lr_scheduler) if engine.lr_scheduler is not None else None
     return em, EngineOptimizer(em), prepared_loader, wrapped
 
