@@ -27,3 +27,17 @@ def test_example_trains_and_resumes(script, checkpoint, tmp_path, nvme_dir):
     assert again["steps"] == 8, again
     # picked up where the first run stopped: its loss is that of the trained model, not of a fresh one
     assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)
+
+
+def test_distill_accelerate_trains_the_student_on_the_teachers_logits_and_resumes(tmp_path, nvme_dir):
+    """The Accelerate teacher/student scenario: the frozen ZeRO-3 teacher reads its weights from NVMe,
+    the ZeRO-2 student's distillation loss falls, and accelerator.load_state continues the student."""
+    env = without_deepspeed(tmp_path)
+    args = [str(ROOT / "examples" / "distill_accelerate.py"), "--quick", "--nvme-path", str(nvme_dir), "--out", "out"]
+    first = _summary(run(args, cwd=tmp_path, env=env).stdout)
+    assert first["steps"] == 6 and first["last_loss"] < first["first_loss"] - 0.2, first
+    assert first["teacher_nvme_read_nbytes"] > 0  # the teacher's parameters came from NVMe
+    assert (tmp_path / "out" / "infinity_model").is_dir()
+    again = _summary(run([*args, "--resume", "--steps", "8"], cwd=tmp_path, env=env).stdout)
+    assert again["steps"] == 8, again
+    assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)
