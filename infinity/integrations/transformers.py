@@ -54,7 +54,7 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 import infinity
-from infinity.config import read_config_file
+from infinity.config import ConfigError, read_config_file
 from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine
 
@@ -212,7 +212,14 @@ class InfinityTrainer(Trainer):
         elif self.lr_scheduler is not None:
             raise ValueError("optimizers= passed an lr scheduler and infinity_config has a 'scheduler' section; "
                              "keep one of them")
-        engine = infinity.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler, **values)
+        try:
+            engine = infinity.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler, **values)
+        except ConfigError as e:
+            e.add_note("InfinityTrainer passes the TrainingArguments fields HF's DeepSpeed integration reads "
+                       "(learning_rate, gradient_accumulation_steps, bf16, ...: the table in "
+                       "infinity/config/arguments.py) to fill infinity_config; where the config writes a value, "
+                       "it must agree with the field")
+            raise
         self._engine_model = EngineModel(engine)
         self.optimizer = EngineOptimizer(engine)  # type: ignore[assignment]
         self.lr_scheduler = EngineSchedule(self.optimizer)  # type: ignore[assignment]
