@@ -58,6 +58,11 @@ from infinity.config import ConfigError, read_config_file
 from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine
 
+if not hasattr(Trainer, "_prepare_for_training"):
+    raise ImportError("infinity.integrations.transformers needs transformers >= 5.23 (it overrides the Trainer's "
+                      "_prepare_for_training, which older versions do not have): pip install 'infinity-offload"
+                      "[transformers]'")
+
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
 __all__ = ["ENGINE_TAG", "InfinityTrainer"]
