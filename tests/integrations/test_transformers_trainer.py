@@ -193,6 +193,20 @@ def test_save_model_loads_with_from_pretrained(plain, nvme_dir, tmp_path):
     trainer.engine.close()
 
 
+def test_evaluate_runs_through_the_engine(nvme_dir, tmp_path):
+    """evaluate() after train(): under stage 3 only the engine has the weights."""
+    args = dict(max_steps=2)
+    trainer = InfinityTrainer(model=gpt2(), args=arguments(tmp_path / "a", **args), train_dataset=Tokens(),
+                              eval_dataset=Tokens(), infinity_config=stage3_nvme(nvme_dir))
+    trainer.train()
+    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "b", **args), train_dataset=Tokens(),
+                    eval_dataset=Tokens())
+    plain.train()
+    got, want = trainer.evaluate()["eval_loss"], plain.evaluate()["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    trainer.engine.close()
+
+
 def test_auto_values_come_from_training_arguments(nvme_dir, tmp_path):
     """A config whose optimizer and WarmupDecayLR schedule are all "auto", filled as HF fills them."""
     config = {**stage3_nvme(nvme_dir),
