@@ -202,6 +202,9 @@ class InfinityTrainer(Trainer):
         config = copy.deepcopy(self._infinity_config)
         values = training_arguments_values(self.args, num_training_steps=max_steps)
         optimizer = None
+        if "optimizer" in config and self.optimizer is not None:
+            raise ValueError("optimizers= passed an optimizer and infinity_config has an 'optimizer' section; keep "
+                             "one of them")
         if "optimizer" not in config:
             optimizer = self.create_optimizer()
             # The engine steps in the torch optimizer's place (sharing its param group dicts): torch's

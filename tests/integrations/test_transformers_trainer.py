@@ -227,6 +227,17 @@ def test_auto_values_come_from_training_arguments(nvme_dir, tmp_path):
     trainer.engine.close()
 
 
+def test_config_optimizer_with_the_trainers_schedule(nvme_dir, tmp_path):
+    """An optimizer section and no scheduler: the Trainer's linear schedule drives the engine's Adam
+    (HF's DeepSpeed path does the same), down to 0 at max_steps."""
+    config = {**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    losses, trainer = infinity_run(tmp_path, config)
+    assert len(losses) == MAX_STEPS
+    assert isinstance(trainer.engine.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
+    assert trainer.engine.get_lr() == [0.0]
+    trainer.engine.close()
+
+
 @pytest.mark.parametrize("key,value,named", [
     ("gradient_accumulation_steps", 4, "gradient_accumulation_steps"),
     ("optimizer", {"type": "AdamW", "params": {"lr": 1e-2}}, "learning_rate"),
@@ -243,6 +254,11 @@ def test_refusals(nvme_dir, tmp_path):
         InfinityTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens())
     with pytest.raises(FileNotFoundError, match="not a file"):
         InfinityTrainer(model=gpt2(), args=arguments(tmp_path), infinity_config=str(tmp_path / "missing.json"))
+    model = gpt2()
+    with pytest.raises(ValueError, match="keep one of them"):
+        InfinityTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
+                        optimizers=(torch.optim.AdamW(model.parameters()), None),
+                        infinity_config={**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW"}}).train()
     # an epoch of 8 batches ends in a short window of accumulation 3, which a run of 4 updates reaches
     with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=3"):
         infinity_run(tmp_path, stage3_nvme(nvme_dir), gradient_accumulation_steps=3, max_steps=4)
