@@ -6,8 +6,8 @@ from the TrainingArguments, the Trainer saves checkpoint-N/ folders (HF-layout w
 checkpoint, trainer state), and ``save_model`` writes what ``from_pretrained`` loads. With
 ``--resume`` a second run continues from the last checkpoint.
 
-    python examples/hf_trainer_gpt2.py                       # GPT-2 of 3.3M parameters, 20 steps
-    python examples/hf_trainer_gpt2.py --resume --steps 30   # 10 more steps from the last checkpoint
+    python examples/hf_trainer_gpt2.py                       # GPT-2 of 3.2M parameters, 12 steps
+    python examples/hf_trainer_gpt2.py --resume --steps 20   # 8 more steps from the last checkpoint
     python examples/hf_trainer_gpt2.py --quick               # a few seconds (what the tests run)
 
 Self-contained: the GPT-2 is built from a config with random weights (byte tokens, vocabulary 256)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nvme-path", default="./infinity_nvme", help="swap folder (default ./infinity_nvme, created)")
     p.add_argument("--out", default="hf_trainer_gpt2", help="output folder (default ./hf_trainer_gpt2)")
-    p.add_argument("--steps", type=int, help="optimizer steps in all (default 20; 6 with --quick)")
+    p.add_argument("--steps", type=int, help="optimizer steps in all (default 12; 6 with --quick)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint-N in --out")
     p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps")
     args = p.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         steps, batch_size, seq_len = args.steps or 6, 2, 32
     else:
         gpt2 = GPT2Config(vocab_size=256, n_positions=64, n_embd=256, n_layer=4, n_head=4)
-        steps, batch_size, seq_len = args.steps or 20, 4, 64
+        steps, batch_size, seq_len = args.steps or 12, 4, 64
     gpt2.bos_token_id = gpt2.eos_token_id = 0
     os.makedirs(args.nvme_path, exist_ok=True)
     config_path = os.path.join(args.out, "ds_config.json")
