@@ -304,8 +304,14 @@ class InfinityTrainer(Trainer):
         return None
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
-        """Not known before the engine's update (``engine.last_grad_norm`` has it after)."""
+        """Not known before the engine's update; logged from ``engine.last_grad_norm`` after it."""
         return None
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        # The update's gradient norm before clipping, as the Trainer logs clip_grad_norm_'s result.
+        if grad_norm is None and self._engine is not None:
+            grad_norm = self._engine.last_grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def _get_learning_rate(self) -> float:
         assert isinstance(self.lr_scheduler, EngineSchedule)

@@ -56,14 +56,17 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Losses(TrainerCallback):
-    """The loss of every optimizer step (logging_steps=1), as the Trainer logs it."""
+    """The loss and gradient norm (before clipping) of every optimizer step (logging_steps=1), as the
+    Trainer logs them."""
 
     def __init__(self):
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
+            self.grad_norms.append(float(logs["grad_norm"]))
 
 
 class Recording:
@@ -100,12 +103,12 @@ def stage2_cpu() -> dict:
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-def infinity_run(out, config, *, resume: str | None = None, **overrides) -> tuple[list[float], InfinityTrainer]:
+def infinity_run(out, config, *, resume: str | None = None, **overrides) -> tuple[Losses, InfinityTrainer]:
     rec = Losses()
     trainer = InfinityTrainer(model=gpt2(), args=arguments(out, **overrides), train_dataset=Tokens(),
                               callbacks=[rec], infinity_config=config)
     trainer.train(resume_from_checkpoint=resume)
-    return rec.losses, trainer
+    return rec, trainer
 
 
 def assert_close(got: list[float], want: list[float], what: str, rtol: float = 1e-5) -> None:
@@ -116,14 +119,14 @@ def assert_close(got: list[float], want: list[float], what: str, rtol: float = 1
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The plain Trainer's per-step losses, and the batches it saw."""
+    """The plain Trainer's per-step losses and gradient norms, and the batches it saw."""
     rec, batches = Losses(), Recording()
     trainer = Trainer(model=gpt2(), args=arguments(tmp_path_factory.mktemp("plain")), train_dataset=Tokens(),
                       data_collator=batches, callbacks=[rec])
     trainer.train()
     # the collator may see a batch more than was trained on (the data loader reads ahead)
     assert len(rec.losses) == MAX_STEPS and len(batches.batches) >= MAX_STEPS * GAS
-    return rec.losses, batches.batches[:MAX_STEPS * GAS]
+    return rec.losses, batches.batches[:MAX_STEPS * GAS], rec.grad_norms
 
 
 def own_loop(config: dict, batches: list[dict[str, torch.Tensor]]) -> list[float]:
@@ -155,8 +158,9 @@ def own_loop(config: dict, batches: list[dict[str, torch.Tensor]]) -> list[float
 @pytest.mark.parametrize("layout", ["stage3_nvme", "stage2_cpu"])
 def test_trainer_matches_plain_trainer_and_own_loop(plain, nvme_dir, tmp_path, layout):
     config = stage3_nvme(nvme_dir) if layout == "stage3_nvme" else stage2_cpu()
-    losses, trainer = infinity_run(tmp_path, config)
-    assert_close(losses, plain[0], "InfinityTrainer vs plain Trainer")
+    rec, trainer = infinity_run(tmp_path, config)
+    assert_close(rec.losses, plain[0], "InfinityTrainer vs plain Trainer")
+    assert_close(rec.grad_norms, plain[2], "gradient norm before clipping", rtol=1e-4)
     assert_close(own_loop(config, plain[1]), plain[0], "infinity's loop vs plain Trainer")
     assert trainer.state.global_step == MAX_STEPS and trainer.engine.global_steps == MAX_STEPS
     if layout == "stage3_nvme":
@@ -175,7 +179,7 @@ def test_resume_equals_continue(nvme_dir, tmp_path):
     assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
     resumed, trainer = infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(checkpoint))
     assert trainer.state.global_step == MAX_STEPS
-    assert_close(resumed, full[3:], "resumed vs continued", rtol=1e-6)
+    assert_close(resumed.losses, full.losses[3:], "resumed vs continued", rtol=1e-6)
     trainer.engine.close()
 
 
@@ -231,8 +235,8 @@ def test_config_optimizer_with_the_trainers_schedule(nvme_dir, tmp_path):
     """An optimizer section and no scheduler: the Trainer's linear schedule drives the engine's Adam
     (HF's DeepSpeed path does the same), down to 0 at max_steps."""
     config = {**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
-    losses, trainer = infinity_run(tmp_path, config)
-    assert len(losses) == MAX_STEPS
+    rec, trainer = infinity_run(tmp_path, config)
+    assert len(rec.losses) == MAX_STEPS
     assert isinstance(trainer.engine.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
     assert trainer.engine.get_lr() == [0.0]
     trainer.engine.close()
