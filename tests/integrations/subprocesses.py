@@ -17,7 +17,7 @@ def without_deepspeed(tmp_path: Path) -> dict[str, str]:
     blocker = tmp_path / "no_deepspeed" / "deepspeed"
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text(
-        'raise ImportError("deepspeed was imported; infinity\'s Lightning and Fabric paths must not need it")\n')
+        'raise ImportError("deepspeed was imported; infinity\'s framework adapters must not need it")\n')
     path = [str(blocker.parent), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # A user's shell has no rank layout: Lightning would take one for ranks started on its behalf.
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}

@@ -1,0 +1,365 @@
+"""The transformers Trainer on infinity: ``InfinityTrainer(model=..., args=..., infinity_config=...)``.
+
+A ``Trainer`` subclass that trains through an infinity engine where
+``TrainingArguments(deepspeed=...)`` would train through DeepSpeed's. How the
+Trainer's pieces map onto the engine (public API only: ``infinity.initialize``,
+the engine's forward/backward/step, its checkpoints and ``save_16bit_model``):
+
+- The config's ``"auto"`` values are filled from ``TrainingArguments`` by the
+  table HF's ``HfTrainerDeepSpeedConfig`` uses ([Note: the argument table] in
+  infinity/config/arguments.py, through ``training_arguments_values``), with
+  the Trainer's count of optimizer steps as ``num_training_steps``; a value the
+  config writes that disagrees with ``TrainingArguments`` is refused, naming
+  both (HF's ``fill_match``).
+- The optimizer: a config ``optimizer`` section is the engine's own; without
+  one, the Trainer's (``create_optimizer``: ``args.optim``, its decay and
+  no-decay param groups, or ``optimizers=``) is mapped onto the engine's
+  offloaded Adam, sharing its param group dicts. The schedule: a config
+  ``scheduler`` section is the engine's own; without one, the Trainer's
+  (``create_scheduler``: ``lr_scheduler_type``, ``warmup_steps``), which the
+  engine steps at each update. As HF's DeepSpeed path chooses.
+- The training step: the Trainer's ``compute_loss`` on the engine's forward,
+  the loss normalised as the Trainer normalises it, then ``engine.backward``
+  and ``engine.step`` for every micro-batch. The engine accumulates, clips
+  (``gradient_clipping`` from ``max_grad_norm``) and updates at the window's
+  end, where the Trainer calls ``optimizer.step()`` (see [Note: the update
+  the Trainer asks for]).
+- Checkpoints go through the Trainer's own flow: ``checkpoint-N/`` holds the
+  HF-layout weights (``save_model``), the engine checkpoint under
+  ``checkpoint-N/infinity/`` (weights, Adam moments, schedule, step counts)
+  in place of ``optimizer.pt`` / ``scheduler.pt``, and the Trainer's
+  ``trainer_state.json`` and RNG states; ``train(resume_from_checkpoint=...)``
+  restores the engine and lets the Trainer skip the batches already seen.
+- ``save_model`` writes what ``from_pretrained`` loads (``engine.save_16bit_model``:
+  ``model.safetensors`` or shards, ``config.json``), plus the processing class
+  and ``training_args.bin`` as the Trainer does.
+
+One process (the Trainer's CPU or one GPU); the model is handed to
+``initialize`` as built (the Trainer does not move it to the device first: the
+engine places its state). Nothing here imports deepspeed. Threading: the
+Trainer's training thread only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from transformers.trainer import TRAINING_ARGS_NAME
+
+import infinity
+from infinity.config import ConfigError, read_config_file
+from infinity.config.arguments import training_arguments_values
+from infinity.engine import Engine
+
+if not hasattr(Trainer, "_prepare_for_training"):
+    raise ImportError("infinity.integrations.transformers needs transformers >= 5.23 (it overrides the Trainer's "
+                      "_prepare_for_training, which older versions do not have): pip install 'infinity-offload"
+                      "[transformers]'")
+
+ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
+
+__all__ = ["ENGINE_TAG", "InfinityTrainer"]
+
+
+def read_infinity_config(config: Any) -> dict[str, Any]:
+    """``infinity_config=`` as a dict of our own: a path read as DeepSpeed reads it, or a dict (copied)."""
+    if isinstance(config, (str, os.PathLike)):
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"infinity_config={str(config)!r} is not a file; pass a DeepSpeed-style "
+                                    "JSON config file or a dict")
+        return read_config_file(config)
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise TypeError("InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path of a "
+                    f"JSON file), not {type(config).__name__}")
+
+
+class EngineModel(nn.Module):
+    """The engine as the model the Trainer calls (``model_wrapped``): ``forward`` is ``engine(...)``
+    (so every forward opens the stage-3 prefetch step ``engine.backward`` closes); the trained model
+    is its child ``module``, so ``train()`` / ``eval()`` reach it."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine
+        self.module = engine.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine drops its gradient at each update (the Trainer calls this after
+        ``optimizer.step()``)."""
+
+
+# [Note: the update the Trainer asks for]
+# The Trainer calls optimizer.step() once per accumulation window, after the window's last
+# backward; the engine counts micro-batches and updates when its count reaches
+# gradient_accumulation_steps. training_step calls engine.step() after each backward that is not
+# the window's last (it only counts), and EngineOptimizer.step() calls it for the last one (it
+# updates). The two counts agree because the config's gradient_accumulation_steps is the Trainer's
+# (HF's table) and every window is full (InfinityTrainer refuses a run whose epochs end in a short
+# window); a disagreement is an error, never a silent update at another step.
+
+
+class EngineOptimizer:
+    """``trainer.optimizer``: ``step()`` is the engine's update; ``param_groups`` are the engine's."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.lr_before_step: list[float] = engine.get_lr()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.engine.optimizer.param_groups if self.engine.optimizer is not None else []
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("the engine's update takes no closure")
+        if not self.engine.is_gradient_accumulation_boundary():
+            raise RuntimeError(
+                f"the Trainer asked for an update at micro-batch {self.engine.micro_steps + 1}, which does not end "
+                f"one of the engine's windows of gradient_accumulation_steps="
+                f"{self.engine.gradient_accumulation_steps} micro-batches; call optimizer.step() once per window"
+            )
+        self.lr_before_step = self.engine.get_lr()
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine drops its gradient at each update."""
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the optimizer state is the engine's: it is saved by engine.save_checkpoint (the "
+                           "Trainer's checkpoints hold it under checkpoint-N/infinity/)")
+
+
+class EngineSchedule:
+    """``trainer.lr_scheduler``: the engine steps its schedule at each update, so ``step()`` does
+    nothing; ``get_last_lr()`` is the lr the last update used, as the Trainer logs it."""
+
+    def __init__(self, optimizer: EngineOptimizer):
+        self.optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.optimizer.lr_before_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("the lr schedule is the engine's: it is saved by engine.save_checkpoint")
+
+
+class InfinityTrainer(Trainer):
+    """``transformers.Trainer`` training through an infinity engine built from ``infinity_config``
+    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. Every other
+    argument is the Trainer's. The engine is ``trainer.engine`` once ``train()`` has built it."""
+
+    def __init__(self, *args: Any, infinity_config: Any = None, **kwargs: Any):
+        if infinity_config is None:
+            raise TypeError("InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path "
+                            "of a JSON file), as TrainingArguments(deepspeed=...) takes")
+        self._infinity_config = read_infinity_config(infinity_config)
+        self._engine: Engine | None = None
+        self._engine_model: EngineModel | None = None
+        super().__init__(*args, **kwargs)
+        self._refuse_unsupported()
+
+    @property
+    def engine(self) -> Engine | None:
+        return self._engine
+
+    def _refuse_unsupported(self) -> None:
+        args = self.args
+        if getattr(args, "deepspeed", None):
+            raise ValueError("TrainingArguments(deepspeed=...) trains through DeepSpeed; with InfinityTrainer pass "
+                             "the config as infinity_config= and leave deepspeed unset")
+        if args.fsdp:
+            raise ValueError("TrainingArguments(fsdp=...) shards with FSDP; InfinityTrainer's engine partitions "
+                             "the model itself (zero_optimization.stage in infinity_config): leave fsdp unset")
+        if self.model_init is not None:
+            raise ValueError("model_init= rebuilds the model at every train(); InfinityTrainer builds its engine "
+                             "once, from the model passed as model=")
+        if args.load_best_model_at_end:
+            raise ValueError("load_best_model_at_end=True is not supported by InfinityTrainer: load the best "
+                             "checkpoint-N/ with from_pretrained (its weights are in the HF layout)")
+        if args.world_size > 1:
+            raise ValueError(f"InfinityTrainer runs in one process; this run has world_size={args.world_size}")
+
+    # -- building the engine ----------------------------------------------------------
+
+    def _move_model_to_device(self, model: nn.Module, device: Any) -> None:
+        """The engine places the model's state (device, host memory or NVMe): not moved here."""
+
+    def _build_engine(self, max_steps: int) -> Engine:
+        config = copy.deepcopy(self._infinity_config)
+        values = training_arguments_values(self.args, num_training_steps=max_steps)
+        optimizer = None
+        if "optimizer" in config and self.optimizer is not None:
+            raise ValueError("optimizers= passed an optimizer and infinity_config has an 'optimizer' section; keep "
+                             "one of them")
+        if "optimizer" not in config:
+            optimizer = self.create_optimizer()
+            # The engine steps in the torch optimizer's place (sharing its param group dicts): torch's
+            # LRScheduler would warn at its first step that optimizer.step() never ran.
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+        scheduler: Any = None
+        if "scheduler" not in config:
+            if optimizer is not None:
+                scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
+            else:
+                def scheduler(engine_optimizer: torch.optim.Optimizer) -> Any:
+                    return self.create_scheduler(max_steps, optimizer=engine_optimizer)
+        elif self.lr_scheduler is not None:
+            raise ValueError("optimizers= passed an lr scheduler and infinity_config has a 'scheduler' section; "
+                             "keep one of them")
+        try:
+            engine = infinity.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler, **values)
+        except ConfigError as e:
+            e.add_note("InfinityTrainer passes the TrainingArguments fields HF's DeepSpeed integration reads "
+                       "(learning_rate, gradient_accumulation_steps, bf16, ...: the table in "
+                       "infinity/config/arguments.py) to fill infinity_config; where the config writes a value, "
+                       "it must agree with the field")
+            raise
+        self._engine_model = EngineModel(engine)
+        self.optimizer = EngineOptimizer(engine)  # type: ignore[assignment]
+        self.lr_scheduler = EngineSchedule(self.optimizer)  # type: ignore[assignment]
+        return engine
+
+    def _check_windows(self, train_dataloader: Any, max_steps: int) -> None:
+        """Refuses a run that reaches an epoch's end in a short accumulation window (see [Note: the
+        update the Trainer asks for])."""
+        gas = self.args.gradient_accumulation_steps
+        try:
+            batches = len(train_dataloader)
+        except TypeError:
+            return  # an iterable dataset: the Trainer runs max_steps full windows
+        if batches % gas and max_steps * gas > batches:
+            raise ValueError(
+                f"the train dataloader gives {batches} batches per epoch, not a multiple of gradient_accumulation_"
+                f"steps={gas}: the Trainer would update after a short last window, which the engine (counting "
+                f"{gas} micro-batches per update) cannot do; make the batches per epoch a multiple of {gas} "
+                "(dataset size, per_device_train_batch_size, dataloader_drop_last) or train fewer steps than "
+                "one epoch holds"
+            )
+
+    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+        """The Trainer's setup with the engine in place of the accelerator-prepared model and optimizer;
+        a resume restores the engine from ``checkpoint-N/infinity/``."""
+        if self._engine is None:
+            self._check_windows(train_dataloader, max_steps)
+            self._engine = self._build_engine(max_steps)
+        assert self._engine_model is not None
+        model = self._engine_model
+        self.model_wrapped = model
+        if resume_from_checkpoint is not None:
+            self._engine.load_checkpoint(self._engine_checkpoint(resume_from_checkpoint), tag=ENGINE_TAG)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return model, train_dataloader
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        # Evaluation after training runs through the engine (under stage 3 only it has the weights).
+        return self._engine_model if self._engine_model is not None else super()._wrap_model(
+            model, training, dataloader)
+
+    # -- the training step ------------------------------------------------------------
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """The Trainer's step (compute_loss, the loss normalised for accumulation as the Trainer does)
+        with ``engine.backward`` in place of ``accelerator.backward``."""
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("InfinityTrainer.training_step runs inside train(), which builds the engine")
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        if self.loss_is_scaled_for_ga is not None:
+            scaled_for_ga = self.loss_is_scaled_for_ga
+        else:
+            scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
+                self.compute_loss_func is not None)
+        if not scaled_for_ga:
+            loss = loss / self.current_gradient_accumulation_steps
+        # The loss is already the window's share (as with DeepSpeed's scale_wrt_gas=False); the engine
+        # divides by gradient_accumulation_steps itself, so it gets the loss times that count.
+        gas = engine.gradient_accumulation_steps
+        engine.backward(loss * gas if gas != 1 else loss)
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # counts the micro-batch; the window's last is the Trainer's optimizer.step()
+        return loss.detach()
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        """The engine clips at its update (``gradient_clipping`` is ``max_grad_norm``)."""
+        return None
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
+        """Not known before the engine's update; logged from ``engine.last_grad_norm`` after it."""
+        return None
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+        # The update's gradient norm before clipping, as the Trainer logs clip_grad_norm_'s result.
+        if grad_norm is None and self._engine is not None:
+            grad_norm = self._engine.last_grad_norm
+        super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _get_learning_rate(self) -> float:
+        assert isinstance(self.lr_scheduler, EngineSchedule)
+        lrs = self.lr_scheduler.get_last_lr()
+        return float(lrs[0]) if lrs else 0.0
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine checkpoint (weights, Adam moments, schedule, step counts) in ``output_dir/infinity/``."""
+        if self._engine is None:
+            raise RuntimeError("no engine to checkpoint: InfinityTrainer builds it in train()")
+        self._engine.save_checkpoint(output_dir, tag=ENGINE_TAG)
+
+    def _save_scaler(self, output_dir: str) -> None:
+        """The fp16 loss scale is the engine's, saved in its checkpoint."""
+
+    def _engine_checkpoint(self, checkpoint: str) -> str:
+        if not (Path(checkpoint) / ENGINE_TAG).is_dir():
+            raise FileNotFoundError(
+                f"{str(checkpoint)!r} holds no engine checkpoint ('{ENGINE_TAG}/'): resume_from_checkpoint= takes "
+                "a checkpoint-N folder that InfinityTrainer saved (with save_only_model=False); to start from "
+                "weights only, load them with from_pretrained and train without resuming"
+            )
+        return checkpoint
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Checks the checkpoint; its weights are restored with the engine's state in train()."""
+        self._engine_checkpoint(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restored with the engine checkpoint."""
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """Restored with the engine checkpoint."""
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The trained weights as ``from_pretrained`` loads them (``engine.save_16bit_model``), with the
+        processing class and ``training_args.bin`` as ``Trainer.save_model`` writes them."""
+        if self._engine is None:
+            super().save_model(output_dir, _internal_call)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self._engine.save_16bit_model(output_dir)
+        if self.args.should_save:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+

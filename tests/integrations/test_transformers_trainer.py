@@ -1,0 +1,274 @@
+"""InfinityTrainer (infinity.integrations.transformers) trains as the plain transformers Trainer does.
+
+One training, three ways, fp32: the plain ``Trainer`` (no offload: torch's AdamW, accelerate's
+backward, ``clip_grad_norm_``, the linear warmup/decay schedule), ``InfinityTrainer`` (stage 3 with
+parameters and Adam state on NVMe, or stage 2 with the optimizer on CPU) and infinity's own loop
+(``initialize`` + engine) with the same AdamW, schedule and batches. The model is a GPT-2 built
+from a tiny config with random weights (no download); the data order is the Trainer's own (a
+random sampler under the Trainer's seed), the loop replays the batches the plain run recorded.
+Per-step losses agree within 1e-5 relative. Then: resume from checkpoint-N equals continuing,
+``save_model`` loads with ``from_pretrained``, "auto" values are HF's, and the refusals.
+``deepspeed`` is unimportable throughout (conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+    get_scheduler,
+)
+
+import infinity
+from infinity.config import ConfigError
+from infinity.integrations.transformers import ENGINE_TAG, InfinityTrainer
+
+VOCAB, SEQ, SAMPLES = 64, 16, 32
+BATCH, GAS, MAX_STEPS, WARMUP = 4, 2, 6, 2  # 4 updates per epoch: the run crosses an epoch
+LR, WD, CLIP = 3e-3, 0.01, 0.5
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """No dropout: infinity's own loop draws no random numbers where the Trainer's would."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Losses(TrainerCallback):
+    """The loss and gradient norm (before clipping) of every optimizer step (logging_steps=1), as the
+    Trainer logs them."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+            self.grad_norms.append(float(logs["grad_norm"]))
+
+
+class Recording:
+    """The batches the Trainer trained on, in order (the data collator sees each one)."""
+
+    def __init__(self):
+        self.batches: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, features):
+        batch = default_data_collator(features)
+        self.batches.append({k: v.clone() for k, v in batch.items()})
+        return batch
+
+
+def arguments(out, **overrides) -> TrainingArguments:
+    values = dict(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GAS,
+                  max_steps=MAX_STEPS, learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,
+                  warmup_steps=WARMUP, adam_epsilon=1e-6, logging_steps=1, report_to=[], save_strategy="no",
+                  seed=0, use_cpu=True, disable_tqdm=True)
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+def stage3_nvme(nvme_dir) -> dict:
+    offload = {"device": "nvme", "nvme_path": str(nvme_dir)}
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload}}
+
+
+def stage2_cpu() -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+
+
+def infinity_run(out, config, *, resume: str | None = None, **overrides) -> tuple[Losses, InfinityTrainer]:
+    rec = Losses()
+    trainer = InfinityTrainer(model=gpt2(), args=arguments(out, **overrides), train_dataset=Tokens(),
+                              callbacks=[rec], infinity_config=config)
+    trainer.train(resume_from_checkpoint=resume)
+    return rec, trainer
+
+
+def assert_close(got: list[float], want: list[float], what: str, rtol: float = 1e-5) -> None:
+    assert len(got) == len(want), (what, got, want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= rtol * abs(w), f"{what}, step {i + 1}: {g} vs {w}\n{got}\n{want}"
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The plain Trainer's per-step losses and gradient norms, and the batches it saw."""
+    rec, batches = Losses(), Recording()
+    trainer = Trainer(model=gpt2(), args=arguments(tmp_path_factory.mktemp("plain")), train_dataset=Tokens(),
+                      data_collator=batches, callbacks=[rec])
+    trainer.train()
+    # the collator may see a batch more than was trained on (the data loader reads ahead)
+    assert len(rec.losses) == MAX_STEPS and len(batches.batches) >= MAX_STEPS * GAS
+    return rec.losses, batches.batches[:MAX_STEPS * GAS], rec.grad_norms
+
+
+def own_loop(config: dict, batches: list[dict[str, torch.Tensor]]) -> list[float]:
+    """infinity's loop: the Trainer's AdamW (from lr=: no optimizer section) and linear schedule, and
+    the Trainer's loss: each micro-batch's summed token loss over the label count of the whole window
+    (``num_items_in_batch``, the Trainer's count: every label, shifted or not), summed over the window;
+    the engine divides what it is given by the accumulation count, hence ``loss * GAS``."""
+    def schedule(opt):
+        return get_scheduler("linear", optimizer=opt, num_warmup_steps=WARMUP, num_training_steps=MAX_STEPS)
+
+    engine = infinity.initialize(gpt2(), config, lr_scheduler=schedule, lr=LR, weight_decay=WD, eps=1e-6,
+                                 betas=(0.9, 0.999), gradient_clipping=CLIP, gradient_accumulation_steps=GAS,
+                                 train_micro_batch_size_per_gpu=BATCH)
+    losses = []
+    with engine:
+        for start in range(0, len(batches), GAS):
+            window = batches[start:start + GAS]
+            items = torch.tensor(sum(b["labels"].numel() for b in window))
+            step_loss = 0.0
+            for batch in window:
+                loss = engine(**batch, num_items_in_batch=items).loss
+                engine.backward(loss * GAS)
+                engine.step()
+                step_loss += loss.item()
+            losses.append(step_loss)
+    return losses
+
+
+@pytest.mark.parametrize("layout", ["stage3_nvme", "stage2_cpu"])
+def test_trainer_matches_plain_trainer_and_own_loop(plain, nvme_dir, tmp_path, layout):
+    config = stage3_nvme(nvme_dir) if layout == "stage3_nvme" else stage2_cpu()
+    rec, trainer = infinity_run(tmp_path, config)
+    assert_close(rec.losses, plain[0], "InfinityTrainer vs plain Trainer")
+    assert_close(rec.grad_norms, plain[2], "gradient norm before clipping", rtol=1e-4)
+    assert_close(own_loop(config, plain[1]), plain[0], "infinity's loop vs plain Trainer")
+    assert trainer.state.global_step == MAX_STEPS and trainer.engine.global_steps == MAX_STEPS
+    if layout == "stage3_nvme":
+        io = trainer.engine.io_stats()
+        assert io["read_nbytes"] > 0 and io["write_nbytes"] > 0  # parameters and moments on NVMe
+    trainer.engine.close()
+
+
+def test_resume_equals_continue(nvme_dir, tmp_path):
+    """checkpoint-3 (mid-epoch) through the Trainer's own flow; the resumed run's steps 4-6 are the
+    continued run's."""
+    full, trainer = infinity_run(tmp_path / "a", stage3_nvme(nvme_dir), save_strategy="steps", save_steps=3)
+    trainer.engine.close()
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    assert (checkpoint / ENGINE_TAG).is_dir() and (checkpoint / "trainer_state.json").is_file()
+    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
+    resumed, trainer = infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(checkpoint))
+    assert trainer.state.global_step == MAX_STEPS
+    assert_close(resumed.losses, full.losses[3:], "resumed vs continued", rtol=1e-6)
+    trainer.engine.close()
+
+
+def test_save_model_loads_with_from_pretrained(plain, nvme_dir, tmp_path):
+    _, trainer = infinity_run(tmp_path / "run", stage3_nvme(nvme_dir))
+    trainer.save_model(str(tmp_path / "model"))
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["n_embd"] == 32
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "model").eval()
+    ids = plain[1][0]["input_ids"]
+    trainer.engine.eval()
+    with torch.no_grad():
+        want = trainer.engine(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    trainer.engine.close()
+
+
+def test_evaluate_runs_through_the_engine(nvme_dir, tmp_path):
+    """evaluate() after train(): under stage 3 only the engine has the weights."""
+    args = dict(max_steps=2)
+    trainer = InfinityTrainer(model=gpt2(), args=arguments(tmp_path / "a", **args), train_dataset=Tokens(),
+                              eval_dataset=Tokens(), infinity_config=stage3_nvme(nvme_dir))
+    trainer.train()
+    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "b", **args), train_dataset=Tokens(),
+                    eval_dataset=Tokens())
+    plain.train()
+    got, want = trainer.evaluate()["eval_loss"], plain.evaluate()["eval_loss"]
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    trainer.engine.close()
+
+
+def test_auto_values_come_from_training_arguments(nvme_dir, tmp_path):
+    """A config whose optimizer and WarmupDecayLR schedule are all "auto", filled as HF fills them."""
+    config = {**stage3_nvme(nvme_dir),
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                                 "warmup_num_steps": "auto",
+                                                                 "total_num_steps": "auto"}}}
+    _, trainer = infinity_run(tmp_path, config, max_steps=4, adam_beta2=0.99)
+    cfg = trainer.engine.config
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.gradient_clipping) == (
+        BATCH, GAS, CLIP)
+    p = cfg.optimizer.params
+    assert (p.lr, tuple(p.betas), p.eps, p.weight_decay) == (LR, (0.9, 0.99), 1e-6, WD)
+    s = cfg.scheduler.params
+    assert (s.warmup_min_lr, s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps) == (0, LR, WARMUP, 4)
+    assert trainer.engine.global_steps == 4
+    trainer.engine.close()
+
+
+def test_config_optimizer_with_the_trainers_schedule(nvme_dir, tmp_path):
+    """An optimizer section and no scheduler: the Trainer's linear schedule drives the engine's Adam
+    (HF's DeepSpeed path does the same), down to 0 at max_steps."""
+    config = {**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    rec, trainer = infinity_run(tmp_path, config)
+    assert len(rec.losses) == MAX_STEPS
+    assert isinstance(trainer.engine.lr_scheduler, torch.optim.lr_scheduler.LambdaLR)
+    assert trainer.engine.get_lr() == [0.0]
+    trainer.engine.close()
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("gradient_accumulation_steps", 4, "gradient_accumulation_steps"),
+    ("optimizer", {"type": "AdamW", "params": {"lr": 1e-2}}, "learning_rate"),
+    ("bf16", {"enabled": True}, "bf16"),
+])
+def test_config_disagreeing_with_training_arguments_is_refused(nvme_dir, tmp_path, key, value, named):
+    config = {**stage3_nvme(nvme_dir), key: value}
+    with pytest.raises(ConfigError, match=named):
+        infinity_run(tmp_path, config)
+
+
+def test_refusals(nvme_dir, tmp_path):
+    with pytest.raises(TypeError, match="infinity_config="):
+        InfinityTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens())
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        InfinityTrainer(model=gpt2(), args=arguments(tmp_path), infinity_config=str(tmp_path / "missing.json"))
+    model = gpt2()
+    with pytest.raises(ValueError, match="keep one of them"):
+        InfinityTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
+                        optimizers=(torch.optim.AdamW(model.parameters()), None),
+                        infinity_config={**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW"}}).train()
+    # an epoch of 8 batches ends in a short window of accumulation 3, which a run of 4 updates reaches
+    with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=3"):
+        infinity_run(tmp_path, stage3_nvme(nvme_dir), gradient_accumulation_steps=3, max_steps=4)
+    # a checkpoint the plain Trainer wrote has no engine state
+    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "plain", max_steps=1, save_strategy="steps",
+                                                 save_steps=1), train_dataset=Tokens())
+    plain.train()
+    with pytest.raises(FileNotFoundError, match="holds no engine checkpoint"):
+        infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(tmp_path / "plain" / "checkpoint-1"))
