@@ -637,10 +637,8 @@ def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimi
         per = sum(optimizer.sub_group_swap_nbytes) // max(1, sum(u.layout.shard_numel for u in units))
     buffer = round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT)
     largest = max((u.layout.shard_numel for u in units), default=0)
-    # The step holds one buffer per sub-group in flight, so a model of fewer sub-groups needs fewer.
-    count = min(OPTIMIZER_POOL_BUFFERS, len(optimizer.sub_groups))
-    pool = PoolPlan("optimizer", count, buffer, _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
-                    count * round_up(largest * per, DIRECT_ALIGNMENT))
+    pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, buffer, _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
+                    OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
     return StorePlan("optimizer", pool, off.nvme_path, reserve, off.integrity)
 
 
