@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
+import weakref
 
 import torch
 
@@ -26,11 +28,18 @@ def test_dropping_a_store_with_io_in_flight_runs_no_python_and_cleans_up(nvme_di
         fut = store.write("a", torch.ones(1 << 18))  # held back: in flight when the store goes
         store.write("b", torch.ones(1 << 18))
         dirs = store.directories
+        gone = weakref.ref(store)
         held = {"store": store, "fut": fut}
         del store, fut
         gate.set()
         calls = python_calls_while(held.clear)
         assert calls == [], f"dropping the store ran Python code in the dropping thread: {calls}"
+        # The reaper thread may hold the store for a moment while it completes the released write: the
+        # last reference then goes there, and only after that is the cleanup queued.
+        deadline = time.monotonic() + 30
+        while gone() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gone() is None, "the dropped store was never collected"
         assert finalizer.drain(30)
         assert pool.stats().in_use == 0 and not dirs[0].exists()
     finally:
