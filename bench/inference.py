@@ -57,7 +57,7 @@ STREAMING = ("infinity", "accelerate", "deepspeed")
 SHAPES = {
     # name: (hidden, intermediate, layers, heads, kv heads, vocab) -- TinyLlama's shape, fewer layers
     "1b": (2048, 5632, 20, 32, 4, 32000),
-    "2b": (2048, 5632, 44, 32, 4, 32000),
+    "2b": (2048, 5632, 48, 32, 4, 32000),
     "tiny": (128, 256, 2, 4, 2, 512),
 }
 
@@ -145,6 +145,8 @@ def _load(a: dict):
     kind, model_dir = a["kind"], a["model_dir"]
     if kind == "ram":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).eval()
+        for p in model.parameters():  # from_pretrained may leave tensors mmapped: make them resident, unshared
+            p.data = p.data.clone()
         return model, None, lambda: None
     if kind == "infinity":
         import infinity
@@ -460,7 +462,7 @@ def main() -> int:
     machine["loadavg_end"] = os.getloadavg()
     stem = f"inference{'-quick' if args.quick else ''}"
     note = plot(args, kinds, s, results / f"{stem}.png",
-                f"Llama {numel / 1e9:.2f}B bf16, prompt {args.prompt}, {args.new} new, {platform.node()} "
+                f"Llama {numel / 1e6:.0f}M bf16, prompt {args.prompt}, {args.new} new, {platform.node()} "
                 f"({os.cpu_count()} CPUs), caches dropped, streaming in a {args.limit_gib} GiB cgroup")
     if note:
         notes.append(note)
