@@ -378,8 +378,8 @@ def capacity(args, base: Path, common: dict) -> dict:
         r = run_child({**c, "kind": kind, "batch": 1}, args.limit_nbytes if kind == "infinity" else None)
         if "failed" in r:
             raise SystemExit(f"capacity {kind}: {r['failed']}")
-        out[kind] = {k: r[k] for k in ("prefill_s", "decode_s", "hwm", "cgroup_peak", "cgroup_limit", "read_nbytes",
-                                       "tokens", "load_s")}
+        out[kind] = {k: r[k] for k in ("prefill_s", "decode_s", "steps", "hwm", "hwm_load", "cgroup_peak",
+                                       "cgroup_peak_load", "cgroup_limit", "read_nbytes", "tokens", "load_s")}
         print(f"capacity {kind}: {numel / 1e9:.2f}B, decode {(r['steps'] - 1) / r['decode_s']:.2f} tok/s, peak RSS "
               f"{r['hwm'] / 2**30:.2f} GiB, cgroup peak {(r['cgroup_peak'] or 0) / 2**30:.2f} GiB", flush=True)
     out["tokens_equal"] = out["ram"]["tokens"] == out["infinity"]["tokens"]
