@@ -406,6 +406,7 @@ def main() -> int:
     ap.add_argument("--capacity", action="store_true", help="instead: weights >= 3x the cgroup limit")
     ap.add_argument("--capacity-shape", choices=sorted(SHAPES), default="2b")
     ap.add_argument("--quick", action="store_true", help="a tiny model, batches 1 and 2, 4 new tokens: proves it runs")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (the PNG beside it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -460,8 +461,8 @@ def main() -> int:
     s = summarise(args, kinds, raw, weight_nbytes)
     print_table(args, kinds, s, weight_nbytes)
     machine["loadavg_end"] = os.getloadavg()
-    stem = f"inference{'-quick' if args.quick else ''}"
-    note = plot(args, kinds, s, results / f"{stem}.png",
+    path = args.out or results / f"inference{'-quick' if args.quick else ''}.json"
+    note = plot(args, kinds, s, path.with_suffix(".png"),
                 f"Llama {numel / 1e6:.0f}M bf16, prompt {args.prompt}, {args.new} new, {platform.node()} "
                 f"({os.cpu_count()} CPUs), caches dropped, streaming in a {args.limit_gib} GiB cgroup")
     if note:
@@ -470,7 +471,6 @@ def main() -> int:
            "new": args.new, "batches": args.batches, "repeat": args.repeat, "kinds": kinds,
            "cgroup_limit": args.limit_nbytes, "notes": notes, "machine": machine, **s,
            "runs": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in raw["runs"].items()}}
-    path = results / f"{stem}.json"
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
     return 0
