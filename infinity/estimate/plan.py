@@ -373,8 +373,10 @@ class _Planner:
                        "auto": "host_memory_budget"}.get(off.device, "zero_optimization.offload_param.device")))
         if nv:
             self.add(Item("parameter pool", "host", _pool_nbytes(store.pool), "run",
-                          f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B, pinned, "
-                          "huge pages", ", ".join(store.pool.keys)))
+                          f"buffer_count {off.buffer_count} × buffer_size {off.buffer_size:,} × {b} B"
+                          + (f" (each capped at {format_nbytes(store.pool.buffer_nbytes)}: the pool then holds every "
+                             "shard that may rest on NVMe)" if store.pool.buffer_nbytes < off.buffer_size * b else "")
+                          + ", pinned, huge pages", ", ".join(store.pool.keys)))
             self._swap(f"parameter swap files ({self._at_rest_name()})",
                        rules.swap_nbytes(store.reserve_nbytes, self.block, self._drives(store.nvme_path)),
                        store.nvme_path, "this rank's shards", "zero_optimization.offload_param.nvme_path")

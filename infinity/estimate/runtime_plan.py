@@ -596,7 +596,7 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
     need = max([largest.layout.shard_nbytes, *_sub_group_nvme_nbytes(units, homes, sub_groups),
                 round_up(schedule.pool_working_set_nbytes, DIRECT_ALIGNMENT) if schedule else 0])
     b = itemsize(dtype)
-    pool = PoolPlan("params", int(off.buffer_count), int(off.buffer_size) * b, _pin(off.pin_memory),
+    pool = PoolPlan("params", int(off.buffer_count), _param_buffer_nbytes(units, off, b), _pin(off.pin_memory),
                     PARAM_POOL_KEYS, need)
     refusal = None
     if largest.layout.shard_nbytes > pool.capacity_nbytes:
@@ -605,6 +605,17 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
     at_rest = [formats[u.index].nbytes if formats is not None else u.layout.shard_nbytes for u in nvme]
     store = StorePlan("params", pool, off.nvme_path, sum(at_rest), off.integrity)
     return store, refusal
+
+
+def _param_buffer_nbytes(units: Sequence[ParamUnit], off: OffloadParamConfig, b: int) -> int:
+    """offload_param.buffer_size in bytes, capped so that the pool holds no more than every shard that may
+    rest on NVMe (all but the persistent units) at once: the pool is a byte slab that serves any mix of
+    shards, so room past that is never used, and the defaults (5 × 1e8 elements: 2 GB in fp32) would
+    otherwise be allocated and touched for any model. The cap does not depend on which units a placement
+    puts on NVMe, so the placement planner's host need stays additive ([Note: the placement planner])."""
+    asked = int(off.buffer_size) * b
+    everything = sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in units if not u.persistent)
+    return min(asked, round_up(-(-everything // int(off.buffer_count)), DIRECT_ALIGNMENT))
 
 
 def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | None],

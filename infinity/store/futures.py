@@ -81,6 +81,7 @@ class IoOp:
         "claimed",
         "_finished",
         "t0",
+        "preparer",
         "__weakref__",
     )
 
@@ -97,6 +98,9 @@ class IoOp:
         self.claimed = False
         self._finished = False
         self.t0 = time.monotonic()
+        # Who will submit an op registered without its request: the registering thread, right after
+        # it releases the store lock (read_path.prepare_read / submit_read).
+        self.preparer = threading.current_thread() if req is None else None
 
     def attach(self, req: Any) -> None:
         with _settle_cv:
@@ -137,12 +141,23 @@ class IoOp:
         return None
 
     def _wait_submitted(self, timeout: float | None) -> bool:
+        self._fail_if_orphaned()
         return wait_until(
             lambda s: _wait_for(lambda: self.req is not None, s),
             what=lambda: f"the {self.describe()} to be submitted (its thread is still preparing it)",
             log=log,
             timeout=timeout,
         )
+
+    def _fail_if_orphaned(self) -> None:
+        """An op its preparer can no longer submit fails instead of being waited for forever: the waiter
+        is the preparer itself (an exception, KeyboardInterrupt above all, landed between registering
+        and submitting, and the thread went on to close the store), or the preparer is gone."""
+        t = self.preparer
+        if self.req is None and t is not None and (t is threading.current_thread() or not t.is_alive()):
+            self.fail_submit(RuntimeError(
+                f"the {self.describe()} was never submitted: thread {t.name}, which registered it, was "
+                "interrupted before it could (the read failed; fetch the keys again)"))
 
     def describe(self) -> str:
         """What the op is, for messages: "read of 3 keys (1.0 MiB), started 2.0 s ago"."""

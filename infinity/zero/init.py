@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -431,6 +432,22 @@ class _InitMode(TorchFunctionMode):
             self.store.attach(module)
 
 
+INIT_SECTIONS = ("zero_optimization", "aio")
+"""The parts of a config zero.Init reads."""
+
+
+def _init_sections(config: Any) -> dict[str, Any]:
+    """The sections of ``config`` (a path, a mapping, None) that zero.Init reads. An "auto" elsewhere
+    (lr, batch sizes: HF writes its configs full of them) is for initialize() to fill, so a config
+    written for HF's Trainer builds a model under Init with no arguments, as under DeepSpeed's."""
+    from infinity.config import read_config_file
+
+    if config is None:
+        return {"zero_optimization": {"stage": 3}}
+    raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else dict(config)
+    return {k: raw[k] for k in INIT_SECTIONS if k in raw}
+
+
 class Init:
     """Context manager: modules built inside have their parameters partitioned as they are created.
 
@@ -455,8 +472,7 @@ class Init:
         group = DataParallelGroup()
         cfg = self.config
         if not isinstance(cfg, InfinityConfig):
-            cfg = load_config(cfg if cfg is not None else {"zero_optimization": {"stage": 3}},
-                              world_size=group.world_size, **self.auto_values)
+            cfg = load_config(_init_sections(cfg), world_size=group.world_size, **self.auto_values)
         zero = cfg.zero_optimization
         if zero.stage != 3:
             log.warning("zero.Init does nothing with zero_optimization.stage=%d (it partitions for stage 3)", zero.stage)

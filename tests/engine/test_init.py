@@ -169,3 +169,31 @@ def test_writes_through_views_of_parameters_are_kept(nvme_dir):
         for n, p in model.named_parameters():
             assert torch.equal(p, plain[n]), n
         assert (model.emb.weight[1] == 0).all() and (model.b.weight[0, 0] == 2.0)
+
+
+def test_a_config_with_autos_init_does_not_read_needs_no_arguments(nvme_dir, tmp_path):
+    """HF writes lr, batch sizes and bucket sizes as "auto"; zero.Init reads only zero_optimization and
+    aio, so it builds with no arguments (as deepspeed.zero.Init does) and initialize fills the rest."""
+    import json
+
+    cfg = engine_config(3, "nvme", "nvme", nvme_dir, gas=1)
+    cfg["optimizer"]["params"]["lr"] = "auto"
+    cfg["train_micro_batch_size_per_gpu"] = "auto"
+    cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = "auto"
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(cfg))
+    for config in (cfg, path):
+        torch.manual_seed(0)
+        with infinity.zero.Init(config):
+            model = MODELS["gpt"]()
+        engine = infinity.initialize(model, config, lr=1e-3, train_micro_batch_size_per_gpu=2)
+        try:
+            assert engine.get_lr() == [1e-3]
+            loss = engine(*batch(0, 0, 0))
+            engine.backward(loss)
+            engine.step()
+        finally:
+            engine.close()
+    with pytest.raises(TypeError, match="learning_rat"):  # a name that is no argument is still refused
+        with infinity.zero.Init(cfg, learning_rat=1e-3):
+            pass

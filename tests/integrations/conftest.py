@@ -1,7 +1,8 @@
-"""Fixtures for the framework adapters: deepspeed unimportable, and no process group or
-environment left behind by a Lightning run."""
+"""Fixtures for the framework adapters: deepspeed unimportable, and no process group,
+environment or "infinity" logger level left behind by a Lightning run."""
 
 import gc
+import logging
 import os
 import sys
 
@@ -25,7 +26,8 @@ def no_deepspeed():
         assert not leaked, f"deepspeed modules were imported: {leaked}"
 
 
-def _restore(before: dict[str, str]) -> None:
+def _restore(before: dict[str, str], level: int) -> None:
+    logging.getLogger("infinity").setLevel(level)  # the strategies set it as DeepSpeedStrategy sets deepspeed's
     if dist.is_initialized():
         dist.destroy_process_group()
     for k in set(os.environ) - set(before):
@@ -43,12 +45,14 @@ def _restore(before: dict[str, str]) -> None:
 @pytest.fixture(autouse=True, scope="module")
 def clean_module():
     before = dict(os.environ)
+    level = logging.getLogger("infinity").level
     yield
-    _restore(before)
+    _restore(before, level)
 
 
 @pytest.fixture(autouse=True)
 def clean_process():
     before = dict(os.environ)
+    level = logging.getLogger("infinity").level
     yield
-    _restore(before)
+    _restore(before, level)

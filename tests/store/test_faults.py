@@ -197,3 +197,29 @@ def test_unregistering_the_key_whose_write_failed_ends_the_fault(make_store):
     store.unregister("a")  # its data is discarded on purpose: nothing is left unwritten
     assert store.fault is None
     store.write("b", torch.ones(1024)).result(10)
+
+
+def test_a_read_interrupted_before_submission_does_not_hang_close(make_store, monkeypatch):
+    """KeyboardInterrupt landing between a read's registration (under the lock) and its submission
+    (after it) left an op no thread would submit, and close() waited for it forever (seen as a save
+    loop that never exited after Ctrl-C). The thread that registered it now fails it when it waits."""
+    import faulthandler
+
+    import infinity.store.read_path as read_path
+
+    store = make_store()
+    _written(store, ["k.0", "k.1"])
+    submit = read_path.submit_read
+
+    def interrupted(st, op, items):
+        monkeypatch.setattr(read_path, "submit_read", submit)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(read_path, "submit_read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.fetch_many(["k.0", "k.1"])
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the run with tracebacks, not never
+    try:
+        store.close()  # by the registering thread itself, as interpreter exit does
+    finally:
+        faulthandler.cancel_dump_traceback_later()
