@@ -51,6 +51,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _cgroup  # bench/ is on sys.path: this file runs as a script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ["plain", "infinity", "grads-in-host", "no-integrity", "planner-100", "planner-50", "planner-10", "plain-bf16", "bf16",
@@ -103,7 +105,7 @@ def child(a: dict) -> dict:
                 "duplicate_reads", "stall_s")}
         engine.close()
     out.update(times=times, cpus=cpus, io=io, hwm=peak_host_nbytes(), losses=losses)  # VmHWM + hugetlb pages
-    out["cgroup_peak"] = _cgroup_peak(a.get("cgroup"))
+    out["cgroup_peak"] = _cgroup.peak(a.get("cgroup"))
     return out
 
 
@@ -167,7 +169,7 @@ def _infinity(gpt, corpus, a, out):
         budget, floor, state = _planner_budget(model, cfg, BUDGETS[kind])
         cfg["host_memory_budget"] = budget
         out.update(budget_nbytes=budget, floor_nbytes=floor, state_nbytes=state,
-                   cgroup_limit=_enforce(a.get("cgroup"), budget))
+                   cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget))
     engine = infinity.initialize(model, cfg)
     out.update(_plan_record(engine.runtime.plan))
 
@@ -254,80 +256,18 @@ def _deepspeed(gpt, corpus, a):
                           "checksum_caller_s": 0.0}
 
 
-# -- memory cgroups ---------------------------------------------------------------------------
-
-
-def _cgroup_root() -> tuple[Path, str] | None:
-    """Where this process may make a memory cgroup, and its version ("v2" or "v1"); None if nowhere."""
-    v2 = Path("/sys/fs/cgroup")
-    controllers = v2 / "cgroup.controllers"
-    if controllers.exists() and "memory" in controllers.read_text().split():
-        return v2, "v2"
-    v1 = v2 / "memory"
-    if (v1 / "memory.limit_in_bytes").exists():
-        return v1, "v1"
-    return None
-
-
-def _make_cgroup(name: str) -> str | None:
-    root = _cgroup_root()
-    if root is None:
-        return None
-    path = root[0] / name
-    try:
-        path.mkdir()
-    except OSError:
-        return None
-    return str(path)
-
-
-def _join(cgroup: str | None) -> None:
-    if cgroup:
-        (Path(cgroup) / "cgroup.procs").write_text(str(os.getpid()))
-
-
-def _usage(cgroup: Path) -> int:
-    f = cgroup / ("memory.current" if (cgroup / "memory.current").exists() else "memory.usage_in_bytes")
-    return int(f.read_text())
-
-
-def _enforce(cgroup: str | None, budget: int) -> int | None:
-    """Limits this process's cgroup to what it holds now plus ``budget``; returns the limit."""
-    if not cgroup:
-        return None
-    path = Path(cgroup)
-    limit = _usage(path) + budget
-    f = path / ("memory.max" if (path / "memory.max").exists() else "memory.limit_in_bytes")
-    f.write_text(str(limit))
-    return limit
-
-
-def _cgroup_peak(cgroup: str | None) -> int | None:
-    if not cgroup:
-        return None
-    path = Path(cgroup)
-    for name in ("memory.peak", "memory.max_usage_in_bytes"):
-        if (path / name).exists():
-            return int((path / name).read_text())
-    return None
-
-
 # -- the parent: interleaved runs ------------------------------------------------------------
 
 
 def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
-    cgroup = _make_cgroup(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
+    cgroup = _cgroup.make(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
     a = {"kind": kind, "params": args.params, "seq": args.seq, "micro_batch": args.micro_batch,
          "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup}
     try:
         r = subprocess.run([sys.executable, __file__, "--child", json.dumps(a)], capture_output=True, text=True,
                            cwd=ROOT)
     finally:
-        if cgroup:
-            try:
-                os.rmdir(cgroup)
-            except OSError:
-                pass
+        _cgroup.remove(cgroup)
     if r.returncode != 0:
         raise SystemExit(f"{kind} run failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -354,7 +294,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.child is not None:
         a = json.loads(args.child)
-        _join(a.get("cgroup"))
+        _cgroup.join(a.get("cgroup"))
         print(json.dumps(child(a)))
         return 0
     kinds = args.kinds.split(",") if args.kinds else list(KINDS)
@@ -374,7 +314,7 @@ def main() -> int:
         notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency); where it "
                      "is, this row runs DeepSpeed ZeRO-3 with params and optimizer on NVMe, "
                      "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init")
-    if any(k in BUDGETS for k in kinds) and _cgroup_root() is None:
+    if any(k in BUDGETS for k in kinds) and _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller): the planner's "
                      "budgets are planned for but not enforced")
     for n in notes:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-SCRIPTS = sorted(BENCH.glob("*.py"))
+SCRIPTS = sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))  # _*.py: helpers
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])

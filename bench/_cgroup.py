@@ -1,0 +1,100 @@
+"""Memory cgroups and the page cache for the benches: helpers, not a bench (tests/test_benchmarks.py skips
+files whose names start with "_").
+
+A bench runs each contender in a fresh subprocess; where it must not serve repeated reads from the page
+cache, the parent makes a memory cgroup for it (``make``), the child joins it (``join``) and the cgroup's
+limit (``limit`` or ``enforce``) keeps the weights' pages from staying cached. cgroup v2 (``memory.max``)
+and v1 (``memory.limit_in_bytes``) alike. Every step degrades to a no-op where the process may not do it
+(not root, no memory controller): callers record a note and go on, so ``--quick`` runs anywhere.
+
+Threading: none; each function is one file write.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def root() -> tuple[Path, str] | None:
+    """Where this process may make a memory cgroup, and its version ("v2" or "v1"); None if nowhere."""
+    v2 = Path("/sys/fs/cgroup")
+    controllers = v2 / "cgroup.controllers"
+    if controllers.exists() and "memory" in controllers.read_text().split():
+        return v2, "v2"
+    v1 = v2 / "memory"
+    if (v1 / "memory.limit_in_bytes").exists():
+        return v1, "v1"
+    return None
+
+
+def make(name: str) -> str | None:
+    """A new memory cgroup named ``name`` (its path), or None where none can be made."""
+    where = root()
+    if where is None:
+        return None
+    path = where[0] / name
+    try:
+        path.mkdir()
+    except OSError:
+        return None
+    return str(path)
+
+
+def remove(cgroup: str | None) -> None:
+    if cgroup:
+        try:
+            os.rmdir(cgroup)
+        except OSError:
+            pass
+
+
+def join(cgroup: str | None) -> None:
+    """Moves this process into ``cgroup`` (None: stays where it is)."""
+    if cgroup:
+        (Path(cgroup) / "cgroup.procs").write_text(str(os.getpid()))
+
+
+def usage(cgroup: str | Path) -> int:
+    path = Path(cgroup)
+    f = path / ("memory.current" if (path / "memory.current").exists() else "memory.usage_in_bytes")
+    return int(f.read_text())
+
+
+def limit(cgroup: str | None, limit_nbytes: int) -> int | None:
+    """Sets the cgroup's memory limit (page cache included); returns it, or None where there is no cgroup."""
+    if not cgroup:
+        return None
+    path = Path(cgroup)
+    f = path / ("memory.max" if (path / "memory.max").exists() else "memory.limit_in_bytes")
+    f.write_text(str(limit_nbytes))
+    return limit_nbytes
+
+
+def enforce(cgroup: str | None, budget_nbytes: int) -> int | None:
+    """Limits the cgroup to what it holds now plus ``budget_nbytes``; returns the limit."""
+    if not cgroup:
+        return None
+    return limit(cgroup, usage(cgroup) + budget_nbytes)
+
+
+def peak(cgroup: str | None) -> int | None:
+    """The cgroup's peak charge (memory.peak on v2, memory.max_usage_in_bytes on v1), page cache included."""
+    if not cgroup:
+        return None
+    path = Path(cgroup)
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        if (path / name).exists():
+            return int((path / name).read_text())
+    return None
+
+
+def drop_caches() -> bool:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False where not permitted (not root, a container)."""
+    subprocess.run(["sync"], check=False)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
