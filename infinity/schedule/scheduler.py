@@ -919,26 +919,7 @@ class PrefetchScheduler:
         return True
 
     def _reclaim(self, nbytes: int) -> None:
-        """The pool's reclaimer: someone waits for ``nbytes`` of pool memory (see [Note: across the step boundary]
-A step's end no longer has to stop the reading: the next step replays the
-newest trace from its start, so the scheduler can read ahead for it while the
-current one finishes.
-- ``end_step(keep_for_next=True)`` (a micro-step inside an accumulation
-  window: nothing changes the parameters before the next forward) keeps what
-  it holds on its own judgement for the next step's uses within max_live of
-  its start — the backward's last units are the next forward's first — and
-  goes on prefetching from the next trace's start.
-- ``prefetch_next_step()`` (after an optimizer step has been started, which
-  changes the parameters: the engine calls it once the step's per-unit gate
-  is in place) prefetches from the next trace's start as ``ready`` allows:
-  each unit once its update is in place (with the step's fresh copy still
-  resident, a hold with no read).
-Between steps the walk follows the next trace from position 0, within the
-same budgets and pool rules; ``begin_step`` takes over what is held then, and
-a next step that leaves the trace gives it back as any divergence does.
-``abort_step`` and a plain ``end_step()`` give everything back, as before.
-
-[Note: pool room]).
+        """The pool's reclaimer: someone waits for ``nbytes`` of pool memory (see [Note: pool room]).
 
         Called by the waiting thread with no pool or store lock held. Idle cache
         entries the scheduler knows go first, then what it holds on its own
