@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -37,6 +38,8 @@ from infinity.config import ConfigError, read_config_file
 from infinity.engine import Engine
 
 CONFIG_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"  # the variable Lightning's DeepSpeed strategies read
+log = logging.getLogger("infinity.integrations")
+
 DEFAULT_NVME_PATH = "./infinity_nvme"
 TAG = "checkpoint"  # Lightning's DeepSpeed strategies save under this tag
 
@@ -135,6 +138,43 @@ def strategy_config(
     if any(activation_checkpointing.values()):
         cfg["activation_checkpointing"] = activation_checkpointing
     return cfg
+
+
+def configure_strategy(strategy: Any, args: Mapping[str, Any]) -> None:
+    """What InfinityStrategy and InfinityFabricStrategy do with DeepSpeedStrategy's keyword arguments
+    (``args``, as the caller was given them) past their base class: the config (``config=``, else
+    the one DeepSpeedStrategy would build), the attributes both read later, the fp16 loss-scale
+    settings and the "infinity" logger's level (as DeepSpeedStrategy sets deepspeed's)."""
+    a = args
+    strategy.config = read_config(a["config"])
+    if strategy.config is None:
+        strategy.config = strategy_config(
+            zero_optimization=a["zero_optimization"], stage=a["stage"], offload_optimizer=a["offload_optimizer"],
+            offload_parameters=a["offload_parameters"], offload_params_device=a["offload_params_device"],
+            offload_optimizer_device=a["offload_optimizer_device"], nvme_path=a["nvme_path"],
+            params_buffer_count=a["params_buffer_count"], params_buffer_size=a["params_buffer_size"],
+            max_in_cpu=a["max_in_cpu"], optimizer_buffer_count=a["optimizer_buffer_count"],
+            pin_memory=a["pin_memory"],
+            aio={k: a[k] for k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")},
+            zero_knobs={k: a[k] for k in ("sub_group_size", "contiguous_gradients", "overlap_comm",
+                                          "allgather_partitions", "reduce_scatter", "allgather_bucket_size",
+                                          "reduce_bucket_size")},
+            activation_checkpointing={k: a[k] for k in ("partition_activations", "cpu_checkpointing",
+                                                        "contiguous_memory_optimization",
+                                                        "synchronize_checkpoint_boundary")},
+            logging_batch_size_per_gpu=a["logging_batch_size_per_gpu"] or "auto",
+            zero_allow_untested_optimizer=a["zero_allow_untested_optimizer"],
+        )
+    strategy.remote_device = a["remote_device"]
+    strategy.nvme_path = a["nvme_path"]
+    strategy.load_full_weights = a["load_full_weights"]
+    if a["exclude_frozen_parameters"]:
+        log.info("exclude_frozen_parameters=True: infinity's checkpoints hold every parameter, frozen ones too")
+    strategy.exclude_frozen_parameters = a["exclude_frozen_parameters"]
+    strategy._fp16 = {k: a[k] for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                                        "min_loss_scale")}
+    logging.getLogger("infinity").setLevel(a["logging_level"])
+    strategy._config_formatted = False
 
 
 def make_default_nvme_path(config: Mapping[str, Any]) -> None:

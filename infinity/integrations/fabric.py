@@ -174,6 +174,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         start_method: str = "popen",
     ) -> None:
+        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -184,38 +185,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self._backward_sync_control = _EngineAccumulation()
-        self.config = shared.read_config(config)
-        if self.config is None:
-            self.config = shared.strategy_config(
-                zero_optimization=zero_optimization, stage=stage, offload_optimizer=offload_optimizer,
-                offload_parameters=offload_parameters, offload_params_device=offload_params_device,
-                offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path,
-                params_buffer_count=params_buffer_count, params_buffer_size=params_buffer_size,
-                max_in_cpu=max_in_cpu, optimizer_buffer_count=optimizer_buffer_count, pin_memory=pin_memory,
-                aio={"block_size": block_size, "queue_depth": queue_depth, "single_submit": single_submit,
-                     "overlap_events": overlap_events, "thread_count": thread_count},
-                zero_knobs={"sub_group_size": sub_group_size, "contiguous_gradients": contiguous_gradients,
-                            "overlap_comm": overlap_comm, "allgather_partitions": allgather_partitions,
-                            "reduce_scatter": reduce_scatter, "allgather_bucket_size": allgather_bucket_size,
-                            "reduce_bucket_size": reduce_bucket_size},
-                activation_checkpointing={
-                    "partition_activations": partition_activations, "cpu_checkpointing": cpu_checkpointing,
-                    "contiguous_memory_optimization": contiguous_memory_optimization,
-                    "synchronize_checkpoint_boundary": synchronize_checkpoint_boundary},
-                logging_batch_size_per_gpu=logging_batch_size_per_gpu or "auto",
-                zero_allow_untested_optimizer=zero_allow_untested_optimizer,
-            )
-        self.remote_device = remote_device
-        self.nvme_path = nvme_path
-        self.load_full_weights = load_full_weights
-        if exclude_frozen_parameters:
-            log.info("exclude_frozen_parameters=True: infinity's checkpoints hold every parameter, frozen ones too")
-        self.exclude_frozen_parameters = exclude_frozen_parameters
-        self._fp16 = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
-                      "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
-                      "min_loss_scale": min_loss_scale}
-        logging.getLogger("infinity").setLevel(logging_level)
-        self._config_formatted = False
+        shared.configure_strategy(self, args)
         self._engine_modules: list[shared.EngineModule] = []
 
     # -- precision ---------------------------------------------------------------------

@@ -216,6 +216,7 @@ class InfinityStrategy(DDPStrategy):
         cpu_offload_params: bool | None = None,
         cpu_offload_use_pin_memory: bool | None = None,
     ) -> None:
+        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -225,41 +226,11 @@ class InfinityStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        offload_optimizer = offload_optimizer if cpu_offload is None else cpu_offload
-        offload_parameters = offload_parameters if cpu_offload_params is None else cpu_offload_params
-        pin_memory = pin_memory if cpu_offload_use_pin_memory is None else cpu_offload_use_pin_memory
-        self.config = shared.read_config(config)
-        if self.config is None:
-            self.config = shared.strategy_config(
-                zero_optimization=zero_optimization, stage=stage, offload_optimizer=offload_optimizer,
-                offload_parameters=offload_parameters, offload_params_device=offload_params_device,
-                offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path,
-                params_buffer_count=params_buffer_count, params_buffer_size=params_buffer_size,
-                max_in_cpu=max_in_cpu, optimizer_buffer_count=optimizer_buffer_count, pin_memory=pin_memory,
-                aio={"block_size": block_size, "queue_depth": queue_depth, "single_submit": single_submit,
-                     "overlap_events": overlap_events, "thread_count": thread_count},
-                zero_knobs={"sub_group_size": sub_group_size, "contiguous_gradients": contiguous_gradients,
-                            "overlap_comm": overlap_comm, "allgather_partitions": allgather_partitions,
-                            "reduce_scatter": reduce_scatter, "allgather_bucket_size": allgather_bucket_size,
-                            "reduce_bucket_size": reduce_bucket_size},
-                activation_checkpointing={
-                    "partition_activations": partition_activations, "cpu_checkpointing": cpu_checkpointing,
-                    "contiguous_memory_optimization": contiguous_memory_optimization,
-                    "synchronize_checkpoint_boundary": synchronize_checkpoint_boundary},
-                logging_batch_size_per_gpu=logging_batch_size_per_gpu,
-                zero_allow_untested_optimizer=zero_allow_untested_optimizer,
-            )
-        self.remote_device = remote_device
-        self.nvme_path = nvme_path
-        self.load_full_weights = load_full_weights
-        if exclude_frozen_parameters:
-            log.info("exclude_frozen_parameters=True: infinity's checkpoints hold every parameter, frozen ones too")
-        self.exclude_frozen_parameters = exclude_frozen_parameters
-        self._fp16 = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
-                      "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
-                      "min_loss_scale": min_loss_scale}
-        logging.getLogger("infinity").setLevel(logging_level)
-        self._config_formatted = False
+        for name, alias in (("offload_optimizer", cpu_offload), ("offload_parameters", cpu_offload_params),
+                            ("pin_memory", cpu_offload_use_pin_memory)):  # Lightning 1.x's names
+            if alias is not None:
+                args[name] = alias
+        shared.configure_strategy(self, args)
         self._engine_module: shared.EngineModule | None = None
 
     # -- precision -------------------------------------------------------------------
