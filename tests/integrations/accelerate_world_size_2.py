@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tests.integrations.accelerate_runs import auto_config, infinity_run, plain_run
+from tests.integrations.subprocesses import leave_process_group
 
 WORLD_SIZE = 2
 
@@ -24,6 +25,7 @@ def main(mode: str, out: str, nvme: str) -> None:
         losses = plain_run(world_size=WORLD_SIZE)[0]
     assert dist.is_initialized() and dist.get_world_size() == WORLD_SIZE
     Path(out, f"{mode}.rank{dist.get_rank()}.json").write_text(json.dumps({"losses": losses}))
+    leave_process_group()
 
 
 if __name__ == "__main__":

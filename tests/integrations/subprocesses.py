@@ -38,3 +38,14 @@ def run(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 180
     assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out[-4000:]}\n{err[-8000:]}"
     assert "deepspeed was imported" not in err
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def leave_process_group() -> None:
+    """End a rank script: wait for every rank, then destroy the group. A gloo group left for the
+    interpreter's exit can abort the process ("terminate called without an active exception": its
+    threads are still joinable when their destructors run), which the plain DDP references hit at random."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

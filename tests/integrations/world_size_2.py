@@ -22,6 +22,7 @@ from tests.integrations.lightning_runs import (
     loader,
     trainer,
 )
+from tests.integrations.subprocesses import leave_process_group
 
 WORLD_SIZE = 2
 EPOCHS = 2
@@ -51,6 +52,7 @@ def main(mode: str, out: str, nvme: str) -> None:
         losses, val_losses, _, _ = fabric_run(strategy, epochs=EPOCHS, devices=WORLD_SIZE)
         rank = dist.get_rank()
     Path(out, f"{mode}.rank{rank}.json").write_text(json.dumps({"losses": losses, "val_losses": val_losses}))
+    leave_process_group()
 
 
 if __name__ == "__main__":
