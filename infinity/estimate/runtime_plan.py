@@ -511,17 +511,40 @@ def partitioner_working_set(
     """The most (non-persistent, ``counts``) unit bytes the stage-3 partitioner holds at once: the
     heaviest root-to-leaf chain of modules' units (a frame holds its module's units while its children
     run) plus the largest unit again (a tied weight is held from its first use in backward to its last).
-    ``full``: gathered units (world size > 1) instead of this rank's shards."""
+    ``full``: gathered units (world size > 1) instead of this rank's shards.
+
+    A model that checkpoints its layers (``checkpoints_layers``) holds more in backward: the
+    recomputation of a layer hands every unit of it to backward until the unit's grads are reduced
+    ([Note: recomputation under stage 3]), so a layer of a ModuleList counts its whole subtree, and
+    one more largest unit is kept free: the layer's units, of several sizes, are released in another
+    order than they were taken, and the pool's best fit can leave the free bytes in runs each smaller
+    than the next unit while the thread that waits is the one holding the rest."""
+    checkpointing = checkpoints_layers(model)
 
     def size(u: ParamUnit) -> int:
         return u.full_nbytes if full else u.layout.shard_nbytes
 
+    def own(m: nn.Module) -> int:
+        return sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
+
+    def subtree(m: nn.Module) -> int:
+        return own(m) + sum(subtree(c) for c in m.children())
+
     def chain(m: nn.Module) -> int:
-        own = sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
-        return own + max((chain(c) for c in m.children()), default=0)
+        if checkpointing and isinstance(m, nn.ModuleList):
+            return own(m) + max((subtree(c) for c in m.children()), default=0)
+        return own(m) + max((chain(c) for c in m.children()), default=0)
 
     largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
-    return chain(model) + largest
+    return chain(model) + largest * (2 if checkpointing else 1)
+
+
+def checkpoints_layers(model: nn.Module) -> bool:
+    """Whether the model recomputes its layers in backward, as transformers models and
+    infinity.models.GPT say once ``gradient_checkpointing_enable()`` is called (a module's
+    ``gradient_checkpointing`` attribute set True). A model that calls a checkpoint function by other
+    means is not seen here; the estimate traces it (estimate/traced.py)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _unit_sub_groups(units: Sequence[ParamUnit], limit: int) -> tuple[tuple[int, ...], ...]:

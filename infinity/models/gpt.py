@@ -5,6 +5,9 @@ top-level forward: a parameter read outside its owner's forward, which the
 stage-3 partitioner must handle (DeepSpeed needs ``register_external_parameter``).
 Initialisation follows GPT-2 (normal 0.02, residual projections scaled by
 1/sqrt(2 * n_layer)) and is deterministic for a given torch seed.
+``gradient_checkpointing_enable()`` (transformers' name) recomputes each
+block in backward instead of keeping its activations: the same numbers, a
+fraction of the activation memory.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -99,11 +103,20 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.gradient_checkpointing = False
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Keep only each block's input for backward and recompute the block there (torch's non-reentrant
+        checkpoint, which stage 3's hooks see as a second forward of the block's units)."""
+        self.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.gradient_checkpointing = False
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -122,7 +135,10 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         x = self.ln_f(x)
         logits = F.linear(x, self.wte.weight)  # tied head, read outside wte's forward
         if targets is None:

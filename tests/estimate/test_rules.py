@@ -308,3 +308,21 @@ def test_the_schedulers_refusals_are_foreseen_exactly(nvme_dir, what):
                 infinity.initialize(GPT(MODEL), raw)
         else:
             infinity.initialize(GPT(MODEL), raw).close()
+
+
+def test_a_checkpointing_model_holds_a_whole_layer_in_backward():
+    """With gradient_checkpointing_enable() the recomputation hands each unit of a block to backward
+    until its grads are reduced: the working set is the heaviest block plus two largest units (the tied
+    weight held through backward, and room for the free bytes to be split); without, one chain."""
+    cfg = load_config(_config(3, "nvme", "nvme", nvme="/x", stage3_param_persistence_threshold=100))
+    model = GPT(MODEL)
+    plain = plan_runtime(model, cfg, world_size=1).schedule
+    model.gradient_checkpointing_enable()
+    ckpt = plan_runtime(model, cfg, world_size=1).schedule
+    units = cut_units(model, cfg, world_size=1, device=torch.device("meta"))
+    block = max(sum(u.layout.shard_nbytes for m in b.modules() for u in units.uses.get(m, ()) if not u.persistent)
+                for b in model.blocks)
+    largest = max(u.layout.shard_nbytes for u in units.units if not u.persistent)
+    assert ckpt.working_set_nbytes == block + 2 * largest
+    assert plain.working_set_nbytes < ckpt.working_set_nbytes
+    assert plain.working_set_nbytes < block + largest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -177,6 +178,11 @@ def test_infinity_gpt_keeps_its_measured_coefficients():
         assert est.activations == gpt_activations(cfg, micro_batch=B, seq=T, itemsize=4)
         assert "measured coefficients" in est.activations.source
         assert not est.checkpointing
+    checkpointed = GPT(dataclasses.replace(cfg, n_layer=8))  # deep enough that checkpointing saves memory
+    checkpointed.gradient_checkpointing_enable()
+    est = estimate_memory(checkpointed, **kw)
+    assert est.checkpointing
+    assert est.activations.peak(checkpointing=True) < est.activations.peak(checkpointing=False)
 
 
 def test_a_model_built_under_zero_init_is_counted_at_its_true_shapes():

@@ -8,7 +8,8 @@ Three models, each checkpointed the way its users do it:
   GPT-2 keeps its dropout: the recomputation must replay the same masks.
 - ``gpt``: infinity.models.GPT whose blocks are called through a checkpoint
   function (``checkpoint(block, x)``: the block's ``__call__``, hooks and all,
-  runs again), torch's in either mode or infinity.checkpointing's.
+  runs again), torch's in either mode or infinity.checkpointing's; or, with
+  mode ``builtin``, its own ``gradient_checkpointing_enable()``.
 
 The oracle is plain PyTorch on the same model with the same checkpointing:
 torch AdamW (foreach off) and clip_grad_norm_ in fp32; in bf16 the
@@ -88,7 +89,9 @@ def checkpoint_fn(mode: str) -> Callable:
 
 def gpt(mode: str | None) -> nn.Module:
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, bias=False))
-    if mode:
+    if mode == "builtin":
+        model.gradient_checkpointing_enable()
+    elif mode:
         model.blocks = nn.ModuleList(Checkpointed(b, checkpoint_fn(mode)) for b in model.blocks)
     return model
 
