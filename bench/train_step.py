@@ -33,7 +33,8 @@ equal plain PyTorch's (bf16: plain-bf16's, within bf16's rounding).
   python bench/train_step.py                      # ~150M, seq 256, 3 repeats, every kind
   python bench/train_step.py --kinds plain,planner-50
   python bench/train_step.py --kinds plain,infinity,no-integrity --repeat 5   # integrity's cost
-  python bench/train_step.py --capacity 2e9       # the largest model trained 3 steps (and a check at 300M)
+  python bench/train_step.py --capacity 2e9       # the largest model trained 3 steps, every block
+                                                  # checkpointed (and a check against plain at 300M)
   python bench/train_step.py --quick              # seconds: proves it still runs
 """
 
@@ -115,6 +116,8 @@ def _plain(gpt, corpus, a, *, bf16: bool):
     from infinity.models import GPT
 
     model = GPT(gpt)
+    if a.get("checkpointing"):
+        model.gradient_checkpointing_enable()
     params = list(model.parameters())
     if bf16:  # fp32 masters stepped by AdamW; a bf16 copy runs forward and backward
         masters = [p.detach().clone().requires_grad_(True) for p in params]
@@ -165,6 +168,8 @@ def _infinity(gpt, corpus, a, out):
         zero[section]["integrity"] = kind != "no-integrity"
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
+    if a.get("checkpointing"):
+        model.gradient_checkpointing_enable()
     if kind in BUDGETS:
         budget, floor, state = _planner_budget(model, cfg, BUDGETS[kind])
         cfg["host_memory_budget"] = budget
@@ -262,7 +267,8 @@ def _deepspeed(gpt, corpus, a):
 def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
     cgroup = _cgroup.make(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
     a = {"kind": kind, "params": args.params, "seq": args.seq, "micro_batch": args.micro_batch,
-         "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup}
+         "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup,
+         "checkpointing": bool(getattr(args, "checkpointing", False))}
     try:
         r = subprocess.run([sys.executable, __file__, "--child", json.dumps(a)], capture_output=True, text=True,
                            cwd=ROOT)
@@ -445,11 +451,13 @@ def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[fl
 
 
 def capacity(args: argparse.Namespace, base: str) -> int:
-    """A model far larger than memory, 3 steps with the planner at its least budget, in a cgroup; then
-    plain PyTorch and the same configuration at --capacity-check parameters, whose losses must agree."""
+    """A model far larger than memory, 3 steps with the planner at its least budget, in a cgroup, every
+    block checkpointed (GPT.gradient_checkpointing_enable); then plain PyTorch and the same configuration
+    at --capacity-check parameters, whose losses must agree."""
     out = {}
     for label, params in (("capacity", args.capacity), ("check", args.capacity_check)):
-        args.params, args.steps, args.warmup = params, 3, 0
+        # Every block checkpointed: activations are the one thing besides the pools that grows with the model.
+        args.params, args.steps, args.warmup, args.checkpointing = params, 3, 0, True
         kinds = ["planner-0"] + (["plain"] if label == "check" else [])
         for kind in kinds:
             with tempfile.TemporaryDirectory(dir=base) as nvme:
