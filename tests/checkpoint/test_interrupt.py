@@ -27,12 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TRIES = 5
 
 CHILD = textwrap.dedent("""
-    import sys, time, torch
+    import faulthandler, os, signal, sys, time, torch
     from pathlib import Path
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump if it hangs
     torch.set_num_threads(1)
     from tests.checkpoint.helpers import config, make_engine, train
 
     swap, ckpt = Path(sys.argv[1]), Path(sys.argv[2])
+    counter = os.open(sys.argv[3], os.O_WRONLY | os.O_CREAT, 0o644)
     engine, _ = make_engine("gpt", config(3, "nvme", "nvme", swap), seed=0)
     train(engine, 0, 1)
     t = time.perf_counter()
@@ -42,10 +44,19 @@ CHILD = textwrap.dedent("""
     while True:
         i += 1
         engine.save_checkpoint(ckpt, tag=f"t{i % 2}")
+        os.pwrite(counter, str(i).encode().ljust(12), 0)  # the parent tells a hang from a swallowed interrupt
         if i > 10_000:
             print("carried on", flush=True)
             sys.exit(3)
 """)
+
+
+def _saves(counter: Path) -> int:
+    """How many saves the child has finished since "ready" (it writes the count to ``counter``)."""
+    try:
+        return int(counter.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 @pytest.mark.slow
@@ -53,7 +64,8 @@ def test_sigint_during_save_checkpoint_always_raises_keyboard_interrupt(nvme_dir
     rng = random.Random(int(time.time()))
     for attempt in range(TRIES):
         ckpt = tmp_path / f"ckpt{attempt}"
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(nvme_dir), str(ckpt)], cwd=ROOT,
+        counter = tmp_path / f"saves{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(nvme_dir), str(ckpt), str(counter)], cwd=ROOT,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
@@ -65,9 +77,18 @@ def test_sigint_during_save_checkpoint_always_raises_keyboard_interrupt(nvme_dir
             try:
                 _out, err = child.communicate(timeout=60)
             except subprocess.TimeoutExpired:
+                # Tell a swallowed interrupt (saves went on) from a hang (saves stopped): count the saves
+                # made in the last seconds, and take every thread's stack.
+                before = _saves(counter)
+                time.sleep(2)
+                after = _saves(counter)
+                child.send_signal(signal.SIGUSR1)
+                time.sleep(2)
                 child.kill()
                 _out, err = child.communicate()
-                pytest.fail(f"try {attempt}: SIGINT was swallowed, the save loop carried on:\n{err[-3000:]}")
+                what = "SIGINT was swallowed, the save loop carried on" if after > before else "a save hung"
+                pytest.fail(f"try {attempt}: {what} ({before}, then {after} saves 2 s later); every thread's "
+                            f"stack:\n{err[-12000:]}")
         finally:
             if child.poll() is None:
                 child.kill()
