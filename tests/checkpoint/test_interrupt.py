@@ -30,6 +30,9 @@ CHILD = textwrap.dedent("""
     import faulthandler, os, signal, sys, time, torch
     from pathlib import Path
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's stack dump if it hangs
+    # Ctrl-C as a terminal delivers it: a test run started in the background ("cmd &" in a script) hands
+    # its children SIGINT ignored, and Python then installs no handler: every save went on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_num_threads(1)
     from tests.checkpoint.helpers import config, make_engine, train
 
