@@ -12,6 +12,7 @@
 #include <system_error>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 #include "aio/aligned_buffer.h"
 #include "aio/checksum.h"
@@ -105,12 +106,18 @@ auto without_gil(F&& f) -> decltype(f()) {
 // runs no Python code (a __del__ can swallow a KeyboardInterrupt that lands
 // in it). The kept objects are touched only with the GIL held; the destructor
 // drains the engine before dropping them, so nothing is freed under the I/O.
+// Dropping a kept object can run Python code (a buffer's on-free callable),
+// and Python code can hand the GIL to another thread, which may then submit or
+// release on this engine: so an entry is moved out of kept_ and dropped only
+// after kept_ is left consistent, never while it is being iterated or erased
+// (a sweep that dropped entries in place crashed the store bench about once in
+// six runs while another thread released a request).
 class PyEngine {
  public:
   explicit PyEngine(const EngineOptions& o) : engine_(std::make_unique<Engine>(o)) {}
   ~PyEngine() {
     engine_->shutdown();  // drains: every kept buffer is free to go after this
-    kept_.clear();
+    drop_all();
   }
   Engine& engine() { return *engine_; }
 
@@ -122,7 +129,12 @@ class PyEngine {
     }
     return req;
   }
-  void release(const std::shared_ptr<Request>& req) { kept_.erase(req.get()); }
+  void release(const std::shared_ptr<Request>& req) {
+    auto it = kept_.find(req.get());
+    if (it == kept_.end()) return;
+    Kept gone = std::move(it->second);
+    kept_.erase(it);
+  }  // gone is dropped here, with kept_ consistent
   bool wait_all(double timeout) {
     bool idle = without_gil([&] { return engine_->wait_all(timeout); });
     sweep();
@@ -130,7 +142,7 @@ class PyEngine {
   }
   void shutdown() {
     without_gil([&] { engine_->shutdown(); });
-    kept_.clear();
+    drop_all();
   }
   size_t kept() const { return kept_.size(); }
 
@@ -140,9 +152,20 @@ class PyEngine {
     py::object keep;
   };
   void sweep() {
-    for (auto it = kept_.begin(); it != kept_.end();)
-      it = it->second.req->done() ? kept_.erase(it) : std::next(it);
+    std::vector<Kept> gone;
+    for (auto it = kept_.begin(); it != kept_.end();) {
+      if (it->second.req->done()) {
+        gone.push_back(std::move(it->second));
+        it = kept_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     sweep_at_ = std::max<size_t>(64, 2 * kept_.size());
+  }  // gone is dropped here, after the loop
+  void drop_all() {
+    std::unordered_map<const Request*, Kept> gone;
+    gone.swap(kept_);
   }
 
   std::unique_ptr<Engine> engine_;
