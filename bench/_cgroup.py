@@ -2,18 +2,21 @@
 files whose names start with "_").
 
 A bench runs each contender in a fresh subprocess; where it must not serve repeated reads from the page
-cache, the parent makes a memory cgroup for it (``make``), the child joins it (``join``) and the cgroup's
+cache, the parent makes a memory cgroup for it (``make``), the child joins it (``join``, or ``serve_child``
+for the whole child: join, run, print the JSON result) and the cgroup's
 limit (``limit`` or ``enforce``) keeps the weights' pages from staying cached. cgroup v2 (``memory.max``)
 and v1 (``memory.limit_in_bytes``) alike. Every step degrades to a no-op where the process may not do it
 (not root, no memory controller): callers record a note and go on, so ``--quick`` runs anywhere.
 
-Threading: none; each function is one file write.
+Threading: none; each function but serve_child is one file write.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -98,3 +101,12 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
+
+
+def serve_child(spec: str, run: Callable[[dict], dict]) -> int:
+    """A bench's child process: joins the cgroup its JSON ``spec`` names (if any), runs ``run`` on the
+    spec and prints the result as the last line of stdout, which the parent reads."""
+    a = json.loads(spec)
+    join(a.get("cgroup"))
+    print(json.dumps(run(a)))
+    return 0

@@ -410,10 +410,7 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        a = json.loads(args.child)
-        _cgroup.join(a.get("cgroup"))
-        print(json.dumps(child(a)))
-        return 0
+        return _cgroup.serve_child(args.child, child)
     if args.quick:
         args.shape, args.prompt, args.new, args.batches, args.repeat = "tiny", 16, 4, "1,2", 1
         args.buffer_size = 1 << 17

@@ -268,7 +268,7 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
     cgroup = _cgroup.make(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
     a = {"kind": kind, "params": args.params, "seq": args.seq, "micro_batch": args.micro_batch,
          "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup,
-         "checkpointing": bool(getattr(args, "checkpointing", False))}
+         "checkpointing": args.checkpointing}
     try:
         r = subprocess.run([sys.executable, __file__, "--child", json.dumps(a)], capture_output=True, text=True,
                            cwd=ROOT)
@@ -295,14 +295,13 @@ def main() -> int:
                          "can spill on NVMe, report training-state bytes / peak RSS, and check the losses "
                          "against plain PyTorch at --capacity-check parameters")
     ap.add_argument("--capacity-check", type=float, default=300e6, metavar="PARAMS")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="every block checkpointed (GPT.gradient_checkpointing_enable); --capacity sets it")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        a = json.loads(args.child)
-        _cgroup.join(a.get("cgroup"))
-        print(json.dumps(child(a)))
-        return 0
+        return _cgroup.serve_child(args.child, child)
     kinds = args.kinds.split(",") if args.kinds else list(KINDS)
     if args.quick:
         args.params, args.seq, args.steps, args.warmup, args.repeat = 2e6, 64, 2, 1, 1
