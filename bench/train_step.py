@@ -12,9 +12,9 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
   grads-in-host  the same with offload_optimizer.grads_in_host
   planner-100    "device": "auto": the placement planner within a host budget of what the run needs
   planner-50     with everything on NVMe, plus 100%, 50% or 10% of the training state; the process
-  planner-10     runs in a memory cgroup whose limit is that budget plus what it held at initialize
-                 (memory.max on cgroup v2, memory.limit_in_bytes on v1), so the page cache cannot
-                 hold what the planner spilled
+  planner-10     runs in a memory cgroup whose limit is that budget plus what it held at initialize,
+                 plus 32 MiB + 1% (memory.max on cgroup v2, memory.limit_in_bytes on v1), so the page
+                 cache cannot hold what the planner spilled
   no-integrity   "infinity" with the swap-file checksums off ("integrity": false in both offload
                  sections): its step-time ratio to "infinity" is the cost of integrity
   plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
@@ -59,6 +59,12 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["plain", "infinity", "grads-in-host", "no-integrity", "planner-100", "planner-50", "planner-10", "plain-bf16", "bf16",
          "deepspeed"]
 QUICK_KINDS = ["plain", "infinity", "planner-10"]
+def cgroup_slack_nbytes(budget: int) -> int:
+    """The cgroup holds what the process has now, the budget and this: what it allocates between the limit
+    being set and initialize's pre-flight check, which judges the plan against the room left in the cgroup."""
+    return (32 << 20) + budget // 100
+
+
 BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
 """Share of the training state the planner may keep in host memory, on top of what the run needs with
 every array on NVMe (planner-0: the capacity runs)."""
@@ -174,7 +180,7 @@ def _infinity(gpt, corpus, a, out):
         budget, floor, state = _planner_budget(model, cfg, BUDGETS[kind])
         cfg["host_memory_budget"] = budget
         out.update(budget_nbytes=budget, floor_nbytes=floor, state_nbytes=state,
-                   cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget))
+                   cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)))
     engine = infinity.initialize(model, cfg)
     out.update(_plan_record(engine.runtime.plan))
 
@@ -275,7 +281,7 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
     finally:
         _cgroup.remove(cgroup)
     if r.returncode != 0:
-        raise SystemExit(f"{kind} run failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+        raise SystemExit(f"{kind} run failed (exit {r.returncode}):\n{r.stderr[-12000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -1,6 +1,7 @@
 """MachineView: the memory and disk a run can use here — free RAM, free huge pages, GPUs, free space.
 
-Read from the OS at call time (infinity.host: /proc/meminfo, /proc/self/status; statvfs,
+Read from the OS at call time (infinity.host: /proc/meminfo, /proc/self/status, this
+process's memory cgroup, whose limit caps what is available inside a container; statvfs,
 torch.cuda.mem_get_info); nothing is allocated. ``machine_view()`` is what
 the estimator checks settings against and what ``infinity doctor`` prints
 (``describe_machine``). Also here: the process baseline — the resident memory
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from infinity.host import hugetlb_free_nbytes, meminfo, mount_of
+from infinity.host import CgroupMemory, hugetlb_free_nbytes, meminfo, memory_cgroup, mount_of
 from infinity.memory import format_nbytes, resident_host_nbytes
 from infinity.store import nvme_path
 
@@ -47,7 +48,8 @@ class DiskInfo:
 class MachineView:
     mem_total_nbytes: int
     mem_available_nbytes: int
-    """/proc/meminfo MemAvailable: what can be allocated without swapping."""
+    """What can be allocated without swapping or an OOM kill: /proc/meminfo MemAvailable, capped by the
+    room left under this process's memory cgroup limit where one is set."""
     hugetlb_free_nbytes: int
     """Free pages of the hugetlb pool (not in MemAvailable); pinned pools take them first."""
     cpu_count: int
@@ -55,6 +57,8 @@ class MachineView:
     disks: tuple[DiskInfo, ...]
     self_rss_nbytes: int
     """This process's resident memory now (VmRSS + hugetlb pages)."""
+    cgroup: CgroupMemory | None = None
+    """The memory cgroup whose limit binds this process (a container's, a service's); None if unlimited."""
 
     @property
     def has_cuda(self) -> bool:
@@ -122,14 +126,19 @@ def machine_view(nvme_paths: Iterable[str | os.PathLike] = ()) -> MachineView:
             free, total = torch.cuda.mem_get_info(i)
             gpus.append(GPUInfo(i, torch.cuda.get_device_name(i), total, free))
     disks = tuple(disk_info(p) for p in dict.fromkeys(os.fspath(p) for p in nvme_paths))
+    available = info.get("MemAvailable", info.get("MemFree", 0))
+    cgroup = memory_cgroup()
+    if cgroup is not None:
+        available = min(available, cgroup.available_nbytes)
     return MachineView(
         mem_total_nbytes=info.get("MemTotal", 0),
-        mem_available_nbytes=info.get("MemAvailable", info.get("MemFree", 0)),
+        mem_available_nbytes=available,
         hugetlb_free_nbytes=hugetlb_free_nbytes(),
         cpu_count=os.cpu_count() or 1,
         gpus=tuple(gpus),
         disks=disks,
         self_rss_nbytes=process_rss_nbytes(),
+        cgroup=cgroup,
     )
 
 
@@ -142,6 +151,10 @@ def describe_machine(view: MachineView | None = None, nvme_paths: Iterable[str |
            if v.hugetlb_free_nbytes else ""),
         f"cpus         {v.cpu_count}",
     ]
+    if v.cgroup is not None:
+        lines.insert(1, f"memory limit {format_nbytes(v.cgroup.limit_nbytes)} on this process's cgroup "
+                        f"({v.cgroup.version}, {v.cgroup.path}), {format_nbytes(v.cgroup.available_nbytes)} of it "
+                        "free: the available memory above counts no more")
     if v.gpus:
         for g in v.gpus:
             lines.append(

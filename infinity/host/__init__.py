@@ -1,4 +1,4 @@
-"""What the host offers, read from the kernel: memory, this process's footprint, CPU, mounts, sysctls.
+"""What the host offers, read from the kernel: memory, its cgroup limit, this process's footprint, CPU, mounts, sysctls.
 
 The one place that reads /proc and /sys. Every probe returns a typed value
 and says "unknown" (0, '', None, empty) where the file cannot be read instead
@@ -9,6 +9,13 @@ the parsing is tested against fixed samples as well as the live system.
 The lowest layer: imports nothing else from infinity (and not torch).
 """
 
+from infinity.host.cgroup import (
+    CgroupMemory,
+    memory_cgroup,
+    memory_cgroups,
+    parse_memory_stat,
+    parse_proc_cgroup,
+)
 from infinity.host.cpu import CpuInfo, cpu_flags, cpu_info, cpu_model, parse_cpuinfo
 from infinity.host.filesystems import Mount, find_mount, mount_of, mounts, parse_mounts, unescape
 from infinity.host.kernel import can_drop_caches, drop_caches, io_uring_disabled, sysctl, sysctl_int
@@ -34,6 +41,7 @@ from infinity.host.process import (
 )
 
 __all__ = [
+    "CgroupMemory",
     "CpuInfo",
     "MemoryMap",
     "Mount",
@@ -47,6 +55,8 @@ __all__ = [
     "hugetlb_nbytes",
     "io_uring_disabled",
     "mapped_paths",
+    "memory_cgroup",
+    "memory_cgroups",
     "meminfo",
     "memory_maps",
     "memory_total_nbytes",
@@ -55,8 +65,10 @@ __all__ = [
     "open_fds",
     "parse_cpuinfo",
     "parse_maps",
+    "parse_memory_stat",
     "parse_meminfo",
     "parse_mounts",
+    "parse_proc_cgroup",
     "parse_start_time",
     "parse_status",
     "parse_transparent_hugepage",
