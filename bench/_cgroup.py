@@ -1,4 +1,4 @@
-"""Memory cgroups and the page cache for the benches: helpers, not a bench (tests/test_benchmarks.py skips
+"""Memory cgroups, the page cache and the hugetlb pool for the benches: helpers, not a bench (tests/test_benchmarks.py skips
 files whose names start with "_").
 
 A bench runs each contender in a fresh subprocess; where it must not serve repeated reads from the page
@@ -7,16 +7,19 @@ for the whole child: join, run, print the JSON result) and the cgroup's
 limit (``limit`` or ``enforce``) keeps the weights' pages from staying cached. cgroup v2 (``memory.max``)
 and v1 (``memory.limit_in_bytes``) alike. Every step degrades to a no-op where the process may not do it
 (not root, no memory controller): callers record a note and go on, so ``--quick`` runs anywhere.
+``huge_pages`` reserves 2 MiB pages for a reference run (fio's buffers) and gives them back after it, so
+that the contenders never get them.
 
 Threading: none; each function but serve_child is one file write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -93,6 +96,20 @@ def peak(cgroup: str | None) -> int | None:
     return None
 
 
+def major_faults(cgroup: str | None) -> int | None:
+    """Major page faults of the cgroup's processes so far (memory.stat pgmajfault, v1 and v2)."""
+    if not cgroup:
+        return None
+    try:
+        for line in (Path(cgroup) / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key in ("pgmajfault", "total_pgmajfault"):
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def drop_caches() -> bool:
     """``sync; echo 3 > /proc/sys/vm/drop_caches``; False where not permitted (not root, a container)."""
     subprocess.run(["sync"], check=False)
@@ -101,6 +118,26 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
+
+
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+HUGE_PAGE = 2 << 20
+
+
+@contextlib.contextmanager
+def huge_pages(nbytes: int) -> Iterator[bool]:
+    """Grows the hugetlb pool by ``nbytes`` in 2 MiB pages for the block and restores its size after; yields
+    whether the pages are there (False where not root, or the kernel found too little contiguous memory)."""
+    try:
+        before = int(NR_HUGEPAGES.read_text())
+        NR_HUGEPAGES.write_text(f"{before + -(-nbytes // HUGE_PAGE)}\n")
+    except (OSError, ValueError):
+        yield False
+        return
+    try:
+        yield int(NR_HUGEPAGES.read_text()) >= before + -(-nbytes // HUGE_PAGE)
+    finally:
+        NR_HUGEPAGES.write_text(f"{before}\n")
 
 
 def serve_child(spec: str, run: Callable[[dict], dict]) -> int:

@@ -25,10 +25,16 @@ the first forward), decode tokens/s (batch x (new - 1) over the rest, timed by a
 every step), peak RSS (VmHWM + hugetlb pages), the cgroup's peak charge, bytes read from the block
 device (/proc/self/io read_bytes) per decode step, and whether the greedy tokens equal the ram run's.
 Bounds: the disk bound (weight bytes per pass / fio sequential read GB/s, fio io_uring direct=1 1 MiB
-qd32 on the same file system, measured each repeat) and the compute bound (the ram run).
+qd32 on the same file system with buffers in 2 MiB pages, measured each repeat; as root the bench reserves
+those pages in the hugetlb pool for fio's run alone and gives them back) and the compute bound (the ram
+run). The issue's target is decode >= 0.9 x min(bounds) at the largest batch that fits.
+
+``--batches`` takes ``max``: the largest batch whose generation fits the cgroup limit by infinity's own
+estimate (``estimate_inference`` for this model and pool; the limit is set after loading, so the
+generation phase alone must fit it), up to ``--max-batch``.
 
     python bench/inference.py                      # ~1.0B Llama, prompt 128, 16 new, batches 1 and 8
-    python bench/inference.py --batches 1,8,32 --repeat 3
+    python bench/inference.py --batches 1,8,max --repeat 3
     python bench/inference.py --capacity           # weights >= 3x the cgroup limit: tokens equal plain's
     python bench/inference.py --quick              # seconds: a tiny model, batches 1 and 2
 
@@ -127,8 +133,12 @@ def _limit_after_load(cgroup: str | None, limit_nbytes: int | None) -> int | Non
         return None
     try:
         _cgroup.limit(cgroup, limit_nbytes)
-    except OSError as e:
-        raise SystemExit(f"could not limit the cgroup to {limit_nbytes} bytes after loading: {e}") from None
+    except OSError as e:  # EBUSY: the kernel could not reclaim enough to get under it
+        from infinity.memory import resident_host_nbytes
+
+        raise SystemExit(f"could not limit the cgroup to {limit_nbytes / 2**30:.2f} GiB after loading ({e}): "
+                         f"the contender holds {resident_host_nbytes() / 2**30:.2f} GiB resident, its cgroup "
+                         f"{_cgroup.usage(cgroup) / 2**30:.2f} GiB") from None
     for path in (Path("/proc/self/clear_refs"), Path(cgroup) / "memory.max_usage_in_bytes", Path(cgroup) / "memory.peak"):
         try:
             path.write_text("5\n" if path.name == "clear_refs" else "0\n")
@@ -152,9 +162,7 @@ def _load(a: dict):
         import infinity
         from infinity.inference import from_pretrained
 
-        cfg = {"zero_optimization": {"stage": 3, "offload_param": {
-            "device": "nvme", "nvme_path": a["nvme"], "max_in_cpu": 0, "buffer_count": a["buffer_count"],
-            "buffer_size": a["buffer_size"]}}}
+        cfg = infinity_config(a["nvme"], a["buffer_count"], a["buffer_size"])
         model = from_pretrained(model_dir, cfg)
         engine = infinity.initialize(model, cfg)
         return model, engine, engine.close
@@ -167,7 +175,37 @@ def _load(a: dict):
         model.eval()
         disk_offload(model, a["offload_dir"], execution_device=torch.device("cpu"))
         return model, None, lambda: None
+    if kind == "deepspeed":
+        return _load_deepspeed(a)
     raise ValueError(f"unknown contender {kind!r}")
+
+
+def _load_deepspeed(a: dict):
+    """DeepSpeed ZeRO-Inference as its docs set it up for Hugging Face models: HfDeepSpeedConfig so that
+    from_pretrained builds under deepspeed.zero.Init, then deepspeed.initialize with no optimizer; the
+    weights on NVMe with the pool infinity gets (buffer_count x buffer_size), nothing kept in host memory."""
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)), ("RANK", "0"),
+                 ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3, "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": a["buffer_count"],
+                              "buffer_size": a["buffer_size"], "max_in_cpu": 0},
+        },
+    }
+    keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 -- must outlive from_pretrained: it routes it through zero.Init
+    model = AutoModelForCausalLM.from_pretrained(a["model_dir"], dtype=torch.bfloat16, local_files_only=True)
+    engine = deepspeed.initialize(model=model, config=ds_cfg)[0]
+    engine.module.eval()
+    return engine.module, None, lambda: None
 
 
 # -- the parent: model files, fio, interleaved runs ----------------------------------------------------
@@ -205,8 +243,13 @@ def make_model(base: Path, shape: str) -> tuple[Path, Path, int, int]:
     return model_dir, offload_dir, numel, nbytes
 
 
-def fio_read_gbps(base: Path, nbytes: int) -> float | None:
-    """fio's sequential O_DIRECT read GB/s on ``base``'s file system (io_uring, 1 MiB, qd32); None without fio."""
+FIO_BLOCK, FIO_DEPTH = 1 << 20, 32
+
+
+def fio_read_gbps(base: Path, nbytes: int) -> tuple[float, str] | None:
+    """fio's sequential O_DIRECT read GB/s on ``base``'s file system (io_uring, 1 MiB, qd32) and the buffers
+    it read into ("shmhuge": 2 MiB pages, reserved for this run where root may; else "malloc"); None
+    without fio."""
     from infinity.cli import iobench
     from infinity.cli.fio import fio_path
 
@@ -214,16 +257,65 @@ def fio_read_gbps(base: Path, nbytes: int) -> float | None:
         return None
     f = iobench.TestFile(str(base), nbytes, name="infinity-bench-inference-fio.dat")
     f.prepare()
-    return iobench.fio_job(iobench.Setting(1 << 20, 32), f, "read", "shmhuge", direct=True).run()
+    # fio's shmhuge segment: block x depth, plus room for its alignment
+    with _cgroup.huge_pages(FIO_BLOCK * FIO_DEPTH + (4 << 20)):
+        job = iobench.fio_job(iobench.Setting(FIO_BLOCK, FIO_DEPTH), f, "read", "shmhuge", direct=True)
+        return job.run(), job.iomem
 
 
-def run_child(a: dict, limit_nbytes: int | None) -> dict:
+def infinity_config(nvme: str, buffer_count: int, buffer_size: int) -> dict:
+    """The streaming config infinity runs (and is estimated) with: weights on NVMe, none kept in host memory."""
+    return {"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": nvme, "max_in_cpu": 0, "buffer_count": buffer_count,
+        "buffer_size": buffer_size}}}
+
+
+def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) -> tuple[int, dict]:
+    """The largest batch (up to ``cap``) whose generation phase fits ``limit_nbytes`` by infinity's estimate
+    for this model and pool, and the estimate's generation-phase bytes at that batch and the next.
+
+    Only the generation phase is held to the limit because the bench sets the limit once the model is
+    loaded (see [the limit after loading] in child)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from infinity.estimate import estimate_inference
+
+    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
+    cfg = infinity_config(common["base"], common["buffer_count"], common["buffer_size"])
+
+    def generation_nbytes(b: int) -> int:
+        plan = estimate_inference(meta, config=cfg, batch=b, prompt=common["prompt"], gen=common["new"],
+                                  zero_init=True, machine=False).plan
+        return plan.tier_nbytes("host", "train") + plan.tier_nbytes("device", "train")
+
+    lo, hi = 0, cap + 1  # generation_nbytes grows with the batch: bisect for the last b that fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if generation_nbytes(mid) <= limit_nbytes else (lo, mid)
+    if lo == 0:
+        raise SystemExit(f"--batches max: not even batch 1 fits the {limit_nbytes / 2**30:.2f} GiB limit by the "
+                         f"estimate ({generation_nbytes(1) / 2**30:.2f} GiB); raise --limit-gib or shrink the pool")
+    return lo, {"batch": lo, "generation_nbytes": generation_nbytes(lo), "limit_nbytes": limit_nbytes,
+                "next_batch_nbytes": generation_nbytes(lo + 1), "capped": lo == cap}
+
+
+def run_child(a: dict, limit_nbytes: int | None, timeout_s: float | None = None) -> dict:
     cgroup = _cgroup.make(f"infinity-bench-inference-{os.getpid()}-{a['kind']}-{time.monotonic_ns()}")
     a = {**a, "cgroup": cgroup, "limit": limit_nbytes if cgroup else None}
     try:
         with tempfile.TemporaryDirectory(dir=a["base"]) as nvme:
-            r = subprocess.run([sys.executable, __file__, "--child", json.dumps({**a, "nvme": nvme})],
-                               capture_output=True, text=True, cwd=ROOT)
+            try:
+                r = subprocess.run([sys.executable, __file__, "--child", json.dumps({**a, "nvme": nvme})],
+                                   capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                # a contender whose working set exceeds the limit faults its own pages back in forever
+                faults = _cgroup.major_faults(cgroup)
+                return {"kind": a["kind"], "batch": a["batch"], "failed": (
+                    f"timed out after {timeout_s:.0f} s" + (f" with {faults:,} major page faults in its cgroup "
+                                                           "(thrashing under the limit)" if faults else ""))}
     finally:
         _cgroup.remove(cgroup)
     if r.returncode != 0:
@@ -238,19 +330,22 @@ def _stats(xs: list[float]) -> dict:
 def interleaved(args, kinds: list[str], common: dict, weight_nbytes: int, notes: list[str]) -> dict:
     runs: dict[str, list[dict]] = {f"{k}/{b}": [] for k in kinds for b in args.batches}
     fio: list[float] = []
+    fio_iomem: set[str] = set()
     dropped = True
     for rep in range(args.repeat):
-        g = fio_read_gbps(Path(common["base"]), args.fio_nbytes)
-        if g is not None:
+        measured = fio_read_gbps(Path(common["base"]), args.fio_nbytes)
+        if measured is not None:
+            g, iomem = measured
             fio.append(g)
-            print(f"repeat {rep + 1}/{args.repeat}: fio seq read {g:.2f} GB/s", flush=True)
+            fio_iomem.add(iomem)
+            print(f"repeat {rep + 1}/{args.repeat}: fio seq read {g:.2f} GB/s ({iomem} buffers)", flush=True)
         for batch in args.batches:
             shift = rep % len(kinds)
             for kind in kinds[shift:] + kinds[:shift]:
                 dropped &= _cgroup.drop_caches()
                 limit = args.limit_nbytes if kind in STREAMING else None
                 t = time.perf_counter()
-                r = run_child({**common, "kind": kind, "batch": batch}, limit)
+                r = run_child({**common, "kind": kind, "batch": batch}, limit, args.timeout)
                 r["load1"] = os.getloadavg()[0]
                 runs[f"{kind}/{batch}"].append(r)
                 if "failed" in r:
@@ -263,7 +358,10 @@ def interleaved(args, kinds: list[str], common: dict, weight_nbytes: int, notes:
                       f"load {r['load1']:.1f})", flush=True)
     if not dropped:
         notes.append("drop_caches was not permitted (not root): caches were not dropped between runs")
-    return {"runs": runs, "fio_read_gbps": fio}
+    if "malloc" in fio_iomem:
+        notes.append("fio read into malloc'd buffers in some repeats (no 2 MiB pages could be reserved): "
+                     "its disk bound is below what the disk gives huge-page buffers")
+    return {"runs": runs, "fio_read_gbps": fio, "fio_iomem": sorted(fio_iomem)}
 
 
 def summarise(args, kinds: list[str], raw: dict, weight_nbytes: int) -> dict:
@@ -306,11 +404,22 @@ def summarise(args, kinds: list[str], raw: dict, weight_nbytes: int) -> dict:
         if "decode_tok_s" in inf:
             d = inf["decode_tok_s"]["median"]
             bound["infinity_over_min_bound"] = d / bound["min"] if bound["min"] else None
+            # per repeat: each infinity run against the bounds of its own repeat (fio and ram of that round)
+            per = []
+            for i, r in enumerate(raw["runs"][f"infinity/{batch}"]):
+                ram = raw["runs"].get(f"ram/{batch}", [])
+                ram_r = ram[i] if i < len(ram) else None
+                bounds_i = [batch / (weight_nbytes / (fio[i] * 1e9))] if i < len(fio) else []
+                if ram_r is not None and "failed" not in ram_r:
+                    bounds_i.append(batch * (ram_r["steps"] - 1) / ram_r["decode_s"])
+                if "failed" not in r and bounds_i:
+                    per.append(batch * (r["steps"] - 1) / r["decode_s"] / min(bounds_i))
+            bound["infinity_over_min_bound_per_repeat"] = per
             if "decode_tok_s" in acc:
                 bound["infinity_over_accelerate_decode"] = d / acc["decode_tok_s"]["median"]
                 bound["infinity_over_accelerate_prefill"] = (inf["prefill_tok_s"]["median"]
                                                              / acc["prefill_tok_s"]["median"])
-    return {"fio_read_gbps": _stats(fio) if fio else None, "table": table}
+    return {"fio_read_gbps": _stats(fio) if fio else None, "fio_iomem": raw["fio_iomem"], "table": table}
 
 
 def print_table(args, kinds, s: dict, weight_nbytes: int) -> None:
@@ -332,8 +441,9 @@ def print_table(args, kinds, s: dict, weight_nbytes: int) -> None:
         b = s["table"][f"bounds/{batch}"]
         print(f"{'bounds':<11}{batch:>6}  disk {b['disk_decode_tok_s'] or 0:.2f} tok/s "
               f"({weight_nbytes / 1e9:.2f} GB per pass), compute {b['compute_decode_tok_s'] or 0:.2f} tok/s; "
-              f"infinity / min bound {b.get('infinity_over_min_bound') or 0:.2f}, "
-              f"/ accelerate {b.get('infinity_over_accelerate_decode') or 0:.2f} (decode)")
+              f"infinity / min bound {b.get('infinity_over_min_bound') or 0:.2f} (per repeat "
+              f"{', '.join(f'{x:.2f}' for x in b.get('infinity_over_min_bound_per_repeat', [])) or '-'}; "
+              f"target >= 0.9), / accelerate {b.get('infinity_over_accelerate_decode') or 0:.2f} (decode)")
 
 
 def plot(args, kinds, s: dict, path: Path, title: str) -> str | None:
@@ -359,6 +469,12 @@ def plot(args, kinds, s: dict, path: Path, title: str) -> str | None:
         ax.set_xticks([j + width * (len(kinds) - 1) / 2 for j in range(len(args.batches))],
                       [f"batch {b}" for b in args.batches])
         ax.set_yscale("log")
+        low = ax.get_ylim()[0]
+        for i, kind in enumerate(kinds):  # a contender with no run that finished: say so where its bar would be
+            for j, b in enumerate(args.batches):
+                if metric not in s["table"][f"{kind}/{b}"]:
+                    ax.text(j + i * width, low * 1.05, "failed", rotation=90, ha="center", va="bottom", fontsize=7,
+                            color=f"C{i}")
         ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -393,7 +509,11 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=16, help="new tokens per sequence")
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8",
+                    help="comma-separated; 'max' is the largest batch whose generation fits --limit-gib by the estimate")
+    ap.add_argument("--max-batch", type=int, default=256, help="the most 'max' may resolve to")
+    ap.add_argument("--timeout", type=float, default=1800,
+                    help="seconds one contender's run may take before it is killed and reported as failed")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--limit-gib", type=float, default=1.5,
@@ -412,10 +532,9 @@ def main() -> int:
     if args.child is not None:
         return _cgroup.serve_child(args.child, child)
     if args.quick:
-        args.shape, args.prompt, args.new, args.batches, args.repeat = "tiny", 16, 4, "1,2", 1
-        args.buffer_size = 1 << 17
+        args.shape, args.prompt, args.new, args.batches, args.repeat = "tiny", 16, 4, "1,max", 1
+        args.buffer_size, args.max_batch = 1 << 17, 3
         args.base = os.path.abspath("infinity_nvme_bench_inference")
-    args.batches = [int(b) for b in args.batches.split(",")]
     args.limit_nbytes = int(args.limit_gib * 2**30)
     args.fio_nbytes = (64 << 20) if args.quick else (1 << 30)
     base = Path(args.base)
@@ -425,9 +544,6 @@ def main() -> int:
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
         notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency)")
-    if "deepspeed" in kinds:
-        kinds.remove("deepspeed")
-        notes.append("deepspeed: importable, but this bench has no ZeRO-Inference runner yet")
     if _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller): nothing bounded the "
                      "page cache, and no cgroup peak is reported")
@@ -446,6 +562,18 @@ def main() -> int:
         return 0
     model_dir, offload_dir, numel, weight_nbytes = make_model(base, args.shape)
     common.update(model_dir=str(model_dir), offload_dir=str(offload_dir), vocab=SHAPES[args.shape][5])
+    largest = None
+    batches = []
+    for b in args.batches.split(","):
+        if b == "max":
+            n, largest = largest_batch(model_dir, common, args.limit_nbytes, args.max_batch)
+            print(f"largest batch that fits {args.limit_gib} GiB by the estimate: {n} (generation "
+                  f"{largest['generation_nbytes'] / 2**30:.2f} GiB; batch {n + 1}: "
+                  f"{largest['next_batch_nbytes'] / 2**30:.2f} GiB{'; capped by --max-batch' if largest['capped'] else ''})",
+                  flush=True)
+            b = n
+        batches.append(int(b))
+    args.batches = list(dict.fromkeys(batches))
     if weight_nbytes <= args.limit_nbytes:
         notes.append(f"the weights ({weight_nbytes / 2**30:.3f} GiB) fit under the cgroup limit "
                      f"({args.limit_gib} GiB): the page cache may serve repeated passes (a smoke run)")
@@ -466,7 +594,7 @@ def main() -> int:
         notes.append(note)
     out = {"bench": "inference", "params": numel, "weight_nbytes": weight_nbytes, "prompt": args.prompt,
            "new": args.new, "batches": args.batches, "repeat": args.repeat, "kinds": kinds,
-           "cgroup_limit": args.limit_nbytes, "notes": notes, "machine": machine, **s,
+           "cgroup_limit": args.limit_nbytes, "largest_batch": largest, "notes": notes, "machine": machine, **s,
            "runs": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in raw["runs"].items()}}
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
