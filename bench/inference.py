@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 
 import _cgroup  # bench/ is on sys.path: this file runs as a script
+import _deepspeed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["ram", "infinity", "accelerate", "deepspeed"]
@@ -189,9 +190,7 @@ def _load_deepspeed(a: dict):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)), ("RANK", "0"),
-                 ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
+    _deepspeed_env.single_process_env()
     ds_cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},

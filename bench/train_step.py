@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import _cgroup  # bench/ is on sys.path: this file runs as a script
+import _deepspeed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -233,6 +234,7 @@ def _deepspeed(gpt, corpus, a):
 
     from infinity.models import GPT
 
+    _deepspeed_env.single_process_env()
     largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
     buffer = max(largest, 1 << 20)
     ds_cfg = {
@@ -263,8 +265,8 @@ def _deepspeed(gpt, corpus, a):
         engine.step()
         return loss.item()
 
-    return step, lambda: {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0,
-                          "checksum_caller_s": 0.0}
+    # DeepSpeed counts none of its I/O: the block layer's bytes for this process (its aio threads included)
+    return step, lambda: {**_deepspeed_env.block_io_nbytes(), "checksum_s": 0.0, "checksum_caller_s": 0.0}
 
 
 # -- the parent: interleaved runs ------------------------------------------------------------
@@ -417,7 +419,7 @@ def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[fl
     step_s = statistics.median(med[kind])
     read = statistics.median(s["read_nbytes"] for s in io)
     write = statistics.median(s["write_nbytes"] for s in io)
-    wait = statistics.median(s["wait_s"] for s in io)
+    wait = statistics.median(s["wait_s"] for s in io) if all("wait_s" in s for s in io) else None
     first = runs[kind][0]
     ref = REFERENCE.get(kind, "plain")
     rtol = LOSS_RTOL.get(kind, 1e-4)
@@ -445,7 +447,8 @@ def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[fl
         r["read_over_least"] = read / er if er else None
         r["write_over_least"] = write / ew if ew else None
         line += f" (least {er / n:.1f} / {ew / n:.1f})"
-    line += f"; waited {wait:.2f} s for I/O; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
+    line += (f"; waited {wait:.2f} s for I/O" if wait is not None else "; I/O waits not measured")
+    line += f"; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
     if "budget_nbytes" in r:
         line += f" (budget {r['budget_nbytes'] / 2**30:.2f} GiB over {r['floor_nbytes'] / 2**30:.2f} needed anyway"
         line += f", cgroup limit {r['cgroup_limit'] / 2**30:.2f} GiB)" if r.get("cgroup_limit") else ", not enforced)"
