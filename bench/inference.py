@@ -542,7 +542,8 @@ def main() -> int:
     kinds = args.kinds.split(",")
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
-        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency)")
+        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
+                     "bench/deepspeed_venv.sh makes an environment where it is)")
     if _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller): nothing bounded the "
                      "page cache, and no cgroup peak is reported")

@@ -324,8 +324,8 @@ def main() -> int:
     notes = []
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
-        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency); where it "
-                     "is, this row runs DeepSpeed ZeRO-3 with params and optimizer on NVMe, "
+        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
+                     "bench/deepspeed_venv.sh makes an environment where it is); there, this row runs DeepSpeed ZeRO-3 with params and optimizer on NVMe, "
                      "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init")
     if any(k in BUDGETS for k in kinds) and _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller): the planner's "
