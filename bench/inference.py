@@ -27,7 +27,7 @@ device (/proc/self/io read_bytes) per decode step, and whether the greedy tokens
 Bounds: the disk bound (weight bytes per pass / fio sequential read GB/s, fio io_uring direct=1 1 MiB
 qd32 on the same file system with buffers in 2 MiB pages, measured each repeat; as root the bench reserves
 those pages in the hugetlb pool for fio's run alone and gives them back) and the compute bound (the ram
-run). The issue's target is decode >= 0.9 x min(bounds) at the largest batch that fits.
+run). Decode should reach 0.9 x min(bounds) at the largest batch that fits.
 
 ``--batches`` takes ``max``: the largest batch whose generation fits the cgroup limit by infinity's own
 estimate (``estimate_inference`` for this model and pool; the limit is set after loading, so the
@@ -36,7 +36,7 @@ generation phase alone must fit it), up to ``--max-batch``.
     python bench/inference.py                      # ~1.0B Llama, prompt 128, 16 new, batches 1 and 8
     python bench/inference.py --batches 1,8,max --repeat 3
     python bench/inference.py --capacity           # weights >= 3x the cgroup limit: tokens equal plain's
-    python bench/inference.py --quick              # seconds: a tiny model, batches 1 and 2
+    python bench/inference.py --quick              # seconds: a tiny model, batches 1 and max (capped at 3)
 
 Results go to $INFINITY_BENCH_RESULTS or bench/results/ (inference[-quick].json and .png).
 """
