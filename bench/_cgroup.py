@@ -22,6 +22,8 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from infinity.host import parse_memory_stat
+
 
 def root() -> tuple[Path, str] | None:
     """Where this process may make a memory cgroup, and its version ("v2" or "v1"); None if nowhere."""
@@ -101,13 +103,10 @@ def major_faults(cgroup: str | None) -> int | None:
     if not cgroup:
         return None
     try:
-        for line in (Path(cgroup) / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key in ("pgmajfault", "total_pgmajfault"):
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
+        stat = parse_memory_stat((Path(cgroup) / "memory.stat").read_text())
+    except OSError:
+        return None
+    return stat.get("pgmajfault")
 
 
 def drop_caches() -> bool:
@@ -130,12 +129,13 @@ def huge_pages(nbytes: int) -> Iterator[bool]:
     whether the pages are there (False where not root, or the kernel found too little contiguous memory)."""
     try:
         before = int(NR_HUGEPAGES.read_text())
-        NR_HUGEPAGES.write_text(f"{before + -(-nbytes // HUGE_PAGE)}\n")
+        want = before + -(-nbytes // HUGE_PAGE)
+        NR_HUGEPAGES.write_text(f"{want}\n")
     except (OSError, ValueError):
         yield False
         return
     try:
-        yield int(NR_HUGEPAGES.read_text()) >= before + -(-nbytes // HUGE_PAGE)
+        yield int(NR_HUGEPAGES.read_text()) >= want
     finally:
         NR_HUGEPAGES.write_text(f"{before}\n")
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from infinity import host
+
 
 def single_process_env() -> None:
     """The torch.distributed rendezvous of a one-process run, as a launcher would set it: without it,
@@ -17,11 +19,7 @@ def single_process_env() -> None:
 
 
 def block_io_nbytes() -> dict[str, int]:
-    """Bytes this process (every thread) had the block layer read and write so far: /proc/self/io, which
-    counts O_DIRECT transfers (DeepSpeed's aio) and never the page cache's hits."""
-    fields = {}
-    with open("/proc/self/io") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = int(value)
-    return {"read_nbytes": fields.get("read_bytes", 0), "write_nbytes": fields.get("write_bytes", 0)}
+    """The block layer's bytes for this process so far (DeepSpeed counts none of its own I/O), as the
+    train_step bench's I/O stats name them."""
+    read, written = host.block_io_nbytes()
+    return {"read_nbytes": read, "write_nbytes": written}

@@ -44,6 +44,7 @@ Results go to $INFINITY_BENCH_RESULTS or bench/results/ (inference[-quick].json 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -71,18 +72,11 @@ SHAPES = {
 # -- the child: one contender, one batch, one process --------------------------------------------------
 
 
-def _read_bytes() -> int:
-    """Bytes this process (all its threads) had the block layer read: /proc/self/io read_bytes."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
 def child(a: dict) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
+    from infinity.host import block_io_nbytes
     from infinity.memory import peak_host_nbytes
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -108,13 +102,13 @@ def child(a: dict) -> dict:
     g = torch.Generator().manual_seed(1234)
     ids = torch.randint(3, a["vocab"], (a["batch"], a["prompt"]), generator=g)
     clock = Clock()
-    read0 = _read_bytes()
+    read0 = block_io_nbytes()[0]
     start = time.perf_counter()
     with torch.no_grad():
         out = (engine or model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a["new"],
                                          min_new_tokens=a["new"], do_sample=False, pad_token_id=0,
                                          logits_processor=LogitsProcessorList([clock]))
-    read_nbytes = _read_bytes() - read0
+    read_nbytes = block_io_nbytes()[0] - read0
     prefill_s = clock.stamps[0] - start
     decode_s = clock.stamps[-1] - clock.stamps[0]
     res = {"kind": a["kind"], "batch": a["batch"], "load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
@@ -279,15 +273,18 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from infinity.estimate import estimate_inference
+    from infinity.estimate.machine import runtime_baseline_nbytes
 
     hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
     cfg = infinity_config(common["base"], common["buffer_count"], common["buffer_size"])
+    baseline = runtime_baseline_nbytes()  # once: measured per estimate, it would move the bisection's target
 
+    @functools.cache  # each is a whole estimate; the bisection and the report ask for some twice
     def generation_nbytes(b: int) -> int:
         plan = estimate_inference(meta, config=cfg, batch=b, prompt=common["prompt"], gen=common["new"],
-                                  zero_init=True, machine=False).plan
+                                  zero_init=True, machine=False, baseline_nbytes=baseline).plan
         return plan.tier_nbytes("host", "train") + plan.tier_nbytes("device", "train")
 
     lo, hi = 0, cap + 1  # generation_nbytes grows with the batch: bisect for the last b that fits

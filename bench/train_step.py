@@ -60,15 +60,17 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["plain", "infinity", "grads-in-host", "no-integrity", "planner-100", "planner-50", "planner-10", "plain-bf16", "bf16",
          "deepspeed"]
 QUICK_KINDS = ["plain", "infinity", "planner-10"]
+BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
+"""Share of the training state the planner may keep in host memory, on top of what the run needs with
+every array on NVMe (planner-0: the capacity runs)."""
+
+
 def cgroup_slack_nbytes(budget: int) -> int:
     """The cgroup holds what the process has now, the budget and this: what it allocates between the limit
     being set and initialize's pre-flight check, which judges the plan against the room left in the cgroup."""
     return (32 << 20) + budget // 100
 
 
-BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
-"""Share of the training state the planner may keep in host memory, on top of what the run needs with
-every array on NVMe (planner-0: the capacity runs)."""
 LOSS_RTOL = {"bf16": 2e-2}
 """Loss agreement with the reference kind (plain, or plain-bf16 for bf16): 1e-4 relative unless named."""
 REFERENCE = {"bf16": "plain-bf16"}
@@ -325,7 +327,8 @@ def main() -> int:
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
         notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
-                     "bench/deepspeed_venv.sh makes an environment where it is); there, this row runs DeepSpeed ZeRO-3 with params and optimizer on NVMe, "
+                     "bench/deepspeed_venv.sh makes an environment where it is); there, this row runs DeepSpeed "
+                     "ZeRO-3 with params and optimizer on NVMe, "
                      "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init")
     if any(k in BUDGETS for k in kinds) and _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller): the planner's "

@@ -154,7 +154,7 @@ def describe_machine(view: MachineView | None = None, nvme_paths: Iterable[str |
     if v.cgroup is not None:
         lines.insert(1, f"memory limit {format_nbytes(v.cgroup.limit_nbytes)} on this process's cgroup "
                         f"({v.cgroup.version}, {v.cgroup.path}), {format_nbytes(v.cgroup.available_nbytes)} of it "
-                        "free: the available memory above counts no more")
+                        "free: the available memory above is capped to that")
     if v.gpus:
         for g in v.gpus:
             lines.append(

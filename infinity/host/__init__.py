@@ -29,8 +29,10 @@ from infinity.host.memory import (
     transparent_hugepage_mode,
 )
 from infinity.host.process import (
+    block_io_nbytes,
     hugetlb_nbytes,
     open_fds,
+    parse_io,
     parse_start_time,
     parse_status,
     peak_rss_nbytes,
@@ -52,6 +54,7 @@ __all__ = [
     "drop_caches",
     "find_mount",
     "hugetlb_free_nbytes",
+    "block_io_nbytes",
     "hugetlb_nbytes",
     "io_uring_disabled",
     "mapped_paths",
@@ -64,6 +67,7 @@ __all__ = [
     "mounts",
     "open_fds",
     "parse_cpuinfo",
+    "parse_io",
     "parse_maps",
     "parse_memory_stat",
     "parse_meminfo",

@@ -68,16 +68,21 @@ def parse_proc_cgroup(text: str) -> dict[Version, str]:
     return out
 
 
-def parse_memory_stat(text: str, version: Version) -> int:
-    """Inactive file-cache bytes from a cgroup's ``memory.stat`` (v1: the hierarchical total where given)."""
-    fields = {}
+def parse_memory_stat(text: str) -> dict[str, int]:
+    """A cgroup's ``memory.stat`` text -> {field: count} (v1 and v2 alike: ``name value`` lines)."""
+    out: dict[str, int] = {}
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if value.strip().isdigit():
-            fields[key] = int(value)
+            out[key] = int(value)
+    return out
+
+
+def inactive_file_nbytes(stat: dict[str, int], version: Version) -> int:
+    """Page cache the kernel reclaims first, from parsed ``memory.stat`` (v1: the hierarchical total)."""
     if version == "v1":
-        return fields.get("total_inactive_file", fields.get("inactive_file", 0))
-    return fields.get("inactive_file", 0)
+        return stat.get("total_inactive_file", stat.get("inactive_file", 0))
+    return stat.get("inactive_file", 0)
 
 
 def _limit(directory: Path, version: Version) -> int | None:
@@ -103,7 +108,7 @@ def _level(directory: Path, version: Version) -> CgroupMemory | None:
         version=version,
         limit_nbytes=limit,
         usage_nbytes=int(usage) if usage is not None and usage.strip().isdigit() else 0,
-        inactive_file_nbytes=parse_memory_stat(stat, version) if stat is not None else 0,
+        inactive_file_nbytes=inactive_file_nbytes(parse_memory_stat(stat), version) if stat is not None else 0,
     )
 
 

@@ -1,4 +1,4 @@
-"""A process as the kernel counts it: /proc/<pid>/status memory figures, start time, peak reset.
+"""A process as the kernel counts it: /proc/<pid>/status memory figures, block I/O, start time, peak reset.
 
 Peak RSS (VmHWM) and RSS (VmRSS) leave out hugetlb pages (``HugetlbPages``):
 callers that budget memory add them themselves (infinity.memory.usage).
@@ -44,6 +44,24 @@ def rss_nbytes() -> int:
 def hugetlb_nbytes() -> int:
     """Bytes of hugetlb pages this process holds now (HugetlbPages); 0 where unknown."""
     return process_status().get("HugetlbPages", 0)
+
+
+def parse_io(text: str) -> dict[str, int]:
+    """``/proc/<pid>/io`` text -> {field: count} (rchar, read_bytes, write_bytes, ...)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def block_io_nbytes() -> tuple[int, int]:
+    """(read, written) bytes this process, every thread of it, had the block layer transfer so far:
+    O_DIRECT transfers and page-cache misses count, page-cache hits never do; (0, 0) where unknown."""
+    text = read_text("/proc/self/io")
+    io = parse_io(text) if text is not None else {}
+    return io.get("read_bytes", 0), io.get("write_bytes", 0)
 
 
 def reset_peak_rss() -> bool:

@@ -35,10 +35,11 @@ def test_proc_cgroup_lines():
 
 
 def test_memory_stat_inactive_file():
-    assert cgroup.parse_memory_stat(V1_STAT, "v1") == 300  # hierarchical where the kernel gives it
-    assert cgroup.parse_memory_stat("inactive_file 100\n", "v1") == 100
-    assert cgroup.parse_memory_stat(V2_STAT, "v2") == 2048
-    assert cgroup.parse_memory_stat("", "v2") == 0
+    assert cgroup.parse_memory_stat(V2_STAT) == {"anon": 8192, "file": 4096, "inactive_file": 2048, "active_file": 2048}
+    assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(V1_STAT), "v1") == 300  # hierarchical if given
+    assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat("inactive_file 100\n"), "v1") == 100
+    assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(V2_STAT), "v2") == 2048
+    assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(""), "v2") == 0
 
 
 def test_available_counts_reclaimable_cache():

@@ -84,3 +84,39 @@ def test_open_fds_sees_a_new_descriptor():
     finally:
         os.close(fd)
     assert host.open_fds() == before
+
+
+IO = """\
+rchar: 4096
+wchar: 123
+syscr: 3
+syscw: 1
+read_bytes: 1048576
+write_bytes: 8192
+cancelled_write_bytes: 0
+"""
+
+
+def test_io_counters():
+    io = host.parse_io(IO)
+    assert io["read_bytes"] == 1 << 20 and io["write_bytes"] == 8192 and io["cancelled_write_bytes"] == 0
+    assert len(io) == 7
+
+
+def test_block_io_counts_direct_writes(nvme_dir):
+    # O_DIRECT bypasses the page cache: every byte written reaches the block layer, from this thread
+    import mmap
+
+    n = 4 << 20
+    buf = mmap.mmap(-1, n)  # page-aligned, as O_DIRECT needs
+    buf.write(b"x" * n)
+    path = os.path.join(nvme_dir, "block-io.dat")
+    _, written0 = host.block_io_nbytes()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        assert os.pwritev(fd, [buf], 0) == n
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    _, written1 = host.block_io_nbytes()
+    assert written1 - written0 >= n
