@@ -73,12 +73,18 @@ log = logging.getLogger("infinity.estimate")
 
 # [Note: the CPU heap's margin]
 # Measured, not mirrored: peak RSS on the CPU holds more than the live tensors, as glibc's heap keeps
-# freed intermediates. Training transformers' GPT-2 and Llama through infinity.initialize (stage 2,
-# fp32 and bf16, 4-8 layers, micro-batch 4 × 256 tokens, torch 2.13, tests/estimate/probe.py), the
-# peak exceeded the saves by 0.2-1.0 × the layers' saves without checkpointing and by at most one
-# layer's transient (what it allocates beyond its saves) with checkpointing. The figures add the
-# upper end: the layers' saves once more, or one layer's transient; the estimates came out never
-# below the peak and 2-26% above it (the same run's peak varied by up to 15% between runs).
+# freed intermediates. Once torch frees its first multi-MiB tensor, glibc raises its mmap threshold to
+# that size, so every activation up to it comes from the heap, and the heap's top only grows while
+# backward frees saves out of order; which pages stay resident varies from run to run. Training
+# transformers' GPT-2 and Llama through infinity.initialize (stage 2, fp32 and bf16, 4-8 layers,
+# micro-batch 4 × 256 tokens, torch 2.13, tests/estimate/probe.py), the peak exceeded the saves by
+# 0.5-1.2 × the layers' saves without checkpointing (the most with 8 narrow layers, whose 4 MiB
+# activations all stay under the threshold; 1.19 × in 1 of 16 runs) and by at most one layer's
+# transient (what it allocates beyond its saves) with checkpointing. The figures add the upper end
+# with a margin: 1.25 × the layers' saves, or one layer's transient; the estimates came out never
+# below the peak and 1-32% above it (the same run's peak varied by up to 15% between runs).
+HEAP_MARGIN_QUARTERS = 5
+"""The heap's margin without checkpointing, in quarters of the layers' saves ([Note: the CPU heap's margin])."""
 
 Inputs = Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
 """(micro_batch, seq) -> (args, kwargs) on the meta device: a model's forward arguments."""
@@ -274,7 +280,7 @@ def traced_activations(
     if count is None:
         return None
     largest_layer = max(count.layers, default=0)
-    # [Note: the CPU heap's margin]: the layers' saves again without checkpointing, one layer's
+    # [Note: the CPU heap's margin]: 1.25 × the layers' saves without checkpointing, one layer's
     # transient with it (which also holds the recomputed unit's gradients).
     if count.checkpoints:
         saved_checkpointed = count.kept + count.largest_region + max(count.transient, count.largest_region)
@@ -287,7 +293,7 @@ def traced_activations(
     return Activations(
         micro_batch=micro_batch,
         seq=seq,
-        saved=count.saved + sum(count.layers),
+        saved=count.saved + HEAP_MARGIN_QUARTERS * sum(count.layers) // 4,
         saved_checkpointed=saved_checkpointed,
         working=working,
         source=f"counted in one forward of {type(model).__name__}",
