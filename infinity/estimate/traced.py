@@ -82,7 +82,7 @@ log = logging.getLogger("infinity.estimate")
 # activations all stay under the threshold; 1.19 × in 1 of 16 runs) and by at most one layer's
 # transient (what it allocates beyond its saves) with checkpointing. The figures add the upper end
 # with a margin: 1.25 × the layers' saves, or one layer's transient; the estimates came out never
-# below the peak and 1-32% above it (the same run's peak varied by up to 15% between runs).
+# below the peak and 5-32% above it (the same run's peak varied by up to 15% between runs).
 HEAP_MARGIN_QUARTERS = 5
 """The heap's margin without checkpointing, in quarters of the layers' saves ([Note: the CPU heap's margin])."""
 
