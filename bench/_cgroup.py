@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from infinity import host
 from infinity.host import parse_memory_stat
 
 
@@ -110,10 +110,9 @@ def major_faults(cgroup: str | None) -> int | None:
 
 
 def drop_caches() -> bool:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``; False where not permitted (not root, a container)."""
-    subprocess.run(["sync"], check=False)
+    """infinity.host.drop_caches; False where not permitted (not root, a container)."""
     try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        host.drop_caches()
     except OSError:
         return False
     return True

@@ -20,3 +20,13 @@ def read_text(path: str | os.PathLike[str]) -> str | None:
             return f.read()
     except OSError:
         return None
+
+
+def parse_counters(text: str, sep: str) -> dict[str, int]:
+    """``name<sep>count`` lines -> {name: count}; lines whose value is not a plain integer are skipped."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(sep)
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out

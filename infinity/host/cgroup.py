@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from infinity.host._read import read_text
+from infinity.host._read import parse_counters, read_text
 from infinity.host.filesystems import Mount, mounts
 
 PROC_SELF_CGROUP = "/proc/self/cgroup"
@@ -70,12 +70,7 @@ def parse_proc_cgroup(text: str) -> dict[Version, str]:
 
 def parse_memory_stat(text: str) -> dict[str, int]:
     """A cgroup's ``memory.stat`` text -> {field: count} (v1 and v2 alike: ``name value`` lines)."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            out[key] = int(value)
-    return out
+    return parse_counters(text, " ")
 
 
 def inactive_file_nbytes(stat: dict[str, int], version: Version) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from infinity.host._read import read_text
+from infinity.host._read import parse_counters, read_text
 
 
 def parse_status(text: str) -> dict[str, int]:
@@ -48,12 +48,7 @@ def hugetlb_nbytes() -> int:
 
 def parse_io(text: str) -> dict[str, int]:
     """``/proc/<pid>/io`` text -> {field: count} (rchar, read_bytes, write_bytes, ...)."""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if value.strip().isdigit():
-            out[key] = int(value)
-    return out
+    return parse_counters(text, ":")
 
 
 def block_io_nbytes() -> tuple[int, int]:
