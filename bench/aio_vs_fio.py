@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from infinity.cli import iobench
-from infinity.cli.fio import FioError, fio_path, shmhuge_fits
+from infinity import measure
+from infinity.measure import FioError, fio_path, shmhuge_fits
 
 ROOT = Path(__file__).resolve().parent
 TARGETS = {"infinity io_uring": 0.95, "infinity threads": 0.8}
@@ -42,7 +42,7 @@ REFERENCE = "fio hugepages"
 
 
 def deepspeed_runner(
-    setting: iobench.Setting, test_file: iobench.TestFile, op: str
+    setting: measure.Setting, test_file: measure.TestFile, op: str
 ) -> Callable[[], float] | None:
     """A callable timing one DeepSpeed aio run, or None where deepspeed is not importable."""
     try:
@@ -72,11 +72,11 @@ def deepspeed_runner(
 
 
 def contenders(
-    setting: iobench.Setting, test_file: iobench.TestFile, op: iobench.Op, *, whole_file: bool
+    setting: measure.Setting, test_file: measure.TestFile, op: measure.Op, *, whole_file: bool
 ) -> dict[str, Callable[[], float]]:
     def ours(engine: str, ring: int | None = None) -> Callable[[], float]:
-        s = iobench.Setting(setting.block_size, setting.queue_depth, setting.thread_count, engine)
-        return lambda: iobench.measure(s, test_file, op, ring_nbytes=ring)[0]
+        s = measure.Setting(setting.block_size, setting.queue_depth, setting.thread_count, engine)
+        return lambda: measure.measure_once(s, test_file, op, ring_nbytes=ring)[0]
 
     out: dict[str, Callable[[], float]] = {
         "infinity io_uring": ours("io_uring"),
@@ -86,7 +86,7 @@ def contenders(
         out["infinity io_uring, file-size buffer"] = ours("io_uring", test_file.nbytes)
     if fio_path():
         for name, iomem in ((REFERENCE, "shmhuge"), ("fio default buffers", "malloc")):
-            job = iobench.fio_job(setting, test_file, op, iomem, direct=True)  # type: ignore[arg-type]
+            job = measure.fio_job(setting, test_file, op, iomem, direct=True)  # type: ignore[arg-type]
             if iomem == "shmhuge" and job.iomem != "shmhuge":
                 print(
                     f"note: the hugetlb pool is too small for fio's shmhuge at {setting.label}; using malloc",
@@ -100,7 +100,7 @@ def contenders(
 
 
 def measure_setting(
-    setting: iobench.Setting, test_file: iobench.TestFile, repeat: int, *, whole_file: bool
+    setting: measure.Setting, test_file: measure.TestFile, repeat: int, *, whole_file: bool
 ) -> list[dict]:
     rows = []
     for op in ("read", "write"):
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--size",
-        type=iobench.parse_size,
+        type=measure.parse_size,
         default=None,
         help="test file (default 2G; 64M with --quick)",
     )
@@ -224,39 +224,39 @@ def main(argv: list[str] | None = None) -> int:
         help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results, aio_vs_fio[-quick].json)",
     )
     args = p.parse_args(argv)
-    size = args.size or iobench.parse_size("64M" if args.quick else "2G")
+    size = args.size or measure.parse_size("64M" if args.quick else "2G")
     repeat = args.repeat or (1 if args.quick else 3)
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "results"))
     out = args.out or results / f"aio_vs_fio{'-quick' if args.quick else ''}.json"
 
-    test_file = iobench.TestFile(args.path, size, name="infinity-aio-vs-fio.dat")
+    test_file = measure.TestFile(args.path, size, name="infinity-aio-vs-fio.dat")
     test_file.prepare()
     if not test_file.direct_io_works():
         raise SystemExit(
             f"{args.path} refuses O_DIRECT; this comparison needs a drive (pass --path on one)"
         )
     print(
-        f"aio_vs_fio: {test_file.path} ({iobench.format_size(size)}), {repeat} repetition(s), page cache bypassed (O_DIRECT)"
+        f"aio_vs_fio: {test_file.path} ({measure.format_size(size)}), {repeat} repetition(s), page cache bypassed (O_DIRECT)"
     )
     if not fio_path():
         print(
             "fio is not installed: only infinity's (and DeepSpeed's) figures, no ratios (apt-get install fio)"
         )
     try:
-        base = iobench.Setting(1 << 20, 32, 1)
+        base = measure.Setting(1 << 20, 32, 1)
         if args.best:
             bs, qd, tc = args.best.split(",")
-            best = iobench.Setting(iobench.parse_size(bs), int(qd), int(tc))
+            best = measure.Setting(measure.parse_size(bs), int(qd), int(tc))
             sweep_note = f"given with --best: {best.label}"
         else:
             grid = [
-                iobench.Setting(bs, qd, tc)
+                measure.Setting(bs, qd, tc)
                 for bs in ((1 << 20,) if args.quick else (128 << 10, 1 << 20, 8 << 20))
                 for qd in ((8, 32) if args.quick else (8, 32, 64))
                 for tc in ((1,) if args.quick else (1, 2))
             ]
-            sweep = iobench.run_sweep(grid, ["read", "write"], test_file, progress=False)
-            best, figures = iobench.best(sweep)
+            sweep = measure.run_sweep(grid, ["read", "write"], test_file, progress=False)
+            best, figures = measure.best(sweep)
             sweep_note = (
                 f"best of a {len(grid)}-setting sweep (read+write): {best.label} "
                 + ", ".join(f"{k} {v:.2f}" for k, v in figures.items())
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(
             [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
         ),
-        "machine": iobench.machine_info(args.path),
+        "machine": measure.machine_info(args.path),
         "file_nbytes": size,
         "repeat": repeat,
         "best_setting": sweep_note,

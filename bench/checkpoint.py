@@ -46,10 +46,9 @@ from pathlib import Path
 import torch
 
 import infinity
-from infinity.cli import iobench
-from infinity.cli.fio import FioError, FioJob, fio_path, shmhuge_fits
 from infinity.engine.checkpoint import export_checkpoint
 from infinity.host import hugetlb_nbytes, peak_rss_nbytes, reset_peak_rss, rss_nbytes
+from infinity.measure import FioError, FioJob, fio_path, machine_info, shmhuge_fits
 from infinity.models import GPT, GPTConfig, TextCorpus
 
 ROOT = Path(__file__).resolve().parent
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "checkpoint",
         "mode": "quick" if args.quick else "full",
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": iobench.machine_info(args.path),
+        "machine": machine_info(args.path),
         "params": gpt.num_params,
         "gpt": gpt.__dict__,
         "repeat": repeat,

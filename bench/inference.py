@@ -243,16 +243,16 @@ def fio_read_gbps(base: Path, nbytes: int) -> tuple[float, str] | None:
     """fio's sequential O_DIRECT read GB/s on ``base``'s file system (io_uring, 1 MiB, qd32) and the buffers
     it read into ("shmhuge": 2 MiB pages, reserved for this run where root may; else "malloc"); None
     without fio."""
-    from infinity.cli import iobench
-    from infinity.cli.fio import fio_path
+    from infinity import measure
+    from infinity.measure import fio_path
 
     if not fio_path():
         return None
-    f = iobench.TestFile(str(base), nbytes, name="infinity-bench-inference-fio.dat")
+    f = measure.TestFile(str(base), nbytes, name="infinity-bench-inference-fio.dat")
     f.prepare()
     # fio's shmhuge segment: block x depth, plus room for its alignment
     with _cgroup.huge_pages(FIO_BLOCK * FIO_DEPTH + (4 << 20)):
-        job = iobench.fio_job(iobench.Setting(FIO_BLOCK, FIO_DEPTH), f, "read", "shmhuge", direct=True)
+        job = measure.fio_job(measure.Setting(FIO_BLOCK, FIO_DEPTH), f, "read", "shmhuge", direct=True)
         return job.run(), job.iomem
 
 

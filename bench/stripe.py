@@ -52,8 +52,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from infinity.cli import iobench
-from infinity.cli.fio import FioError, fio_path
+from infinity import measure
+from infinity.measure import FioError, fio_path
 
 ROOT = Path(__file__).resolve().parent
 SINGLE = ("path0", "path1")
@@ -105,14 +105,14 @@ def loop_drives(work: Path, image_nbytes: int) -> Iterator[tuple[list[Path], str
             image.unlink(missing_ok=True)
 
 
-def contenders(setting: iobench.Setting, files: list[iobench.TestFile], stripe: iobench.Stripe,
-               backing: iobench.TestFile | None, op: iobench.Op) -> dict[str, Callable[[], float]]:
-    def ours(target: iobench.Target, depth: int = 1) -> Callable[[], float]:
+def contenders(setting: measure.Setting, files: list[measure.TestFile], stripe: measure.Stripe,
+               backing: measure.TestFile | None, op: measure.Op) -> dict[str, Callable[[], float]]:
+    def ours(target: measure.Target, depth: int = 1) -> Callable[[], float]:
         s = dataclasses.replace(setting, queue_depth=setting.queue_depth * depth)
-        return lambda: iobench.measure(s, target, op)[0]
+        return lambda: measure.measure_once(s, target, op)[0]
 
-    def fio(target: iobench.Target) -> Callable[[], float]:
-        job = iobench.fio_job(setting, target, op, "shmhuge", direct=True)  # malloc where the pool is short
+    def fio(target: measure.Target) -> Callable[[], float]:
+        job = measure.fio_job(setting, target, op, "shmhuge", direct=True)  # malloc where the pool is short
         FIO_BUFFERS.add(job.iomem)
         return functools.partial(_fio_run, job)
 
@@ -216,18 +216,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="directories on two drives (default: two loop-mounted ext4 images under --work)")
     p.add_argument("--work", type=Path, default=Path("infinity_nvme"),
                    help="where the images (and the backing-disk file) go (default ./infinity_nvme)")
-    p.add_argument("--size", type=iobench.parse_size, default=None, help="test file per drive (default 1G; 64M with --quick)")
+    p.add_argument("--size", type=measure.parse_size, default=None, help="test file per drive (default 1G; 64M with --quick)")
     p.add_argument("--setting", default=None, help="BS,QD,THREADS (default 1M,32,1; 1M,8,1 with --quick)")
     p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
     p.add_argument("--markdown", action="store_true", help="also print the README's table")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results)")
     args = p.parse_args(argv)
-    size = args.size or iobench.parse_size("64M" if args.quick else "1G")
+    size = args.size or measure.parse_size("64M" if args.quick else "1G")
     repeat = args.repeat or (1 if args.quick else 3)
     bs, qd, tc = (args.setting or ("1M,8,1" if args.quick else "1M,32,1")).split(",")
-    setting = iobench.Setting(iobench.parse_size(bs), int(qd), int(tc))
-    iobench.check_settings([setting])
+    setting = measure.Setting(measure.parse_size(bs), int(qd), int(tc))
+    measure.check_settings([setting])
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "results"))
     out = args.out or results / f"stripe{'-quick' if args.quick else ''}.json"
     if not fio_path():
@@ -240,17 +240,17 @@ def main(argv: list[str] | None = None) -> int:
                 paths, drives = list(args.paths), "given with --paths"
             else:
                 paths, drives = stack.enter_context(loop_drives(work, max(4 * size, 2 * size + (128 << 20))))
-            shared = iobench.shared_file_systems(paths)
-            files = [iobench.TestFile(d, size, name="infinity-stripe.dat") for d in paths]
-            stripe = iobench.Stripe(files)
-            backing = iobench.TestFile(work, size, name="infinity-backing.dat") if "loop-mounted" in drives else None
+            shared = measure.shared_file_systems(paths)
+            files = [measure.TestFile(d, size, name="infinity-stripe.dat") for d in paths]
+            stripe = measure.Stripe(files)
+            backing = measure.TestFile(work, size, name="infinity-backing.dat") if "loop-mounted" in drives else None
             targets = [*files, *([backing] if backing else [])]
             try:
                 for t in targets:
                     t.prepare()
                 if not all(t.direct_io_works() for t in targets):
                     raise SystemExit(f"{', '.join(map(str, paths))}: O_DIRECT is refused; this bench needs drives")
-                print(f"stripe bench: {drives}: {', '.join(map(str, paths))}; {iobench.format_size(size)} per drive, "
+                print(f"stripe bench: {drives}: {', '.join(map(str, paths))}; {measure.format_size(size)} per drive, "
                       f"{setting.label}, {repeat} repetition(s), O_DIRECT")
                 if shared:
                     print("note: both paths are on one file system: the stripe cannot add bandwidth there")
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                     r, g = measure_op(setting, files, stripe, backing, op, repeat)
                     rows += r
                     gains[op] = g
-                machine = iobench.machine_info(paths)
+                machine = measure.machine_info(paths)
             finally:
                 for t in targets:
                     t.remove()

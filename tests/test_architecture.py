@@ -48,3 +48,16 @@ def test_every_package_has_a_place_in_the_map():
 
 def test_the_readme_links_the_map():
     assert "docs/ARCHITECTURE.md" in (ROOT / "README.md").read_text()
+
+
+def test_the_cli_row_names_every_subcommand():
+    from infinity.cli.main import COMMANDS
+
+    row = next(ln for ln in DOC.read_text().splitlines() if ln.startswith("| `infinity.cli` |"))
+    modules = sorted(p.stem for p in (ROOT / "infinity" / "cli").glob("*.py"))
+    registered = sorted(cmd.__name__.rsplit(".", 1)[1] for cmd in COMMANDS)
+    assert modules == sorted(registered + ["__init__", "main"]), (
+        "infinity/cli holds one module per subcommand registered in main.COMMANDS, and nothing else"
+    )
+    missing = [name for name in registered if f"`{name}`" not in row]
+    assert not missing, f"docs/ARCHITECTURE.md's infinity.cli row omits subcommands {missing}"

@@ -14,9 +14,7 @@ import itertools
 import json
 from pathlib import Path
 
-from infinity import host
-from infinity.cli import iobench
-from infinity.cli.fio import fio_path
+from infinity import host, measure
 
 NAME = "bench"
 HELP = "measure: `infinity bench aio` sweeps the NVMe I/O engine's settings"
@@ -43,19 +41,19 @@ def add_aio_arguments(p: argparse.ArgumentParser, *, size: str = "2G") -> None:
     )
     p.add_argument(
         "--size",
-        type=iobench.size_arg,
-        default=iobench.parse_size(size),
+        type=measure.size_arg,
+        default=measure.parse_size(size),
         help=f"test file size, per path (default {size})",
     )
     p.add_argument(
-        "--block-sizes", type=iobench.sizes_arg, default="128K,1M,8M", help="default 128K,1M,8M"
+        "--block-sizes", type=measure.sizes_arg, default="128K,1M,8M", help="default 128K,1M,8M"
     )
     p.add_argument(
-        "--queue-depths", type=iobench.ints_arg, default="8,32,64", help="default 8,32,64"
+        "--queue-depths", type=measure.ints_arg, default="8,32,64", help="default 8,32,64"
     )
     p.add_argument(
         "--threads",
-        type=iobench.ints_arg,
+        type=measure.ints_arg,
         default="1,2",
         help="workers per handle (intra_op_parallelism), default 1,2",
     )
@@ -85,33 +83,33 @@ def add_aio_arguments(p: argparse.ArgumentParser, *, size: str = "2G") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    ops: list[iobench.Op] = (
+    ops: list[measure.Op] = (
         ["read"] if args.read else ["write"] if args.write else ["read", "write"]
     )
     settings = [
-        iobench.Setting(bs, qd, tc, args.engine)
+        measure.Setting(bs, qd, tc, args.engine)
         for bs, qd, tc in itertools.product(args.block_sizes, args.queue_depths, args.threads)
     ]
     repeat = args.repeat or (3 if args.vs_fio else 1)
-    if args.vs_fio and fio_path() is None:
+    if args.vs_fio and measure.fio_path() is None:
         raise SystemExit("--vs-fio needs fio, which is not installed (Debian: apt-get install fio)")
-    iobench.check_settings(settings)
-    targets = iobench.targets(args.path, args.size, "infinity-bench-aio.dat")
+    measure.check_settings(settings)
+    targets = measure.targets(args.path, args.size, "infinity-bench-aio.dat")
     for _, t in targets:
         t.prepare()
     direct = all(t.direct_io_works() for _, t in targets)
     what = (
-        f"{targets[0][1].path} ({iobench.format_size(args.size)})"
+        f"{targets[0][1].path} ({measure.format_size(args.size)})"
         if len(targets) == 1
-        else f"{len(args.path)} paths, each alone and the stripe over all ({iobench.format_size(args.size)} "
+        else f"{len(args.path)} paths, each alone and the stripe over all ({measure.format_size(args.size)} "
         "per path; stripe unit = block size)"
     )
     print(
         f"infinity bench aio: {what}, {len(settings)} settings x {', '.join(ops)}, {repeat} run(s) each"
     )
-    for group in iobench.shared_file_systems(args.path) if len(targets) > 1 else ():
+    for group in measure.shared_file_systems(args.path) if len(targets) > 1 else ():
         print(f"note: {' and '.join(map(str, group))} are on one file system: the stripe shares its bandwidth")
-    print(f"page cache: {iobench.page_cache_note(direct)}")
+    print(f"page cache: {measure.page_cache_note(direct)}")
     print(
         "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through)"
     )
@@ -120,10 +118,10 @@ def run(args: argparse.Namespace) -> int:
             f"fio: io_uring, direct={int(direct)}, --iomem=shmhuge where the hugetlb pool has room ({host.hugetlb_free_nbytes() >> 20} MiB free), else malloc; run right after each of ours"
             + ("; on the stripe one job per file, all at once" if len(targets) > 1 else "")
         )
-    samples: list[iobench.Sample] = []
+    samples: list[measure.Sample] = []
     try:
         for label, target in targets:
-            samples += iobench.run_sweep(
+            samples += measure.run_sweep(
                 settings,
                 ops,
                 target,
@@ -148,9 +146,9 @@ def run(args: argparse.Namespace) -> int:
             else " (enable THP or vm.nr_hugepages: 4 KiB pages cap the request size)"
         )
     )
-    print(iobench.format_table(samples))
+    print(measure.format_table(samples))
     final = targets[-1][0]  # the one path, or the stripe
-    top, figures = iobench.best([sm for sm in samples if sm.target == final])
+    top, figures = measure.best([sm for sm in samples if sm.target == final])
     print(
         f"best{' (stripe)' if final else ''}: "
         + top.label
@@ -161,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         record = {
             "command": "infinity bench aio",
-            "machine": iobench.machine_info(args.path),
+            "machine": measure.machine_info(args.path),
             "file_nbytes": args.size,
-            "page_cache": iobench.page_cache_note(direct),
+            "page_cache": measure.page_cache_note(direct),
             "repeat": repeat,
             "results": [sm.to_dict() for sm in samples],
             "best": {**top.__dict__, **figures},
@@ -172,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         where = targets[0][1].path.parent if len(targets) == 1 else ", ".join(map(str, args.path))
-        iobench.plot(samples, args.plot, f"infinity bench aio: {where} ({', '.join(engines)})")
+        measure.plot(samples, args.plot, f"infinity bench aio: {where} ({', '.join(engines)})")
         print(f"wrote {args.plot}")
     return 0

@@ -76,7 +76,7 @@ def io_uring_report() -> dict[str, Any]:
 def path_report(path: Path) -> dict[str, Any]:
     """O_DIRECT support and free space where swap files would go (the nearest existing parent if absent)."""
     from infinity.aio import AioError, open_file
-    from infinity.cli.iobench import mount_of
+    from infinity.measure import mount_of
 
     where = path
     while not where.exists() and where != where.parent:

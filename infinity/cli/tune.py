@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from infinity import measure
 from infinity.aio import AioConfig
-from infinity.cli import iobench
 
 NAME = "tune"
 HELP = (
@@ -50,14 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="config to write or merge into (default ds_config.json)",
     )
     p.add_argument(
-        "--size", type=iobench.size_arg, default="1G", help="test file size, per path (default 1G)"
+        "--size", type=measure.size_arg, default="1G", help="test file size, per path (default 1G)"
     )
-    p.add_argument("--block-sizes", type=iobench.sizes_arg, default="256K,1M,4M")
-    p.add_argument("--queue-depths", type=iobench.ints_arg, default="16,32,64")
-    p.add_argument("--threads", type=iobench.ints_arg, default="1,2")
+    p.add_argument("--block-sizes", type=measure.sizes_arg, default="256K,1M,4M")
+    p.add_argument("--queue-depths", type=measure.ints_arg, default="16,32,64")
+    p.add_argument("--threads", type=measure.ints_arg, default="1,2")
     p.add_argument(
         "--engines",
-        type=iobench.names_arg,
+        type=measure.names_arg,
         default="auto",
         help="engines to try (auto,io_uring,threads); default auto",
     )
@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def tuned_section(setting: iobench.Setting, engine_used: str) -> dict[str, Any]:
+def tuned_section(setting: measure.Setting, engine_used: str) -> dict[str, Any]:
     """The aio section for ``setting``: only keys AioConfig.from_dict reads, booleans as booleans."""
     section = {
         "block_size": setting.block_size,
@@ -113,32 +113,32 @@ def merge_into(out: Path, section: dict[str, Any]) -> tuple[dict[str, Any], list
 
 def run(args: argparse.Namespace) -> int:
     settings = [
-        iobench.Setting(bs, qd, tc, engine)
+        measure.Setting(bs, qd, tc, engine)
         for engine, bs, qd, tc in itertools.product(
             args.engines, args.block_sizes, args.queue_depths, args.threads
         )
     ]
-    iobench.check_settings(settings)
-    targets = iobench.targets(args.path, args.size, "infinity-tune-nvme.dat")
+    measure.check_settings(settings)
+    targets = measure.targets(args.path, args.size, "infinity-tune-nvme.dat")
     label, tuned = targets[-1]  # the one path, or the stripe over all of them
     for _, t in targets:
         t.prepare()
     where = (
-        f"{tuned.path} ({iobench.format_size(args.size)})"
+        f"{tuned.path} ({measure.format_size(args.size)})"
         if not label
-        else f"the stripe over {len(args.path)} paths ({iobench.format_size(args.size)} each), then each alone"
+        else f"the stripe over {len(args.path)} paths ({measure.format_size(args.size)} each), then each alone"
     )
     print(f"infinity tune nvme: {where}, {len(settings)} settings, read and write")
-    for group in iobench.shared_file_systems(args.path) if label else ():
+    for group in measure.shared_file_systems(args.path) if label else ():
         print(f"note: {' and '.join(map(str, group))} are on one file system: striping over them adds no bandwidth")
-    print(f"page cache: {iobench.page_cache_note(all(t.direct_io_works() for _, t in targets))}")
-    alone: list[iobench.Sample] = []
+    print(f"page cache: {measure.page_cache_note(all(t.direct_io_works() for _, t in targets))}")
+    alone: list[measure.Sample] = []
     try:
-        sweep = iobench.run_sweep(
+        sweep = measure.run_sweep(
             settings, ["read", "write"], tuned, progress=not args.quiet, desc="sweep", target=label
         )
         finalists = _rank(sweep)[: max(1, args.finalists)]
-        final = iobench.run_sweep(
+        final = measure.run_sweep(
             finalists,
             ["read", "write"],
             tuned,
@@ -147,16 +147,16 @@ def run(args: argparse.Namespace) -> int:
             desc="finalists",
             target=label,
         )
-        top, figures = iobench.best(final)
+        top, figures = measure.best(final)
         for path_label, t in targets[:-1]:
-            alone += iobench.run_sweep(
+            alone += measure.run_sweep(
                 [top], ["read", "write"], t, repeat=3, progress=not args.quiet, desc=path_label,
                 target=path_label,
             )  # fmt: skip
     finally:
         for _, t in targets:
             t.remove()
-    print(iobench.format_table(final + alone))
+    print(measure.format_table(final + alone))
     engine_used = next(sm.engine for sm in final if sm.setting == top)
     section = tuned_section(top, engine_used)
     config, dropped = merge_into(args.out, section)
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stripe_gain(stripe: dict[str, float], alone: list[iobench.Sample]) -> str:
+def _stripe_gain(stripe: dict[str, float], alone: list[measure.Sample]) -> str:
     """The stripe against its drives: x the best one alone, and the share of their sum it reaches."""
     parts = []
     for op in ("read", "write"):
@@ -191,8 +191,8 @@ def _stripe_gain(stripe: dict[str, float], alone: list[iobench.Sample]) -> str:
     return "stripe: " + "; ".join(parts)
 
 
-def _rank(samples: list[iobench.Sample]) -> list[iobench.Setting]:
-    totals: dict[iobench.Setting, float] = {}
+def _rank(samples: list[measure.Sample]) -> list[measure.Setting]:
+    totals: dict[measure.Setting, float] = {}
     for sm in samples:
         totals[sm.setting] = totals.get(sm.setting, 0.0) + sm.median
     return sorted(totals, key=totals.get, reverse=True)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ drives is laid out ([Note: striping] in infinity/store/swapspace.py): the same v
 block_size pieces going round the drives in turn. fio's reference for it is one job per file, all
 running at once, their bandwidth summed: what the drives do together at most.
 
-Used by ``infinity bench aio``, ``infinity tune nvme`` and ``bench/aio_vs_fio.py``.
+Used by ``infinity bench aio``, ``infinity tune nvme`` and the benches under ``bench/``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from infinity import host
@@ -40,64 +39,11 @@ from infinity.aio import (
     aligned_empty,
     huge_page_fraction,
 )
-from infinity.cli.fio import FioError, FioJob, IoMem, shmhuge_fits
-from infinity.cli.testfiles import (  # noqa: F401  (iobench.TestFile etc. for its callers)
-    Stripe,
-    Target,
-    TestFile,
-    shared_file_systems,
-    targets,
-)
+from infinity.measure.fio import FioError, FioJob, IoMem, shmhuge_fits
+from infinity.measure.sizes import format_size
+from infinity.measure.testfiles import Target
 
 Op = Literal["read", "write"]
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'128K', '1M', '2G', '1.5G', '4096' -> bytes (binary units; a trailing 'B' or 'iB' is allowed)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
-    number = t[: len(t) - len(unit)]
-    try:
-        value = float(number) * _UNITS[unit]
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 128K, 1M, 2G)") from None
-    if value <= 0 or value != int(value):
-        raise ValueError(f"not a positive whole number of bytes: {text!r}")
-    return int(value)
-
-
-def parse_list(text: str, parse=int) -> list[Any]:
-    try:
-        return [parse(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise ValueError(f"not a comma-separated list: {text!r} ({e})") from None
-
-
-def _arg(parse):
-    """Wraps a parser for argparse, which shows an ArgumentTypeError's own words."""
-    import argparse
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return convert
-
-
-size_arg = _arg(parse_size)
-sizes_arg = _arg(lambda t: parse_list(t, parse_size))
-ints_arg = _arg(parse_list)
-names_arg = _arg(lambda t: parse_list(t, str))
-
-
-def format_size(n: int) -> str:
-    for unit in ("T", "G", "M", "K"):
-        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
-            return f"{n // _UNITS[unit]}{unit}"
-    return str(n)
 
 
 @dataclass(frozen=True)
@@ -202,7 +148,7 @@ def page_cache_note(direct: bool) -> str:
     )
 
 
-def measure(
+def measure_once(
     setting: Setting, test_file: Target, op: Op, *, ring_nbytes: int | None = None
 ) -> tuple[float, str, float]:
     """One run: (GB/s, engine used, fraction of the ring in 2 MiB pages)."""
@@ -272,13 +218,13 @@ def run_sweep(
         # Warm-up, not measured: the first pass over a fresh file runs slow (allocation, caches).
         bar.set_postfix_str("warm-up")
         for op in ops:
-            measure(settings[0], test_file, op)
+            measure_once(settings[0], test_file, op)
         for s in settings:
             for op in ops:
                 sample = Sample(s, op, target=target)
                 for _ in range(repeat):
                     try:
-                        gbps, sample.engine, huge = measure(s, test_file, op)
+                        gbps, sample.engine, huge = measure_once(s, test_file, op)
                         sample.huge_fraction = min(sample.huge_fraction, huge)
                     except AioError as e:
                         raise SystemExit(f"{s.label} {op}: {e}") from None
@@ -306,106 +252,3 @@ def best(samples: Sequence[Sample]) -> tuple[Setting, dict[str, float]]:
         by_setting.setdefault(sm.setting, {})[sm.op] = sm.median
     setting = max(by_setting, key=lambda s: sum(by_setting[s].values()))
     return setting, by_setting[setting]
-
-
-def format_table(samples: Sequence[Sample]) -> str:
-    """One row per setting (and target, where several paths were measured): read and write GB/s
-    (median, with min-max when repeated), fio and ratio."""
-    rows: dict[tuple[str, Setting], dict[str, Sample]] = {}
-    for sm in samples:
-        rows.setdefault((sm.target, sm.setting), {})[sm.op] = sm
-    ops = [op for op in ("read", "write") if any(op in r for r in rows.values())]
-    with_fio = any(sm.fio for sm in samples)
-    width = max(len(t) for t, _ in rows)
-    header = (["target".ljust(width)] if width else []) + ["setting".ljust(18)]
-    for op in ops:
-        header.append(f"{op} GB/s".rjust(18))
-        if with_fio:
-            header += [f"fio {op}".rjust(9), "ratio".rjust(6)]
-    lines = ["  ".join(header)]
-    for (target, setting), by_op in rows.items():
-        cells = ([target.ljust(width)] if width else []) + [setting.label.ljust(18)]
-        for op in ops:
-            sm = by_op.get(op)
-            if sm is None:
-                cells.append("-".rjust(18))
-                if with_fio:
-                    cells += ["-".rjust(9), "-".rjust(6)]
-                continue
-            spread = f" ({min(sm.ours):.2f}-{max(sm.ours):.2f})" if len(sm.ours) > 1 else ""
-            cells.append(f"{sm.median:.2f}{spread}".rjust(18))
-            if with_fio:
-                cells += [f"{sm.fio_median:.2f}".rjust(9), f"{sm.ratio:.2f}".rjust(6)]
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
-def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
-    """Grouped bars, GB/s per setting: ours (and fio) for each direction. PNG via matplotlib's Agg."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def label(sm: Sample) -> str:
-        return f"{sm.target} {sm.setting.label}" if sm.target else sm.setting.label
-
-    labels = list(dict.fromkeys(label(sm) for sm in samples))
-    series: dict[str, list[float]] = {}
-    for op in ("read", "write"):
-        mine = {label(sm): sm for sm in samples if sm.op == op}
-        if not mine:
-            continue
-        series[f"{op} (infinity)"] = [mine[k].median if k in mine else 0.0 for k in labels]
-        if any(sm.fio for sm in mine.values()):
-            series[f"{op} (fio)"] = [mine[k].fio_median if k in mine else 0.0 for k in labels]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.5))
-    width = 0.8 / max(1, len(series))
-    for i, (name, values) in enumerate(series.items()):
-        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
-    ax.set_xticks(
-        [x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=45, ha="right"
-    )
-    ax.set_ylabel("GB/s")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-
-
-def machine_info(path: Path | Sequence[Path]) -> dict[str, Any]:
-    """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``
-    (under each path, as lists, where several were measured)."""
-    paths = [path] if isinstance(path, Path) else list(path)
-    import platform
-
-    import torch
-
-    import infinity
-    from infinity.cli.fio import fio_version
-
-    return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": platform.node(),
-        "kernel": platform.release(),
-        "cpu": host.cpu_model(),
-        "cpus": os.cpu_count(),
-        "memory_gib": round(host.memory_total_nbytes() / (1 << 30), 1),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "infinity": infinity.__version__,
-        "fio": fio_version(),
-        "path": str(paths[0].resolve()) if len(paths) == 1 else [str(p.resolve()) for p in paths],
-        "filesystem": mount_of(paths[0]) if len(paths) == 1 else [mount_of(p) for p in paths],
-    }
-
-
-def mount_of(path: Path) -> dict[str, str]:
-    """The file system holding ``path`` as results record it: device, mount point, type ('' where unknown)."""
-    m = host.mount_of(path)
-    return {
-        "device": m.device if m else "",
-        "mountpoint": m.mountpoint if m else "",
-        "type": m.fs_type if m else "",
-    }

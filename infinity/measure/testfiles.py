@@ -3,7 +3,7 @@
 A TestFile is ``nbytes`` of real data written once (a read of unwritten blocks measures nothing).
 A Stripe is one TestFile per drive, read and written as one space striped the way a store lays
 out its swap space over those drives ([Note: striping] in infinity/store/swapspace.py). Each gives
-the (buffer, file, offset) pieces of one run through a ring buffer; infinity.cli.iobench times them.
+the (buffer, file, offset) pieces of one run through a ring buffer; infinity.measure.throughput times them.
 """
 
 from __future__ import annotations
@@ -135,7 +135,9 @@ def targets(paths: Sequence[Path], nbytes: int, name: str) -> list[tuple[str, Ta
     for p in paths:
         real = os.path.realpath(os.path.expanduser(p))
         if real in seen:
-            raise SystemExit(f"--path lists the same directory twice ({seen[real]} and {p}); list each drive once")
+            raise SystemExit(
+                f"--path lists the same directory twice ({seen[real]} and {p}); list each drive once"
+            )
         seen[real] = p
     files = [TestFile(Path(os.path.expanduser(p)), nbytes, name=name) for p in paths]
     if len(files) == 1:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinity.cli import testfiles
-from infinity.cli.testfiles import Stripe
+from infinity.measure import Stripe, testfiles  # not TestFile: pytest would collect it
 
 MiB = 1 << 20
 
