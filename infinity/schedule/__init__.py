@@ -9,12 +9,13 @@ distance] in lookahead.py.
 from infinity.schedule.budget import ScheduleBudget
 from infinity.schedule.cursor import StepKind, StepMode, TraceCursor
 from infinity.schedule.errors import ScheduleConfigError, ScheduleError
-from infinity.schedule.record import UnitState
+from infinity.schedule.record import HoldState
 from infinity.schedule.scheduler import PrefetchScheduler
 from infinity.schedule.stats import SchedulerStats, StepStats
 from infinity.schedule.trace import Trace
 
 __all__ = [
+    "HoldState",
     "PrefetchScheduler",
     "ScheduleBudget",
     "ScheduleConfigError",
@@ -25,5 +26,4 @@ __all__ = [
     "StepStats",
     "Trace",
     "TraceCursor",
-    "UnitState",
 ]

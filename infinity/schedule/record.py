@@ -1,6 +1,6 @@
 """UnitRecord: what the scheduler knows about one key, with its state and the transitions between states.
 
-[Note: unit states]
+[Note: hold states]
     IDLE ──plan──▶ PREFETCHED ──acquire──▶ IN_USE ──last release──▶ KEPT
       ▲  ──acquire (on demand)──────────────▲  ▲                      │
       │                                        └──────acquire─────────┘
@@ -27,8 +27,9 @@ from infinity.schedule.errors import ScheduleError
 from infinity.store import StateEnum, StoreFuture, TrackedRecord
 
 
-class UnitState(StateEnum):
-    """The scheduler's side of a key (the store's side is its Residency)."""
+class HoldState(StateEnum):
+    """Why the scheduler holds a key: not at all, ahead of a predicted use, for its callers, or for
+    reuse soon (the store's side of the key is its Residency)."""
 
     IDLE = ("idle", "The scheduler holds nothing for it (the store may still cache it).")
     PREFETCHED = (
@@ -42,13 +43,13 @@ class UnitState(StateEnum):
     )
 
 
-LIVE = (UnitState.PREFETCHED, UnitState.IN_USE, UnitState.KEPT)
-DISCRETIONARY = (UnitState.PREFETCHED, UnitState.KEPT)
+LIVE = (HoldState.PREFETCHED, HoldState.IN_USE, HoldState.KEPT)
+DISCRETIONARY = (HoldState.PREFETCHED, HoldState.KEPT)
 """Held on the scheduler's own judgement, so dropped first when room is needed."""
 
 
 class UnitRecord(TrackedRecord):
-    """What the scheduler knows about one key (see [Note: unit states])."""
+    """What the scheduler knows about one key (see [Note: hold states])."""
 
     transition_error = ScheduleError
     transition_name = "scheduler transition"
@@ -65,7 +66,7 @@ class UnitRecord(TrackedRecord):
     )
 
     def __init__(self, key: Hashable, nbytes: int):
-        super().__init__(key, UnitState.IDLE)
+        super().__init__(key, HoldState.IDLE)
         self.nbytes = nbytes
         self.users = 0  # callers holding it (acquires not yet released)
         self.future: StoreFuture | None = None  # the StoreFuture of the scheduler's hold
@@ -76,15 +77,15 @@ class UnitRecord(TrackedRecord):
         self.moves = False  # its prefetch moved data (counts against the bucket while PREFETCHED)
 
     def to_prefetched(self) -> None:
-        self._move(UnitState.PREFETCHED, (UnitState.IDLE,))
+        self._move(HoldState.PREFETCHED, (HoldState.IDLE,))
         self.gen += 1
 
     def to_in_use(self) -> None:
         """One more caller; from IDLE this is an on-demand fetch (the caller submits it)."""
-        if self.state is not UnitState.IN_USE:
+        if self.state is not HoldState.IN_USE:
             was = self.state
-            self._move(UnitState.IN_USE, (UnitState.IDLE, UnitState.PREFETCHED, UnitState.KEPT))
-            if was is UnitState.IDLE:
+            self._move(HoldState.IN_USE, (HoldState.IDLE, HoldState.PREFETCHED, HoldState.KEPT))
+            if was is HoldState.IDLE:
                 self.gen += 1
         self.users += 1
         self.read_used = True
@@ -92,10 +93,10 @@ class UnitRecord(TrackedRecord):
     def to_kept(self) -> None:
         if self.users:
             raise ScheduleError(f"key {self.key!r} kept while {self.users} caller(s) hold it")
-        self._move(UnitState.KEPT, (UnitState.IN_USE,))
+        self._move(HoldState.KEPT, (HoldState.IN_USE,))
 
     def to_idle(self) -> None:
-        self._move(UnitState.IDLE, LIVE)
+        self._move(HoldState.IDLE, LIVE)
         self.users = 0
         self.future = None
         self.gen += 1

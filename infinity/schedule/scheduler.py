@@ -101,7 +101,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -111,14 +111,12 @@ from infinity.schedule import lookahead
 from infinity.schedule.budget import ALIGN, ScheduleBudget
 from infinity.schedule.cursor import Seen, TraceCursor
 from infinity.schedule.errors import ScheduleError
-from infinity.schedule.record import DISCRETIONARY, UnitRecord, UnitState
+from infinity.schedule.record import DISCRETIONARY, HoldState, UnitRecord
 from infinity.schedule.stats import SchedulerStats, StepCounters, StepStats, total
 from infinity.schedule.trace import Trace
-from infinity.store import Residency, StoreStateError, TieredStore
+from infinity.store import Residency, StoreStateError, Tier, TieredStore
 
 log = logging.getLogger("infinity.schedule")
-
-Tier = Literal["host", "device"]
 
 
 def _failed(exc: BaseException) -> concurrent.futures.Future:
@@ -276,7 +274,7 @@ class PrefetchScheduler:
                 self._untraced_uses += 1
             self._observe(rec, c)
             fut = None
-            if rec.state is not UnitState.IDLE:
+            if rec.state is not HoldState.IDLE:
                 self._classify_hit(rec, c)
                 self._use(rec)
                 fut = self._submitted_future(rec)
@@ -291,7 +289,7 @@ class PrefetchScheduler:
         with self._lock:
             self._check_open()
             rec = self._records.get(key)
-            if rec is None or rec.state is not UnitState.IN_USE or rec.users == 0:
+            if rec is None or rec.state is not HoldState.IN_USE or rec.users == 0:
                 raise ScheduleError(
                     f"release of key {key!r}, which is not acquired from scheduler '{self.name}' "
                     f"(state {rec.state.value if rec else 'unknown'}): every release must follow an acquire"
@@ -304,7 +302,7 @@ class PrefetchScheduler:
         with self._lock:
             self._check_open()
             rec = self._records.get(key)
-            if rec is None or rec.state is not UnitState.IN_USE:
+            if rec is None or rec.state is not HoldState.IN_USE:
                 raise ScheduleError(
                     f"mark_dirty of key {key!r}, which is not acquired from scheduler '{self.name}': "
                     "acquire it, change it, mark it dirty, then release it"
@@ -424,7 +422,7 @@ class PrefetchScheduler:
                 return
             if self._step is not None:
                 self._end(completed=False)
-            held = [r for r in self._held.values() if r.state is UnitState.IN_USE]
+            held = [r for r in self._held.values() if r.state is HoldState.IN_USE]
             if held:
                 log.warning(
                     "scheduler '%s' closed with %d key(s) still acquired (%r…); their holds are given back",
@@ -433,7 +431,7 @@ class PrefetchScheduler:
                     held[0].key,
                 )
             for rec in list(self._held.values()):
-                if rec.state is UnitState.IN_USE:
+                if rec.state is HoldState.IN_USE:
                     self._in_use -= rec.nbytes
                 self._drop(rec, "close")
             self._closed = True
@@ -500,9 +498,9 @@ class PrefetchScheduler:
             for other in list(self._held.values()):
                 if other is rec:
                     continue
-                if other.state is UnitState.PREFETCHED and trace.next_use(other.key, pos) is None:
+                if other.state is HoldState.PREFETCHED and trace.next_use(other.key, pos) is None:
                     self._drop(other, "diverged")
-                elif other.state is UnitState.KEPT and not lookahead.keep_for_reuse(
+                elif other.state is HoldState.KEPT and not lookahead.keep_for_reuse(
                     trace, pos, other.key, self.budget.max_reuse_distance_nbytes
                 ):
                     self._drop(other, "diverged")
@@ -524,7 +522,7 @@ class PrefetchScheduler:
         return rec
 
     def _classify_hit(self, rec: UnitRecord, c: StepCounters) -> None:
-        if rec.state is UnitState.PREFETCHED:
+        if rec.state is HoldState.PREFETCHED:
             ready = rec.future is not None and rec.future.done()
             c.add("prefetch_hits" if ready else "late_prefetches")
         else:
@@ -533,13 +531,13 @@ class PrefetchScheduler:
     def _use(self, rec: UnitRecord) -> None:
         was = rec.state
         rec.to_in_use()
-        if was is UnitState.IDLE:
+        if was is HoldState.IDLE:
             self._live += rec.nbytes
             self._held[rec.key] = rec
             self._cached.pop(rec.key, None)
-        elif was is UnitState.PREFETCHED and rec.moves:
+        elif was is HoldState.PREFETCHED and rec.moves:
             self._ahead -= rec.nbytes
-        if was is not UnitState.IN_USE:
+        if was is not HoldState.IN_USE:
             self._in_use += rec.nbytes
         self._peaks()
 
@@ -566,12 +564,12 @@ class PrefetchScheduler:
         """Gives the scheduler's hold back (the store keeps the data cached until it needs the room)."""
         c = self._counters()
         state, fut, submitting = rec.state, rec.future, rec.submitting
-        if state is UnitState.PREFETCHED:
+        if state is HoldState.PREFETCHED:
             if rec.moves:
                 self._ahead -= rec.nbytes
             c.add("dropped_prefetches")
             c.add("dropped_nbytes", rec.nbytes)
-        elif state is UnitState.KEPT and why == "displaced":
+        elif state is HoldState.KEPT and why == "displaced":
             c.add("displaced")
         if why == "pressure":
             c.add("pressure_drops")
@@ -633,7 +631,7 @@ class PrefetchScheduler:
 
     def _unuse_failed(self, rec: UnitRecord, fut: Any) -> None:
         """A caller's acquire raised: its hold ends (a failed fetch left no store hold to give back)."""
-        if rec.state is not UnitState.IN_USE or rec.users == 0:
+        if rec.state is not HoldState.IN_USE or rec.users == 0:
             return  # closed meanwhile
         if not _failed_done(fut) or rec.future is not fut:
             self._unuse(rec)  # interrupted while waiting: an ordinary release
@@ -711,7 +709,7 @@ class PrefetchScheduler:
         """The caller's own fetch of an idle unit (holding ``_fetch_lock``); returns its future."""
         with self._lock:
             self._check_open()
-            if rec.state is not UnitState.IDLE:  # fetched by another thread meanwhile
+            if rec.state is not HoldState.IDLE:  # fetched by another thread meanwhile
                 self._classify_hit(rec, c)
                 self._use(rec)
                 return rec.future
@@ -798,7 +796,7 @@ class PrefetchScheduler:
         j = max(self._frontier, pos)
         while j < len(trace):
             rec = self._records.get(trace.keys[j]) or self._record(trace.keys[j])
-            if rec.state is not UnitState.IDLE:
+            if rec.state is not HoldState.IDLE:
                 j += 1
                 continue
             admitted = self._admit(rec, trace, pos, j)
@@ -844,7 +842,7 @@ class PrefetchScheduler:
         if not within_bucket:
             return None
         if lacking:
-            kept = [r for r in self._held.values() if r.state is UnitState.KEPT]
+            kept = [r for r in self._held.values() if r.state is HoldState.KEPT]
             victims = lookahead.displace(kept, trace, pos, at, lacking)
             if victims is None:
                 return None
@@ -868,7 +866,7 @@ class PrefetchScheduler:
                 if not rec.read_used:
                     c.add("duplicate_reads")
             rec.read_step = step
-            rec.read_used = rec.state is UnitState.IN_USE
+            rec.read_used = rec.state is HoldState.IN_USE
         if rec.gen != gen:
             self._give_back(rec.key, fut)  # given up while we were in store.fetch
         else:
@@ -893,7 +891,7 @@ class PrefetchScheduler:
             if self._evict_idle(idle) and self._pool_can_serve(need):
                 return True
         # The pool, like max_live, is shared with kept units: those needed later give way.
-        kept = [r for r in self._held.values() if r.state is UnitState.KEPT]
+        kept = [r for r in self._held.values() if r.state is HoldState.KEPT]
         for victim in lookahead.needed_after(kept, trace, pos, at):
             self._drop(victim, "displaced")
             if self._evict_idle(victim) and self._pool_can_serve(need):
@@ -902,7 +900,7 @@ class PrefetchScheduler:
 
     def _evict_idle(self, rec: UnitRecord) -> bool:
         """Evicts ``rec``'s clean, unheld cache entry from the store; True if that freed pool memory."""
-        if rec.state is not UnitState.IDLE:
+        if rec.state is not HoldState.IDLE:
             return False
         spec = self.store.spec(rec.key)
         if spec.state is Residency.AT_REST:

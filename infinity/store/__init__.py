@@ -4,6 +4,7 @@ Imports only infinity.memory and infinity.aio (and torch). See DESIGN.md (store)
 and [Note: residency] in record.py.
 """
 
+from infinity.store.device import Tier
 from infinity.store.errors import (
     IntegrityError,
     StoreError,
@@ -14,11 +15,12 @@ from infinity.store.errors import (
 from infinity.store.futures import StoreFuture
 from infinity.store.record import KeySpec, Residency
 from infinity.store.stats import StoreStats, TierTraffic
-from infinity.store.store import TieredStore
+from infinity.store.store import Home, TieredStore
 from infinity.store.swapdir import reclaim_stale
 from infinity.store.tracked import StateEnum, TrackedRecord
 
 __all__ = [
+    "Home",
     "IntegrityError",
     "KeySpec",
     "Residency",
@@ -29,6 +31,7 @@ __all__ = [
     "StateEnum",
     "StoreStats",
     "SwapSpaceError",
+    "Tier",
     "TierTraffic",
     "TieredStore",
     "TrackedRecord",

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from infinity.store.state import StoreState
 
 Tier = Literal["host", "device"]
+"""Where a fetch makes a key resident: pool memory on the host, or the device as well."""
 
 
 class _Ready:

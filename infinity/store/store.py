@@ -80,6 +80,7 @@ from infinity.store.swapspace import Extent, open_swap
 log = logging.getLogger("infinity.store")
 
 Home = Literal["nvme", "cpu"]
+"""Where a key rests between uses: a swap file on NVMe, or host memory."""
 ALIGN = 4096
 DEFAULT_FILE_NBYTES = 16 << 30
 

@@ -2,7 +2,7 @@
 
 The house pattern (STYLE.md, after FSDP2's ``ShardedState``) that the store's
 KeyRecord ([Note: residency] in record.py) and the scheduler's UnitRecord
-([Note: unit states] in infinity/schedule/record.py) both follow:
+([Note: hold states] in infinity/schedule/record.py) both follow:
 - the states are a StateEnum whose members are declared ``NAME = (value, doc)``,
   so every state carries its own ``__doc__``;
 - a record's ``to_*`` methods change its state through ``TrackedRecord._move``,

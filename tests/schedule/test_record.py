@@ -2,7 +2,7 @@
 
 import pytest
 
-from infinity.schedule import ScheduleError, UnitState
+from infinity.schedule import HoldState, ScheduleError
 from infinity.schedule.record import UnitRecord
 
 
@@ -27,6 +27,6 @@ def test_illegal_scheduler_transitions_name_the_key_and_both_states(before, move
 
 
 def test_every_unit_state_says_what_it_means():
-    docs = [state.__doc__ for state in UnitState]
+    docs = [state.__doc__ for state in HoldState]
     # an Enum member without its own doc would show the class's
-    assert UnitState.__doc__ not in docs and len(set(docs)) == len(docs)
+    assert HoldState.__doc__ not in docs and len(set(docs)) == len(docs)
