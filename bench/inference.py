@@ -76,14 +76,13 @@ def child(a: dict) -> dict:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from infinity.host import block_io_nbytes
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import block_io_nbytes, peak_resident_host_nbytes
 
     torch.set_num_threads(os.cpu_count() or 1)
     t0 = time.perf_counter()
     model, engine, close = _load(a)
     load_s = time.perf_counter() - t0
-    hwm_load, cgroup_load = peak_host_nbytes(), _cgroup.peak(a.get("cgroup"))
+    hwm_load, cgroup_load = peak_resident_host_nbytes(), _cgroup.peak(a.get("cgroup"))
     # [the limit after loading] zero.Init's construction heap (infinity) and the loaders' transients peak
     # before generation; the limit that keeps the weights out of the page cache is set once the model is
     # loaded (loading is not timed), and the peaks are restarted so they describe generation alone.
@@ -113,7 +112,7 @@ def child(a: dict) -> dict:
     decode_s = clock.stamps[-1] - clock.stamps[0]
     res = {"kind": a["kind"], "batch": a["batch"], "load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
            "steps": len(clock.stamps), "tokens": out[:, ids.shape[1]:].tolist(), "read_nbytes": read_nbytes,
-           "hwm": peak_host_nbytes(), "hwm_load": hwm_load, "cgroup_peak": _cgroup.peak(a.get("cgroup")),
+           "hwm": peak_resident_host_nbytes(), "hwm_load": hwm_load, "cgroup_peak": _cgroup.peak(a.get("cgroup")),
            "cgroup_peak_load": cgroup_load, "cgroup_limit": limit}
     if engine is not None:
         res["engine"] = engine.last_generation.as_dict()
@@ -129,7 +128,7 @@ def _limit_after_load(cgroup: str | None, limit_nbytes: int | None) -> int | Non
     try:
         _cgroup.limit(cgroup, limit_nbytes)
     except OSError as e:  # EBUSY: the kernel could not reclaim enough to get under it
-        from infinity.memory import resident_host_nbytes
+        from infinity.host import resident_host_nbytes
 
         raise SystemExit(f"could not limit the cgroup to {limit_nbytes / 2**30:.2f} GiB after loading ({e}): "
                          f"the contender holds {resident_host_nbytes() / 2**30:.2f} GiB resident, its cgroup "

@@ -81,7 +81,7 @@ REFERENCE = {"bf16": "plain-bf16"}
 def child(a: dict) -> dict:
     import torch
 
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import peak_resident_host_nbytes
     from infinity.models import GPTConfig, TextCorpus
 
     kind = a["kind"]
@@ -114,7 +114,7 @@ def child(a: dict) -> dict:
                 "prefetch_hits", "late_prefetches", "reuse_hits", "on_demand", "reads", "read_nbytes",
                 "duplicate_reads", "stall_s")}
         engine.close()
-    out.update(times=times, cpus=cpus, io=io, hwm=peak_host_nbytes(), losses=losses)  # VmHWM + hugetlb pages
+    out.update(times=times, cpus=cpus, io=io, hwm=peak_resident_host_nbytes(), losses=losses)  # VmHWM + hugetlb pages
     out["cgroup_peak"] = _cgroup.peak(a.get("cgroup"))
     return out
 

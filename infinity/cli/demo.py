@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     import infinity
     from infinity.config import read_config_file
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import peak_resident_host_nbytes
     from infinity.models import GPT, GPTConfig, TextCorpus
 
     os.makedirs(args.nvme_path, exist_ok=True)
@@ -113,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
             losses.append(loss.item())
             times.append(dt)
             bar.set_postfix_str(f"loss {losses[-1]:.3f} | {dt:.2f} s/step | read {rd / dt / 1e9:.2f} GB/s "
-                                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(peak_host_nbytes())}")
+                                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(peak_resident_host_nbytes())}")
     finally:
         bar.close()
         engine.synchronize()
         io = engine.io_stats()
         prefetch = engine.prefetch_stats()
         engine.close()
-    rss = peak_host_nbytes()
+    rss = peak_resident_host_nbytes()
     median = sorted(times)[len(times) // 2] if times else 0.0
     summary = {
         "params": gpt.num_params,

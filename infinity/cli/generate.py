@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from infinity.config import ConfigError
+from infinity.host import peak_resident_host_nbytes
 
 NAME = "generate"
 HELP = "generate from a Hugging Face checkpoint directory with its weights streamed from NVMe"
@@ -94,11 +94,7 @@ class Progress:
         done = min(self.steps, self.total)
         bar = "#" * (20 * done // max(1, self.total))
         return (f"[{bar:<20}] {done}/{self.total} tokens, {done * self.batch / dt:.1f} tok/s, "
-                f"{read / dt / 1e9:.2f} GB/s read, peak RSS {peak_rss_nbytes() / 2**30:.2f} GiB")
-
-
-def peak_rss_nbytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+                f"{read / dt / 1e9:.2f} GB/s read, peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,5 +144,5 @@ def run(args: argparse.Namespace) -> int:
     texts = tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)
     for text in dict.fromkeys(texts):  # greedy: the copies agree; each distinct one once
         print(text)
-    print(f"{stats.summary()}; peak RSS {peak_rss_nbytes() / 2**30:.2f} GiB", file=sys.stderr)
+    print(f"{stats.summary()}; peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB", file=sys.stderr)
     return 0

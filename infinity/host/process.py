@@ -1,7 +1,12 @@
 """A process as the kernel counts it: /proc/<pid>/status memory figures, block I/O, start time, peak reset.
 
-Peak RSS (VmHWM) and RSS (VmRSS) leave out hugetlb pages (``HugetlbPages``):
-callers that budget memory add them themselves (infinity.memory.usage).
+The one reader of this process's resident memory, under two names per figure:
+``rss_nbytes`` and ``peak_rss_nbytes`` are the kernel's VmRSS and VmHWM, which
+leave out hugetlb pages (``HugetlbPages``); ``resident_host_nbytes`` and
+``peak_resident_host_nbytes`` add them: where vm.nr_hugepages is reserved the
+buffer pools live there (aligned_empty prefers MAP_HUGETLB), and a budget
+that left them out would miss the largest allocations. The pools are
+allocated once and held, so the hugetlb pages held now are also their peak.
 
 Threading: stateless; safe from any thread. ``reset_peak_rss`` resets the
 figure for the whole process, so concurrent measurements see each other's reset.
@@ -39,6 +44,18 @@ def peak_rss_nbytes() -> int:
 def rss_nbytes() -> int:
     """This process's resident set now (VmRSS) in bytes, hugetlb pages not included; 0 where unknown."""
     return process_status().get("VmRSS", 0)
+
+
+def resident_host_nbytes() -> int:
+    """Host memory this process holds now: VmRSS plus its hugetlb pages; 0 where unknown."""
+    st = process_status()
+    return st.get("VmRSS", 0) + st.get("HugetlbPages", 0)
+
+
+def peak_resident_host_nbytes() -> int:
+    """The most host memory this process has held: VmHWM plus the hugetlb pages held now."""
+    st = process_status()
+    return st.get("VmHWM", 0) + st.get("HugetlbPages", 0)
 
 
 def hugetlb_nbytes() -> int:

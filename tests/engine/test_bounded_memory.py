@@ -41,8 +41,8 @@ SCRIPT = textwrap.dedent("""
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    from infinity.memory import peak_host_nbytes
-    hwm = peak_host_nbytes()  # VmHWM + hugetlb pages, where the pools may live
+    from infinity.host import peak_resident_host_nbytes
+    hwm = peak_resident_host_nbytes()  # VmHWM + hugetlb pages, where the pools may live
     engine.close()
     print(json.dumps({"params": gpt.num_params, "hwm": hwm, "swap": swap, "losses": losses}))
 """)

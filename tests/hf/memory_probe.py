@@ -11,7 +11,7 @@ one would without load_pretrained: the whole model gathered and the files' state
 
 The measured phases print the baseline (resident set after the imports, the model's class included,
 before any model exists: infinity.estimate.runtime_baseline_nbytes), the peak host memory (VmHWM plus hugetlb pages,
-infinity.memory.peak_host_nbytes) after each step of the phase, and the pools the run allocated.
+infinity.host.peak_resident_host_nbytes) after each step of the phase, and the pools the run allocated.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _build(nvme: str, peaks: dict):
     import transformers as tf
 
     import infinity
-    from infinity.host import reset_peak_rss
-    from infinity.memory import peak_host_nbytes, trim_heap
+    from infinity.host import peak_resident_host_nbytes, reset_peak_rss
+    from infinity.memory import trim_heap
 
     torch.manual_seed(1)
     with infinity.zero.Init(_ds(nvme)):
@@ -68,10 +68,10 @@ def _build(nvme: str, peaks: dict):
     # was freed until FreedMemory trims it (up to memory/trim.py's threshold): the estimator's
     # "zero.Init construction heap". That is construction's, not loading's: it is reported, then
     # trimmed, and the peak starts again from here.
-    peaks["built"] = peak_host_nbytes()
+    peaks["built"] = peak_resident_host_nbytes()
     trim_heap()
     peaks["reset"] = reset_peak_rss()
-    peaks["after build, trimmed"] = peak_host_nbytes()
+    peaks["after build, trimmed"] = peak_resident_host_nbytes()
     return model
 
 
@@ -89,7 +89,7 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     import torch
 
     import infinity
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import peak_resident_host_nbytes
     from infinity.zero.init import _INIT_POOL_NBYTES
 
     baseline = _baseline()
@@ -97,10 +97,10 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     model = _build(nvme, peaks)
     result = infinity.zero.load_pretrained(model, directory)
     whole = [n for n, p in model.named_parameters() if p.numel() > 0]
-    peaks["loaded"] = peak_host_nbytes()
+    peaks["loaded"] = peak_resident_host_nbytes()
     ds = _ds(nvme)
     engine = infinity.initialize(model, ds)
-    peaks["initialized"] = peak_host_nbytes()
+    peaks["initialized"] = peak_resident_host_nbytes()
     plan = engine.runtime.plan
     pools = {"zero.Init pool": _INIT_POOL_NBYTES,
              "parameter pool": plan.param_store.pool.capacity_nbytes,
@@ -115,9 +115,9 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    peaks["trained"] = peak_host_nbytes()
+    peaks["trained"] = peak_resident_host_nbytes()
     engine.save_16bit_model(out, max_shard_size=SHARD)
-    peaks["saved"] = peak_host_nbytes()
+    peaks["saved"] = peak_resident_host_nbytes()
     engine.save_checkpoint(ckpt)
     model.config.save_pretrained(ckpt)
     engine.close()
@@ -128,7 +128,7 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
 def materialise(directory: str, nvme: str) -> dict:
     from safetensors.torch import load_file
 
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import peak_resident_host_nbytes
     from infinity.zero.gathered import GatheredParameters
 
     baseline = _baseline()
@@ -139,18 +139,18 @@ def materialise(directory: str, nvme: str) -> dict:
         state.update(load_file(f))
     with GatheredParameters(list(model.parameters()), modifier_rank=0):
         result = model.load_state_dict(state, strict=False)
-    peaks["loaded"] = peak_host_nbytes()
+    peaks["loaded"] = peak_resident_host_nbytes()
     return {"baseline": baseline, "peaks": peaks, "missing": result.missing_keys,
             "unexpected": result.unexpected_keys}
 
 
 def export(ckpt: str, out: str) -> dict:
     from infinity.engine.checkpoint import export_checkpoint
-    from infinity.memory import peak_host_nbytes
+    from infinity.host import peak_resident_host_nbytes
 
     baseline = _baseline()  # transformers included: the export names tensors as it does
     export_checkpoint(ckpt, out, max_shard_size=SHARD, progress=False)
-    return {"baseline": baseline, "peaks": {"exported": peak_host_nbytes()}}
+    return {"baseline": baseline, "peaks": {"exported": peak_resident_host_nbytes()}}
 
 
 if __name__ == "__main__":

@@ -42,11 +42,24 @@ def test_this_process():
     st = host.process_status()
     assert st["VmHWM"] >= st["VmRSS"] > 0
     assert host.peak_rss_nbytes() >= host.rss_nbytes() > 0
+    assert host.peak_resident_host_nbytes() >= host.resident_host_nbytes() > 0
     assert host.hugetlb_nbytes() >= 0
     assert host.process_status(os.getpid()).keys() == st.keys()
     me = host.process_start_time(os.getpid())
     assert me is not None and me > 0
     assert host.process_start_time(os.getpid()) == me
+
+
+def test_host_memory_figures_add_the_hugetlb_pages_the_kernels_rss_leaves_out(monkeypatch):
+    from infinity.host import process
+
+    status = {"VmHWM": 7 << 20, "VmRSS": 5 << 20, "HugetlbPages": 4 << 20}
+    monkeypatch.setattr(process, "process_status", lambda pid=None: status)
+    assert (host.rss_nbytes(), host.peak_rss_nbytes()) == (5 << 20, 7 << 20)
+    assert host.resident_host_nbytes() == 9 << 20
+    assert host.peak_resident_host_nbytes() == 11 << 20
+    monkeypatch.setattr(process, "process_status", lambda pid=None: {})
+    assert host.resident_host_nbytes() == host.peak_resident_host_nbytes() == 0  # unknown
 
 
 def test_a_process_that_is_gone_has_no_start_time():
