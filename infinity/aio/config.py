@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal
 
+from infinity.aio.buffers import DIRECT_ALIGNMENT
+
 EngineName = Literal["auto", "io_uring", "threads"]
 ENGINES: tuple[str, ...] = ("auto", "io_uring", "threads")
 
@@ -27,7 +29,7 @@ DEFAULT_QUEUE_DEPTH = 32
 
 # Inclusive ranges. A block_size below 4 KiB cannot be O_DIRECT; above 1 GiB a
 # piece gains nothing (and io_uring caps a fixed buffer there).
-_LIMITS = {"block_size": (4096, 1 << 30), "queue_depth": (1, 4096), "thread_count": (1, 256)}
+_LIMITS = {"block_size": (DIRECT_ALIGNMENT, 1 << 30), "queue_depth": (1, 4096), "thread_count": (1, 256)}
 
 
 def _as_int(key: str, value: Any, lo: int, hi: int) -> int:
@@ -36,10 +38,10 @@ def _as_int(key: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, float) and not value.is_integer():
         raise ValueError(f"aio.{key} must be an integer in [{lo}, {hi}], got {value!r}")
     v = int(value)
-    if key == "block_size" and 0 < v <= hi and v % 4096:
+    if key == "block_size" and 0 < v <= hi and v % DIRECT_ALIGNMENT:
         # Say the useful thing: a small block_size is fine as long as it is aligned.
         raise ValueError(
-            f"aio.block_size must be a multiple of 4096 bytes (O_DIRECT alignment), got {v}"
+            f"aio.block_size must be a multiple of {DIRECT_ALIGNMENT} bytes (O_DIRECT alignment), got {v}"
         )
     if not lo <= v <= hi:
         raise ValueError(f"aio.{key} must be in [{lo}, {hi}], got {v}")

@@ -24,7 +24,7 @@ def round_up(n: int, to: int) -> int:
 class RangeAllocator:
     """Best-fit allocator over [0, capacity) in units of ``granule`` bytes."""
 
-    def __init__(self, capacity: int = 0, *, granule: int = 4096):
+    def __init__(self, capacity: int = 0, *, granule: int):
         if granule <= 0:
             raise ValueError(f"granule must be positive, got {granule}")
         if capacity < 0 or capacity % granule:

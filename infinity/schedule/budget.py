@@ -17,10 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from infinity.aio import DIRECT_ALIGNMENT
 from infinity.memory import format_nbytes, round_up
 from infinity.schedule.errors import ScheduleConfigError
-
-ALIGN = 4096  # the store rounds every key's pool region up to this
 
 # DeepSpeed's config keys, for messages.
 BUCKET_KEY = "zero_optimization.stage3_prefetch_bucket_size"
@@ -117,7 +116,7 @@ class ScheduleBudget:
             )
         pool_working = working if pool_working_set_nbytes is None else pool_working_set_nbytes
         if pool_capacity is not None and pool_working > 0:
-            need = round_up(pool_working, ALIGN)
+            need = round_up(pool_working, DIRECT_ALIGNMENT)  # the pool rounds each region up to it
             if pool_capacity < need:
                 raise ScheduleConfigError(
                     f"the parameter buffer pool ({format_nbytes(pool_capacity)}) cannot hold "

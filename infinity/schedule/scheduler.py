@@ -105,10 +105,11 @@ from typing import Any
 
 import torch
 
+from infinity.aio import DIRECT_ALIGNMENT
 from infinity.aio.waits import wait_until
 from infinity.memory import round_up
 from infinity.schedule import lookahead
-from infinity.schedule.budget import ALIGN, ScheduleBudget
+from infinity.schedule.budget import ScheduleBudget
 from infinity.schedule.cursor import Seen, TraceCursor
 from infinity.schedule.errors import ScheduleError
 from infinity.schedule.record import DISCRETIONARY, HoldState, UnitRecord
@@ -747,7 +748,7 @@ class PrefetchScheduler:
                     break
         if not self._reads_from_disk(rec.key):
             return
-        need = round_up(rec.nbytes, ALIGN)
+        need = round_up(rec.nbytes, DIRECT_ALIGNMENT)
         if self._pool_can_serve(need):
             return
         for idle in lookahead.furthest_first(list(self._cached.values()), trace, pos):
@@ -884,7 +885,7 @@ class PrefetchScheduler:
         return self._pool.waiting_nbytes() == 0 and self._pool.can_serve(need)
 
     def _pool_room_for_prefetch(self, rec: UnitRecord, trace: Trace, pos: int, at: int) -> bool:
-        need = round_up(rec.nbytes, ALIGN)
+        need = round_up(rec.nbytes, DIRECT_ALIGNMENT)
         if self._pool_can_serve(need):
             return True
         for idle in lookahead.needed_after(list(self._cached.values()), trace, pos, at):
@@ -927,7 +928,7 @@ class PrefetchScheduler:
         with self._lock:
             if self._closed:
                 return
-            need = round_up(nbytes, ALIGN)
+            need = round_up(nbytes, DIRECT_ALIGNMENT)
             trace, pos = self._view() or (None, 0)
             for idle in lookahead.furthest_first(list(self._cached.values()), trace, pos):
                 if self._pool.can_serve(need):

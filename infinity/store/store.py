@@ -62,7 +62,7 @@ from typing import Literal
 
 import torch
 
-from infinity.aio import AioConfig, aligned_empty
+from infinity.aio import DIRECT_ALIGNMENT, AioConfig, aligned_empty
 from infinity.memory import BufferPool, round_up
 from infinity.store import finalizer, read_path, write_path
 from infinity.store.device import DeviceTier, Tier, complete_copy_in
@@ -81,7 +81,6 @@ log = logging.getLogger("infinity.store")
 
 Home = Literal["nvme", "cpu"]
 """Where a key rests between uses: a swap file on NVMe, or host memory."""
-ALIGN = 4096
 DEFAULT_FILE_NBYTES = 16 << 30
 
 
@@ -183,7 +182,7 @@ class TieredStore:
             st.check_open()
             if st.swap is None:
                 raise ValueError(f"store '{self.name}' has no nvme_path: nothing to reserve")
-            st.swap.reserve(round_up(total_nbytes, ALIGN))
+            st.swap.reserve(round_up(total_nbytes, DIRECT_ALIGNMENT))
 
     def register(
         self, key: Hashable, shape: Sequence[int], dtype: torch.dtype, *, home: Home = "nvme"
@@ -215,10 +214,10 @@ class TieredStore:
                 seen.add(rec.key)
             on_disk = [r for r in recs if r.home_tensor is None]
             if on_disk:
-                total = sum(round_up(r.nbytes, ALIGN) for r in on_disk)
+                total = sum(round_up(r.nbytes, DIRECT_ALIGNMENT) for r in on_disk)
                 pos = st.swap.alloc(total, f"register of {key_label(on_disk)}").offset
                 for r in on_disk:
-                    r.extent = Extent(pos, round_up(r.nbytes, ALIGN))
+                    r.extent = Extent(pos, round_up(r.nbytes, DIRECT_ALIGNMENT))
                     pos += r.extent.nbytes
             for rec in recs:
                 st.records[rec.key] = rec

@@ -85,7 +85,7 @@ class SwapSpace:
         check_distinct(roots)
         if stripe_nbytes <= 0 or stripe_nbytes % DIRECT_ALIGNMENT:
             raise ValueError(
-                f"stripe size must be a positive multiple of 4096 bytes, got {stripe_nbytes}"
+                f"stripe size must be a positive multiple of {DIRECT_ALIGNMENT} bytes, got {stripe_nbytes}"
             )
         self.name = store_name
         self.unit = stripe_nbytes

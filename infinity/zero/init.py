@@ -47,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from infinity.aio import AioConfig
+from infinity.aio import DIRECT_ALIGNMENT, AioConfig
 from infinity.config import ConfigError
 from infinity.config.zero import NvmePath
 from infinity.memory import BufferPool, FreedMemory
@@ -120,7 +120,7 @@ class InitStore:
                 paths = rank_dirs(nvme_path, group.rank, o_direct=aio.o_direct)
             except NvmePathError as e:  # a key of the config: refused like the others
                 raise ConfigError(str(e)) from None
-        pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else 4096)
+        pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else DIRECT_ALIGNMENT)
         self.store = TieredStore(paths, pool=pool, aio=aio, name="zero-init")
         self._freed = FreedMemory()
         self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-ALIGN_NBYTES = 4096
+from infinity.aio import DIRECT_ALIGNMENT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def make_layout(names: list[str], shapes: list[torch.Size], dtype: torch.dtype, 
         slots.append(SlotLayout(name, torch.Size(shape), n, offset))
         offset += n
     itemsize = torch.empty((), dtype=dtype).element_size()
-    align = max(1, ALIGN_NBYTES // itemsize)
+    align = max(1, DIRECT_ALIGNMENT // itemsize)
     shard = max(align, -(-offset // world_size))
     shard = -(-shard // align) * align
     return UnitLayout(tuple(slots), dtype, world_size, offset, shard)

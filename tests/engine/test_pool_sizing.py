@@ -12,11 +12,10 @@ from __future__ import annotations
 import torch
 
 import infinity
+from infinity.aio import DIRECT_ALIGNMENT
 from infinity.memory import round_up
 from tests.engine.models import batch, tiny_gpt
 from tests.engine.reference import engine_config
-
-ALIGN = 4096
 
 
 def _config(nvme_dir, **param):
@@ -38,7 +37,7 @@ def _train(cfg, steps=2):
         rt = engine.runtime
         streamed = [u for u in rt.plan.units if not u.persistent]  # max_in_cpu 0: every one on NVMe
         assert all(rt.plan.shards[u.index].param_home == "nvme" for u in streamed)
-        everything = sum(round_up(u.layout.shard_nbytes, ALIGN) for u in streamed)
+        everything = sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in streamed)
         return losses, rt.param_store.pool.capacity, everything
     finally:
         engine.close()
@@ -47,7 +46,7 @@ def _train(cfg, steps=2):
 def test_the_default_parameter_pool_holds_the_model_not_two_gigabytes(nvme_dir):
     # DeepSpeed's defaults: buffer_count 5, buffer_size 1e8 elements.
     losses, capacity, everything = _train(_config(nvme_dir, buffer_count=5, buffer_size=100_000_000))
-    assert everything <= capacity <= everything + 5 * ALIGN  # every shard at once, and no more
+    assert everything <= capacity <= everything + 5 * DIRECT_ALIGNMENT  # every shard at once, and no more
     assert capacity < 5 * 100_000_000 * 4 // 100
     # A pool the config asks for below the model's size is obeyed as written, with the same numbers.
     small = everything * 3 // 4 // 2 // 4 // 1024 * 1024  # elements: two buffers hold 3/4 of the shards

@@ -6,11 +6,11 @@ from hypothesis import strategies as st
 
 from infinity.memory import RangeAllocator
 
-G = 4096
+G = 4096  # any granule; the pools and swap space use infinity.aio.DIRECT_ALIGNMENT
 
 
 def test_best_fit_takes_the_smallest_run_that_fits():
-    a = RangeAllocator(16 * G)
+    a = RangeAllocator(16 * G, granule=G)
     offs = [a.alloc(G) for _ in range(16)]
     assert offs == [i * G for i in range(16)]
     a.free(1 * G, 3 * G)  # a 3-granule hole
@@ -21,7 +21,7 @@ def test_best_fit_takes_the_smallest_run_that_fits():
 
 
 def test_free_coalesces_both_neighbours():
-    a = RangeAllocator(3 * G)
+    a = RangeAllocator(3 * G, granule=G)
     x, y, z = a.alloc(G), a.alloc(G), a.alloc(G)
     a.free(x, G)
     a.free(z, G)
@@ -32,7 +32,7 @@ def test_free_coalesces_both_neighbours():
 
 
 def test_double_free_and_out_of_range_are_refused():
-    a = RangeAllocator(4 * G)
+    a = RangeAllocator(4 * G, granule=G)
     x = a.alloc(2 * G)
     a.free(x, 2 * G)
     with pytest.raises(ValueError, match="double free"):
@@ -42,7 +42,7 @@ def test_double_free_and_out_of_range_are_refused():
 
 
 def test_grow_merges_with_a_free_tail():
-    a = RangeAllocator(2 * G)
+    a = RangeAllocator(2 * G, granule=G)
     a.alloc(G)
     a.grow(4 * G)
     assert a.free_runs() == [(G, 3 * G)]
@@ -54,7 +54,7 @@ def test_grow_merges_with_a_free_tail():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * G), st.integers(0, 1000)), max_size=60))
 def test_matches_a_byte_map_model(steps):
-    a = RangeAllocator(32 * G)
+    a = RangeAllocator(32 * G, granule=G)
     owned: list[tuple[int, int]] = []
     used = [False] * 32
     for is_alloc, nbytes, pick in steps:
