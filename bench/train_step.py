@@ -21,7 +21,7 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
   bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
   deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
                  (with stage3_max_reuse_distance 0 and the initial weights copied in after its
-                 zero.Init, which drops the model's own initialisation: see /work/shared/BENCHMARKS.md)
+                 zero.Init, which drops the model's own initialisation)
 
 Reported per kind: step-time ratio, bytes read and written per parameter per
 step next to the least the placement needs (infinity.estimate.traffic:

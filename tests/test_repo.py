@@ -1,4 +1,4 @@
-"""Repository-wide contracts: layering (DESIGN.md), lint, and the README's set-up commands."""
+"""Repository-wide contracts: layering (docs/ARCHITECTURE.md), lint, and the README's set-up commands."""
 
 import shutil
 import subprocess

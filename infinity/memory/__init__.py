@@ -1,6 +1,6 @@
 """Host memory for I/O: page-aligned (pinned when CUDA is present) buffers and the buffer pool.
 
-Imports only infinity.aio and infinity.host (and torch). See DESIGN.md (memory).
+Imports only infinity.aio and infinity.host (and torch). See docs/ARCHITECTURE.md.
 """
 
 from infinity.aio import aligned_empty

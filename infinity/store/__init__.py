@@ -1,7 +1,7 @@
 """The tiered tensor store: keys at rest on NVMe or in host memory, made resident in pool memory and on the device.
 
-Imports only infinity.memory and infinity.aio (and torch). See DESIGN.md (store)
-and [Note: residency] in record.py.
+Imports only infinity.memory, infinity.aio and infinity.host (and torch). See
+docs/ARCHITECTURE.md and [Note: residency] in record.py.
 """
 
 from infinity.store.device import Tier

@@ -1,6 +1,6 @@
 """Tracked records: one record per tracked object, a state Enum whose members say what they mean, asserted moves.
 
-The house pattern (STYLE.md, after FSDP2's ``ShardedState``) that the store's
+The house pattern (after FSDP2's ``ShardedState``) that the store's
 KeyRecord ([Note: residency] in record.py) and the scheduler's UnitRecord
 ([Note: hold states] in infinity/schedule/record.py) both follow:
 - the states are a StateEnum whose members are declared ``NAME = (value, doc)``,

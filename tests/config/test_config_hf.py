@@ -84,7 +84,8 @@ def _shared(name):
     return json.loads((DATA / name).read_text())
 
 
-# The two configs of seeds/accelerate-multiple-models-zh.txt, trailing commas removed.
+# The two configs of Accelerate's guide to several models in one run (its Chinese edition),
+# trailing commas removed; the verbatim copies are data/seeds/accelerate_zero{3_teacher,2_student}.json.
 TEACHER = {
     "bf16": {"enabled": "auto"},
     "zero_optimization": {

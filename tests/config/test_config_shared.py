@@ -1,4 +1,4 @@
-"""The configs users bring (copies of ../shared/configs) load unchanged, to the values DeepSpeed would use."""
+"""The configs users bring (copies in tests/config/data) load unchanged, to the values DeepSpeed would use."""
 
 import json
 import logging
@@ -184,7 +184,8 @@ def test_engine_default_nvme_path_does_not_override_the_configs(tmp_path):
     assert cfg.zero_optimization.offload_param.nvme_path == "/local_nvme"
 
 
-# Configs copied verbatim from the user guides in ../shared/seeds (see its README), with the
+# Configs copied verbatim from the user guides into data/seeds (DeepSpeed's ZeRO-Offload tutorial,
+# HF's DeepSpeed guide, Accelerate's several-models guide), with the
 # arguments HF / Accelerate would pass for their "auto" values.
 SEEDS = {
     "zero_offload_tutorial.json": {},  # a comma missing at a line end: DeepSpeed reads hjson

@@ -36,7 +36,7 @@ from tests.integrations.lightning_runs import (
 )
 from tests.integrations.subprocesses import ROOT, run, without_deepspeed
 
-CONFIGS = ROOT / "tests" / "config" / "data"  # copies of ../shared/configs
+CONFIGS = ROOT / "tests" / "config" / "data"  # the configs users bring (tests/config)
 
 
 @pytest.fixture(autouse=True)

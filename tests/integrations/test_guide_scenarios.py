@@ -1,5 +1,5 @@
-"""The scenarios of the Lightning DeepSpeed guide users follow (shared/seeds/lightning-deepspeed-
-strategies-ko.txt), with "deepspeed" swapped for "infinity": each trains, and the fp32 ones train
+"""The scenarios of the Lightning DeepSpeed guide users follow (a Korean write-up of Lightning's
+DeepSpeed strategies), with "deepspeed" swapped for "infinity": each trains, and the fp32 ones train
 exactly as plain Lightning does (strategy="auto", torch's optimizer: the oracle).
 
 The guide's 1.x spellings map to Lightning 2: ``plugins="deepspeed_stage_2"`` is ``strategy=``,
