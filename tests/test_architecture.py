@@ -1,6 +1,9 @@
-"""docs/ARCHITECTURE.md and the import contract in pyproject.toml describe the same layers."""
+"""docs/ARCHITECTURE.md and the import contract in pyproject.toml describe the same layers, and the
+import rules that package docstrings state are the imports the code makes."""
 
+import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,80 @@ def test_the_cli_row_names_every_subcommand():
     )
     missing = [name for name in registered if f"`{name}`" not in row]
     assert not missing, f"docs/ARCHITECTURE.md's infinity.cli row omits subcommands {missing}"
+
+
+# [Note: stated import rules]
+# A package's docstring may say what it imports, in one sentence: "Imports only infinity.aio and
+# infinity.host (and torch)." or "Imports only the standard library." The sentence is exact: it
+# names every package of infinity the package imports and every third-party one (the standard
+# library is always allowed; so is infinity's root package, where the built extensions _aio and
+# _adam live). The tests below check it against the imports grimp finds.
+_RULE = re.compile(r"Imports only (.+?)\.(?:\s|$)", re.DOTALL)
+_NOT_NAMES = {"and", "the", "standard", "library"}
+
+
+def stated_imports(docstring: str) -> tuple[set[str], set[str]] | None:
+    """(infinity packages, third-party packages) an "Imports only ..." sentence names; None without."""
+    m = _RULE.search(" ".join(docstring.split()))
+    if m is None:
+        return None
+    names = {n for n in re.findall(r"[A-Za-z_][\w.]*", m.group(1)) if n not in _NOT_NAMES}
+    ours = {n for n in names if n.startswith("infinity.")}
+    return ours, names - ours
+
+
+def actual_imports(graph, package: str) -> tuple[set[str], set[str]]:
+    """(infinity packages, third-party packages) any module of ``package`` imports directly."""
+    ours, theirs = set(), set()
+    for module in graph.find_descendants(package) | {package}:
+        for imported in graph.find_modules_directly_imported_by(module):
+            parts = imported.split(".")
+            if parts[0] == "infinity":
+                if (
+                    len(parts) > 1
+                    and not parts[1].startswith("_")
+                    and parts[1] != package.split(".")[1]
+                ):
+                    ours.add(f"infinity.{parts[1]}")
+            elif parts[0] not in sys.stdlib_module_names:
+                theirs.add(parts[0])
+    return ours, theirs
+
+
+@pytest.fixture(scope="module")
+def graph():
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (the test extra)")
+    return grimp.build_graph("infinity", include_external_packages=True)
+
+
+def test_package_docstrings_state_the_imports_the_code_makes(graph):
+    checked, wrong = [], []
+    for init in sorted((ROOT / "infinity").glob("*/__init__.py")):
+        package = f"infinity.{init.parent.name}"
+        stated = stated_imports(ast.get_docstring(ast.parse(init.read_text())) or "")
+        if stated is None:
+            continue
+        checked.append(package)
+        actual = actual_imports(graph, package)
+        if stated != actual:
+            wrong.append(
+                f"{package}: the docstring says {sorted(stated[0] | stated[1])}, "
+                f"the code imports {sorted(actual[0] | actual[1])}"
+            )
+    assert not wrong, (
+        "package docstrings whose import rule is not what the code does:\n" + "\n".join(wrong)
+    )
+    assert {"infinity.host", "infinity.aio", "infinity.memory", "infinity.store"} <= set(checked)
+
+
+def test_a_false_import_rule_is_caught(graph):
+    assert stated_imports("Reads files. Imports only the standard library.") == (set(), set())
+    assert stated_imports("Imports only infinity.aio and infinity.host\n(and torch, numpy).") == (
+        {"infinity.aio", "infinity.host"},
+        {"torch", "numpy"},
+    )
+    assert stated_imports("A store. See docs/ARCHITECTURE.md.") is None
+    # The store's docstring as it read before: the code imports infinity.host too.
+    planted = stated_imports("Imports only infinity.memory and infinity.aio (and torch).")
+    assert planted != actual_imports(graph, "infinity.store")
+    assert actual_imports(graph, "infinity.store")[0] == planted[0] | {"infinity.host"}

@@ -1,4 +1,7 @@
-"""Python face of the C++ async I/O engine (csrc/aio): AioHandle, AioConfig, buffers, errors."""
+"""Python face of the C++ async I/O engine (csrc/aio): AioHandle, AioConfig, buffers, errors.
+
+Imports only infinity.host (and torch, numpy).
+"""
 
 from infinity import _aio
 from infinity.aio.buffers import (

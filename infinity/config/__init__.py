@@ -8,6 +8,8 @@ is the one entry point; it returns an ``InfinityConfig`` composed of
 ``infinity.config.support.NOT_ACTED_ON``. Which keyword arguments fill "auto"
 is another, HF's (``infinity.config.arguments``); ``training_arguments_values``
 reads them off a transformers ``TrainingArguments`` for the adapters.
+
+Imports only infinity.aio (and torch, hjson).
 """
 
 from infinity.aio.config import AioConfig

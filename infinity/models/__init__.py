@@ -1,4 +1,7 @@
-"""Reference models (pure torch, no infinity imports): the demo's GPT and its built-in corpus."""
+"""Reference models (pure torch, no infinity imports): the demo's GPT and its built-in corpus.
+
+Imports only torch.
+"""
 
 from infinity.models.corpus import TextCorpus
 from infinity.models.gpt import GPT, GPTConfig
