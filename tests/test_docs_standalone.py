@@ -3,8 +3,8 @@
 A person who clones the repository has nothing outside it, so every document a file names (a
 Markdown, reStructuredText or text file: ``README.md``, ``docs/ARCHITECTURE.md``, a relative
 Markdown link) must be a file of the repository, and no path may lead out of it (a relative path
-that climbs above the root, an absolute path to a document). Cross-cutting design is written as a named note in the code
-(``[Note: ...]``) or in docs/ARCHITECTURE.md.
+that climbs above the root, an absolute path to a document). Cross-cutting design is written as
+a named note in the code (``[Note: ...]``) or in docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class _Repository:
         return path is not None and (path in self.files or path in self.dirs)
 
     def has_suffix(self, path: str) -> bool:
-        """Some file of the repository is ``path`` or ends with ``/path`` (a path given from a folder
-        the reader knows from context, such as ``config/data/seeds/x.json``)."""
+        """Some file of the repository is ``path`` or ends with ``/path`` (a path given from a
+        folder the reader knows from context, such as ``config/data/seeds/x.json``)."""
         return any(f == path or f.endswith("/" + path) for f in self.files)
 
     def resolves(self, ref: str, source: str, *, suffix_ok: bool) -> bool:
@@ -105,7 +105,8 @@ class _Repository:
 
 def prose(source: str, text: str) -> str:
     """The text of ``source`` a reader reads as prose, line for line: a Python file's comments and
-    docstrings (its other strings are data, such as a path a test feeds in); any other file whole."""
+    docstrings (its other strings are data, such as a path a test feeds in); any other file
+    whole."""
     if not source.endswith(".py"):
         return text
     try:
@@ -187,7 +188,8 @@ def test_the_check_catches_planted_references():
             'BAD_PATHS = ["../other/good", "NOTES.md"]  # data a test feeds in: see NOTES.md\n'
         ),
         "docs/x.md": (
-            "[the map](ARCHITECTURE.md) [code](../pkg/mod.py) [top](#layers) [web](https://a.b/c.md)\n"
+            "[the map](ARCHITECTURE.md) [code](../pkg/mod.py) [top](#layers) "
+            "[web](https://a.b/c.md)\n"
             "[gone](notes/gone.md) [up](../../outside.md) see /work/shared/BENCHMARKS.md\n"
         ),
     }

@@ -37,7 +37,8 @@ def fio_version() -> str:
 
 
 def shmhuge_fits(block_size: int, queue_depth: int, jobs: int) -> bool:
-    """Whether fio's shmhuge buffers (block x depth per job, in 2 MiB pages) fit in the free pool."""
+    """Whether fio's shmhuge buffers (block x depth per job, in 2 MiB pages) fit in the free
+    pool."""
     per_job = -(-block_size * queue_depth // (2 << 20)) * (2 << 20) + (2 << 20)
     return per_job * jobs <= host.hugetlb_free_nbytes()
 

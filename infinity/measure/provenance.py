@@ -17,8 +17,8 @@ from infinity.measure.fio import fio_version
 
 
 def machine_info(path: Path | Sequence[Path]) -> dict[str, Any]:
-    """What a result needs to be read later: versions, CPU, memory, kernel and the device under ``path``
-    (under each path, as lists, where several were measured)."""
+    """What a result needs to be read later: versions, CPU, memory, kernel and the device under
+    ``path`` (under each path, as lists, where several were measured)."""
     paths = [path] if isinstance(path, Path) else list(path)
     import infinity  # the version lives in the package's root, which imports all of it
 
@@ -39,7 +39,8 @@ def machine_info(path: Path | Sequence[Path]) -> dict[str, Any]:
 
 
 def mount_of(path: Path) -> dict[str, str]:
-    """The file system holding ``path`` as results record it: device, mount point, type ('' where unknown)."""
+    """The file system holding ``path`` as results record it: device, mount point, type ('' where
+    unknown)."""
     m = host.mount_of(path)
     return {
         "device": m.device if m else "",

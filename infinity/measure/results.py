@@ -45,7 +45,8 @@ def format_table(samples: Sequence[Sample]) -> str:
 
 
 def plot(samples: Sequence[Sample], out: Path, title: str) -> None:
-    """Grouped bars, GB/s per setting: ours (and fio) for each direction. PNG via matplotlib's Agg."""
+    """Grouped bars, GB/s per setting: ours (and fio) for each direction. PNG via matplotlib's
+    Agg."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""Sizes and lists as the measuring commands and benches read and print them: '128K', '1M,8M', '4,32'.
+"""Sizes and lists as the measuring commands and benches read and print them: '128K', '1M,8M'.
 
 Binary units (K = 1024); ``*_arg`` wrap the parsers as argparse types, which show the parser's own
 words for a bad value.
@@ -13,7 +13,8 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def parse_size(text: str) -> int:
-    """'128K', '1M', '2G', '1.5G', '4096' -> bytes (binary units; a trailing 'B' or 'iB' is allowed)."""
+    """'128K', '1M', '2G', '1.5G', '4096' -> bytes (binary units; a trailing 'B' or 'iB' is
+    allowed)."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
     number = t[: len(t) - len(unit)]

@@ -3,7 +3,8 @@
 A TestFile is ``nbytes`` of real data written once (a read of unwritten blocks measures nothing).
 A Stripe is one TestFile per drive, read and written as one space striped the way a store lays
 out its swap space over those drives ([Note: striping] in infinity/store/swapspace.py). Each gives
-the (buffer, file, offset) pieces of one run through a ring buffer; infinity.measure.throughput times them.
+the (buffer, file, offset) pieces of one run through a ring buffer; infinity.measure.throughput
+times them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class TestFile:
         self.path = self.directory / name
 
     def prepare(self) -> None:
-        """Creates the directory and writes the file once (a read of unwritten blocks measures nothing)."""
+        """Creates the directory and writes the file once (a read of unwritten blocks measures
+        nothing)."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -129,14 +131,16 @@ Target = TestFile | Stripe
 
 
 def targets(paths: Sequence[Path], nbytes: int, name: str) -> list[tuple[str, Target]]:
-    """What a run over ``paths`` measures: the one test file; or with several paths each one's alone
-    (labelled by its path) and then all of them striped ("stripe"). A folder listed twice is refused."""
+    """What a run over ``paths`` measures: the one test file; or with several paths each one's
+    alone (labelled by its path) and then all of them striped ("stripe"). A folder listed twice is
+    refused."""
     seen: dict[str, Path] = {}
     for p in paths:
         real = os.path.realpath(os.path.expanduser(p))
         if real in seen:
             raise SystemExit(
-                f"--path lists the same directory twice ({seen[real]} and {p}); list each drive once"
+                f"--path lists the same directory twice ({seen[real]} and {p}); "
+                "list each drive once"
             )
         seen[real] = p
     files = [TestFile(Path(os.path.expanduser(p)), nbytes, name=name) for p in paths]
@@ -146,8 +150,8 @@ def targets(paths: Sequence[Path], nbytes: int, name: str) -> list[tuple[str, Ta
 
 
 def shared_file_systems(paths: Sequence[Path]) -> list[list[Path]]:
-    """Groups of ``paths`` (created, as the test files are) that lie on one file system: a stripe over
-    them shares one drive's bandwidth."""
+    """Groups of ``paths`` (created, as the test files are) that lie on one file system: a stripe
+    over them shares one drive's bandwidth."""
     by_dev: dict[int, list[Path]] = {}
     for p in paths:
         by_dev.setdefault(os.stat(os.path.expanduser(p)).st_dev, []).append(p)

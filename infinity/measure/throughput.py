@@ -3,10 +3,10 @@ measures it, and interleaved with fio.
 
 One *run* reads or writes the whole test file sequentially as one vectored request whose segments
 cycle through a ring buffer of ``queue_depth x block_size x thread_count`` bytes (at least one 2 MiB
-page): the memory fio's job cycles through for the same setting, so the two tools move the same bytes through the same
-amount of memory (on a VM's virtual disk the host copies that memory; a larger footprint measured
-slower for both). Slots are reused as soon as the engine may issue the next piece, so two reads
-can land in one slot; the data is discarded. The page cache is defeated with O_DIRECT, or, on a
+page): the memory fio's job cycles through for the same setting, so the two tools move the same
+bytes through the same amount of memory (on a VM's virtual disk the host copies that memory; a
+larger footprint measured slower for both). Slots are reused as soon as the engine may issue the
+next piece, so two reads can land in one slot; the data is discarded. The page cache is defeated with O_DIRECT, or, on a
 file system that refuses it, by dropping caches before each read (root) and fsyncing writes.
 
 A Stripe is one test file per drive, read and written as a store's swap space striped over those
@@ -69,7 +69,8 @@ class Setting:
         return min(ring, -(-file_nbytes // self.block_size) * self.block_size)
 
     def config(self) -> AioConfig:
-        """The handle settings of this point (the rest at their defaults); ValueError naming a bad value."""
+        """The handle settings of this point (the rest at their defaults); ValueError naming a bad
+        value."""
         return AioConfig.from_dict(dataclasses.asdict(self))
 
     def handle(self) -> AioHandle:
@@ -97,7 +98,8 @@ class Sample:
     huge_fraction: float = 1.0
     """Smallest fraction of the ring backed by 2 MiB pages over the runs."""
     target: str = ""
-    """What was measured where several paths were: one path, or "stripe" (all of them); "" for one path."""
+    """What was measured where several paths were: one path, or "stripe" (all of them); "" for one
+    path."""
 
     @property
     def median(self) -> float:
@@ -143,8 +145,8 @@ def page_cache_note(direct: bool) -> str:
     if host.can_drop_caches():
         return "the file system refuses O_DIRECT: caches dropped before each read, writes fsynced"
     return (
-        "NOT defeated: the file system refuses O_DIRECT and /proc/sys/vm/drop_caches is not writable "
-        "(not root); reads may measure memory copies"
+        "NOT defeated: the file system refuses O_DIRECT and /proc/sys/vm/drop_caches is not "
+        "writable (not root); reads may measure memory copies"
     )
 
 
@@ -204,8 +206,8 @@ def run_sweep(
     desc: str = "bench aio",
     target: str = "",
 ) -> list[Sample]:
-    """Every setting x direction, ``repeat`` times; with ``fio_iomem`` each of our runs is followed by
-    fio's. ``target`` labels the samples (where several paths are measured)."""
+    """Every setting x direction, ``repeat`` times; with ``fio_iomem`` each of our runs is followed
+    by fio's. ``target`` labels the samples (where several paths are measured)."""
     from tqdm import tqdm
 
     direct = test_file.direct_io_works()

@@ -1,4 +1,5 @@
-"""Sizes as the measuring commands read and print them: binary units, every whole size round-trips."""
+"""Sizes as the measuring commands read and print them: binary units; every whole size
+round-trips."""
 
 from __future__ import annotations
 

@@ -13,8 +13,10 @@ from infinity.measure import Stripe, testfiles  # not TestFile: pytest would col
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("nfiles,size,block,ring", [(2, 8 * MiB, MiB, 4 * MiB), (3, 5 * MiB + 4096, MiB, 2 * MiB),
-                                                    (2, 3 * 4096, 8192, 8192)])
+@pytest.mark.parametrize(
+    "nfiles,size,block,ring",
+    [(2, 8 * MiB, MiB, 4 * MiB), (3, 5 * MiB + 4096, MiB, 2 * MiB), (2, 3 * 4096, 8192, 8192)],
+)
 def test_stripe_pieces_cover_each_file_once_going_round_the_files(nfiles, size, block, ring):
     files = [testfiles.TestFile(Path(f"/d{i}"), size) for i in range(nfiles)]
     buf = torch.empty(ring, dtype=torch.uint8)
@@ -24,11 +26,15 @@ def test_stripe_pieces_cover_each_file_once_going_round_the_files(nfiles, size, 
         assert f is files[k % nfiles], "piece k lies in file k % N"
         assert off == (k // nfiles) * block and 0 < piece.numel() <= block
         start = piece.data_ptr() - buf.data_ptr()
-        assert start == (k * block) % ring and start + piece.numel() <= ring, "each piece in its ring slot"
+        assert start == (k * block) % ring and start + piece.numel() <= ring, (
+            "each piece in its ring slot"
+        )
         covered[id(f)].append((off, off + piece.numel()))
     for spans in covered.values():
         assert spans[0][0] == 0 and spans[-1][1] == size
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), "no gap, no overlap"
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), (
+            "no gap, no overlap"
+        )
 
 
 def test_a_stripe_needs_files_of_one_size():
