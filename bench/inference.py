@@ -243,9 +243,8 @@ def fio_read_gbps(base: Path, nbytes: int) -> tuple[float, str] | None:
     it read into ("shmhuge": 2 MiB pages, reserved for this run where root may; else "malloc"); None
     without fio."""
     from infinity import measure
-    from infinity.measure import fio_path
 
-    if not fio_path():
+    if not measure.fio_path():
         return None
     f = measure.TestFile(str(base), nbytes, name="infinity-bench-inference-fio.dat")
     f.prepare()
