@@ -7,7 +7,7 @@ is consumed and dropped (a tied parameter's second name, a key Hugging Face
 does not save): the stream's order is the model's units', and skipping is
 cheaper than reordering. The named segments go into one file, or into shards
 of at most ``max_shard_nbytes`` of tensor data each, split as
-huggingface_hub splits them (infinity.zero.hf_layout), with
+huggingface_hub splits them (infinity.weights.hf_layout), with
 ``<name>.index.json`` naming each tensor's shard.
 
 Every file carries the ``{"format": "pt"}`` metadata transformers checks,
@@ -35,9 +35,9 @@ import torch
 from infinity.aio import AioHandle
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.files import StreamWriter
-from infinity.engine.checkpoint.format import build_header
 from infinity.engine.checkpoint.window import as_bytes
-from infinity.zero.hf_layout import (
+from infinity.weights.header import build_header
+from infinity.weights.hf_layout import (
     index_json,
     index_name,
     shard_file_names,
