@@ -4,6 +4,8 @@
   listed by ``model.safetensors.index.json`` (``{"metadata": {"total_size":
   ...}, "weight_map": {tensor name: file}}``); ``config.json`` beside them.
   Never pickle (``pytorch_model.bin`` is refused, naming the conversion).
+  ``checkpoint_tensors`` reads every file's header and checks the index
+  against them: each tensor in one file, the one the index names.
 - Shard sizes: ``max_shard_size`` in bytes or as huggingface_hub writes it
   (``"5GB"``: KB/MB/GB/TB decimal; KiB/MiB/GiB/TiB binary accepted too),
   split as ``split_torch_state_dict_into_shards`` does: tensors in order, a
