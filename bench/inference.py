@@ -220,19 +220,10 @@ def make_model(base: Path, shape: str) -> tuple[Path, Path, int, int]:
         subprocess.run([sys.executable, "-c", code, str(model_dir), str(offload_dir), *map(str, SHAPES[shape])],
                        check=True)
         print(f"made {model_dir} and {offload_dir.name} ({time.perf_counter() - t:.0f} s)", flush=True)
-    from safetensors import safe_open
+    from infinity.weights import checkpoint_tensors
 
-    numel = nbytes = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            for k in st.keys():
-                s = st.get_slice(k)
-                n = 1
-                for d in s.get_shape():
-                    n *= d
-                numel += n
-                nbytes += n * 2  # bf16
-    return model_dir, offload_dir, numel, nbytes
+    tensors = checkpoint_tensors(model_dir).values()
+    return model_dir, offload_dir, sum(t.numel for t in tensors), sum(t.nbytes for t in tensors)
 
 
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32

@@ -5,7 +5,7 @@
 (infinity.inference) to store every matrix parameter (2-D and up: the weights
 of Linear, Embedding, GPT-2's Conv1D) quantised in groups of ``group_size``
 consecutive elements along the last dimension, and to dequantise each unit
-after it is read (the format: infinity/zero/quant.py). Defaults are those of
+after it is read (the format: infinity/weights/quant.py). Defaults are those of
 DeepSpeed's ZeRO-Inference examples (``group_dim`` 1, asymmetric).
 DeepSpeed's other flavour, ``post_init_quant`` (per module name), is refused
 by the schema with the reason (schema.py REFUSED). Training refuses the

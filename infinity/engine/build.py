@@ -29,13 +29,14 @@ from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, Shard
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
 from infinity.store import TieredStore, nvme_path
 from infinity.store.swapspace import drive_nbytes
+from infinity.weights.quant import quantize_into
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
-from infinity.zero.quant import QuantizedShards, quantize_into
+from infinity.zero.quantized_shards import QuantizedShards
 from infinity.zero.resident import ResidentParams
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
@@ -184,7 +185,7 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
             home = plan.shards[unit.index].param_home
-            if plan.formats is not None:  # packed bytes ([Note: quantised shards] in infinity/zero/quant.py)
+            if plan.formats is not None:  # packed bytes ([Note: quantised shards] in infinity/weights/quant.py)
                 param_store.register(unit.key, (plan.formats[unit.index].nbytes,), torch.uint8, home=home)
             else:
                 param_store.register(unit.key, (unit.layout.shard_numel,), unit.layout.dtype, home=home)

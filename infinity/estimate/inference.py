@@ -188,7 +188,7 @@ class _InferencePlanner(_Planner):
             return  # on CUDA / several ranks _scheduler counts the gathered units
         working = partitioner_working_set(self.spec.module, self.unit_map, full=True)
         self.add(Item(f"dequantised weights ({self.dname})", "device", working + self.rt.tensor_cache_cap_nbytes,
-                      "train", "the units in use, dequantised after each read (infinity/zero/quant.py), and the "
+                      "train", "the units in use, dequantised after each read (infinity/weights/quant.py), and the "
                       "buffers the TensorCache keeps for reuse", heap=True))
         largest = max((u.layout.padded_numel for u in self.units), default=0)
         self.add(Item("quantisation transient", "host", largest * 9, "init",

@@ -57,8 +57,9 @@ from infinity.config.zero import NvmePath, OffloadOptimizerConfig, OffloadParamC
 from infinity.memory import BufferPool, round_up
 from infinity.optim.partitioned_adam import split_sub_groups
 from infinity.schedule import ScheduleBudget
+from infinity.weights.quant import QuantSpec, ShardFormat
 from infinity.zero.init import init_store_of
-from infinity.zero.quant import QuantSpec, ShardFormat, shard_format
+from infinity.zero.quantized_shards import unit_shard_format
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
 
@@ -297,7 +298,7 @@ class RuntimePlan:
     """What the runtime tells the user about this plan as it allocates it."""
     formats: tuple[ShardFormat, ...] | None = None
     """Inference with weight_quantization (stage 3): each unit's shard format at rest, by index ([Note:
-    quantised shards] in infinity/zero/quant.py); None: shards rest in their dtype."""
+    quantised shards] in infinity/weights/quant.py); None: shards rest in their dtype."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (what the state moves per step depends on it: traffic.py)."""
     chosen: PlacementChoice | None = None
@@ -451,7 +452,7 @@ def plan_runtime(
     formats = None
     if not trains and quant is not None and zero.stage == 3:
         spec = QuantSpec(quant.num_bits, quant.group_size, quant.symmetric)
-        formats = tuple(shard_format(u.layout, rank, spec) for u in units)
+        formats = tuple(unit_shard_format(u.layout, rank, spec) for u in units)
     schedule = _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
     param_store, refusal = None, None
     if zero.stage == 3:

@@ -6,7 +6,7 @@ zero_optimization.stage 3. Its RuntimePlan has no optimizer (``trains=False``:
 [Note: frozen units] in infinity/estimate/runtime_plan.py), so nothing but
 the weights is allocated: the parameter store (shards on NVMe in the dtype
 they were loaded in, or group-quantised: [Note: quantised shards] in
-infinity/zero/quant.py), its pinned pool, and the stage-3 partitioner over a
+infinity/weights/quant.py), its pinned pool, and the stage-3 partitioner over a
 prefetch scheduler. No gradient, master weight or optimizer state exists;
 every forward runs under ``torch.no_grad()`` with the module in eval mode
 (``engine.train()`` switches the module's mode, never grad).

@@ -6,7 +6,7 @@ The model is made from the directory's config.json under ``infinity.zero.Init``
 init store's shards, tensor by tensor. ``infinity.initialize`` then takes the
 parameters from the init store as it would any zero.Init model (and quantises
 them there when the config asks: [Note: quantised shards] in
-infinity/zero/quant.py).
+infinity/weights/quant.py).
 
 Threading: the caller's.
 """

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from infinity.cli import main as cli_main
 from infinity.engine.checkpoint import CheckpointCorruptError, CheckpointPeerError
-from infinity.engine.checkpoint.format import read_header
+from infinity.weights.header import read_header
 from tests.checkpoint.helpers import (
     M_STEPS,
     N_STEPS,

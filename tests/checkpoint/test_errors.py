@@ -19,8 +19,8 @@ from infinity.engine.checkpoint import (
     CheckpointNotFoundError,
     CheckpointSpaceError,
 )
-from infinity.engine.checkpoint.format import read_header
 from infinity.models import GPT, GPTConfig
+from infinity.weights.header import read_header
 from tests.checkpoint.helpers import (
     N_STEPS,
     assert_same,

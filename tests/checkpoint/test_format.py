@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import infinity
 from infinity.aio import crc32c
 from infinity.engine.checkpoint import export_checkpoint
-from infinity.engine.checkpoint.format import read_header
+from infinity.weights.header import read_header
 from tests.checkpoint.helpers import MODELS, N_STEPS, config, make_engine, snapshot, train
 
 

@@ -12,7 +12,7 @@ layouts:
   Hugging Face's.
 - ``"hf"``: a directory ``from_pretrained`` reads: ``model.safetensors``, or
   shards of at most ``max_shard_size`` with ``model.safetensors.index.json``,
-  under the names ``save_pretrained`` writes (infinity.zero.hf_layout: tied
+  under the names ``save_pretrained`` writes (infinity.weights.hf_layout: tied
   weights once, HF's renamings), and ``config.json`` (plus
   ``generation_config.json``) when there is a Hugging Face config. The
   default for transformers models.
@@ -45,7 +45,7 @@ from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.weights_out import Segment, WeightFiles
-from infinity.zero.hf_layout import (
+from infinity.weights.hf_layout import (
     CONFIG_NAME,
     GENERATION_CONFIG_NAME,
     WEIGHTS_NAME,

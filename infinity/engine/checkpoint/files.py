@@ -22,14 +22,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infinity.aio import AioError, AioFile, AioHandle, AioRequest, aligned_empty
+from infinity.aio import DIRECT_ALIGNMENT, AioError, AioFile, AioHandle, AioRequest, aligned_empty
 from infinity.engine.checkpoint.atomic import space_error
 from infinity.engine.checkpoint.crc import Checksummer, PendingCrc, crc32c_combine
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
-from infinity.engine.checkpoint.format import Entry, round_up
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.stream import io_error
 from infinity.engine.checkpoint.window import as_bytes
+from infinity.memory import round_up
+from infinity.weights.header import Entry
 
 CHUNK_NBYTES = 16 << 20
 RING_DEPTH = 4
@@ -65,7 +66,7 @@ def read_tensors(
               for i, c in enumerate(checks) for off in range(0, c.entry.nbytes, chunk_nbytes)]
     if not chunks:
         return
-    ring = [aligned_empty(round_up(max(n for _, _, n in chunks))) for _ in range(min(depth, len(chunks)))]
+    ring = [aligned_empty(round_up(max(n for _, _, n in chunks), DIRECT_ALIGNMENT)) for _ in range(min(depth, len(chunks)))]
     busy: list[PendingCrc | None] = [None] * len(ring)  # a slot's checksum still reading it
     running: list[int | None] = [None] * len(checks)
     pending: collections.deque[tuple[AioRequest, int, tuple[int, int, int]]] = collections.deque()
@@ -141,7 +142,7 @@ class StreamWriter:
     def __init__(self, handle: AioHandle, path: Path, *, chunk_nbytes: int = CHUNK_NBYTES // 2, depth: int = RING_DEPTH):
         self.handle = handle
         self.path = path
-        self.chunk = round_up(chunk_nbytes)
+        self.chunk = round_up(chunk_nbytes, DIRECT_ALIGNMENT)
         self.file = handle.open(path, "w", create=True)
         self.ring = [aligned_empty(self.chunk) for _ in range(depth)]
         self.pending: collections.deque[AioRequest] = collections.deque()
@@ -182,8 +183,8 @@ class StreamWriter:
         try:
             if self.fill:
                 tail = self.fill
-                self.ring[self.slot][tail : round_up(tail)].zero_()
-                self._submit(round_up(tail))
+                self.ring[self.slot][tail : round_up(tail, DIRECT_ALIGNMENT)].zero_()
+                self._submit(round_up(tail, DIRECT_ALIGNMENT))
             while self.pending:
                 self.pending.popleft().wait()
             os.ftruncate(self.file.fileno(), size)

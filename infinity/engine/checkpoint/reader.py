@@ -34,16 +34,13 @@ from infinity.engine.checkpoint.format import (
     MANIFEST,
     MANIFEST_CRC,
     VERSION,
-    Entry,
-    Header,
     manifest_crc,
-    parse_header,
     part_name,
     rank_name,
-    read_header_bytes,
-    tensors_from_bytes,
 )
 from infinity.engine.checkpoint.model import UnitInfo
+from infinity.weights.header import Entry, Header, parse_header, read_header_bytes
+from infinity.weights.in_memory import tensors_from_bytes
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -185,7 +182,7 @@ class CheckpointReader:
             self._check_size(name)
             want = self._part_header_crc(q)
             try:
-                blob, size = read_header_bytes(str(p))
+                blob, size = read_header_bytes(p)
                 if want is not None and crc32c(blob) != want:
                     raise ValueError(f"its header ({len(blob)} bytes) has CRC32C {crc32c(blob):#010x}, but "
                                      f"{want:#010x} was saved; restore the file from a copy or load another checkpoint")

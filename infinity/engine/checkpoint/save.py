@@ -27,21 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import safetensors.torch
 import torch
 
-from infinity.aio import AioHandle, crc32c
+from infinity.aio import DIRECT_ALIGNMENT, AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
 from infinity.engine.checkpoint.errors import refuse_frozen
 from infinity.engine.checkpoint.format import (
-    ALIGN,
     DIR_MODE,
     FORMAT,
     MANIFEST,
     VERSION,
-    Header,
-    build_header,
     dtype_name,
     manifest_bytes,
     part_name,
@@ -60,6 +56,8 @@ from infinity.engine.checkpoint.stream import SaveItem, write_part
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.values import TensorSink, encode
 from infinity.engine.checkpoint.window import StoreRef
+from infinity.weights.header import Header, build_header
+from infinity.weights.in_memory import tensors_to_bytes
 from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
@@ -161,7 +159,7 @@ def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_fil
     state = {**state, "part": None if part_file is None else
              {"file": part_file, "crc32c": part_crcs, "header_crc32c": header_crc}}
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
-    return safetensors.torch.save(tensors, metadata=meta)
+    return tensors_to_bytes(tensors, meta)
 
 
 @dataclasses.dataclass
@@ -197,7 +195,7 @@ def _prepare(engine: CheckpointTarget, client_state: Any) -> _Prepared:
         [(p.name, p.dtype, p.shape) for g in groups for p in g],
         {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
          "partitions": str(partitions)},
-        align=ALIGN,
+        align=DIRECT_ALIGNMENT,
     )
     return _Prepared(partitions, groups, header, layout, small, parts)
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from infinity.aio import AioError, AioFile, AioHandle, aligned_empty
+from infinity.aio import DIRECT_ALIGNMENT, AioError, AioFile, AioHandle, aligned_empty
 from infinity.engine.checkpoint.atomic import space_error
 from infinity.engine.checkpoint.crc import Checksummer, PendingCrc
 from infinity.engine.checkpoint.errors import CheckpointCorruptError
-from infinity.engine.checkpoint.format import ALIGN, FILE_MODE, Entry, round_up
+from infinity.engine.checkpoint.format import FILE_MODE
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.window import (
     DEFAULT_INFLIGHT_NBYTES,
@@ -38,6 +38,8 @@ from infinity.engine.checkpoint.window import (
     Window,
     as_bytes,
 )
+from infinity.memory import round_up
+from infinity.weights.header import Entry
 
 
 def io_error(e: AioError, path: Path | str, nbytes: int, what: str) -> BaseException:
@@ -90,7 +92,7 @@ def write_part(
     window = Window(max_inflight_nbytes)
     checksummer = Checksummer()
     try:
-        head = aligned_empty(round_up(len(header), ALIGN))
+        head = aligned_empty(round_up(len(header), DIRECT_ALIGNMENT))
         head[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         window.add(Job(handle.pwrite(head[: len(header)], f, 0), None, len(header), None, "header"))
         for group in groups:

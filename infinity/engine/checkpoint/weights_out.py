@@ -7,8 +7,12 @@ is consumed and dropped (a tied parameter's second name, a key Hugging Face
 does not save): the stream's order is the model's units', and skipping is
 cheaper than reordering. The named segments go into one file, or into shards
 of at most ``max_shard_nbytes`` of tensor data each, split as
-huggingface_hub splits them (infinity.zero.hf_layout), with
-``<name>.index.json`` naming each tensor's shard.
+huggingface_hub splits them (infinity.weights.hf_layout), with
+``<name>.index.json`` naming each tensor's shard. That split gives a tensor
+larger than the limit a shard of its own, numbered before the shard still
+being filled: so a shard's file is open from its first byte in the stream to
+its last, and two can be open at once (the one being filled, and a large
+tensor's own).
 
 Every file carries the ``{"format": "pt"}`` metadata transformers checks,
 and is written under a temporary name through the aio engine (a few aligned
@@ -35,9 +39,9 @@ import torch
 from infinity.aio import AioHandle
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.files import StreamWriter
-from infinity.engine.checkpoint.format import build_header
 from infinity.engine.checkpoint.window import as_bytes
-from infinity.zero.hf_layout import (
+from infinity.weights.header import build_header
+from infinity.weights.hf_layout import (
     index_json,
     index_name,
     shard_file_names,
@@ -91,9 +95,9 @@ class WeightFiles:
         self.total_nbytes = sum(h.file_nbytes for _, h in self.headers)
         self._seg = 0  # the segment being streamed, and its bytes still to come
         self._left = self.segments[0].nbytes if self.segments else 0
-        self._file = -1
-        self._writer: StreamWriter | None = None
-        self._written: list[Path] = []
+        self._left_in_file = [sum(math.prod(shape) * dt.itemsize for _, dt, shape in layout) for layout in self._layouts]
+        self._writers: dict[int, StreamWriter] = {}  # the files open: begun and not yet complete
+        self._closed: set[int] = set()
         self._skip_empty()
 
     # -- the stream ---------------------------------------------------------------
@@ -109,6 +113,9 @@ class WeightFiles:
             k = self._file_of_segment[self._seg]
             if k is not None:
                 self._open(k).append(raw[pos : pos + take])
+                self._left_in_file[k] -= take
+                if self._left_in_file[k] == 0:
+                    self._close(k)
             pos += take
             self._left -= take
             self._skip_empty()
@@ -121,25 +128,21 @@ class WeightFiles:
                 self._left = self.segments[self._seg].nbytes
 
     def _open(self, k: int) -> StreamWriter:
-        if k != self._file:
-            if k != self._file + 1:
-                raise RuntimeError(f"the stream reached shard {k + 1} before shard {self._file + 2} was complete")
-            self._close_current()
-            self._file = k
-            self._writer = StreamWriter(self.handle, self.tmp_paths[k])
-            self._writer.append(self.headers[k][0])
-        assert self._writer is not None
-        return self._writer
+        writer = self._writers.get(k)
+        if writer is None:
+            if k in self._closed:
+                raise RuntimeError(f"the stream reached shard {k + 1} after it was complete")
+            writer = self._writers[k] = StreamWriter(self.handle, self.tmp_paths[k])
+            writer.append(self.headers[k][0])
+        return writer
 
-    def _close_current(self) -> None:
-        if self._writer is None:
-            return
-        writer, self._writer = self._writer, None
+    def _close(self, k: int) -> None:
+        writer = self._writers.pop(k)
+        self._closed.add(k)
         size = writer.close()
-        want = self.headers[self._file][1].file_nbytes
+        want = self.headers[k][1].file_nbytes
         if size != want:
             raise RuntimeError(f"wrote {size} bytes to '{writer.path}', its header implies {want}")
-        self._written.append(writer.path)
 
     # -- the end ------------------------------------------------------------------
 
@@ -150,9 +153,10 @@ class WeightFiles:
             if self._seg < len(self.segments):
                 raise RuntimeError(f"the stream ended at tensor {self._seg} of {len(self.segments)} of "
                                    f"'{self.weights_name}'")
-            while self._file < len(self.file_names) - 1:  # files whose tensors are all empty: headers only
-                self._open(self._file + 1)
-            self._close_current()
+            for k in range(len(self.file_names)):  # files whose tensors are all empty: headers only
+                if k not in self._closed:
+                    self._open(k)
+                    self._close(k)
             finals = [self.directory / name for name in self.file_names]
             for tmp, final in zip(self.tmp_paths, finals, strict=True):
                 os.replace(tmp, final)
@@ -174,9 +178,9 @@ class WeightFiles:
 
     def abort(self) -> None:
         """Removes what this save wrote under temporary names."""
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
+        for writer in self._writers.values():
+            writer.abort()
+        self._writers.clear()
         for tmp in self.tmp_paths:
             try:
                 tmp.unlink()

@@ -25,8 +25,8 @@ from typing import Protocol
 
 import torch
 
-from infinity.aio import AioRequest
-from infinity.engine.checkpoint.format import round_up
+from infinity.aio import DIRECT_ALIGNMENT, AioRequest
+from infinity.memory import round_up
 from infinity.store import Residency, StoreFuture, TieredStore
 
 DEFAULT_INFLIGHT_NBYTES = 64 << 20  # 1 MiB pieces at queue depth 32, twice over
@@ -55,7 +55,7 @@ def _room_needed(store: TieredStore, keys: Sequence[Hashable]) -> int:
     for k in keys:
         spec = store.spec(k)
         if spec.home == "nvme" and spec.state is Residency.AT_REST:
-            total += round_up(spec.nbytes)
+            total += round_up(spec.nbytes, DIRECT_ALIGNMENT)
     return total
 
 

@@ -1,10 +1,10 @@
-"""Weight-only group quantisation of a unit's shard at rest, and the ShardSource that dequantises it.
+"""Weight-only group quantisation of a shard at rest: its format, and quantising into it and back.
 
 [Note: quantised shards]
 With ``weight_quantization.quantized_initialization`` (inference only), a
 unit's shard rests in the parameter store as bytes laid out by its
 ShardFormat: the shard's elements in *pieces*, one per stretch of one
-parameter (Segment, layout.py) plus the padding. A piece of a matrix
+parameter (a Segment of zero's unit layout) plus the padding. A piece of a matrix
 parameter (2-D and up: the weights of Linear, Embedding, Conv1D) is
 quantised; everything else (biases, norms, padding) stays in the unit's
 dtype, as DeepSpeed leaves them. A quantised piece of n elements is cut into
@@ -22,33 +22,31 @@ the fp16-rounded scale and offset, so dequantising is exact given the codes.
 Per 64-element group of a bf16 weight: 128 B as loaded, 68 B at 8 bits (1.9×
 fewer), 36 B at 4 bits asymmetric (3.6×).
 
-QuantizedShards sits between the partitioner and the shard source (the
-prefetch scheduler): ``acquire`` takes the packed shard (read ahead like any
-other), dequantises it into a buffer of the unit's dtype from the
-TensorCache and gives the packed hold back; ``release`` returns the buffer;
-``mark_dirty`` (a change made under GatheredParameters) quantises the held
-values back into the store.
+The unit's shard and its pieces come from zero (``infinity.zero.quantized_shards``
+builds a unit's ShardFormat from its layout and serves dequantised shards to
+the partitioner); this module knows only stretches of elements and the
+shapes of the parameters they belong to.
 
-Threading: the forward thread (the partitioner's); the inner source is thread-safe.
+Threading: none (pure functions and immutable records).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable, Mapping
+from collections.abc import Iterable
 
 import torch
 
-from infinity.zero.buffers import TensorCache
-from infinity.zero.layout import UnitLayout
+from infinity.aio import DIRECT_ALIGNMENT
+from infinity.memory import round_up
 
 PART_ALIGN = 16
 SCALE_DTYPE = torch.float16
 
 
-def _up(n: int, a: int = PART_ALIGN) -> int:
-    return -(-n // a) * a
+def _up(n: int) -> int:
+    return round_up(n, PART_ALIGN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +107,16 @@ class ShardFormat:
         return codes, scales, offsets
 
 
-def shard_format(layout: UnitLayout, rank: int, spec: QuantSpec) -> ShardFormat:
-    """The at-rest format of rank ``rank``'s shard of a unit with ``layout``."""
-    itemsize = layout.itemsize
+def shard_format(
+    stretches: Iterable[tuple[int, int, tuple[int, ...]]],
+    numel: int,
+    dtype: torch.dtype,
+    spec: QuantSpec,
+) -> ShardFormat:
+    """The at-rest format of a shard of ``numel`` elements of ``dtype`` whose ``stretches`` (element
+    ranges [lo, hi) in flat order, each with the shape of the parameter it is part of) hold parameters;
+    elements between and after them (padding) stay raw."""
+    itemsize = dtype.itemsize
     pieces: list[Piece] = []
     offset = 0
     pos = 0
@@ -130,25 +135,33 @@ def shard_format(layout: UnitLayout, rank: int, spec: QuantSpec) -> ShardFormat:
             pieces.append(Piece(lo, hi, False, offset))
             offset += _up((hi - lo) * itemsize)
 
-    for seg in layout.segments(rank):
-        add(pos, seg.shard_lo, False)
-        add(seg.shard_lo, seg.shard_hi, len(layout.slots[seg.slot].shape) >= 2)
-        pos = seg.shard_hi
-    add(pos, layout.shard_numel, False)
-    return ShardFormat(spec, layout.dtype, layout.shard_numel, tuple(pieces), _up(max(offset, 1), 4096))
+    for lo, hi, shape in stretches:
+        add(pos, lo, False)
+        add(lo, hi, len(shape) >= 2)
+        pos = hi
+    add(pos, numel, False)
+    return ShardFormat(
+        spec, dtype, numel, tuple(pieces), round_up(max(offset, 1), DIRECT_ALIGNMENT)
+    )
 
 
-def quantize_into(fmt: ShardFormat, values: torch.Tensor, out: torch.Tensor, *, name: str = "the unit") -> None:
+def quantize_into(
+    fmt: ShardFormat, values: torch.Tensor, out: torch.Tensor, *, name: str = "the unit"
+) -> None:
     """Writes ``values`` (the shard, ``fmt.numel`` elements) into ``out`` (``fmt.nbytes`` uint8)."""
     if values.numel() < fmt.numel or out.numel() < fmt.nbytes or out.dtype != torch.uint8:
-        raise ValueError(f"{name}: quantize_into needs {fmt.numel} values and {fmt.nbytes} bytes; got "
-                         f"{values.numel()} values and {out.numel()} {out.dtype}")
+        raise ValueError(
+            f"{name}: quantize_into needs {fmt.numel} values and {fmt.nbytes} bytes; got "
+            f"{values.numel()} values and {out.numel()} {out.dtype}"
+        )
     spec = fmt.spec
     flat = values.reshape(-1)
     for p in fmt.pieces:
         src = flat[p.lo : p.hi]
         if not p.quantized:
-            out[p.offset : p.offset + p.numel * src.element_size()].copy_(src.to(fmt.dtype).view(torch.uint8))
+            out[p.offset : p.offset + p.numel * src.element_size()].copy_(
+                src.to(fmt.dtype).view(torch.uint8)
+            )
             continue
         g = spec.group_size
         x = torch.zeros(p.groups * g, dtype=torch.float32)
@@ -169,9 +182,11 @@ def quantize_into(fmt: ShardFormat, values: torch.Tensor, out: torch.Tensor, *, 
             s = torch.where(scale == 0, torch.ones_like(scale), scale).float()
             q = torch.clamp(torch.round((x - base.float()[:, None]) / s[:, None]), 0, spec.levels)
         if not (torch.isfinite(scale).all() and (base is None or torch.isfinite(base).all())):
-            raise ValueError(f"{name}: a weight group's range does not fit fp16 scales (|w| up to "
-                             f"{float(x.abs().max()):.3g}); quantise a model with weights below 65504, "
-                             "or leave weight_quantization out")
+            raise ValueError(
+                f"{name}: a weight group's range does not fit fp16 scales (|w| up to "
+                f"{float(x.abs().max()):.3g}); quantise a model with weights below 65504, "
+                "or leave weight_quantization out"
+            )
         codes = q.to(torch.uint8).reshape(-1)
         if spec.num_bits == 4:
             codes = codes[0::2] | (codes[1::2] << 4)
@@ -206,48 +221,3 @@ def dequantize_into(fmt: ShardFormat, packed: torch.Tensor, out: torch.Tensor) -
             base = packed[oo : oo + 2 * p.groups].view(SCALE_DTYPE).float()
             torch.addcmul(base[:, None], x, scale[:, None], out=x)
         flat[p.lo : p.hi].copy_(x.reshape(-1)[: p.numel])
-
-
-class QuantizedShards:
-    """A ShardSource of dequantised shards over one of packed shards (see [Note: quantised shards])."""
-
-    def __init__(self, inner, formats: Mapping[Hashable, ShardFormat], cache: TensorCache):
-        """``inner``: the ShardSource holding the packed shards (acquire / release / mark_dirty);
-        ``formats``: each key's ShardFormat; ``cache``: where the dequantised buffers come from."""
-        self.inner = inner
-        self.formats = dict(formats)
-        self.cache = cache
-        self._held: dict[Hashable, tuple[torch.Tensor, int]] = {}  # key -> (values, holds)
-
-    def acquire(self, key: Hashable) -> torch.Tensor:
-        held = self._held.get(key)
-        if held is not None:
-            self._held[key] = (held[0], held[1] + 1)
-            return held[0]
-        fmt = self.formats[key]
-        packed = self.inner.acquire(key)
-        try:
-            values = self.cache.get(fmt.numel, fmt.dtype)
-            dequantize_into(fmt, packed, values)
-        finally:
-            self.inner.release(key)
-        self._held[key] = (values, 1)
-        return values
-
-    def release(self, key: Hashable) -> None:
-        values, holds = self._held[key]
-        if holds > 1:
-            self._held[key] = (values, holds - 1)
-            return
-        del self._held[key]
-        self.cache.put(values)
-
-    def mark_dirty(self, key: Hashable) -> None:
-        """The held values were changed: they are quantised again into the store."""
-        values, _ = self._held[key]
-        packed = self.inner.acquire(key)
-        try:
-            quantize_into(self.formats[key], values, packed, name=f"shard {key!r}")
-            self.inner.mark_dirty(key)
-        finally:
-            self.inner.release(key)

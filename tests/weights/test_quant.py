@@ -1,0 +1,104 @@
+"""Shard quantisation at rest ([Note: quantised shards] in infinity/weights/quant.py), checked against its
+own definition: pieces tile the shard, raw pieces come back bit for bit, and every quantised element comes
+back within half a quantisation step of its group (plus what fp16 scales, clamping and the unit's dtype
+add), with the step computed here from the group's values as the note defines it."""
+
+from __future__ import annotations
+
+import math
+from itertools import pairwise
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infinity.aio import DIRECT_ALIGNMENT
+from infinity.weights.quant import (
+    PART_ALIGN,
+    QuantSpec,
+    dequantize_into,
+    quantize_into,
+    shard_format,
+)
+
+F16 = torch.float16
+
+
+@st.composite
+def shards(draw):
+    """A shard: stretches of parameters of random shapes (1-D stay raw), gaps of padding between them."""
+    stretches, pos = [], 0
+    for _ in range(draw(st.integers(0, 4))):
+        pos += draw(st.integers(0, 5))  # padding, or another rank's part of a parameter
+        shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+        n = draw(st.integers(1, math.prod(shape)))  # the part of the parameter in this shard
+        stretches.append((pos, pos + n, shape))
+        pos += n
+    numel = pos + draw(st.integers(0 if pos else 1, 7))
+    spec = QuantSpec(
+        draw(st.sampled_from([4, 8])), draw(st.sampled_from([2, 4, 8, 64])), draw(st.booleans())
+    )
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    return stretches, numel, dtype, spec
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard=shards())
+def test_pieces_tile_the_shard_in_aligned_parts(shard):
+    stretches, numel, dtype, spec = shard
+    fmt = shard_format(stretches, numel, dtype, spec)
+    assert [(p.lo, p.hi) for p in fmt.pieces] == sorted((p.lo, p.hi) for p in fmt.pieces)
+    assert fmt.pieces[0].lo == 0 and fmt.pieces[-1].hi == numel
+    assert all(a.hi == b.lo for a, b in pairwise(fmt.pieces))
+    matrices = {(lo, hi) for lo, hi, shape in stretches if len(shape) >= 2 and hi > lo}
+    assert {(p.lo, p.hi) for p in fmt.pieces if p.quantized} == matrices
+    assert all(p.offset % PART_ALIGN == 0 for p in fmt.pieces)
+    assert all(a.offset < b.offset for a, b in pairwise(fmt.pieces))
+    assert fmt.nbytes % DIRECT_ALIGNMENT == 0 and fmt.nbytes > fmt.pieces[-1].offset
+
+
+@settings(max_examples=60, deadline=None)
+@given(shard=shards(), seed=st.integers(0, 2**16), magnitude=st.sampled_from([1e-3, 1.0, 300.0]))
+def test_dequantised_values_are_within_half_a_step(shard, seed, magnitude):
+    stretches, numel, dtype, spec = shard
+    fmt = shard_format(stretches, numel, dtype, spec)
+    g = torch.Generator().manual_seed(seed)
+    values = (torch.randn(numel, generator=g) * magnitude).to(dtype)
+    packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    quantize_into(fmt, values, packed)
+    out = torch.empty(numel, dtype=dtype)
+    dequantize_into(fmt, packed, out)
+    eps = torch.finfo(dtype).eps
+    for p in fmt.pieces:
+        x, y = values[p.lo : p.hi], out[p.lo : p.hi]
+        if not p.quantized:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # bit for bit
+            continue
+        for k in range(0, p.numel, spec.group_size):
+            group, back = x[k : k + spec.group_size].double(), y[k : k + spec.group_size].double()
+            if spec.symmetric:
+                half = 1 << (spec.num_bits - 1)
+                step = float(torch.tensor(float(group.abs().max()) / (half - 1)).to(F16))
+                clamp = max(
+                    0.0, float(group.abs().max()) - step * (half - 1)
+                )  # fp16 rounded the step down
+            else:
+                base = float(torch.tensor(float(group.min())).to(F16))
+                step = float(
+                    torch.tensor((float(group.max()) - base) / ((1 << spec.num_bits) - 1)).to(F16)
+                )
+                top = base + step * ((1 << spec.num_bits) - 1)
+                clamp = max(0.0, base - float(group.min()), float(group.max()) - top)
+            bound = step / 2 + clamp + (group.abs().max() + step) * (eps + 1e-6)
+            err = float((group - back).abs().max())
+            assert err <= bound, (p, k, err, bound)
+
+
+def test_a_group_too_wide_for_fp16_scales_is_named():
+    fmt = shard_format([(0, 4, (2, 2))], 4, torch.float32, QuantSpec(8, 4, False))
+    packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError, match=r"layer\.0: a weight group's range does not fit fp16 scales"
+    ):
+        quantize_into(fmt, torch.tensor([-1e6, 0.0, 1.0, 1e6]), packed, name="layer.0")
