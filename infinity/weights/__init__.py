@@ -1,8 +1,8 @@
 """Weights at rest: the safetensors format (header, dtypes, reading without mmap, files held in memory),
 the Hugging Face file layout (names, shards, the index), and shard quantisation formats.
 
-Imports only infinity.memory and infinity.aio (and torch); transformers only for a model whose class
-comes from it.
+Imports only infinity.memory and infinity.aio (and torch, transformers). The transformers import
+is lazy: it runs only for a model whose class comes from transformers.
 """
 
 from infinity.weights.header import (
