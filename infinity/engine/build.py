@@ -171,11 +171,12 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
     """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store
     (None without an optimizer plan) — after checking that every swap file fits and that the parameter
     pool holds the largest layer."""
+    # Checked before any folder is made: a refused nvme_path is left as it was.
     needs = []
     for r in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
-        dirs = nvme_path.rank_dirs(r.nvme_path, plan.rank, o_direct=cfg.aio.o_direct)
+        dirs = nvme_path.planned_rank_dirs(r.nvme_path, plan.rank)
         share = drive_nbytes(r.nbytes, ndrives=len(dirs), unit=cfg.aio.block_size)
-        needs += [(d, share, r.what) for d in dirs]
+        needs += [(d.parent, share, r.what) for d in dirs]
     nvme_path.check_space(needs)
     param_store = None
     if plan.param_store is not None:
