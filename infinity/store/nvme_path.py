@@ -6,12 +6,16 @@ view of the disk -- so one path gets one answer and one message everywhere:
 
 - ``~`` is expanded (the config keeps what the user wrote);
 - the path must exist, be a directory (a regular file there is "a file, not a
-  directory") and be writable by this process;
+  directory") and be writable by this process (one on a read-only mount is
+  named as such, with the remount fix);
 - ``rank_dir`` makes ``<nvme_path>/rank<N>`` (DESIGN: each rank swaps its own
-  shards there) and probes it for O_DIRECT. A file system that refuses
-  O_DIRECT (ramfs; tmpfs before Linux 6.6) keeps working buffered, as the aio
-  engine falls back (DESIGN, csrc/aio), and is named with its type once per
-  process -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
+  shards there) and probes it for O_DIRECT; ``planned_rank_dir(s)`` checks
+  the same without making anything, so a run refused (no space) leaves the
+  user's folder as it was. The file system is named once per process: its
+  type and device (info); tmpfs or ramfs as host memory, not NVMe (warning);
+  one that refuses O_DIRECT (ramfs; tmpfs before Linux 6.6) keeps working
+  buffered, as the aio engine falls back (DESIGN, csrc/aio), and is named as
+  such (warning) -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
 - ``check_space`` compares what will be written with the space free, summed
   per file system, and names a file system that reports no size (ramfs,
   where swap files would fill host memory) as such;
