@@ -7,11 +7,6 @@ The public API is loaded on first use, so importing a low layer (infinity.aio)
 does not import the whole runtime.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -40,7 +35,10 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+# The loader's own imports stay inside it, so the module namespace holds only the public names.
+def __getattr__(name: str) -> object:
+    import importlib
+
     if name not in _LAZY:
         raise AttributeError(f"module 'infinity' has no attribute {name!r}")
     module, attr = _LAZY[name]
@@ -51,4 +49,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public API, the subpackages imported so far, and the module's dunders."""
+    import sys
+
+    loaded = {n for n in globals() if f"{__name__}.{n}" in sys.modules}
+    dunders = {n for n in globals() if n.startswith("__") and n.endswith("__")}
+    return sorted(set(__all__) | loaded | dunders)

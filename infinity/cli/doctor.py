@@ -1,8 +1,10 @@
 """``infinity doctor``: what this machine offers the runtime, and what to do where it falls short.
 
-Checks io_uring (and why not), the back ends this build has, O_DIRECT and free space at a path,
-huge pages, the locked-memory limit, CPU SIMD flags, torch and CUDA. Nothing here changes the
-machine; a probe file is created and removed under ``--path``.
+Checks io_uring (and why not), the back ends this build has, the path as ``initialize`` checks an
+nvme_path (infinity.store.nvme_path, the same refusal and message), O_DIRECT and free space there,
+huge pages, the locked-memory limit, CPU SIMD flags, torch and CUDA. Sizes are in binary units
+(GiB, MiB) as everywhere in infinity. Nothing here changes the machine; a probe file is created and
+removed under ``--path``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from infinity import host
+from infinity.memory import format_nbytes
+from infinity.store import nvme_path
+from infinity.store.errors import NvmePathError
 
 NAME = "doctor"
 HELP = "check: io_uring, O_DIRECT and space at a path, huge pages, SIMD, torch, CUDA"
@@ -86,6 +91,11 @@ def path_report(path: Path) -> dict[str, Any]:
         "checked_at": str(where.resolve()),
         "filesystem": mount_of(where),
     }
+    try:  # initialize's own check of an nvme_path: what it refuses, doctor refuses, in its words
+        nvme_path.check_directory(path)
+        report["usable"], report["refused"] = True, None
+    except NvmePathError as e:
+        report["usable"], report["refused"] = False, str(e)
     usage = shutil.disk_usage(where)
     report["free_bytes"] = usage.free
     report["total_bytes"] = usage.total
@@ -182,10 +192,6 @@ def machine_view_report(path: Path) -> dict[str, Any]:
     return dataclasses.asdict(machine_view([path]))
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / (1 << 20):.0f} MiB"
-
-
 def format_report(r: dict[str, Any]) -> str:
     u, p, m, c, t = r["io_uring"], r["path"], r["memory"], r["cpu"], r["torch"]
     ok, no = "ok  ", "NO  "
@@ -202,8 +208,10 @@ def format_report(r: dict[str, Any]) -> str:
     )
     fs = p["filesystem"]
     lines.append(
-        f"{ok if p['writable'] else no}path: {p['path']} ({fs['type'] or '?'} on {fs['device'] or '?'}), {_gb(p['free_bytes'])} free of {_gb(p['total_bytes'])}"
+        f"{ok if p['writable'] and p['usable'] else no}path: {p['path']} ({fs['type'] or '?'} on {fs['device'] or '?'}), {format_nbytes(p['free_bytes'])} free of {format_nbytes(p['total_bytes'])}"
     )
+    if p["refused"]:
+        lines.append(f"      fix: {p['refused']}")
     if fs["type"] in ("tmpfs", "ramfs"):
         lines.append(f"{no}   {fs['type']} is memory, not a drive: offloading there saves no RAM")
     if p["o_direct"]:
@@ -216,11 +224,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"{ok if good_huge else no}huge pages: {huge}"
         + ("" if good_huge else " (I/O buffers fall back to 4 KiB pages: slower reads)")
     )
-    lock = "unlimited" if m["memlock_limit_bytes"] is None else _gb(m["memlock_limit_bytes"])
+    lock = "unlimited" if m["memlock_limit_bytes"] is None else format_nbytes(m["memlock_limit_bytes"])
     if os.geteuid() == 0:
         lock += " (root: not enforced)"
     lines.append(
-        f"{ok}memory: {_gb(m['available_bytes'])} available of {_gb(m['total_bytes'])}; locked-memory limit {lock}"
+        f"{ok}memory: {format_nbytes(m['available_bytes'])} available of {format_nbytes(m['total_bytes'])}; locked-memory limit {lock}"
     )
     lines.append(
         f"{ok}cpu: {c['model'] or '?'} x {c['cpus']}; SIMD {' '.join(c['simd']) or 'none found'}; crc32c in hardware: {'yes' if c['crc32c_hardware'] else 'no'}"

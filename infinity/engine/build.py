@@ -133,6 +133,8 @@ def build_runtime(
     zero = cfg.zero_optimization
     if group.rank == 0 and (zero.offload_param.device, zero.offload_optimizer.device) != ("none", "none"):
         log.info("where the training state rests:\n%s", "\n".join(placement.describe(plan)))
+    if group.rank == 0:
+        _say_param_pool_sizing(plan, cfg)
     cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)
     param_store, state_store = _stores(plan, cfg)
     optimizer = None
@@ -158,6 +160,25 @@ def build_runtime(
     return _wire(model, plan, group, cache, optimizer, param_store, state_store)
 
 
+def _say_param_pool_sizing(plan: RuntimePlan, cfg: InfinityConfig) -> None:
+    """One line when the parameter pool's buffers are smaller than the buffer_size the user wrote (or
+    the default, under a buffer_count they wrote): the plan caps them at what the run can use."""
+    off = cfg.zero_optimization.offload_param
+    keys = ("zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size")
+    if plan.param_store is None or plan.param_store.nvme_path is None or not set(keys) & cfg.user_keys:
+        return
+    pool = plan.param_store.pool
+    written, used = int(off.buffer_size), pool.buffer_nbytes // plan.dtype.itemsize
+    if used < written:
+        log.info(
+            "zero_optimization.offload_param.buffer_size=%s is written; %s elements (%s bytes) per buffer "
+            "are used, with buffer_count=%s: the pool never needs more than every parameter shard that "
+            "may rest on NVMe at once (%s bytes here)",
+            f"{written:,}", f"{used:,}", f"{pool.buffer_nbytes:,}", f"{pool.count:,}",
+            f"{pool.count * pool.buffer_nbytes:,}",
+        )
+
+
 def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device: torch.device) -> None:
     """A plan made elsewhere (initialize makes it once for the pre-flight check) must be this rank's."""
     made = (plan.stage, plan.world_size, plan.rank, plan.device)
@@ -172,11 +193,12 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
     """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store
     (None without an optimizer plan) — after checking that every swap file fits and that the parameter
     pool holds the largest layer."""
+    # Checked before any folder is made: a refused nvme_path is left as it was.
     needs = []
     for r in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
-        dirs = nvme_path.rank_dirs(r.nvme_path, plan.rank, o_direct=cfg.aio.o_direct)
+        dirs = nvme_path.planned_rank_dirs(r.nvme_path, plan.rank)
         share = drive_nbytes(r.nbytes, ndrives=len(dirs), unit=cfg.aio.block_size)
-        needs += [(d, share, r.what) for d in dirs]
+        needs += [(d.parent, share, r.what) for d in dirs]
     nvme_path.check_space(needs)
     param_store = None
     if plan.param_store is not None:

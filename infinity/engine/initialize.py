@@ -66,6 +66,12 @@ def start(model: nn.Module, config: Any, optimizer: torch.optim.Optimizer | None
     "auto" values filled, the compute device."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs an nn.Module, got {type(model).__name__}")
+    if next(iter(model.parameters()), None) is None:
+        raise ValueError(
+            f"initialize() needs a model with parameters, and {type(model).__name__} has none (a pure "
+            "function): there is nothing to train, offload or stream; call the module directly, without "
+            "an engine"
+        )
     group = _bootstrap_distributed()
     cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, model=model, **auto_values)
     return group, cfg, compute_device()

@@ -9,7 +9,10 @@ they were loaded in, or group-quantised: [Note: quantised shards] in
 infinity/weights/quant.py), its pinned pool, and the stage-3 partitioner over a
 prefetch scheduler. No gradient, master weight or optimizer state exists;
 every forward runs under ``torch.no_grad()`` with the module in eval mode
-(``engine.train()`` switches the module's mode, never grad).
+(``engine.train()`` switches the module's mode, never grad); ``backward``,
+``step`` and ``zero_grad`` refuse with a TypeError naming the missing
+``optimizer`` section, as a training loop handed this engine by mistake
+calls them).
 
 [Note: one decode step, one trace step]
 Hugging Face's ``generate`` calls the model once per new token (the prefill,
@@ -161,6 +164,17 @@ class InferenceEngine:
         self.last_generation = self._mark().since(before, tokens=_new_tokens(out, args, kwargs))
         return out
 
+    # -- what a training loop calls: refused, naming why there is no optimizer ----------------------
+
+    def backward(self, loss: Any = None) -> None:
+        raise TypeError(_does_not_train("backward"))
+
+    def step(self) -> None:
+        raise TypeError(_does_not_train("step"))
+
+    def zero_grad(self) -> None:
+        raise TypeError(_does_not_train("zero_grad"))
+
     def stats(self) -> InferenceStats:
         """Everything since the engine was built."""
         return self._mark().since(self._created)
@@ -220,3 +234,13 @@ def _new_tokens(out: Any, args: tuple, kwargs: dict) -> int:
     if prompt.dim() == 1:
         prompt = prompt[None]
     return seqs.shape[0] * max(0, seqs.shape[1] - prompt.shape[1])
+
+
+def _does_not_train(call: str) -> str:
+    return (
+        f"engine.{call}(): this is an InferenceEngine, which does not train: infinity.initialize builds it "
+        "when nothing makes an optimizer at zero_optimization.stage 3 (no 'optimizer' section in the "
+        "config, none passed, no lr=). To train, add an 'optimizer' section to the config (e.g. "
+        '"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}), pass initialize(optimizer=...), or '
+        "pass lr= for the HF Trainer's default AdamW"
+    )

@@ -9,6 +9,7 @@ either: [Note: frozen units] in infinity/estimate/runtime_plan.py).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from infinity.engine import Engine
 from infinity.engine.initialize import start, training_engine
 from infinity.estimate import plan_runtime, preflight_inference
 from infinity.inference.engine import InferenceEngine
+
+log = logging.getLogger("infinity.inference")
 
 
 def initialize(
@@ -41,6 +44,8 @@ def initialize(
                 "an lr_scheduler was passed but nothing trains: with no optimizer (none passed, none in the "
                 "config, no lr=) at stage 3 initialize builds the inference engine; pass an optimizer to train"
             )
+        log.info("no optimizer (none passed, no 'optimizer' section in the config, no lr=) at stage 3: "
+                 "building the inference engine (forward and generate; backward and step refuse)")
         plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device, trains=False)
         preflight_inference(model, cfg, device=device, group=group, runtime=plan)
         return InferenceEngine(model, cfg, group=group, device=device, plan=plan)

@@ -6,12 +6,16 @@ view of the disk -- so one path gets one answer and one message everywhere:
 
 - ``~`` is expanded (the config keeps what the user wrote);
 - the path must exist, be a directory (a regular file there is "a file, not a
-  directory") and be writable by this process;
+  directory") and be writable by this process (one on a read-only mount is
+  named as such, with the remount fix);
 - ``rank_dir`` makes ``<nvme_path>/rank<N>`` (DESIGN: each rank swaps its own
-  shards there) and probes it for O_DIRECT. A file system that refuses
-  O_DIRECT (ramfs; tmpfs before Linux 6.6) keeps working buffered, as the aio
-  engine falls back (DESIGN, csrc/aio), and is named with its type once per
-  process -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
+  shards there) and probes it for O_DIRECT; ``planned_rank_dir(s)`` checks
+  the same without making anything, so a run refused (no space) leaves the
+  user's folder as it was. The file system is named once per process: its
+  type and device (info); tmpfs or ramfs as host memory, not NVMe (warning);
+  one that refuses O_DIRECT (ramfs; tmpfs before Linux 6.6) keeps working
+  buffered, as the aio engine falls back (DESIGN, csrc/aio), and is named as
+  such (warning) -- unless ``aio.o_direct`` is false, which asks for buffered I/O;
 - ``check_space`` compares what will be written with the space free, summed
   per file system, and names a file system that reports no size (ramfs,
   where swap files would fill host memory) as such;
@@ -85,6 +89,15 @@ def check_directory(path: PathArg) -> Path:
             str(p),
         )
     if not os.access(p, os.W_OK | os.X_OK):
+        if _read_only(p):
+            m = mount_of(p)
+            raise NvmePathError(
+                errno.EROFS,
+                f"nvme_path {name} is on a read-only mount ({m.fs_type} at {m.mountpoint or '?'}); remount "
+                f"it read-write (mount -o remount,rw {m.mountpoint or p}) or point nvme_path at a "
+                "directory on a writable drive",
+                str(p),
+            )
         raise NvmePathError(
             errno.EACCES,
             f"nvme_path {name} is not writable by this process (uid {os.geteuid()}); change its "
@@ -94,11 +107,18 @@ def check_directory(path: PathArg) -> Path:
     return p
 
 
-def rank_dir(path: PathArg, rank: int, *, o_direct: bool = True) -> Path:
-    """``<nvme_path>/rank<rank>``, created inside a checked nvme_path and probed for O_DIRECT.
+def _read_only(p: Path) -> bool:
+    """Whether ``p`` is on a file system mounted read-only (statvfs's ST_RDONLY, or /proc/mounts' "ro")."""
+    try:
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            return True
+    except OSError:
+        pass
+    return "ro" in mount_of(p).options
 
-    ``o_direct``: the run's ``aio.o_direct``; a file system refusing it is reported (once).
-    """
+
+def planned_rank_dir(path: PathArg, rank: int) -> Path:
+    """``<nvme_path>/rank<rank>`` inside a checked nvme_path, not created: what rank_dir will make."""
     d = check_directory(path) / f"rank{rank}"
     if d.exists() and not d.is_dir():
         raise NvmePathError(
@@ -107,15 +127,41 @@ def rank_dir(path: PathArg, rank: int, *, o_direct: bool = True) -> Path:
             "point nvme_path elsewhere",
             str(d),
         )
+    return d
+
+
+def rank_dir(path: PathArg, rank: int, *, o_direct: bool = True) -> Path:
+    """``<nvme_path>/rank<rank>``, created inside a checked nvme_path and probed for O_DIRECT; the
+    file system is named once per process (a memory-backed one as memory, not NVMe).
+
+    ``o_direct``: the run's ``aio.o_direct``; a file system refusing it is reported (once). A folder
+    this call created is removed again when the probe refuses the path.
+    """
+    d = planned_rank_dir(path, rank)
+    made = not d.exists()
     try:
         d.mkdir(exist_ok=True)
     except OSError as e:
         raise NvmePathError(
             e.errno or errno.EIO, f"cannot create '{d}' under nvme_path: {e.strerror}", str(d)
         ) from None
-    if o_direct and not probe_o_direct(d):
-        _report_buffered(path, d)
+    try:
+        direct = probe_o_direct(d) if o_direct else None
+    except BaseException:
+        if made:
+            remove_if_empty([d])
+        raise
+    _report_file_system(path, d, direct)
     return d
+
+
+def remove_if_empty(dirs: Iterable[Path]) -> None:
+    """Removes each of ``dirs`` that is an empty folder (what a refused run made under nvme_path)."""
+    for d in dirs:
+        try:
+            d.rmdir()
+        except OSError:
+            pass  # not empty, or already gone: not ours to remove
 
 
 def paths_of(nvme_path: PathsArg | None) -> list[PathArg]:
@@ -130,13 +176,24 @@ def paths_of(nvme_path: PathsArg | None) -> list[PathArg]:
 def rank_dirs(nvme_path: PathsArg, rank: int, *, o_direct: bool = True) -> list[Path]:
     """``<path>/rank<rank>`` on every path of ``nvme_path`` (see rank_dir), after check_distinct."""
     paths = paths_of(nvme_path)
+    made = [d for d in planned_rank_dirs(nvme_path, rank) if not d.exists()]
+    try:
+        return [rank_dir(p, rank, o_direct=o_direct) for p in paths]
+    except BaseException:
+        remove_if_empty(made)
+        raise
+
+
+def planned_rank_dirs(nvme_path: PathsArg, rank: int) -> list[Path]:
+    """``<path>/rank<rank>`` on every path of ``nvme_path``, checked (see rank_dirs), none created."""
+    paths = paths_of(nvme_path)
     if not paths:
         raise NvmePathError(
             errno.EINVAL, "nvme_path is an empty list; name at least one directory", ""
         )
-    checked = [check_directory(p) for p in paths]
+    planned = [planned_rank_dir(p, rank) for p in paths]
     check_distinct(paths)
-    return [rank_dir(p, rank, o_direct=o_direct) for p in checked]
+    return planned
 
 
 def check_distinct(paths: Sequence[PathArg]) -> None:
@@ -211,21 +268,49 @@ _shared_reported: set[int] = set()
 _lock = threading.Lock()
 
 
-def _report_buffered(path: PathArg, d: Path) -> None:
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+"""File systems whose files live in host memory: swap files there save no RAM."""
+
+
+def _report_file_system(path: PathArg, d: Path, direct: bool | None) -> None:
+    """Names, once per process and file system, what nvme_path is on: a memory-backed one as memory
+    (warning), one refusing O_DIRECT as buffered (warning), else its type and device (info).
+    ``direct``: the probe's answer, None where aio.o_direct is false (buffered I/O asked for)."""
     m = mount_of(d)
     with _lock:
         if m.mountpoint in _reported:
             return
         _reported.add(m.mountpoint)
-    log.warning(
-        "nvme_path %s is on a %s file system (mounted at %s), which refuses O_DIRECT: swap files "
-        "there are read and written through the page cache (slower, and the cache takes host "
-        "memory). Point nvme_path at a local disk (ext4, xfs) for direct I/O, or set aio.o_direct "
-        "to false if buffered I/O is meant",
-        _named(path, expand(path)),
-        m.fs_type,
-        m.mountpoint or "?",
-    )
+    name, at = _named(path, expand(path)), m.mountpoint or "?"
+    if m.fs_type in MEMORY_FILE_SYSTEMS:
+        log.warning(
+            "nvme_path %s is on a %s file system (mounted at %s), which is host memory, not NVMe: swap "
+            "files there take RAM, so offloading to it saves none%s. Point nvme_path at a directory on "
+            "a local NVMe drive (ext4, xfs)",
+            name,
+            m.fs_type,
+            at,
+            f" (and {m.fs_type} refuses O_DIRECT)" if direct is False else "",
+        )
+    elif direct is False:
+        log.warning(
+            "nvme_path %s is on a %s file system (mounted at %s), which refuses O_DIRECT: swap files "
+            "there are read and written through the page cache (slower, and the cache takes host "
+            "memory). Point nvme_path at a local disk (ext4, xfs) for direct I/O, or set aio.o_direct "
+            "to false if buffered I/O is meant",
+            name,
+            m.fs_type,
+            at,
+        )
+    else:
+        log.info(
+            "nvme_path %s: a %s file system on %s (mounted at %s), %s",
+            name,
+            m.fs_type,
+            m.device or "?",
+            at,
+            "with O_DIRECT" if direct else "buffered (aio.o_direct is false)",
+        )
 
 
 def _forget_reports() -> None:

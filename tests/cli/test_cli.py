@@ -215,11 +215,22 @@ def test_doctor(capsys, nvme_dir):
     assert f"O_DIRECT: supported at {nvme_dir}" in out, (
         "an absent path is checked at its nearest existing parent"
     )
-    assert re.search(r"^ok  path: .* GB free of .* GB$", out, re.M)
+    # an absent path is refused by initialize: doctor says so with initialize's own message
+    missing = nvme_dir / "not" / "yet"
+    assert re.search(rf"^NO  path: {missing} \(ext4 on .*\), .* free of .*$", out, re.M), out
+    assert f"      fix: nvme_path '{missing}' does not exist; create it (mkdir -p {missing})" in out
+    assert re.search(r"^NO  path: .* GiB free of .* GiB$", out, re.M)  # memory and space in GiB, as everywhere
+    assert not re.search(r"\d GB\b", out), out
+    here = run_cli(capsys, "doctor", "--path", str(nvme_dir))
+    assert re.search(rf"^ok  path: {nvme_dir} .* GiB free of .* GiB$", here, re.M), here
+    assert re.search(r"^ok  memory: .* GiB available of .* GiB;", here, re.M)
     assert re.search(r"^ok  cpu: .*; SIMD .*; crc32c in hardware: (yes|no)$", out, re.M)
     assert re.search(r"^ok  torch \d+\.\d+", out, re.M)
     report = json.loads(run_cli(capsys, "doctor", "--path", str(nvme_dir), "--json"))
     assert report["path"]["o_direct"] is True and report["path"]["free_bytes"] > 0
+    assert report["path"]["usable"] is True and report["path"]["refused"] is None
+    report = json.loads(run_cli(capsys, "doctor", "--path", str(missing), "--json"))
+    assert report["path"]["usable"] is False and "does not exist" in report["path"]["refused"]
     assert set(report) >= {"io_uring", "engines_built", "path", "memory", "cpu", "torch"}
 
 

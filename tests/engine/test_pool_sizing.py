@@ -53,3 +53,31 @@ def test_the_default_parameter_pool_holds_the_model_not_two_gigabytes(nvme_dir):
     asked, capacity, _ = _train(_config(nvme_dir, buffer_count=2, buffer_size=small))
     assert capacity == 2 * small * 4 < everything
     assert asked == losses
+
+
+def test_a_written_pool_size_not_followed_is_said_once(nvme_dir, caplog):
+    # buffer_count=100000 or buffer_size=1e9 were replaced by what the model needs without a word
+    shards = sum(round_up(p.numel() * 4, ALIGN) for p in tiny_gpt().parameters())  # an upper bound
+    for written, count in (({"buffer_size": 10**9}, 4), ({"buffer_count": 100_000}, 100_000)):
+        caplog.clear()
+        with caplog.at_level("INFO", "infinity.engine"):
+            with infinity.initialize(tiny_gpt(), _config(nvme_dir, **written)) as e:
+                pool = e.runtime.plan.param_store.pool
+        size = written.get("buffer_size", 1 << 16)
+        used = pool.buffer_nbytes // 4
+        assert pool.count == count and used < size
+        assert pool.count * pool.buffer_nbytes <= max(shards, count * ALIGN)
+        said = [r.getMessage() for r in caplog.records if "offload_param.buffer_size" in r.getMessage()]
+        assert said == [
+            f"zero_optimization.offload_param.buffer_size={size:,} is written; {used:,} elements "
+            f"({pool.buffer_nbytes:,} bytes) per buffer are used, with buffer_count={count:,}: the pool "
+            "never needs more than every parameter shard that may rest on NVMe at once "
+            f"({pool.count * pool.buffer_nbytes:,} bytes here)"
+        ]
+    caplog.clear()
+    with caplog.at_level("INFO", "infinity.engine"):
+        cfg = _config(nvme_dir)
+        for key in ("buffer_size", "buffer_count"):  # the defaults are not the user's
+            del cfg["zero_optimization"]["offload_param"][key]
+        infinity.initialize(tiny_gpt(), cfg).close()
+    assert not [r for r in caplog.records if "buffer_size" in r.getMessage()]

@@ -47,6 +47,22 @@ def test_an_lr_scheduler_without_an_optimizer_is_refused(nvme_dir):
         infinity.initialize(model, inference_config(nvme_dir), lr_scheduler=object())
 
 
+@pytest.mark.parametrize("call", ["backward", "step", "zero_grad"])
+def test_training_calls_on_the_inference_engine_name_the_missing_optimizer_section(call, nvme_dir):
+    # a stage-3 config with no optimizer section gives the inference engine; its backward used to be an
+    # AttributeError ('InferenceEngine' object has no attribute 'backward')
+    model, _ = pair("gpt2")
+    with infinity.initialize(model, inference_config(nvme_dir)) as engine:
+        ids, _ = prompts(1, padded=False)
+        args = (engine(ids).logits.sum(),) if call == "backward" else ()
+        with pytest.raises(TypeError) as e:
+            getattr(engine, call)(*args)
+    msg = str(e.value)
+    assert msg.startswith(f"engine.{call}(): this is an InferenceEngine, which does not train:")
+    assert "no 'optimizer' section" in msg and "add an 'optimizer' section to the config" in msg
+    assert "initialize(optimizer=...)" in msg and "lr=" in msg
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("batch,padded", [(1, False), (3, True)])

@@ -5,6 +5,8 @@ continuation printed is plain ``model.generate``'s.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -80,3 +82,72 @@ def test_generate_refuses_a_directory_without_a_tokenizer(nvme_dir, tmp_path, ca
     pair("gpt2")[0].save_pretrained(tmp_path)
     code = main(["generate", "--model-dir", str(tmp_path), "--prompt", "w3", "--nvme-path", str(nvme_dir)])
     assert code == 2 and "cannot read a tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name,batch", [("gpt2", 1), ("llama", 3)])
+def test_sampling_with_a_seed_equals_transformers_generate(name, batch, nvme_dir, tmp_path, capsys):
+    """--do-sample with --temperature/--top-k/--top-p/--seed: transformers' own sampling on the plain model
+    with the same seed (the engine runs the model's generate; its logits equal plain PyTorch's)."""
+    d = tmp_path / "model"
+    plain = save(name, d)
+    prompt = "w5 w17 w99 w42 w7"
+    ids = tokenizer()([prompt] * batch, return_tensors="pt")["input_ids"]
+    sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
+    torch.manual_seed(1234)
+    want = plain.generate(ids, max_new_tokens=8, pad_token_id=PAD, **sampling)[:, ids.shape[1]:]
+    code = main(["generate", "--model-dir", str(d), "--prompt", prompt, "--batch", str(batch),
+                 "--max-new-tokens", "8", "--nvme-path", str(nvme_dir), "--do-sample", "--temperature", "0.7",
+                 "--top-k", "20", "--top-p", "0.9", "--seed", "1234", "--no-progress"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    rows = [tokenizer().decode(r, skip_special_tokens=True).strip() for r in want]
+    assert out.out.strip().splitlines() == list(dict.fromkeys(rows))
+    if batch > 1:
+        assert len(set(rows)) > 1  # the rows were sampled, not copies of one greedy row
+
+
+def test_tokens_stream_to_stdout_as_they_are_produced(nvme_dir, tmp_path, capsys, monkeypatch):
+    d = tmp_path / "model"
+    plain = save("gpt2", d)
+    forwards = []
+    import infinity.inference.pretrained as pretrained
+
+    load = pretrained.from_pretrained
+
+    def counted(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.register_forward_hook(lambda *_: forwards.append(1))
+        return model
+
+    monkeypatch.setattr(pretrained, "from_pretrained", counted)
+    writes = []
+    real_write = sys.stdout.write
+    monkeypatch.setattr(sys.stdout, "write", lambda s: (writes.append((s, len(forwards))), real_write(s))[1])
+    prompt = "w5 w17 w99 w42 w7"
+    code = main(["generate", "--model-dir", str(d), "--prompt", prompt, "--max-new-tokens", "8",
+                 "--nvme-path", str(nvme_dir)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    ids = tokenizer()(prompt, return_tensors="pt")["input_ids"]
+    want = plain.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=PAD)[0, ids.shape[1]:]
+    assert out.out.strip() == tokenizer().decode(want, skip_special_tokens=True).strip()
+    # the first words were written while generation still ran (8 forwards in all: prefill + 7 decode steps)
+    texts = [(s, n) for s, n in writes if s.strip()]
+    assert len(texts) > 1 and texts[0][1] < 8, writes
+    assert "8/8 tokens" in out.err
+
+
+def test_generate_names_a_missing_model_directory(nvme_dir, tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    code = main(["generate", "--model-dir", str(missing), "--prompt", "w3", "--nvme-path", str(nvme_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip() == f"infinity generate: --model-dir {missing} does not exist"
+
+
+def test_sampling_options_without_do_sample_are_refused(nvme_dir, tmp_path, capsys):
+    d = tmp_path / "model"
+    save("gpt2", d)
+    code = main(["generate", "--model-dir", str(d), "--prompt", "w3", "--nvme-path", str(nvme_dir),
+                 "--temperature", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--temperature applies only with --do-sample" in err

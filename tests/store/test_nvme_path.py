@@ -6,6 +6,8 @@ file, a file system refusing O_DIRECT named once with its type, one reporting
 no size named as such.
 """
 
+import contextlib
+import errno
 import logging
 import os
 
@@ -99,11 +101,97 @@ def test_o_direct_refusal_is_reported_once_with_path_and_file_system(nvme_dir, c
         nvme_path._forget_reports()
         nvme_path.rank_dir(mnt, 2, o_direct=False)  # aio.o_direct false asks for buffered I/O
     assert [r.getMessage() for r in caplog.records] == [
-        f"nvme_path '{mnt}' is on a ramfs file system (mounted at {mnt}), which refuses O_DIRECT: "
-        "swap files there are read and written through the page cache (slower, and the cache takes "
-        "host memory). Point nvme_path at a local disk (ext4, xfs) for direct I/O, or set "
-        "aio.o_direct to false if buffered I/O is meant"
+        f"nvme_path '{mnt}' is on a ramfs file system (mounted at {mnt}), which is host memory, not "
+        "NVMe: swap files there take RAM, so offloading to it saves none (and ramfs refuses O_DIRECT). "
+        "Point nvme_path at a directory on a local NVMe drive (ext4, xfs)",
+        # buffered I/O asked for: no word on O_DIRECT, but memory is still memory
+        f"nvme_path '{mnt}' is on a ramfs file system (mounted at {mnt}), which is host memory, not "
+        "NVMe: swap files there take RAM, so offloading to it saves none. Point nvme_path at a "
+        "directory on a local NVMe drive (ext4, xfs)",
     ]
+
+
+def test_a_disk_file_system_refusing_o_direct_is_reported_as_buffered(nvme_dir, caplog, monkeypatch):
+    monkeypatch.setattr(nvme_path, "probe_o_direct", lambda d: False)
+    with caplog.at_level(logging.WARNING, "infinity.store"):
+        nvme_path.rank_dir(nvme_dir, 0)
+    m = nvme_path.mount_of(nvme_dir)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"nvme_path '{nvme_dir}' is on a {m.fs_type} file system (mounted at {m.mountpoint}), which "
+        "refuses O_DIRECT: swap files there are read and written through the page cache (slower, and "
+        "the cache takes host memory). Point nvme_path at a local disk (ext4, xfs) for direct I/O, or "
+        "set aio.o_direct to false if buffered I/O is meant"
+    ]
+
+
+def test_tmpfs_is_named_as_memory_not_nvme(nvme_dir, caplog):
+    # it was accepted and logged as NVMe while `infinity doctor` called it memory
+    with mounted("tmpfs", nvme_dir, size="64M") as mnt, caplog.at_level(logging.INFO, "infinity.store"):
+        with infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", mnt, gas=1)):
+            pass
+        infinity.zero.Init(engine_config(3, "nvme", "cpu", mnt, gas=1))
+    said = [r for r in caplog.records if str(mnt) in r.getMessage() and "tmpfs" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING]  # once per file system
+    assert said[0].getMessage().startswith(
+        f"nvme_path '{mnt}' is on a tmpfs file system (mounted at {mnt}), which is host memory, not "
+        "NVMe: swap files there take RAM, so offloading to it saves none"
+    )
+
+
+def test_a_disk_path_is_logged_with_its_file_system_type(nvme_dir, caplog):
+    m = nvme_path.mount_of(nvme_dir)
+    with caplog.at_level(logging.INFO, "infinity.store"):
+        nvme_path.rank_dir(nvme_dir, 0)
+        nvme_path.rank_dir(nvme_dir, 1)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"nvme_path '{nvme_dir}': a {m.fs_type} file system on {m.device} (mounted at {m.mountpoint}), "
+        "with O_DIRECT"
+    ]
+
+
+def test_a_read_only_mount_is_named_with_the_remount_fix(nvme_dir):
+    # it got "not writable by this process ...; change its owner or mode", which cannot help
+    with mounted("tmpfs", nvme_dir, options="ro") as mnt:
+        with pytest.raises(NvmePathError) as e:
+            nvme_path.rank_dir(mnt, 0)
+        assert e.value.errno == errno.EROFS
+        assert str(e.value) == (
+            f"nvme_path '{mnt}' is on a read-only mount (tmpfs at {mnt}); remount it read-write "
+            f"(mount -o remount,rw {mnt}) or point nvme_path at a directory on a writable drive"
+        )
+        with pytest.raises(ConfigError, match="is on a read-only mount"):
+            infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "cpu", mnt, gas=1))
+
+
+def test_a_refused_nvme_path_leaves_nothing_behind(nvme_dir):
+    # a refusal left an empty rank0/ in the user's folder
+    with mounted("ramfs", nvme_dir) as mnt:
+        with pytest.raises(ConfigError, match="reports no size"):
+            infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", mnt, gas=1))
+        assert os.listdir(mnt) == []
+    full = nvme_dir / "full"
+    full.mkdir()
+    cfg = engine_config(3, "nvme", "nvme", full, gas=1)
+    with pytest.raises(ConfigError, match="not enough free space"):
+        with _free_nbytes_reported(0):
+            infinity.initialize(tiny_gpt(), cfg)
+    assert os.listdir(full) == []
+    # an existing rank folder is the user's: left as it was
+    (full / "rank0").mkdir()
+    with pytest.raises(ConfigError, match="not enough free space"):
+        with _free_nbytes_reported(0):
+            infinity.initialize(tiny_gpt(), cfg)
+    assert os.listdir(full) == ["rank0"] and os.listdir(full / "rank0") == []
+
+
+@contextlib.contextmanager
+def _free_nbytes_reported(n):
+    saved = nvme_path.free_nbytes
+    nvme_path.free_nbytes = lambda path: n
+    try:
+        yield
+    finally:
+        nvme_path.free_nbytes = saved
 
 
 def test_a_file_system_reporting_no_size_is_named_not_called_full(nvme_dir):
@@ -113,14 +201,14 @@ def test_a_file_system_reporting_no_size_is_named_not_called_full(nvme_dir):
             infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", mnt, gas=1))
         msg = str(e.value)
         assert msg.startswith(
-            f"nvme_path '{mnt / 'rank0'}' is on a ramfs file system (mounted at {mnt}) that reports "
+            f"nvme_path '{mnt}' is on a ramfs file system (mounted at {mnt}) that reports "
             "no size, so whether this rank's "
         )
         assert (
             "bytes of swap files (parameters" in msg
             and "on ramfs they would fill host memory" in msg
         )
-        assert os.listdir(mnt / "rank0") == []  # nothing was written
+        assert os.listdir(mnt) == []  # nothing was written, no folder made
 
 
 def test_full_file_system_is_named_with_its_type(nvme_dir):
@@ -229,10 +317,10 @@ def test_a_striped_run_is_refused_when_one_drive_cannot_take_its_share(nvme_dir)
                            nvme_path.free_nbytes(small) - (64 << 10))
         os.close(fd)
         raw = _striped(engine_config(3, "nvme", "nvme", nvme_dir, gas=1), [nvme_dir / "a", small])
-        with pytest.raises(ConfigError, match=rf"^not enough free space at nvme_path '{small / 'rank0'}' \(ext4 at "
+        with pytest.raises(ConfigError, match=rf"^not enough free space at nvme_path '{small}' \(ext4 at "
                            rf"{small}\): this rank needs \d+ bytes of swap files \(parameters \d+ \+ optimizer state"):
             infinity.initialize(tiny_gpt(), raw)
-        assert os.listdir(small / "rank0") == [] and os.listdir(nvme_dir / "a" / "rank0") == []
+        assert not (small / "rank0").exists() and not (nvme_dir / "a" / "rank0").exists()
 
 
 def test_paths_on_two_file_systems_are_not_reported(nvme_dir, caplog):
