@@ -57,7 +57,7 @@ def test_the_default_parameter_pool_holds_the_model_not_two_gigabytes(nvme_dir):
 
 def test_a_written_pool_size_not_followed_is_said_once(nvme_dir, caplog):
     # buffer_count=100000 or buffer_size=1e9 were replaced by what the model needs without a word
-    shards = sum(round_up(p.numel() * 4, ALIGN) for p in tiny_gpt().parameters())  # an upper bound
+    shards = sum(round_up(p.numel() * 4, DIRECT_ALIGNMENT) for p in tiny_gpt().parameters())  # an upper bound
     for written, count in (({"buffer_size": 10**9}, 4), ({"buffer_count": 100_000}, 100_000)):
         caplog.clear()
         with caplog.at_level("INFO", "infinity.engine"):
@@ -66,7 +66,7 @@ def test_a_written_pool_size_not_followed_is_said_once(nvme_dir, caplog):
         size = written.get("buffer_size", 1 << 16)
         used = pool.buffer_nbytes // 4
         assert pool.count == count and used < size
-        assert pool.count * pool.buffer_nbytes <= max(shards, count * ALIGN)
+        assert pool.count * pool.buffer_nbytes <= max(shards, count * DIRECT_ALIGNMENT)
         said = [r.getMessage() for r in caplog.records if "offload_param.buffer_size" in r.getMessage()]
         assert said == [
             f"zero_optimization.offload_param.buffer_size={size:,} is written; {used:,} elements "
