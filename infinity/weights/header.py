@@ -166,8 +166,10 @@ def parse_header(blob: bytes | bytearray | memoryview, *, file_nbytes: int, path
         )
     try:
         doc = json.loads(bytes(blob[_LENGTH.size : data_start]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HeaderError(path, f"has a corrupt safetensors header: not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HeaderError(
+            path, f"has a corrupt safetensors header: not valid JSON ({err})"
+        ) from None
     if not isinstance(doc, dict):
         raise HeaderError(path, "has a corrupt safetensors header: not a JSON object")
     meta = doc.pop(METADATA_KEY, None) or {}
@@ -178,15 +180,17 @@ def parse_header(blob: bytes | bytearray | memoryview, *, file_nbytes: int, path
     entries = {}
     end_max = 0
     for name, d in doc.items():
-        e = _entry(name, d, path)
-        if data_start + e.end > file_nbytes:
+        rel = _entry(name, d, path)  # offsets relative to data_start
+        if data_start + rel.end > file_nbytes:
             raise HeaderError(
                 path,
-                f"is truncated or corrupt: tensor {name!r} ({DTYPE_CODES[e.dtype]} {list(e.shape)}) lies at bytes "
-                f"{e.begin}..{e.end} after the header, in a file of {file_nbytes} bytes",
+                f"is truncated or corrupt: tensor {name!r} ({DTYPE_CODES[rel.dtype]} {list(rel.shape)}) lies at "
+                f"bytes {rel.begin}..{rel.end} after the header, in a file of {file_nbytes} bytes",
             )
-        entries[name] = dataclasses.replace(e, begin=data_start + e.begin, end=data_start + e.end)
-        end_max = max(end_max, e.end)
+        entries[name] = dataclasses.replace(
+            rel, begin=data_start + rel.begin, end=data_start + rel.end
+        )
+        end_max = max(end_max, rel.end)
     return Header(entries, meta, data_start, data_start + end_max)
 
 

@@ -196,9 +196,9 @@ def checkpoint_tensors(path: str | os.PathLike) -> dict[str, FileTensor]:
             tensors[name] = t
     if weight_map is not None:
         for name, file in weight_map.items():
-            t = tensors.get(name)
-            if t is None or t.path.name != file:
-                where = f"'{t.path.name}'" if t is not None else "no shard"
+            held = tensors.get(name)
+            if held is None or held.path.name != file:
+                where = f"'{held.path.name}'" if held is not None else "no shard"
                 raise ValueError(
                     f"the index of '{path}' puts tensor {name!r} in '{file}', but {where} holds it: the "
                     "checkpoint is incomplete or mixes two saves; save it again"

@@ -95,7 +95,7 @@ class TensorFiles:
         fd = self._fds.get(t.path)
         if fd is None:
             fd = self._fds[t.path] = os.open(t.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        view = out.view(-1).view(torch.uint8).numpy().data
         offset, done = t.entry.begin + lo * t.dtype.itemsize, 0
         while done < len(view):
             n = os.preadv(fd, [view[done:]], offset + done)

@@ -120,6 +120,12 @@ def test_what_safetensors_writes_reads_back_with_infinity(tmp_path: Path, sd, me
     same(read, sd)
 
 
+def converted(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal values, NaN where NaN: a conversion's NaN payload is torch's choice, and its vectorised and
+    scalar paths (a staging buffer of 2 bytes takes the scalar one) choose differently."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 @SETTINGS
 @given(
     sd=st.dictionaries(
@@ -137,10 +143,10 @@ def test_converting_reads_are_torchs_conversion(tmp_path: Path, sd, to, stage, m
         for name, t in file_tensors(path).items():
             out = torch.empty(t.shape, dtype=to)
             files.read_whole(t, out)
-            assert raw(out) == raw(sd[name].to(to)), name
+            converted(out, sd[name].to(to))
             part = torch.empty(max(0, t.numel - 1), dtype=to)  # a slice, as a rank reads its own
             files.read(t, min(1, t.numel), t.numel, part)
-            assert raw(part) == raw(sd[name].reshape(-1)[1:].to(to)), name
+            converted(part, sd[name].reshape(-1)[1:].to(to))
 
 
 def test_every_dtype_the_safetensors_package_reads_is_in_the_table():
