@@ -8,7 +8,18 @@ import math
 import struct
 from pathlib import Path
 
-ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def claimed_nbytes(path: Path) -> int:
@@ -22,7 +33,9 @@ def claimed_nbytes(path: Path) -> int:
     for name, t in header.items():
         nbytes = math.prod(t["shape"]) * ITEMSIZE[t["dtype"]]
         begin, end = t["data_offsets"]
-        assert end - begin == nbytes, f"{path}: {name} spans {end - begin} bytes for {nbytes} bytes of values"
+        assert end - begin == nbytes, (
+            f"{path}: {name} spans {end - begin} bytes for {nbytes} bytes of values"
+        )
         assert 8 + n + end <= len(data), f"{path}: {name} ends past the end of the file"
         total += nbytes
     assert total <= len(data), f"{path}: claims {total} bytes in a file of {len(data)}"

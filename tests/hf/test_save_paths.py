@@ -39,7 +39,9 @@ LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
 
 def lora(model: torch.nn.Module, arch: str) -> peft.PeftModel:
     torch.manual_seed(5)  # LoRA's A matrices are drawn at random
-    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[arch], fan_in_fan_out=arch == "gpt2")
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=LORA_TARGETS[arch], fan_in_fan_out=arch == "gpt2"
+    )
     with peft_quietly():
         return peft.get_peft_model(model, cfg)
 
@@ -48,7 +50,9 @@ def lora(model: torch.nn.Module, arch: str) -> peft.PeftModel:
 def peft_quietly():
     """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` as it wraps a model."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
         yield
 
 
@@ -84,7 +88,11 @@ def assert_within_adamw_noise(got: dict[str, torch.Tensor], want: dict[str, torc
 
 def param_nbytes(model: torch.nn.Module, trainable_only: bool = False) -> int:
     """Bytes of the model's parameters, tied ones once."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p.requires_grad or not trainable_only
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -95,7 +103,11 @@ def test_state_dict_and_torch_save_hold_the_trained_weights(arch, nvme_dir, tmp_
         want = held(engine)
         state = model.state_dict()
         torch.save(model.state_dict(), tmp_path / "sd.pt")
-        sub = model.model.layers[0].mlp.state_dict() if arch == "llama" else model.transformer.h[0].mlp.state_dict()
+        sub = (
+            model.model.layers[0].mlp.state_dict()
+            if arch == "llama"
+            else model.transformer.h[0].mlp.state_dict()
+        )
     finally:
         engine.close()
     assert all(v.numel() > 0 for v in state.values())
@@ -127,8 +139,9 @@ def test_save_pretrained_writes_what_from_pretrained_loads(arch, nvme_dir, tmp_p
     assert (out / "config.json").is_file() and (out / "generation_config.json").is_file()
     plain_dir = tmp_path / "plain"
     build(arch).save_pretrained(plain_dir, max_shard_size="30KB")
-    assert set(index["weight_map"]) == set(json.loads((plain_dir / "model.safetensors.index.json").read_text())[
-        "weight_map"])
+    assert set(index["weight_map"]) == set(
+        json.loads((plain_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    )
     # the files hold every byte they claim, and what they claim is the model's parameters
     assert folder_nbytes(out) == folder_nbytes(tmp_path / "one") == param_nbytes(build(arch))
     assert index["metadata"]["total_size"] == param_nbytes(build(arch))
@@ -161,19 +174,26 @@ def test_peft_save_pretrained_writes_plain_peft_adapters(arch, nvme_dir, tmp_pat
     plain = plain_trained(lora(build(arch), arch), arch, steps=STEPS)
     plain.save_pretrained(tmp_path / "plain")
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted(
-        p.name for p in (tmp_path / "plain").iterdir())
-    ours, theirs = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("adapter", "plain"))
+        p.name for p in (tmp_path / "plain").iterdir()
+    )
+    ours, theirs = (
+        json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("adapter", "plain")
+    )
     assert ours == theirs
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert_equal(saved, want)
-    assert claimed_nbytes(tmp_path / "adapter" / "adapter_model.safetensors") == param_nbytes(plain, True)
+    assert claimed_nbytes(tmp_path / "adapter" / "adapter_model.safetensors") == param_nbytes(
+        plain, True
+    )
     assert_within_adamw_noise(saved, load_file(tmp_path / "plain" / "adapter_model.safetensors"))
     with peft_quietly():
         reloaded = peft.PeftModel.from_pretrained(build(arch), tmp_path / "adapter")
     assert_equal(peft.get_peft_model_state_dict(reloaded), want)
     base = build(arch).state_dict()  # the frozen base is the one the run started from
-    assert_equal({k: v for k, v in reloaded.base_model.model.state_dict().items() if "lora_" not in k},
-                 _base_names(reloaded, base))
+    assert_equal(
+        {k: v for k, v in reloaded.base_model.model.state_dict().items() if "lora_" not in k},
+        _base_names(reloaded, base),
+    )
 
 
 def _base_names(model: peft.PeftModel, base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
