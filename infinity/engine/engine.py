@@ -113,8 +113,8 @@ class Engine:
         self._window = UpdateWindow()
         # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
         self.overlap_step = self.stage == 3
-        # The model's own state_dict() and save_pretrained() give the real weights ([Note: saving a
-        # partitioned model] in engine/saving.py).
+        # The model's own state_dict() and save_pretrained() give the real weights
+        # ([Note: saving a partitioned model] in engine/saving.py).
         self._saving = ModelSaving(self)
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:

@@ -34,9 +34,9 @@ the engine's forward/backward/step, its checkpoints and ``save_pretrained``):
 - ``save_model`` is the Trainer's own: ``model.save_pretrained``, which on the
   engine's model streams the weights (``model.safetensors`` or shards,
   ``config.json``) or, for a PEFT model, writes the adapters as PEFT does
-  (``adapter_config.json``, ``adapter_model.safetensors``), see [Note: saving
-  a partitioned model] in infinity/engine/saving.py; plus the processing class
-  and ``training_args.bin``.
+  (``adapter_config.json``, ``adapter_model.safetensors``), see
+  [Note: saving a partitioned model] in infinity/engine/saving.py; plus the
+  processing class and ``training_args.bin``.
 
 One process (the Trainer's CPU or one GPU); the model is handed to
 ``initialize`` as built (the Trainer does not move it to the device first: the
