@@ -82,6 +82,7 @@ class _Record:
     numel: int
     state: InitState = InitState.AT_REST
     holds: int = 0  # GatheredParameters contexts holding the parameter whole
+    source: Any = None  # the file tensor ``fill`` read it from, while unchanged since (load_pretrained's)
 
 
 @dataclasses.dataclass
@@ -166,8 +167,8 @@ class InitStore:
         for key, _, _ in rec.keys:
             self.store.unregister(key)
         new = self._store_slice(p.data.detach())
-        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel = (
-            new.keys, new.shape, new.dtype, new.shard_numel, new.numel)
+        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel, rec.source = (
+            new.keys, new.shape, new.dtype, new.shard_numel, new.numel, None)
 
     def _store_slice(self, data: torch.Tensor) -> _Record:
         """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest)."""
@@ -192,11 +193,14 @@ class InitStore:
             keys.append((key, lo, hi))
         return keys
 
-    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None]) -> None:
+    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None], *, source: Any = None) -> None:
         """Writes this rank's slice of ``p`` (at rest) from ``read(lo, hi, out)``, which puts the flat
         elements [lo, hi) of the whole parameter into ``out``: a stored piece at a time, straight into
-        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective."""
+        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective.
+        ``source``: the file tensor read, kept until the parameter changes ([Note: frozen units in a
+        checkpoint] in infinity/engine/checkpoint/sources.py)."""
         rec = self.records[p]
+        rec.source = None
         if rec.state is not InitState.AT_REST:
             raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}")
         base = self.group.rank * rec.shard_numel
@@ -209,6 +213,12 @@ class InitStore:
                 buf[n:].zero_()  # the shard's padding past the parameter's end
             finally:
                 self.store.release(key)
+        rec.source = source
+
+    def source(self, p: nn.Parameter) -> Any:
+        """The file tensor ``p``'s values were read from, None if they were not or changed since."""
+        rec = self.records.get(p)
+        return None if rec is None else rec.source
 
     def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
         for key, lo, hi in keys:
@@ -282,6 +292,7 @@ class InitStore:
 
     def rewrite(self, p: nn.Parameter, value: torch.Tensor) -> None:
         rec = self.records[p]
+        rec.source = None  # no longer (known to be) the file's values
         flat = value.detach().reshape(-1)
         lo = self.group.rank * rec.shard_numel
         shard = torch.zeros(rec.shard_numel, dtype=rec.dtype)
