@@ -4,7 +4,7 @@
 with save_pretrained in shards (the files the other phases read; not measured).
 ``... train DIR NVME OUT CKPT``: built under zero.Init, load_pretrained from DIR, initialize (stage 3,
 parameters and optimizer on NVMe), two training steps, save_16bit_model to OUT (Hugging Face layout,
-shards of SHARD), save_checkpoint to CKPT with config.json beside it.
+shards of SHARD), save_checkpoint to CKPT (which keeps the model's config.json: the export needs no flag).
 ``... materialise DIR``: the control. Built under zero.Init as ``train`` builds it, then loaded the way
 one would without load_pretrained: the whole model gathered and the files' state dict copied in.
 ``... export CKPT OUT``: export_checkpoint to OUT (Hugging Face layout, shards of SHARD).
@@ -119,7 +119,6 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     engine.save_16bit_model(out, max_shard_size=SHARD)
     peaks["saved"] = peak_host_nbytes()
     engine.save_checkpoint(ckpt)
-    model.config.save_pretrained(ckpt)
     engine.close()
     return {"baseline": baseline, "peaks": peaks, "pools": pools, "losses": losses, "whole_after_load": whole,
             "missing": result.missing_keys, "unexpected": result.unexpected_keys}

@@ -49,6 +49,7 @@ from infinity.engine.checkpoint.format import (
 )
 from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
+from infinity.engine.checkpoint.model_files import model_files
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.sources import shard_crc
 from infinity.engine.checkpoint.state import (
@@ -236,6 +237,8 @@ class _Prepared:
     layout: Header
     small: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]
     parts: TrainingParts
+    model_files: dict[str, bytes]
+    """Rank 0: config.json, adapter_config.json (model_files.py)."""
 
 
 def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, crcs: dict[int, int],
@@ -251,6 +254,9 @@ def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, 
         groups = _plan_units(parts, referenced, shard_rank(engine)) if writes_part else []
         extra = {}
     small = _capture_small(engine, parts, client_state, names, extra, crcs)
+    files: dict[str, bytes] = {}
+    if rank == 0:
+        files, small[2]["peft"] = model_files(engine.module)
     small[2]["references"] = {i: parts.sources[i].reference_json() for i in referenced}
     small[2]["source_files"] = {p: f.to_json() for i in sorted(referenced) for p, f in parts.sources[i].files.items()}
     header, layout = build_header(
@@ -259,7 +265,7 @@ def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, 
          "partitions": str(partitions)},
         align=ALIGN,
     )
-    return _Prepared(partitions, groups, header, layout, small, parts)
+    return _Prepared(partitions, groups, header, layout, small, parts, files)
 
 
 def _make_directory(root: Path, tag: str, tmp: Path) -> SaveLock:
@@ -315,6 +321,9 @@ def _publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, t
             files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
         files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
     _check_files_present(tmp, files)
+    for name, blob in prep.model_files.items():
+        atomic.write_durably(tmp / name, blob, name)
+        files[name] = {"nbytes": len(blob), "crc32c": crc32c(blob)}
     manifest = _manifest(engine, prep.parts, tag, prep.partitions, files, prep.small[2])
     atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
     atomic.fsync_path(tmp, directory=True)
@@ -448,6 +457,7 @@ def _manifest(engine: CheckpointTarget, parts: TrainingParts, tag: str, partitio
         "skipped_steps": engine.skipped_steps,
         "units": [u.to_json() for u in describe_units(engine.module, parts.units, extra.get("references"))],
         "source_files": extra.get("source_files", {}),
+        "peft": extra.get("peft"),  # the adapter a PEFT model trains (its config: adapter_config.json)
         "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
         "buffers": extra.get("buffers", {}),
         "files": files,

@@ -136,6 +136,10 @@ class SourceFiles:
             )
         return t
 
+    def read_tensor(self, t: Any, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of file tensor ``t`` (from ``tensor``) into ``out``, converted to its dtype."""
+        self._files.read(t, lo, hi, out)
+
     def read_unit(self, tensors: Sequence[tuple[str, str]], slots: Sequence[Any], lo: int, hi: int,
                   out: torch.Tensor) -> None:
         """Flat elements [lo, hi) of a unit (slots end to end, zeros in the padding) into ``out``."""
