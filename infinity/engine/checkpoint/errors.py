@@ -58,5 +58,5 @@ class CheckpointPeerError(CheckpointError):
 
 
 class CheckpointUnsupportedError(CheckpointError, ValueError):
-    """This engine's state is of a kind save_checkpoint / load_checkpoint do not move (quantised frozen units)."""
+    """This engine's state is of a kind save_checkpoint / load_checkpoint do not move."""
 

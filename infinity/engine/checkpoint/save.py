@@ -33,7 +33,6 @@ import torch
 from infinity.aio import AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
-from infinity.engine.checkpoint.errors import CheckpointUnsupportedError
 from infinity.engine.checkpoint.format import (
     ALIGN,
     DIR_MODE,
@@ -139,12 +138,6 @@ def frozen_shard_crcs(engine: CheckpointTarget, parts: TrainingParts) -> dict[in
             out[u.index] = shard_crc(resident_shard(u, rank))
             continue
         store = parts.param_store
-        if store.spec(u.key).dtype != u.layout.dtype:
-            raise CheckpointUnsupportedError(
-                f"the frozen unit {u.module_name!r} rests quantised "
-                "(zero_optimization.zero_quantized_nontrainable_weights), which save_checkpoint does not keep; "
-                "turn the option off to checkpoint this run, or save the weights with engine.save_16bit_model"
-            )
         t = store.fetch(u.key).result()
         try:
             out[u.index] = shard_crc(t)
