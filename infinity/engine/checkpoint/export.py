@@ -141,9 +141,13 @@ def export_checkpoint(
     ``.safetensors`` file (the "state_dict" layout), or a directory (an existing one, or a path without a
     suffix, created), which gets the Hugging Face layout
     (shards of ``max_shard_size``, default "50GB"). Its ``config.json`` comes from ``config`` (the file
-    or its directory), else from beside the checkpoint (the tag's directory, then the root: where the
-    HF Trainer, or ``model.config.save_pretrained(root)``, puts it); with transformers installed the
-    model class it names (built on the meta device) gives the names save_pretrained writes."""
+    or its directory), else from the checkpoint (saved with it: model_files.py), else from beside it (the
+    root: where the HF Trainer, or ``model.config.save_pretrained(root)``, puts it); with transformers
+    installed the model class it names (built on the meta device) gives the names save_pretrained
+    writes, and its shapes must be the checkpoint's (CheckpointMismatchError naming the tensor). A PEFT
+    model's checkpoint exported to a directory gives the adapter folder (adapter_config.json,
+    adapter_model.safetensors) that ``PeftModel.from_pretrained`` reads. Frozen units come from where the
+    checkpoint keeps them ([Note: frozen units in a checkpoint] in sources.py)."""
     out = Path(out)
     hf = out.is_dir() or out.suffix == ""
     if not hf:
