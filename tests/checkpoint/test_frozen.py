@@ -31,9 +31,7 @@ N, M = 2, 2
 
 
 def lora_config(swap: Path) -> dict:
-    cfg = engine_cfg(3, "nvme", "nvme", swap, gas=1)
-    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    return cfg
+    return engine_cfg(3, "nvme", "nvme", swap, gas=1)  # the norms' small units persistent, frozen too
 
 
 def make_base(root: Path) -> Path:
@@ -49,9 +47,8 @@ def lora_engine(root: Path, swap: Path, *, seed: int):
     import transformers as tf
 
     cfg = lora_config(swap)
-    with infinity.zero.Init(cfg):
-        model = tf.LlamaForCausalLM(hf.config("llama"))
-    infinity.zero.load_pretrained(model, make_base(root))
+    with infinity.zero.Init(cfg):  # the base streamed into the shards ([Note: from_pretrained under zero.Init])
+        model = tf.AutoModelForCausalLM.from_pretrained(make_base(root))
     torch.manual_seed(seed)  # the adapters' starting values: another seed in the resumed run
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
@@ -244,3 +241,57 @@ def test_a_changed_or_missing_base_file_is_refused_naming_it(runs, tmp_path):
         base_file.write_bytes(saved)
         os.utime(base_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
         engine.close()
+
+
+def _distributed(rank, root, phase):
+    """World size 2 (phase "continue" or "resume"), or 1 ("one": the world-size-2 checkpoints loaded
+    re-partitioned, their weights returned)."""
+    root = Path(root)
+    out = {}
+    for case in ("lora-stage3-nvme", "teacher-student-stage3-nvme"):
+        swap = root / case / f"swap-{phase}"
+        engine, train = build(case, root / case, swap, resumed=phase != "continue")
+        try:
+            if phase == "continue":
+                train(engine, 0, N)
+                engine.save_checkpoint(root / case / "ckpt")
+                at_save = weights_of(engine)
+                out[case] = {"losses": train(engine, N, M), "at_save": at_save}
+            else:
+                engine.load_checkpoint(root / case / "ckpt")
+                out[case] = {"weights": weights_of(engine)} if phase == "one" else {"losses": train(engine, N, M)}
+        finally:
+            engine.close()
+    return out
+
+
+def weights_of(engine) -> dict:
+    from infinity.zero.gathered import GatheredParameters
+
+    with GatheredParameters(engine):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_world_size_2_resumes_and_repartitions(tmp_path):
+    """Two ranks (each its shard of the base, CRC32C agreed across ranks): resume in fresh processes gives
+    the same losses on each rank; one process loads the same checkpoints re-partitioned (the base read
+    from its files, the teacher's saved shards joined) with the weights the two ranks had at the save."""
+    base = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+    root = base / f"{os.getpid()}-frozen-ws2"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        make_base(root / "lora-stage3-nvme")
+        for case in ("lora-stage3-nvme", "teacher-student-stage3-nvme"):
+            for phase in ("continue", "resume", "one"):
+                (root / case / f"swap-{phase}").mkdir(parents=True)
+        cont = run_distributed(_distributed, str(root), "continue", world_size=2)
+        resumed = run_distributed(_distributed, str(root), "resume", world_size=2)
+        (one,) = run_distributed(_distributed, str(root), "one", world_size=1)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for case in cont[0]:
+        for r in range(2):
+            assert cont[r][case]["losses"] == resumed[r][case]["losses"], (case, r)
+        for n, w in cont[0][case]["at_save"].items():
+            assert torch.equal(torch.as_tensor(one[case]["weights"][n]), torch.as_tensor(w)), (case, n)
