@@ -62,12 +62,16 @@ def install() -> None:
     if _installed:
         return
     cls = tf.PreTrainedModel
-    originals = {name: cls.__dict__[name] for name in ("_load_pretrained_model",
-                                                       "_move_missing_keys_from_meta_to_device")}
+    originals = {
+        name: cls.__dict__[name]
+        for name in ("_load_pretrained_model", "_move_missing_keys_from_meta_to_device")
+    }
     load = originals["_load_pretrained_model"].__func__
     move = originals["_move_missing_keys_from_meta_to_device"]
 
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+    def _load_pretrained_model(
+        model, state_dict, checkpoint_files, load_config, expected_keys=None
+    ):
         store = _store_of(model)
         if store is None or getattr(load_config, "is_quantized", False):
             return load(model, state_dict, checkpoint_files, load_config, expected_keys)
@@ -110,21 +114,27 @@ def _partitioned(model: nn.Module, key: str, store: InitStore) -> bool:
     return isinstance(t, nn.Parameter) and t in store
 
 
-def _load_into_shards(model: nn.Module, store: InitStore, state_dict: Any, checkpoint_files: Any) -> Any:
+def _load_into_shards(
+    model: nn.Module, store: InitStore, state_dict: Any, checkpoint_files: Any
+) -> Any:
     from transformers.utils.loading_report import LoadStateDictInfo
 
     from infinity.zero.pretrained import load_pretrained
 
     name = type(model).__name__
     if state_dict is not None:
-        raise ValueError(f"{name}.from_pretrained(state_dict=...) under infinity.zero.Init: a state dict is "
-                         "already whole in memory; save it with save_pretrained and load the directory, or "
-                         "build the model under zero.Init and load it after initialize")
+        raise ValueError(
+            f"{name}.from_pretrained(state_dict=...) under infinity.zero.Init: a state dict is "
+            "already whole in memory; save it with save_pretrained and load the directory, or "
+            "build the model under zero.Init and load it after initialize"
+        )
     files = [Path(f) for f in checkpoint_files or []]
     if not files or any(f.suffix != ".safetensors" for f in files):
-        raise ValueError(f"{name}.from_pretrained under infinity.zero.Init reads safetensors checkpoints; "
-                         f"{', '.join(map(str, files)) or 'no file'} is not one: convert it (save_pretrained "
-                         "writes safetensors)")
+        raise ValueError(
+            f"{name}.from_pretrained under infinity.zero.Init reads safetensors checkpoints; "
+            f"{', '.join(map(str, files)) or 'no file'} is not one: convert it (save_pretrained "
+            "writes safetensors)"
+        )
     store.settle()
     _materialize_meta_buffers(model)
     path: str | os.PathLike = files[0] if len(files) == 1 else files[0].parent
@@ -134,9 +144,14 @@ def _load_into_shards(model: nn.Module, store: InitStore, state_dict: Any, check
     for key, t in model.state_dict(keep_vars=True).items():
         if key not in missing:
             t._is_hf_initialized = True
-    return LoadStateDictInfo(missing_keys=missing, unexpected_keys=set(result.unexpected_keys),
-                             mismatched_keys=set(), error_msgs=[], conversion_errors={},
-                             skipped_pp_keys=set()), None
+    return LoadStateDictInfo(
+        missing_keys=missing,
+        unexpected_keys=set(result.unexpected_keys),
+        mismatched_keys=set(),
+        error_msgs=[],
+        conversion_errors={},
+        skipped_pp_keys=set(),
+    ), None
 
 
 def _materialize_meta_buffers(model: nn.Module) -> None:

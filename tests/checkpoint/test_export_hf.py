@@ -47,7 +47,9 @@ def saved(tmp_path_factory):
             model = hf.build("llama", seed=0)
             if name == "resized":
                 model.resize_token_embeddings(RESIZED)
-            engine = infinity.initialize(model, engine_cfg(3, "nvme", "nvme", root / name / "swap", gas=1))
+            engine = infinity.initialize(
+                model, engine_cfg(3, "nvme", "nvme", root / name / "swap", gas=1)
+            )
             try:
                 _train(engine)
                 ckpt = engine.save_checkpoint(root / name / "ckpt")
@@ -63,8 +65,13 @@ def saved(tmp_path_factory):
 def test_export_without_flags_loads_with_from_pretrained(saved, name, tmp_path):
     root, runs = saved
     ckpt, engine_weights = runs[name]
-    assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == (RESIZED if name == "resized" else hf.VOCAB)
-    assert cli_main.main(["export", str(root / name / "ckpt"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert json.loads((ckpt / "config.json").read_text())["vocab_size"] == (
+        RESIZED if name == "resized" else hf.VOCAB
+    )
+    assert (
+        cli_main.main(["export", str(root / name / "ckpt"), str(tmp_path / "out"), "--no-progress"])
+        == 0
+    )
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert isinstance(model, tf.LlamaForCausalLM)
     loaded = dict(model.named_parameters())
@@ -75,16 +82,39 @@ def test_export_without_flags_loads_with_from_pretrained(saved, name, tmp_path):
 
 def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, capsys):
     root, _ = saved
-    hf.config("llama").save_pretrained(tmp_path / "cfg")  # the vocabulary before resize_token_embeddings
-    args = ["export", str(root / "resized" / "ckpt"), str(tmp_path / "out"), "--config", str(tmp_path / "cfg"),
-            "--no-progress"]
+    hf.config("llama").save_pretrained(
+        tmp_path / "cfg"
+    )  # the vocabulary before resize_token_embeddings
+    args = [
+        "export",
+        str(root / "resized" / "ckpt"),
+        str(tmp_path / "out"),
+        "--config",
+        str(tmp_path / "cfg"),
+        "--no-progress",
+    ]
     assert cli_main.main(args) == 1
     err = capsys.readouterr().err
-    assert "'model.embed_tokens.weight'" in err and f"[{RESIZED}, 32]" in err and f"[{hf.VOCAB}, 32]" in err
+    assert (
+        "'model.embed_tokens.weight'" in err
+        and f"[{RESIZED}, 32]" in err
+        and f"[{hf.VOCAB}, 32]" in err
+    )
     assert not (tmp_path / "out" / "model.safetensors").exists()
     # The matching config passes the check.
-    assert cli_main.main(["export", str(root / "plain" / "ckpt"), str(tmp_path / "ok"), "--config",
-                          str(tmp_path / "cfg" / "config.json"), "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "export",
+                str(root / "plain" / "ckpt"),
+                str(tmp_path / "ok"),
+                "--config",
+                str(tmp_path / "cfg" / "config.json"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_lora_checkpoint_exports_the_adapter_peft_loads(tmp_path, nvme_dir):
@@ -101,10 +131,17 @@ def test_a_lora_checkpoint_exports_the_adapter_peft_loads(tmp_path, nvme_dir):
         engine.close()
     ckpt = next((tmp_path / "ckpt").glob("global_step*"))
     assert {"config.json", "adapter_config.json"} <= {f.name for f in ckpt.iterdir()}
-    assert cli_main.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            ["export", str(tmp_path / "ckpt"), str(tmp_path / "adapter"), "--no-progress"]
+        )
+        == 0
+    )
     base = tf.AutoModelForCausalLM.from_pretrained(make_base(tmp_path))
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
         model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
     loaded = {n: p for n, p in model.named_parameters() if "lora_" in n}
     assert loaded.keys() == lora.keys() and len(lora) == 8  # q_proj, v_proj x A, B x 2 layers

@@ -31,7 +31,9 @@ N, M = 2, 2
 
 
 def lora_config(swap: Path) -> dict:
-    return engine_cfg(3, "nvme", "nvme", swap, gas=1)  # the norms' small units persistent, frozen too
+    return engine_cfg(
+        3, "nvme", "nvme", swap, gas=1
+    )  # the norms' small units persistent, frozen too
 
 
 def make_base(root: Path) -> Path:
@@ -47,12 +49,18 @@ def lora_engine(root: Path, swap: Path, *, seed: int):
     import transformers as tf
 
     cfg = lora_config(swap)
-    with infinity.zero.Init(cfg):  # the base streamed into the shards ([Note: from_pretrained under zero.Init])
+    with infinity.zero.Init(
+        cfg
+    ):  # the base streamed into the shards ([Note: from_pretrained under zero.Init])
         model = tf.AutoModelForCausalLM.from_pretrained(make_base(root))
     torch.manual_seed(seed)  # the adapters' starting values: another seed in the resumed run
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+    with (
+        warnings.catch_warnings()
+    ):  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
         peft_model = peft.get_peft_model(model, lora)
     return infinity.initialize(peft_model, cfg)
 
@@ -80,7 +88,9 @@ class Distill(nn.Module):
         with torch.no_grad():
             t = self.teacher(x)
         s = self.student(x)
-        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+        kl = F.kl_div(
+            F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean"
+        )
         return F.cross_entropy(s.reshape(-1, s.shape[-1]), y.reshape(-1)) + kl
 
 
@@ -88,7 +98,9 @@ def distill_engine(stage: int, swap: Path, *, seed: int, student_seed: int):
     torch.manual_seed(seed)
     model = Distill()
     torch.manual_seed(student_seed)
-    model.student = tiny_gpt()  # the resumed run's student starts elsewhere; the teacher is the same
+    model.student = (
+        tiny_gpt()
+    )  # the resumed run's student starts elsewhere; the teacher is the same
     where = ("nvme", "nvme") if stage == 3 else ("none", "nvme")
     cfg = engine_cfg(stage, *where, swap, gas=1)
     return infinity.initialize(model, cfg)
@@ -115,7 +127,9 @@ CASES = {
 def build(case: str, root: Path, swap: Path, *, resumed: bool):
     if case.startswith("lora"):
         return lora_engine(root, swap, seed=1 if resumed else 0), lora_train
-    return distill_engine(CASES[case], swap, seed=0, student_seed=2 if resumed else 1), distill_train
+    return distill_engine(
+        CASES[case], swap, seed=0, student_seed=2 if resumed else 1
+    ), distill_train
 
 
 def continue_run(case: str, root: Path) -> dict:
@@ -153,7 +167,9 @@ def runs():
         for r in roots.values():
             (r / "swap").mkdir(parents=True)
         cont = {case: continue_run(case, r) for case, r in roots.items()}
-        (resumed,) = run_distributed(_resume_all, {c: str(r) for c, r in roots.items()}, world_size=1)
+        (resumed,) = run_distributed(
+            _resume_all, {c: str(r) for c, r in roots.items()}, world_size=1
+        )
         yield cont, resumed, roots
     finally:
         shutil.rmtree(top, ignore_errors=True)
@@ -184,14 +200,20 @@ def test_the_lora_checkpoint_holds_the_adapters_not_the_base(runs):
     tensors = _part_tensors(ckpt)
     assert not [n for n in tensors if n.endswith(".param")]  # no base weight
     # Exactly each adapter unit's fp32 master and two moments.
-    assert sorted(tensors) == sorted(f"u{i}.{r}" for i, u in enumerate(manifest["units"]) if u["trainable"]
-                                     for r in ("master", "exp_avg", "exp_avg_sq"))
+    assert sorted(tensors) == sorted(
+        f"u{i}.{r}"
+        for i, u in enumerate(manifest["units"])
+        if u["trainable"]
+        for r in ("master", "exp_avg", "exp_avg_sq")
+    )
     size = sum(f.stat().st_size for f in ckpt.iterdir())
     base = sum(f.stat().st_size for f in (roots["lora-stage3-nvme"] / "base").glob("*.safetensors"))
     adapters = sum(s_numel(s) for u in trained for s in u["slots"])
-    print(f"\nLoRA checkpoint: {size} bytes in {len(list(ckpt.iterdir()))} files "
-          f"({adapters} adapter parameters x 3 fp32 arrays = {adapters * 12} bytes of state, padded to "
-          f"{sum(tensors.values())}); the base it refers to: {base} bytes")
+    print(
+        f"\nLoRA checkpoint: {size} bytes in {len(list(ckpt.iterdir()))} files "
+        f"({adapters} adapter parameters x 3 fp32 arrays = {adapters * 12} bytes of state, padded to "
+        f"{sum(tensors.values())}); the base it refers to: {base} bytes"
+    )
     # Nothing else: three fp32 arrays of each adapter unit's shard (padded to 4 KiB for O_DIRECT).
     assert sum(tensors.values()) == sum(3 * 4 * u["shard_numel"] for u in trained)
 
@@ -211,8 +233,11 @@ def test_a_teacher_no_file_holds_is_saved_once(case, runs):
     tensors = _part_tensors(ckpt)
     for i, u in enumerate(manifest["units"]):
         names = {f"u{i}.{r}" for r in ("master", "exp_avg", "exp_avg_sq", "param")} & set(tensors)
-        assert names == ({f"u{i}.master", f"u{i}.exp_avg", f"u{i}.exp_avg_sq"} if u["trainable"]
-                         else {f"u{i}.param"}), u["name"]
+        assert names == (
+            {f"u{i}.master", f"u{i}.exp_avg", f"u{i}.exp_avg_sq"}
+            if u["trainable"]
+            else {f"u{i}.param"}
+        ), u["name"]
         assert u["trainable"] == u["name"].startswith("student"), u["name"]
 
 
@@ -259,7 +284,11 @@ def _distributed(rank, root, phase):
                 out[case] = {"losses": train(engine, N, M), "at_save": at_save}
             else:
                 engine.load_checkpoint(root / case / "ckpt")
-                out[case] = {"weights": weights_of(engine)} if phase == "one" else {"losses": train(engine, N, M)}
+                out[case] = (
+                    {"weights": weights_of(engine)}
+                    if phase == "one"
+                    else {"losses": train(engine, N, M)}
+                )
         finally:
             engine.close()
     return out
@@ -294,4 +323,7 @@ def test_world_size_2_resumes_and_repartitions(tmp_path):
         for r in range(2):
             assert cont[r][case]["losses"] == resumed[r][case]["losses"], (case, r)
         for n, w in cont[0][case]["at_save"].items():
-            assert torch.equal(torch.as_tensor(one[case]["weights"][n]), torch.as_tensor(w)), (case, n)
+            assert torch.equal(torch.as_tensor(one[case]["weights"][n]), torch.as_tensor(w)), (
+                case,
+                n,
+            )

@@ -19,9 +19,18 @@ ARCHS = {
     "llama": (tf.AutoModelForCausalLM, lambda: hf.config("llama")),
     "gpt2": (tf.AutoModelForCausalLM, lambda: hf.config("gpt2")),  # lm_head tied to wte
     "opt": (tf.AutoModelForCausalLM, lambda: hf.config("opt")),
-    "qwen2": (tf.AutoModelForCausalLM, lambda: tf.Qwen2Config(
-        vocab_size=hf.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64)),
+    "qwen2": (
+        tf.AutoModelForCausalLM,
+        lambda: tf.Qwen2Config(
+            vocab_size=hf.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        ),
+    ),
     "t5": (tf.AutoModelForSeq2SeqLM, lambda: hf.config("t5")),
 }
 FORMATS = {  # dtype, max_shard_size (None: one file)
@@ -40,7 +49,12 @@ def _save(arch: str, fmt: str, directory) -> None:
 
 
 def _cfg(nvme_dir) -> dict:
-    return {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(nvme_dir)}}}
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme_dir)},
+        }
+    }
 
 
 def _assert_same_as_plain(model, plain) -> None:
@@ -73,7 +87,9 @@ def test_from_pretrained_under_init_equals_plain_from_pretrained(arch, fmt, tmp_
         model = auto.from_pretrained(tmp_path / "m")
     assert type(model) is type(plain)
     if arch == "gpt2":
-        assert model.lm_head.weight is model.transformer.wte.weight  # tied as transformers ties them
+        assert (
+            model.lm_head.weight is model.transformer.wte.weight
+        )  # tied as transformers ties them
     store = init_store_of(model.parameters())
     assert store is not None and all(store.source(p) is not None for p in model.parameters())
     _assert_same_as_plain(model, plain)
@@ -90,7 +106,9 @@ def test_missing_weights_are_initialised_as_plain_from_pretrained_does(tmp_path,
     plain, info = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
     torch.manual_seed(5)
     with infinity.zero.Init(_cfg(nvme_dir)):
-        model, got = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m", output_loading_info=True)
+        model, got = tf.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "m", output_loading_info=True
+        )
     assert got["missing_keys"] == info["missing_keys"] == {"lm_head.weight"}
     _assert_same_as_plain(model, plain)
 
@@ -98,8 +116,11 @@ def test_missing_weights_are_initialised_as_plain_from_pretrained_does(tmp_path,
 def test_the_model_trains_after_it(tmp_path, nvme_dir):
     """initialize takes the model as any model built under zero.Init."""
     _save("llama", "fp32-single", tmp_path / "m")
-    cfg = {**_cfg(nvme_dir), "train_micro_batch_size_per_gpu": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = {
+        **_cfg(nvme_dir),
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     with infinity.zero.Init(cfg):
         model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "m")

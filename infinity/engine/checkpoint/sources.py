@@ -77,8 +77,11 @@ def source_of(file_tensors: Sequence[Any], shard: torch.Tensor) -> UnitSource:
     """The UnitSource of a unit whose parameters were read from ``file_tensors`` (load_pretrained's
     FileTensor of each slot) and whose shard on this rank is ``shard`` (training dtype)."""
     paths = sorted({str(Path(t.path).resolve()) for t in file_tensors})
-    return UnitSource(tuple((str(Path(t.path).resolve()), t.name) for t in file_tensors),
-                      {p: FileFingerprint.of(p) for p in paths}, shard_crc(shard))
+    return UnitSource(
+        tuple((str(Path(t.path).resolve()), t.name) for t in file_tensors),
+        {p: FileFingerprint.of(p) for p in paths},
+        shard_crc(shard),
+    )
 
 
 def shard_crc(shard: torch.Tensor) -> int:
@@ -140,15 +143,25 @@ class SourceFiles:
         """Elements [lo, hi) of file tensor ``t`` (from ``tensor``) into ``out``, converted to its dtype."""
         self._files.read(t, lo, hi, out)
 
-    def read_unit(self, tensors: Sequence[tuple[str, str]], slots: Sequence[Any], lo: int, hi: int,
-                  out: torch.Tensor) -> None:
+    def read_unit(
+        self,
+        tensors: Sequence[tuple[str, str]],
+        slots: Sequence[Any],
+        lo: int,
+        hi: int,
+        out: torch.Tensor,
+    ) -> None:
         """Flat elements [lo, hi) of a unit (slots end to end, zeros in the padding) into ``out``."""
         out.zero_()
         for (path, name), s in zip(tensors, slots, strict=True):
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:
-                self._files.read(self.tensor(path, name, tuple(s.shape)), a - s.offset, b - s.offset,
-                                 out[a - lo : b - lo])
+                self._files.read(
+                    self.tensor(path, name, tuple(s.shape)),
+                    a - s.offset,
+                    b - s.offset,
+                    out[a - lo : b - lo],
+                )
 
     def close(self) -> None:
         self._files.close()
