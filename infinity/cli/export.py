@@ -6,7 +6,9 @@ appended to the output, so a model larger than host memory exports. ``OUT``
 ending in ``.safetensors`` is one file that ``safetensors.torch.load_file``
 puts into the plain PyTorch model; a directory gets the Hugging Face layout
 that ``from_pretrained`` reads (shards of ``--max-shard-size`` with their
-index, ``config.json`` from ``--config`` or from beside the checkpoint).
+index, ``config.json`` as the checkpoint saved it, or ``--config`` checked
+against the weights' shapes); a PEFT checkpoint's directory is the adapter
+folder ``PeftModel.from_pretrained`` reads.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hugging Face layout: shards of at most SIZE of tensor data, as save_pretrained's "
                              "max_shard_size ('5GB', '500MB', bytes; default 50GB)")
     parser.add_argument("--config", type=Path, default=None, metavar="PATH",
-                        help="Hugging Face layout: the model's config.json (or its directory); default: the one "
-                             "beside the checkpoint (its tag directory, then CHECKPOINT)")
+                        help="Hugging Face layout: the model's config.json (or its directory), refused where its "
+                             "shapes differ from the weights'; default: the one saved in the checkpoint (else "
+                             "beside it, then in CHECKPOINT)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

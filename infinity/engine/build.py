@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
+from infinity.engine.checkpoint.sources import UnitSource, source_of
 from infinity.engine.optimizers import OptimizerChoice
 from infinity.engine.overlap import GatedMasters, GatedShardSource, OverlappedStep, StepProgress
 from infinity.estimate import placement
@@ -70,6 +71,9 @@ class Runtime:
     cache: TensorCache | None = None
     overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
     resident: ResidentParams | None = None  # stages 0-2: what GatheredParameters asks of whole parameters
+    sources: dict[int, UnitSource] = dataclasses.field(default_factory=dict)
+    """Frozen units read from files and unchanged when moved home, by unit index ([Note: frozen units in a
+    checkpoint] in infinity/engine/checkpoint/sources.py)."""
 
     def close(self) -> None:
         self.overlap.synchronize()
@@ -152,12 +156,14 @@ def build_runtime(
             on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
         )
     init_store = zero_init.init_store_of(params)
-    _move_home(plan, init_store, param_store, optimizer)
+    sources = _move_home(plan, init_store, param_store, optimizer)
     if init_store is not None:
         for p in params:
             init_store.forget(p)
     trim_heap()  # the starting values passed through host memory one unit at a time
-    return _wire(model, plan, group, cache, optimizer, param_store, state_store)
+    runtime = _wire(model, plan, group, cache, optimizer, param_store, state_store)
+    runtime.sources = sources
+    return runtime
 
 
 def _say_param_pool_sizing(plan: RuntimePlan, cfg: InfinityConfig) -> None:
@@ -244,11 +250,13 @@ def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[Sha
 
 
 def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
-               optimizer: PartitionedAdam | None) -> None:
+               optimizer: PartitionedAdam | None) -> dict[int, UnitSource]:
     """Moves the starting values home, one unit at a time, through one staging buffer; only trainable
-    units get optimizer state ([Note: frozen units] in runtime_plan.py)."""
+    units get optimizer state ([Note: frozen units] in runtime_plan.py). Returns the frozen units whose
+    every parameter zero.Init's store had read from a file ([Note: frozen units in a checkpoint])."""
     staging = torch.empty(plan.staging_numel, dtype=FP32)
     trained = {u.index for u in plan.trainable_units()}
+    sources: dict[int, UnitSource] = {}
     with torch.no_grad():
         for unit in plan.units:
             dtype = unit.layout.dtype
@@ -262,15 +270,20 @@ def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
                 quantize_into(fmt, shard.to(dtype), packed, name=unit.module_name)
                 param_store.write(unit.key, packed).result()
             elif plan.stage == 3:
-                param_store.write(unit.key, shard.to(dtype)).result()
+                values = shard.to(dtype)
+                param_store.write(unit.key, values).result()
                 if state:
                     optimizer.init_state(unit.index, None if dtype == FP32 else shard)
+                files = [init_store.source(p) for p in unit.params] if init_store is not None else []
+                if unit.index not in trained and files and all(f is not None for f in files):
+                    sources[unit.index] = source_of(files, values)
             else:
                 if state:
                     optimizer.init_state(unit.index, shard)
                 for p in unit.params:
                     p.data = p.data.to(device=plan.device, dtype=dtype)
             del full, shard
+    return sources
 
 
 def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,

@@ -415,6 +415,7 @@ class Engine:
             passthrough=rt.passthrough,
             partitioner=rt.partitioner,
             trace=self._trace,
+            sources=rt.sources,
         )
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------

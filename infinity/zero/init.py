@@ -32,12 +32,13 @@ are per process; building two models at once in two threads is not supported).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from infinity.aio import DIRECT_ALIGNMENT, AioConfig
+from infinity.aio import DIRECT_ALIGNMENT, AioConfig, crc32c
 from infinity.config import ConfigError
 from infinity.config.zero import NvmePath
 from infinity.memory import BufferPool, FreedMemory
@@ -82,6 +83,8 @@ class _Record:
     numel: int
     state: InitState = InitState.AT_REST
     holds: int = 0  # GatheredParameters contexts holding the parameter whole
+    source: Any = None  # the file tensor ``fill`` read it from, while unchanged since (load_pretrained's)
+    source_crc: int = 0  # CRC32C of the shard ``fill`` wrote: a rewrite of the same bytes keeps the source
 
 
 @dataclasses.dataclass
@@ -127,7 +130,19 @@ class InitStore:
         self._next = 0
         self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._hooks: list[Any] = []
+        self.settle: Callable[[], None] = lambda: None
+        """Partitions every parameter built so far now (set by Init: its mode's ``finish``)."""
         PARAM_OWNERS.add(self)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """The model is complete inside the context (from_pretrained's load, see hf_init.py): its
+        parameters are filled as after the context."""
+        self.building = False
+        try:
+            yield
+        finally:
+            self.building = True
 
     def __contains__(self, p: object) -> bool:
         return p in self.records
@@ -158,6 +173,10 @@ class InitStore:
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
 
+    def partition_meta(self, p: nn.Parameter, shape: torch.Size) -> None:
+        """``p`` (an empty CPU parameter standing for a meta one of ``shape``) is partitioned with zeros."""
+        self.records[p] = self._store_slice(torch.zeros(0, dtype=p.dtype), shape=shape)
+
     def repartition(self, p: nn.Parameter, *, src: int) -> None:
         """``p`` (held whole) was given a new shape: rank ``src``'s ``.data`` becomes its value, laid out
         anew (collective: every rank, with the same new shape)."""
@@ -166,20 +185,22 @@ class InitStore:
         for key, _, _ in rec.keys:
             self.store.unregister(key)
         new = self._store_slice(p.data.detach())
-        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel = (
-            new.keys, new.shape, new.dtype, new.shard_numel, new.numel)
+        rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel, rec.source = (
+            new.keys, new.shape, new.dtype, new.shard_numel, new.numel, None)
 
-    def _store_slice(self, data: torch.Tensor) -> _Record:
-        """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest)."""
+    def _store_slice(self, data: torch.Tensor, *, shape: torch.Size | None = None) -> _Record:
+        """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest).
+        ``shape``: the parameter's, where ``data`` holds none of it (zeros then)."""
         flat = data.reshape(-1)
-        layout = make_layout(["p"], [data.shape], data.dtype, self.group.world_size)
+        shape = data.shape if shape is None else torch.Size(shape)
+        layout = make_layout(["p"], [shape], data.dtype, self.group.world_size)
         lo, hi = layout.shard_range(self.group.rank)
         shard = torch.zeros(layout.shard_numel, dtype=data.dtype)
         part = flat[lo:min(hi, flat.numel())]
         shard[: part.numel()] = part
         keys = self._register(layout.shard_numel, data.dtype)
         self._write(keys, shard)
-        return _Record(keys, data.shape, data.dtype, layout.shard_numel, flat.numel())
+        return _Record(keys, shape, data.dtype, layout.shard_numel, shape.numel())
 
     def _register(self, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
         step = max(1, _INIT_CHUNK_NBYTES // dtype.itemsize)
@@ -192,14 +213,18 @@ class InitStore:
             keys.append((key, lo, hi))
         return keys
 
-    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None]) -> None:
+    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None], *, source: Any = None) -> None:
         """Writes this rank's slice of ``p`` (at rest) from ``read(lo, hi, out)``, which puts the flat
         elements [lo, hi) of the whole parameter into ``out``: a stored piece at a time, straight into
-        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective."""
+        pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective.
+        ``source``: the file tensor read, kept until the parameter changes ([Note: frozen units in a
+        checkpoint] in infinity/engine/checkpoint/sources.py)."""
         rec = self.records[p]
+        rec.source = None
         if rec.state is not InitState.AT_REST:
             raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}")
         base = self.group.rank * rec.shard_numel
+        crc = 0
         for key, lo, hi in rec.keys:
             buf = self.store.fetch(key, overwrite=True).result()
             try:
@@ -207,8 +232,15 @@ class InitStore:
                 if n:
                     read(base + lo, base + lo + n, buf[:n])
                 buf[n:].zero_()  # the shard's padding past the parameter's end
+                crc = crc32c(buf.view(torch.uint8), crc)
             finally:
                 self.store.release(key)
+        rec.source, rec.source_crc = source, crc
+
+    def source(self, p: nn.Parameter) -> Any:
+        """The file tensor ``p``'s values were read from, None if they were not or changed since."""
+        rec = self.records.get(p)
+        return None if rec is None else rec.source
 
     def _write(self, keys: list[tuple[str, int, int]], shard: torch.Tensor) -> None:
         for key, lo, hi in keys:
@@ -287,6 +319,8 @@ class InitStore:
         shard = torch.zeros(rec.shard_numel, dtype=rec.dtype)
         part = flat[lo : min(lo + rec.shard_numel, flat.numel())]
         shard[: part.numel()] = part
+        if rec.source is not None and crc32c(shard.view(torch.uint8)) != rec.source_crc:
+            rec.source = None  # no longer the file's values
         self._write(rec.keys, shard)
 
     def forget(self, p: nn.Parameter) -> None:
@@ -351,6 +385,7 @@ class _InitMode(TorchFunctionMode):
         self.store = store
         self.materialized: list[nn.Parameter] = []  # made whole by a torch function, in the store's WHOLE state
         self.tracked: list[tuple[weakref.ref[nn.Module], weakref.ref[nn.Parameter]]] = []
+        self.replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a meta parameter -> its partitioned stand-in
         # a live view of a materialised parameter -> that parameter ([Note: views of a materialised parameter])
         self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -425,12 +460,27 @@ class _InitMode(TorchFunctionMode):
                     self._take(module, p)
 
     def _take(self, module: nn.Module, p: nn.Parameter) -> None:
-        """Partitions ``p`` (unless it is already, or empty); ``module``, holding it, is attached."""
+        """Partitions ``p`` (unless it is already, or empty); ``module``, holding it, is attached. A
+        parameter on the meta device (transformers' from_pretrained builds there) is replaced by one
+        partitioned with zeros: its values come from the checkpoint (see [Note: from_pretrained under
+        zero.Init] in hf_init.py)."""
+        if p.is_meta:
+            p = self._replace_meta(module, p)
         if p not in self.store and p.numel() > 0:
             self.store.partition(p)
         if p in self.store:
             self.store.attach(module)
 
+    def _replace_meta(self, module: nn.Module, p: nn.Parameter) -> nn.Parameter:
+        q = self.replaced.get(p)
+        if q is None:
+            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+            self.store.partition_meta(q, p.shape)
+            self.replaced[p] = q
+        for name, held in list(module._parameters.items()):
+            if held is p:
+                module._parameters[name] = q
+        return q
 
 INIT_SECTIONS = ("zero_optimization", "aio")
 """The parts of a config zero.Init reads."""
@@ -485,12 +535,15 @@ class Init:
         self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
                                aio=cfg.aio, group=group)
         self._mode = _InitMode(self.store)
+        self.store.settle = self._mode.finish
         self._handles = [
             module_hooks.register_module_module_registration_hook(self._mode.on_module_registered),
             module_hooks.register_module_parameter_registration_hook(self._mode.on_param_registered),
         ]
         self._mode.__enter__()
+        from infinity.zero import hf_init
 
+        hf_init.install()  # [Note: from_pretrained under zero.Init]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -498,7 +551,9 @@ class Init:
             return
         mode = self._mode
         self._mode = None
+        from infinity.zero import hf_init
 
+        hf_init.uninstall()
         mode.__exit__(*exc)
         for h in self._handles:
             h.remove()

@@ -154,7 +154,7 @@ def _load_params(module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]
         else:
             gathered.append((p, t))
     for p, t, store in at_rest:
-        store.fill(p, lambda lo, hi, out, t=t: files.read(t, lo, hi, out))
+        store.fill(p, lambda lo, hi, out, t=t: files.read(t, lo, hi, out), source=t)
     rank = DataParallelGroup().rank
     for group in _by_module(module, gathered):
         owned = [(p, t) for p, t in group if PARAM_OWNERS.owner_of(p) is not None]

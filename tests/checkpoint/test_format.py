@@ -35,7 +35,7 @@ def test_files_manifest_and_checksums(saved):
     raw = (ckpt / "manifest.json").read_bytes()
     m = json.loads(raw)
     assert (m["format"], m["version"], m["world_size"], m["stage"], m["partitions"]) == (
-        "infinity.checkpoint", 2, 1, 3, 1)
+        "infinity.checkpoint", 3, 1, 3, 1)
     # The last field is the CRC32C of every byte before it.
     field = raw.rindex(b',\n "manifest_crc32c": ')
     assert list(m)[-1] == "manifest_crc32c" and crc32c(raw[:field]) == m["manifest_crc32c"]

@@ -8,14 +8,12 @@ estimate for the same model and config for what both should be.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 import infinity
-from infinity.engine.checkpoint import CheckpointUnsupportedError
 from infinity.estimate import Setting, estimate_memory
 from infinity.estimate.rules import swap_dir_overhead_nbytes, swap_nbytes
 from infinity.zero.gathered import GatheredParameters
@@ -212,19 +210,33 @@ def test_a_frozen_parameter_changed_under_gathered_parameters_keeps_the_change(d
         engine.close()
 
 
-def test_checkpoints_of_a_partially_frozen_model_are_refused_naming_the_units(nvme_dir, tmp_path):
-    engine = infinity.initialize(frozen_gpt(), engine_config(3, "nvme", "nvme", nvme_dir, gas=1))
-    try:
-        with pytest.raises(CheckpointUnsupportedError, match=r"frozen.*wte.*save_16bit_model"):
-            engine.save_checkpoint(tmp_path / "ckpt")
-        assert not os.path.exists(tmp_path / "ckpt" / "latest")
-        (tmp_path / "out").mkdir()
-        path = engine.save_16bit_model(tmp_path / "out")
-        import safetensors.torch
+def test_a_partially_frozen_model_checkpoints_its_frozen_units_once(nvme_dir, tmp_path):
+    """The frozen units (no file holds them) are saved once, as weights: a fresh engine whose every unit
+    starts elsewhere loads them back, and the export holds them ([Note: frozen units in a checkpoint])."""
+    import safetensors.torch
 
-        saved = safetensors.torch.load_file(path)
-        plain = frozen_gpt()
-        for n, p in plain.named_parameters():
-            assert torch.equal(saved[n], p.detach()), n
+    from infinity.engine.checkpoint import export_checkpoint
+
+    cfg = engine_config(3, "nvme", "nvme", nvme_dir, gas=1)
+    engine = infinity.initialize(frozen_gpt(), cfg)
+    try:
+        x, y = batch(0, 0, 0)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        with GatheredParameters(engine):
+            want = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     finally:
         engine.close()
+    other = infinity.initialize(frozen_gpt(seed=1), cfg)
+    try:
+        other.load_checkpoint(tmp_path / "ckpt")
+        with GatheredParameters(other):
+            got = {n: p.detach().clone() for n, p in other.module.named_parameters()}
+    finally:
+        other.close()
+    exported = safetensors.torch.load_file(export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors"))
+    assert got.keys() == want.keys() and set(FROZEN) < set(want)
+    for n, w in want.items():
+        assert torch.equal(got[n], w) and torch.equal(exported[n], w), n
+

@@ -5,7 +5,7 @@ with save_pretrained in shards (the files the other phases read; not measured).
 ``... train DIR NVME OUT CKPT``: built under zero.Init, load_pretrained from DIR, initialize (stage 3,
 parameters and optimizer on NVMe), two training steps, save_16bit_model to OUT (Hugging Face layout,
 shards of SHARD), the model's own save_pretrained to OUT_pretrained (the same), save_checkpoint to
-CKPT with config.json beside it.
+CKPT (which keeps the model's config.json: the export needs no flag).
 ``... materialise DIR``: the control. Built under zero.Init as ``train`` builds it, then loaded the way
 one would without load_pretrained: the whole model gathered and the files' state dict copied in.
 ``... export CKPT OUT``: export_checkpoint to OUT (Hugging Face layout, shards of SHARD).
@@ -124,7 +124,6 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     model.save_pretrained(f"{out}_pretrained", max_shard_size=SHARD)
     peaks["save_pretrained"] = peak_resident_host_nbytes()
     engine.save_checkpoint(ckpt)
-    model.config.save_pretrained(ckpt)
     engine.close()
     return {"baseline": baseline, "peaks": peaks, "pools": pools, "losses": losses, "whole_after_load": whole,
             "missing": result.missing_keys, "unexpected": result.unexpected_keys}

@@ -3,7 +3,11 @@
 Streaming (a unit at a time, with the aio engine), atomic (see [Note:
 publishing a checkpoint] in atomic.py), checksummed (CRC32C per tensor and
 per file), and free of pickle: tensors live in safetensors files and
-everything else in JSON. See format.py for the layout on disk.
+everything else in JSON. See format.py for the layout on disk. Frozen units
+(a LoRA base, a distillation's teacher) are kept as a reference to the
+pretrained files they came from while unchanged, else saved once
+([Note: frozen units in a checkpoint] in sources.py); a transformers model's
+config.json and a PEFT adapter's config are kept for export (model_files.py).
 """
 
 from infinity.engine.checkpoint.errors import (

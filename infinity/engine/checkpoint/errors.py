@@ -58,17 +58,5 @@ class CheckpointPeerError(CheckpointError):
 
 
 class CheckpointUnsupportedError(CheckpointError, ValueError):
-    """This engine's state is of a kind save_checkpoint / load_checkpoint do not move (frozen units)."""
+    """This engine's state is of a kind save_checkpoint / load_checkpoint do not move."""
 
-
-def refuse_frozen(units) -> None:
-    """Frozen units have no optimizer state ([Note: frozen units] in infinity/estimate/runtime_plan.py),
-    and the checkpoint format keeps a master and Adam's moments for every unit: refused, naming them."""
-    frozen = [u.module_name for u in units if not u.trainable]
-    if frozen:
-        raise CheckpointUnsupportedError(
-            f"{len(frozen)} unit(s) of this model are frozen (requires_grad=False: {', '.join(frozen[:3])}"
-            f"{', ...' if len(frozen) > 3 else ''}) and have no optimizer state, which save_checkpoint and "
-            "load_checkpoint keep for every unit; save the weights with engine.save_16bit_model(dir), or "
-            "set requires_grad=True on them before initialize to checkpoint the whole training state"
-        )

@@ -37,11 +37,18 @@ import torch
 from infinity.aio import AioConfig, AioHandle
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, collective_device
+from infinity.engine.checkpoint.errors import CheckpointMismatchError
 from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, read_tensors
 from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
+from infinity.engine.checkpoint.model_files import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    adapter_file_name,
+)
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
+from infinity.engine.checkpoint.sources import SourceFiles, check_files
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.weights_out import Segment, WeightFiles
@@ -134,15 +141,22 @@ def export_checkpoint(
     ``.safetensors`` file (the "state_dict" layout), or a directory (an existing one, or a path without a
     suffix, created), which gets the Hugging Face layout
     (shards of ``max_shard_size``, default "50GB"). Its ``config.json`` comes from ``config`` (the file
-    or its directory), else from beside the checkpoint (the tag's directory, then the root: where the
-    HF Trainer, or ``model.config.save_pretrained(root)``, puts it); with transformers installed the
-    model class it names (built on the meta device) gives the names save_pretrained writes."""
+    or its directory), else from the checkpoint (saved with it: model_files.py), else from beside it (the
+    root: where the HF Trainer, or ``model.config.save_pretrained(root)``, puts it); with transformers
+    installed the model class it names (built on the meta device) gives the names save_pretrained
+    writes, and its shapes must be the checkpoint's (CheckpointMismatchError naming the tensor). A PEFT
+    model's checkpoint exported to a directory gives the adapter folder (adapter_config.json,
+    adapter_model.safetensors) that ``PeftModel.from_pretrained`` reads. Frozen units come from where the
+    checkpoint keeps them ([Note: frozen units in a checkpoint] in sources.py)."""
     out = Path(out)
     hf = out.is_dir() or out.suffix == ""
     if not hf:
         _check_out_path(out)
         _choose_layout("state_dict", False, max_shard_size)
     with CheckpointReader(checkpoint, tag) as reader, AioHandle.from_config(aio or AioConfig()) as handle:
+        adapter = reader.manifest.get("peft")
+        if hf and adapter is not None:
+            return _export_adapter(reader, handle, out, dtype, adapter, progress)
         names, hf_cfg, config_dir, arch = _names_for_export(reader, config) if hf else (None, None, None, None)
         segments, alias_of = _segments_from_checkpoint(reader, dtype, names)
         if hf:
@@ -175,6 +189,30 @@ def export_checkpoint(
     return out
 
 
+def _export_adapter(reader: CheckpointReader, handle: AioHandle, out: Path, dtype: torch.dtype,
+                    adapter: dict[str, Any], progress: bool | None) -> Path:
+    """A PEFT checkpoint: the folder ``PeftModel.from_pretrained`` reads, ``adapter_config.json`` and
+    ``adapter_model.safetensors`` with the trained parameters under PEFT's names (the base is the
+    pretrained model's, which the checkpoint refers to)."""
+    units = [u for u in reader.units if u.trainable]
+    segments = [Segment(adapter_file_name(s.aliases[0], adapter["name"]), dtype, s.shape)
+                for u in units for s in u.slots]
+    out.mkdir(parents=True, exist_ok=True)
+    output = WeightFiles(out, handle, segments, weights_name=ADAPTER_WEIGHTS_NAME, replace_stale=True)
+    try:
+        with Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
+            _stream_units(reader, handle, output, dtype, bar, units)
+        files = output.commit()
+    except BaseException:
+        output.abort()
+        raise
+    atomic.replace_durably(out / ADAPTER_CONFIG_NAME, reader.model_file(ADAPTER_CONFIG_NAME), ADAPTER_CONFIG_NAME,
+                           output.nonce)
+    log.info("exported the %s adapter %r of '%s' to '%s' (%d tensors, %.2f MB)", adapter.get("peft_type"),
+             adapter["name"], reader.dir, out, len(segments), sum(f.stat().st_size for f in files) / 1e6)
+    return out
+
+
 def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
                       ) -> tuple[HfNames, Any, Path | None, str | None]:
     """The HF names to write, the transformers config (or None), the directory holding config.json and the
@@ -186,6 +224,9 @@ def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
         if not (config_dir / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"no {CONFIG_NAME} at '{config}'; give the file, or the directory save_pretrained "
                                     "wrote it to")
+    elif CONFIG_NAME in reader.files:  # saved with the checkpoint (model_files.py), checksummed
+        reader.model_file(CONFIG_NAME)
+        config_dir = reader.dir
     else:
         config_dir = next((d for d in (reader.dir, reader.dir.parent) if (d / CONFIG_NAME).is_file()), None)
     plain = HfNames(frozenset())
@@ -199,7 +240,35 @@ def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
         log.warning("transformers is not installed: '%s' is copied as it is and the tensors keep their state_dict "
                     "names (the model's tied weights once)", config_dir / CONFIG_NAME)
         return plain, None, config_dir, None
+    _check_shapes(reader, hf_cfg, arch, config_dir / CONFIG_NAME)
     return names, hf_cfg, config_dir, arch
+
+
+def _check_shapes(reader: CheckpointReader, hf_cfg: Any, arch: str, path: Path) -> None:
+    """The model ``hf_cfg`` describes (built on the meta device) has the checkpoint's shapes, else a
+    config.json that would not load the export (e.g. written before ``resize_token_embeddings``) is
+    refused naming the tensor and both shapes."""
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(copy.deepcopy(hf_cfg))
+    saved = _checkpoint_shapes(reader)
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name in saved and tuple(t.shape) != saved[name]:
+            raise CheckpointMismatchError(
+                f"'{path}' does not describe the checkpoint's model: tensor {name!r} has shape "
+                f"{list(saved[name])} in the checkpoint and {list(t.shape)} in the {arch} that config builds; "
+                "export without --config (the checkpoint's own config.json), or give the config saved with it"
+            )
+
+
+def _checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+    m = reader.manifest
+    if m.get("optimizer") == "passthrough":
+        out = {a: tuple(p["shape"]) for p in m["params"] for a in [p["name"], *p["aliases"]]}
+    else:
+        out = {a: tuple(s.shape) for u in reader.units for s in u.slots for a in s.aliases}
+    return out | {n: tuple(b["shape"]) for n, b in m["buffers"].items()}
 
 
 def _checkpoint_names(reader: CheckpointReader) -> set[str]:
@@ -263,38 +332,83 @@ def _segments_from_checkpoint(reader: CheckpointReader, dtype: torch.dtype, name
 
 def _stream_units(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
                   bar: Progress, units: list[Any]) -> None:
-    """Each unit's masters, partition after partition: flat elements [0, numel) are its slots end to end."""
+    """Each unit's weights: a trainable unit's fp32 masters or a frozen unit's saved shards, partition
+    after partition (flat elements [0, numel) are its slots end to end), or a frozen unit's slots read
+    from the files the checkpoint refers to ([Note: frozen units in a checkpoint] in sources.py)."""
     conv = _convert(dtype)
     checks: list[Check] = []
-    flat_start: list[tuple[int, int]] = []  # (first flat element of the check's tensor, the unit's numel)
-    for u in units:
-        for q in range(reader.partitions):
-            name = f"u{u.index}.master"
-            e = reader.entry(q, name, FP32, u.shard_numel)
-            checks.append(Check(reader.part_path(q), reader.open_part(q, handle), e, reader.part_crc(q, name)))
-            flat_start.append((q * u.shard_numel, u.numel))
+    flat_start: list[tuple[int, int, torch.dtype]] = []  # (first flat element of the check's tensor, numel, dtype)
 
     def on_chunk(i: int, off: int, data: torch.Tensor) -> None:
-        first, numel = flat_start[i]
-        lo = first + off // 4
-        n = min(data.numel() // 4, numel - lo)
+        first, numel, dt = flat_start[i]
+        isz = dt.itemsize
+        lo = first + off // isz
+        n = min(data.numel() // isz, numel - lo)
         if n > 0:
-            output.append(conv(data[: n * 4].view(FP32)))
+            output.append(conv(data[: n * isz].view(dt)))
 
-    read_tensors(handle, checks, progress=bar, on_chunk=on_chunk)
+    def flush() -> None:
+        if checks:
+            read_tensors(handle, checks, progress=bar, on_chunk=on_chunk)
+        checks.clear()
+        flat_start.clear()
+
+    files = SourceFiles()
+    try:
+        for u in units:
+            if u.source is not None:
+                flush()
+                _stream_source(reader, u, files, output, conv, bar)
+                continue
+            dt = FP32 if u.trainable else u.dtype
+            for q in range(reader.partitions):
+                e = reader.entry(q, u.saved_as, dt, u.shard_numel)
+                checks.append(Check(reader.part_path(q), reader.open_part(q, handle), e,
+                                    reader.part_crc(q, u.saved_as)))
+                flat_start.append((q * u.shard_numel, u.numel, dt))
+        flush()
+    finally:
+        files.close()
+
+
+def _stream_source(reader: CheckpointReader, unit: Any, files: SourceFiles, output: WeightFiles,
+                   conv: Callable[[torch.Tensor], torch.Tensor], bar: Progress) -> None:
+    """A referenced frozen unit's slots from their files (checked unchanged first), a chunk at a time."""
+    tensors = [(str(p), str(n)) for p, n in unit.source["tensors"]]
+    saved = reader.manifest.get("source_files") or {}
+    check_files({p: saved[p] for p, _ in tensors}, unit.name)
+    for (path, name), slot in zip(tensors, unit.slots, strict=True):
+        t = files.tensor(path, name, slot.shape)
+        step = max(1, CHUNK_NBYTES // t.dtype.itemsize)
+        buf = torch.empty(min(step, slot.numel), dtype=t.dtype)
+        for lo in range(0, slot.numel, step):
+            hi = min(slot.numel, lo + step)
+            files.read_tensor(t, lo, hi, buf[: hi - lo])
+            output.append(conv(buf[: hi - lo]))
+            bar.update((hi - lo) * t.dtype.itemsize)
 
 
 def _read_flat(reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, hi: int) -> Iterator[torch.Tensor]:
-    """Flat elements [lo, hi) of a unit's master, in chunks (already checksummed by _stream_units)."""
+    """Flat elements [lo, hi) of a unit's saved weights, in chunks (already checksummed by _stream_units)."""
+    if unit.source is not None:
+        files = SourceFiles()
+        try:
+            buf = torch.empty(hi - lo, dtype=unit.dtype)
+            files.read_unit([(str(p), str(n)) for p, n in unit.source["tensors"]], unit.slots, lo, hi, buf)
+            yield buf
+        finally:
+            files.close()
+        return
     s = unit.shard_numel
-    step = CHUNK_NBYTES // 4
-    buf = torch.empty(min(step, hi - lo), dtype=FP32)
+    dt = FP32 if unit.trainable else unit.dtype
+    step = CHUNK_NBYTES // dt.itemsize
+    buf = torch.empty(min(step, hi - lo), dtype=dt)
     pos = lo
     while pos < hi:
         q = pos // s
-        e = reader.entry(q, f"u{unit.index}.master", FP32, s)
+        e = reader.entry(q, unit.saved_as, dt, s)
         n = min(hi, (q + 1) * s, pos + step) - pos
-        handle.sync_pread(buf[:n], reader.open_part(q, handle), e.begin + (pos - q * s) * 4)
+        handle.sync_pread(buf[:n], reader.open_part(q, handle), e.begin + (pos - q * s) * dt.itemsize)
         yield buf[:n]
         pos += n
 

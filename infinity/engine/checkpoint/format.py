@@ -9,8 +9,10 @@ A checkpoint is a directory ``<root>/<tag>/`` holding
   CRC32C of every byte before it (see ``manifest_bytes``). Written last, by
   rank 0.
 - ``part-RRRRR-of-PPPPP.safetensors``, one per partition: that partition's
-  flat fp32 shards of every unit (``u<i>.master``, ``u<i>.exp_avg``,
-  ``u<i>.exp_avg_sq``), written by the rank owning it with the aio engine.
+  flat fp32 shards of every trainable unit (``u<i>.master``, ``u<i>.exp_avg``,
+  ``u<i>.exp_avg_sq``) and of every frozen unit not saved as a reference to
+  its files (``u<i>.param``, in its training dtype: [Note: frozen units in a
+  checkpoint] in sources.py), written by the rank owning it with the aio engine.
   The header is padded with spaces (allowed by the safetensors format) so the
   data starts on a 4 KiB boundary, and every shard is a multiple of 4 KiB:
   each tensor can be read or written with O_DIRECT straight into pool memory.
@@ -42,8 +44,9 @@ import torch
 from infinity.aio import crc32c
 
 FORMAT = "infinity.checkpoint"
-VERSION = 2
+VERSION = 3
 CHECKSUMMED_SINCE = 2  # the first version with manifest_crc32c and the part headers' CRC32C
+# Version 3: frozen units (``u<i>.param`` or a reference to their files), config.json and adapter config.
 MANIFEST = "manifest.json"
 LATEST = "latest"
 # Who may read a checkpoint: its owner only, as with the swap files (weights, moments, RNG, client state).

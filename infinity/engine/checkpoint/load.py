@@ -34,13 +34,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from infinity.aio import AioHandle
 from infinity.engine.checkpoint.collective import agree
-from infinity.engine.checkpoint.errors import CheckpointMismatchError, refuse_frozen
+from infinity.engine.checkpoint.errors import CheckpointMismatchError
 from infinity.engine.checkpoint.files import Check, verify
 from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import (
@@ -51,7 +52,13 @@ from infinity.engine.checkpoint.model import (
 )
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.reader import CheckpointReader
-from infinity.engine.checkpoint.save import param_names, partitions_of, unit_state_refs
+from infinity.engine.checkpoint.save import (
+    frozen_shard_crcs,
+    param_names,
+    partitions_of,
+    shard_rank,
+    unit_state_refs,
+)
 from infinity.engine.checkpoint.scope import (
     Hyperparameters,
     LoadScope,
@@ -59,6 +66,7 @@ from infinity.engine.checkpoint.scope import (
     messages,
     schedule_differences,
 )
+from infinity.engine.checkpoint.sources import SourceFiles, check_files, shard_crc
 from infinity.engine.checkpoint.state import (
     check_param_groups,
     param_group_of,
@@ -69,6 +77,7 @@ from infinity.engine.checkpoint.stream import LoadGroup, LoadItem, Piece, read_i
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.values import decode
+from infinity.engine.checkpoint.window import StoreRef
 from infinity.store import StoreFuture
 from infinity.zero.unit import ParamUnit
 
@@ -86,6 +95,8 @@ class _Plan:
     writes: list[StoreFuture]  # 16-bit shards written home during the apply, awaited at its end
     scope: LoadScope
     said: list[tuple[int, str]]  # (log level, line): which hyperparameters and schedule are in use
+    source_checks: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    """Frozen units read back from their files: each reads this rank's shard and compares its CRC32C."""
 
 
 def load_checkpoint(
@@ -106,6 +117,7 @@ def load_checkpoint(
     err = None
     reader = None
     handle = None
+    sources = SourceFiles()
     try:
         scope = LoadScope.of(load_optimizer_states=load_optimizer_states,
                              load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
@@ -113,8 +125,7 @@ def load_checkpoint(
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
         parts = engine.checkpoint_parts()
-        refuse_frozen(parts.units)
-        plan = _plan(engine, parts, reader, handle, scope)
+        plan = _plan(engine, parts, reader, handle, scope, sources)
     except Exception as e:
         err = e
     try:
@@ -125,12 +136,15 @@ def load_checkpoint(
                 err = None
                 try:
                     verify(handle, plan.checks, progress=bar)
+                    for check in plan.source_checks:
+                        check()
                 except Exception as e:
                     err = e
                 agree(group, err, "verifying the checkpoint's checksums")
             _apply(engine, parts, plan, handle, bar)
         agree(group, None, "loading the checkpoint")
     finally:
+        sources.close()
         if reader is not None:
             reader.close()
         if handle is not None:
@@ -146,7 +160,7 @@ def load_checkpoint(
 
 
 def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-          scope: LoadScope) -> _Plan:
+          scope: LoadScope, sources: SourceFiles) -> _Plan:
     m = reader.manifest
     rank = engine.group.rank
     passthrough = parts.passthrough is not None
@@ -178,10 +192,16 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
     if scope.lr_scheduler_states:
         _check_scheduler(es, engine.lr_scheduler)
     writes: list[StoreFuture] = []
+    source_checks: list[Callable[[], None]] = []
     if passthrough:
         groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names, scope)
     else:
         groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
+        frozen = _plan_frozen(engine, parts, reader, handle, sources)
+        groups += frozen.groups
+        checks += frozen.checks
+        nbytes += frozen.nbytes
+        source_checks = frozen.source_checks
         optimizer_state = None
     rank0_tensors = reader.rank(0)[1]
     own = rank < reader.world_size
@@ -199,7 +219,7 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
         "counters": _counters(engine, m) if scope.run_state else None,
         "hyper": hyper,
     }
-    return _Plan(groups, checks, nbytes, small, writes, scope, said)
+    return _Plan(groups, checks, nbytes, small, writes, scope, said, source_checks)
 
 
 def _what_is_used(engine: CheckpointTarget, es: dict[str, Any], lr_state: Any,
@@ -271,6 +291,8 @@ def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpoi
     p_old = reader.partitions
     groups, checks, nbytes, writes = [], {}, 0, []
     for unit, saved in zip(parts.units, reader.units, strict=True):
+        if not unit.trainable:
+            continue  # _plan_frozen
         s_new, s_old = unit.layout.shard_numel, saved.shard_numel
         same = p_old == unit.layout.world_size and s_old == s_new
         # Flat elements [lo_new, end) of the unit go to this rank's shard; beyond the saved data: zeros.
@@ -299,6 +321,107 @@ def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpoi
             nbytes += s_new * 4
         groups.append(LoadGroup(items, _after_master(parts, unit, writes)))
     return groups, list(checks.values()), nbytes, writes
+
+
+@dataclasses.dataclass
+class _FrozenPlan:
+    groups: list[LoadGroup]
+    checks: list[Check]
+    nbytes: int
+    source_checks: list[Callable[[], None]]
+
+
+def _plan_frozen(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
+                 files: SourceFiles) -> _FrozenPlan:
+    """The frozen units' weights ([Note: frozen units in a checkpoint] in sources.py): read from the part
+    files where saved, else from the files the checkpoint refers to (after checking that they are there,
+    unchanged), or left as they are where this engine's unit comes from the same files with the same
+    values. Loaded whatever the switches say: they are the module's weights."""
+    rank = shard_rank(engine)
+    out = _FrozenPlan([], [], 0, [])
+    frozen = [(u, s) for u, s in zip(parts.units, reader.units, strict=True) if not u.trainable]
+    if not frozen:
+        return out
+    saved_files = reader.manifest.get("source_files") or {}
+    own = engine.group.rank < reader.world_size
+    saved_crcs = (reader.rank(engine.group.rank)[0].get("frozen_crc32c") or {}) if own else {}
+    live_crcs = frozen_shard_crcs(engine, parts) if any(s.source for _, s in frozen) else {}
+    whole = parts.param_store is None  # stages 0-2: every rank holds the whole unit
+    for unit, saved in frozen:
+        same = reader.partitions == unit.layout.world_size and saved.shard_numel == unit.layout.shard_numel
+        lo, hi = unit.layout.shard_range(rank)
+        lo_new, end = (0, unit.layout.numel) if whole else (lo, min(hi, saved.numel) if not same else hi)
+        dtype, isz = unit.layout.dtype, unit.layout.itemsize
+        n_dest = unit.layout.numel if whole else unit.layout.shard_numel
+        dest = torch.empty(n_dest, dtype=dtype) if whole else None
+        ref = None if whole else StoreRef(parts.param_store, unit.key)
+        after = _to_params(unit) if whole else None
+        name = f"u{unit.index}.param"
+        if saved.source is None:
+            pieces = []
+            for q in range(reader.partitions) if whole or not same else [rank]:
+                a, b = max(lo_new, q * saved.shard_numel), min(end, (q + 1) * saved.shard_numel)
+                if a >= b:
+                    continue
+                entry = reader.entry(q, name, dtype, saved.shard_numel)
+                f = reader.open_part(q, handle)
+                out.checks.append(Check(reader.part_path(q), f, entry, reader.part_crc(q, name)))
+                pieces.append(Piece(f, entry.begin + (a - q * saved.shard_numel) * isz, (a - lo_new) * isz,
+                                    (b - a) * isz))
+            crc = reader.part_crc(rank, name) if same and not whole else None
+            out.groups.append(LoadGroup([LoadItem(name, n_dest * isz, pieces, ref=ref, tensor=dest, crc=crc,
+                                                  path=reader.part_path(rank if same else 0))], after))
+            out.nbytes += n_dest * isz
+            continue
+        tensors = [(str(p), str(n)) for p, n in saved.source["tensors"]]
+        used = {p: saved_files[p] for p, _ in tensors}
+        check_files(used, saved.name)
+        for (p, n), slot in zip(tensors, saved.slots, strict=True):
+            files.tensor(p, n, slot.shape)
+        want = saved_crcs.get(str(unit.index)) if same else None
+        live = parts.sources.get(unit.index)
+        if (want is not None and live is not None and [list(t) for t in live.tensors] == [list(t) for t in tensors]
+                and live_crcs.get(unit.index) == int(want)):
+            continue  # this engine's unit already holds those files' values
+
+        def read(out_t: torch.Tensor, tensors=tensors, unit=unit, lo_new=lo_new) -> None:
+            files.read_unit(tensors, unit.layout.slots, lo_new, lo_new + out_t.numel(), out_t)
+
+        def check(tensors=tensors, unit=unit, want=want, lo=lo, hi=hi) -> None:
+            shard = torch.empty(hi - lo, dtype=unit.layout.dtype)
+            files.read_unit(tensors, unit.layout.slots, lo, hi, shard)
+            if shard_crc(shard) != int(want):
+                paths = sorted({p for p, _ in tensors})
+                raise CheckpointMismatchError(
+                    f"the frozen weights of {unit.module_name!r} read from {', '.join(repr(p) for p in paths)} "
+                    "differ from those the checkpoint was saved with (CRC32C of this rank's shard): the files "
+                    "changed; restore the files the checkpoint was saved with"
+                )
+
+        if want is not None:
+            out.source_checks.append(check)
+
+        def fill(dests: list[torch.Tensor], read=read, after=after, check=check, want=want) -> None:
+            read(dests[0])
+            if want is not None and not whole:
+                if shard_crc(dests[0]) != int(want):
+                    check()  # raises naming the files
+            if after is not None:
+                after(dests)
+
+        out.groups.append(LoadGroup([LoadItem(name, n_dest * isz, [], ref=ref, tensor=dest)], fill))
+        out.nbytes += n_dest * isz
+    return out
+
+
+def _to_params(unit: ParamUnit) -> Callable[[list[torch.Tensor]], None]:
+    """Stages 0-2: a frozen unit's loaded flat values into the module's parameters (held whole)."""
+
+    def write(dests: list[torch.Tensor]) -> None:
+        for p, s in zip(unit.params, unit.layout.slots, strict=True):
+            p.data.view(-1).copy_(dests[0][s.offset : s.offset + s.numel])
+
+    return write
 
 
 def _after_master(parts: TrainingParts, unit: ParamUnit, writes: list[StoreFuture]):

@@ -42,6 +42,10 @@ class UnitInfo:
     numel: int
     shard_numel: int
     slots: tuple[SlotInfo, ...]
+    trainable: bool = True
+    source: dict[str, Any] | None = None
+    """A frozen unit's reference to the files holding its weights, None where its weights are saved
+    ([Note: frozen units in a checkpoint] in sources.py)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -50,11 +54,18 @@ class UnitInfo:
             "dtype": dtype_name(self.dtype),
             "numel": self.numel,
             "shard_numel": self.shard_numel,
+            "trainable": self.trainable,
+            "source": self.source,
             "slots": [
                 {"name": s.name, "shape": list(s.shape), "offset": s.offset, "aliases": list(s.aliases)}
                 for s in self.slots
             ],
         }
+
+    @property
+    def saved_as(self) -> str:
+        """The part files' tensor of this unit's weights: the fp32 master, or a frozen unit's shard."""
+        return f"u{self.index}.master" if self.trainable else f"u{self.index}.param"
 
     @classmethod
     def from_json(cls, index: int, d: dict[str, Any]) -> UnitInfo:
@@ -64,7 +75,7 @@ class UnitInfo:
             for s in d["slots"]
         )
         return cls(index, str(d["name"]), bool(d["persistent"]), parse_dtype_name(d["dtype"], f"unit {index}"),
-                   int(d["numel"]), int(d["shard_numel"]), slots)
+                   int(d["numel"]), int(d["shard_numel"]), slots, bool(d.get("trainable", True)), d.get("source"))
 
 
 def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
@@ -79,8 +90,10 @@ def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str,
     return names, buffers
 
 
-def describe_units(module: nn.Module, units: list[ParamUnit]) -> list[UnitInfo]:
-    """UnitInfo of every live ParamUnit; aliases from the module's state_dict."""
+def describe_units(module: nn.Module, units: list[ParamUnit],
+                   sources: dict[int, dict[str, Any]] | None = None) -> list[UnitInfo]:
+    """UnitInfo of every live ParamUnit; aliases from the module's state_dict; ``sources``: the references
+    of the frozen units saved as one."""
     names, _ = state_dict_names(module)
     out = []
     for u in units:
@@ -89,7 +102,7 @@ def describe_units(module: nn.Module, units: list[ParamUnit]) -> list[UnitInfo]:
             aliases = [s.name] + [n for n in names.get(id(p), []) if n != s.name]
             slots.append(SlotInfo(s.name, tuple(s.shape), s.offset, tuple(aliases)))
         out.append(UnitInfo(u.index, u.module_name, u.persistent, u.layout.dtype, u.layout.numel,
-                            u.layout.shard_numel, tuple(slots)))
+                            u.layout.shard_numel, tuple(slots), u.trainable, (sources or {}).get(u.index)))
     return out
 
 
@@ -114,6 +127,13 @@ def check_units_match(saved: list[UnitInfo], live: list[UnitInfo], *, saved_thre
             raise CheckpointMismatchError(
                 f"the checkpoint has parameter {name!r} (shape {list(s.shape)}), which this model lacks: it was "
                 "saved from a different model; load a checkpoint of this model"
+            )
+    for u in live:
+        if u.index < len(saved) and saved[u.index].name == u.name and saved[u.index].trainable != u.trainable:
+            how = {True: "trains", False: "is frozen (requires_grad=False)"}
+            raise CheckpointMismatchError(
+                f"unit {u.name!r} {how[saved[u.index].trainable]} in the checkpoint but {how[u.trainable]} in this "
+                "engine; set requires_grad on the same parameters as the saved run before initialize"
             )
     if len(saved) != len(live) or any(
         a.name != b.name or [s.name for s in a.slots] != [s.name for s in b.slots] for a, b in zip(saved, live, strict=True)

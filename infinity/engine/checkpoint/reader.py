@@ -168,6 +168,23 @@ class CheckpointReader:
         self._ranks[r] = (state, tensors_from_bytes(blob, header))
         return self._ranks[r]
 
+    def model_file(self, name: str) -> bytes:
+        """A file saved beside the weights (config.json, adapter_config.json: model_files.py), its CRC32C
+        checked."""
+        p = self.dir / name
+        if name not in self.files:
+            raise CheckpointNotFoundError(f"the checkpoint '{self.dir}' has no {name}: it was saved without one")
+        self._check_size(name)
+        blob = p.read_bytes()
+        want = int(self.files[name]["crc32c"])
+        if crc32c(blob) != want:
+            raise CheckpointCorruptError(
+                f"checkpoint file '{p}' is corrupt: CRC32C {crc32c(blob):#010x}, but {want:#010x} was saved; "
+                "restore it from a copy or load another checkpoint",
+                path=str(p),
+            )
+        return blob
+
     def engine_state(self) -> dict[str, Any]:
         state, _ = self.rank(0)
         if "engine" not in state:

@@ -32,7 +32,6 @@ import torch
 from infinity.aio import DIRECT_ALIGNMENT, AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, shared_nonce
-from infinity.engine.checkpoint.errors import refuse_frozen
 from infinity.engine.checkpoint.format import (
     DIR_MODE,
     FORMAT,
@@ -45,7 +44,9 @@ from infinity.engine.checkpoint.format import (
 )
 from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
+from infinity.engine.checkpoint.model_files import model_files
 from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.sources import shard_crc
 from infinity.engine.checkpoint.state import (
     capture_hyperparameters,
     capture_rng,
@@ -89,12 +90,64 @@ def partitions_of(parts: TrainingParts) -> int:
     return parts.units[0].layout.world_size if parts.units else 1
 
 
-def _plan_units(parts: TrainingParts) -> list[list[_Planned]]:
+def _plan_units(parts: TrainingParts, referenced: set[int], rank: int) -> list[list[_Planned]]:
+    """Per unit: a trainable one's fp32 master and moments; a frozen one's shard in its dtype, unless
+    ``referenced`` ([Note: frozen units in a checkpoint] in sources.py)."""
     groups = []
     for u in parts.units:
         shape = (u.layout.shard_numel,)
-        groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref) for role, ref in unit_state_refs(parts, u)])
+        if u.trainable:
+            groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref)
+                           for role, ref in unit_state_refs(parts, u)])
+        elif u.index not in referenced:
+            if parts.param_store is not None:
+                groups.append([_Planned(f"u{u.index}.param", u.layout.dtype, shape,
+                                        ref=StoreRef(parts.param_store, u.key))])
+            else:
+                groups.append([_Planned(f"u{u.index}.param", u.layout.dtype, shape,
+                                        tensor=resident_shard(u, rank))])
     return groups
+
+
+def resident_shard(unit: ParamUnit, rank: int) -> torch.Tensor:
+    """Stages 0-2: shard ``rank`` of a unit whose parameters the module holds whole (zeros past its end)."""
+    lo, hi = unit.layout.shard_range(rank)
+    shard = torch.zeros(hi - lo, dtype=unit.layout.dtype)
+    for p, s in zip(unit.params, unit.layout.slots, strict=True):
+        a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+        if a < b:
+            shard[a - lo : b - lo].copy_(p.detach().reshape(-1)[a - s.offset : b - s.offset])
+    return shard
+
+
+def shard_rank(engine: CheckpointTarget) -> int:
+    """The rank whose part of each unit this rank holds (stage 0 keeps whole units: rank 0's)."""
+    return 0 if engine.stage == 0 else engine.group.rank
+
+
+def frozen_shard_crcs(engine: CheckpointTarget, parts: TrainingParts) -> dict[int, int]:
+    """CRC32C of this rank's shard of every frozen unit, as it is now (read once, nothing written)."""
+    out = {}
+    rank = shard_rank(engine)
+    for u in parts.units:
+        if u.trainable:
+            continue
+        if parts.param_store is None:
+            out[u.index] = shard_crc(resident_shard(u, rank))
+            continue
+        store = parts.param_store
+        t = store.fetch(u.key).result()
+        try:
+            out[u.index] = shard_crc(t)
+        finally:
+            store.release(u.key)
+    return out
+
+
+def referenced_units(parts: TrainingParts, crcs: dict[int, int]) -> list[int]:
+    """1 per unit whose values on this rank are still those of its files, else 0 (agreed over ranks)."""
+    return [int(u.index in crcs and u.index in parts.sources
+                and crcs[u.index] == parts.sources[u.index].shard_crc32c) for u in parts.units]
 
 
 def _plan_passthrough(parts: TrainingParts, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
@@ -114,7 +167,8 @@ def param_names(engine: CheckpointTarget, parts: TrainingParts) -> list[str]:
 
 
 def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, param_names: list[str],
-                   extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+                   extra: dict[str, Any], crcs: dict[int, int]
+                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's small state (JSON, tensors) and rank 0's additions to the manifest. Raises TypeError
     for a client_state a checkpoint cannot hold, before anything is written."""
     sink = TensorSink("t.")
@@ -125,6 +179,8 @@ def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state:
         "param_steps": list(parts.optimizer.param_steps) if parts.optimizer is not None else None,
     }
     manifest_extra: dict[str, Any] = {}
+    if crcs:  # the frozen units' shards, checked against their files on load
+        state["frozen_crc32c"] = {str(i): c for i, c in crcs.items()}
     _, buffers = state_dict_names(engine.module)
     if engine.group.rank == 0:
         manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
@@ -172,15 +228,12 @@ class _Prepared:
     layout: Header
     small: tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]
     parts: TrainingParts
+    model_files: dict[str, bytes]
+    """Rank 0: config.json, adapter_config.json (model_files.py)."""
 
 
-def _prepare(engine: CheckpointTarget, client_state: Any) -> _Prepared:
-    # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
-    # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
-    # read through the store (window.py), so their current values are saved, and stay cached.
-    engine.synchronize()
-    parts = engine.checkpoint_parts()
-    refuse_frozen(parts.units)
+def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, crcs: dict[int, int],
+             referenced: set[int]) -> _Prepared:
     rank = engine.group.rank
     names = param_names(engine, parts)
     partitions = partitions_of(parts)
@@ -189,15 +242,21 @@ def _prepare(engine: CheckpointTarget, client_state: Any) -> _Prepared:
         groups, skeleton = _plan_passthrough(parts, names) if writes_part else ([], None)
         extra = {"optimizer_state": skeleton, "optimizer_type": type(parts.passthrough).__qualname__}
     else:
-        groups, extra = (_plan_units(parts) if writes_part else []), {}
-    small = _capture_small(engine, parts, client_state, names, extra)
+        groups = _plan_units(parts, referenced, shard_rank(engine)) if writes_part else []
+        extra = {}
+    small = _capture_small(engine, parts, client_state, names, extra, crcs)
+    files: dict[str, bytes] = {}
+    if rank == 0:
+        files, small[2]["peft"] = model_files(engine.module)
+    small[2]["references"] = {i: parts.sources[i].reference_json() for i in referenced}
+    small[2]["source_files"] = {p: f.to_json() for i in sorted(referenced) for p, f in parts.sources[i].files.items()}
     header, layout = build_header(
         [(p.name, p.dtype, p.shape) for g in groups for p in g],
         {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
          "partitions": str(partitions)},
         align=DIRECT_ALIGNMENT,
     )
-    return _Prepared(partitions, groups, header, layout, small, parts)
+    return _Prepared(partitions, groups, header, layout, small, parts, files)
 
 
 def _make_directory(root: Path, tag: str, tmp: Path) -> SaveLock:
@@ -253,6 +312,9 @@ def _publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, t
             files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
         files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
     _check_files_present(tmp, files)
+    for name, blob in prep.model_files.items():
+        atomic.write_durably(tmp / name, blob, name)
+        files[name] = {"nbytes": len(blob), "crc32c": crc32c(blob)}
     manifest = _manifest(engine, prep.parts, tag, prep.partitions, files, prep.small[2])
     atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
     atomic.fsync_path(tmp, directory=True)
@@ -281,9 +343,22 @@ def save_checkpoint(
     group = engine.group
     root = Path(save_dir)
     t0 = time.perf_counter()
-    prep, err = None, None
+    prep, err, parts, crcs, flags = None, None, None, {}, []
     try:
-        prep = _prepare(engine, client_state)
+        # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
+        # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
+        # read through the store (window.py), so their current values are saved, and stay cached.
+        engine.synchronize()
+        parts = engine.checkpoint_parts()
+        crcs = frozen_shard_crcs(engine, parts)
+        flags = referenced_units(parts, crcs)
+    except Exception as e:
+        err = e
+    n_units = len(parts.units) if parts is not None else len(engine.checkpoint_parts().units)
+    rows = agree(group, err, "checking the frozen units", flags or [0] * n_units)
+    referenced = {u.index for k, u in enumerate(parts.units) if all(row[k] for row in rows)}
+    try:
+        prep = _prepare(engine, parts, client_state, crcs, referenced)
     except Exception as e:
         err = e
     agree(group, err, "preparing the checkpoint")
@@ -371,7 +446,9 @@ def _manifest(engine: CheckpointTarget, parts: TrainingParts, tag: str, partitio
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
-        "units": [u.to_json() for u in describe_units(engine.module, parts.units)],
+        "units": [u.to_json() for u in describe_units(engine.module, parts.units, extra.get("references"))],
+        "source_files": extra.get("source_files", {}),
+        "peft": extra.get("peft"),  # the adapter a PEFT model trains (its config: adapter_config.json)
         "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
         "buffers": extra.get("buffers", {}),
         "files": files,

@@ -19,7 +19,7 @@ Threading: the target is used by the thread that called save or load.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from infinity.config import InfinityConfig
+    from infinity.engine.checkpoint.sources import UnitSource
     from infinity.store import TieredStore
     from infinity.zero.collectives import DataParallelGroup
     from infinity.zero.unit import ParamUnit
@@ -89,6 +90,9 @@ class TrainingParts:
     """Stage 3's partitioner, else None."""
     trace: PrefetchTrace | None
     """Stage 3's prefetch scheduler, else None."""
+    sources: Mapping[int, UnitSource] = dataclasses.field(default_factory=dict)
+    """Frozen units whose weights are a pretrained file's, by unit index ([Note: frozen units in a
+    checkpoint] in sources.py)."""
 
 
 class CheckpointTarget(Protocol):
