@@ -20,8 +20,8 @@ from torch import nn
 
 import infinity
 from infinity.engine.checkpoint import CheckpointMismatchError, CheckpointNotFoundError
-from infinity.weights import read_header
 from infinity.engine.checkpoint.reader import read_manifest
+from infinity.weights import read_header
 from tests.checkpoint.helpers import config as engine_cfg
 from tests.distributed import run_distributed
 from tests.engine.models import batch, tiny_gpt
