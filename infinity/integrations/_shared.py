@@ -41,12 +41,16 @@ def read_config(config: Any) -> dict[str, Any]:
     DeepSpeed-style JSON file (read as DeepSpeed reads it: hjson)."""
     if isinstance(config, (str, os.PathLike)):
         if not Path(config).is_file():
-            raise FileNotFoundError(f"the config path {str(config)!r} is not a file; pass a DeepSpeed-style "
-                                    "JSON config file or a dict")
+            raise FileNotFoundError(
+                f"the config path {str(config)!r} is not a file; pass a DeepSpeed-style "
+                "JSON config file or a dict"
+            )
         return read_config_file(config)
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    raise TypeError(f"config= takes a dict or a path to a DeepSpeed-style JSON file, not {type(config).__name__}")
+    raise TypeError(
+        f"config= takes a dict or a path to a DeepSpeed-style JSON file, not {type(config).__name__}"
+    )
 
 
 def make_default_nvme_path(config: Mapping[str, Any]) -> None:
@@ -55,7 +59,11 @@ def make_default_nvme_path(config: Mapping[str, Any]) -> None:
     zero = config.get("zero_optimization")
     for key in ("offload_param", "offload_optimizer"):
         node = zero.get(key) if isinstance(zero, Mapping) else None
-        if isinstance(node, Mapping) and node.get("device") == "nvme" and node.get("nvme_path") == DEFAULT_NVME_PATH:
+        if (
+            isinstance(node, Mapping)
+            and node.get("device") == "nvme"
+            and node.get("nvme_path") == DEFAULT_NVME_PATH
+        ):
             os.makedirs(DEFAULT_NVME_PATH, exist_ok=True)
 
 
@@ -94,8 +102,13 @@ def mark_stepped_by_engine(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-def build_engine(module: nn.Module, config: dict[str, Any], optimizer: Any = None, lr_scheduler: Any = None,
-                 **values: Any) -> Any:
+def build_engine(
+    module: nn.Module,
+    config: dict[str, Any],
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    **values: Any,
+) -> Any:
     """``infinity.initialize(module, config, optimizer, lr_scheduler, **values)`` for an adapter: a
     module another engine trains is refused (see [Note: a module's engine]), the default swap folder
     made. Returns what ``initialize`` returns (an InferenceEngine without an optimizer)."""
@@ -108,7 +121,9 @@ def build_engine(module: nn.Module, config: dict[str, Any], optimizer: Any = Non
     if optimizer is not None:
         mark_stepped_by_engine(optimizer)
     make_default_nvme_path(config)
-    engine = infinity.initialize(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler, **values)
+    engine = infinity.initialize(
+        module, config, optimizer=optimizer, lr_scheduler=lr_scheduler, **values
+    )
     if isinstance(engine, Engine):
         module.__dict__[_ENGINE_ATTR] = engine
     return engine
@@ -170,7 +185,9 @@ def gathered_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
 # -- checkpoints --------------------------------------------------------------------
 
 
-def save_client_state(engine: Engine, path: Any, client_state: dict[str, Any], *, what: str) -> None:
+def save_client_state(
+    engine: Engine, path: Any, client_state: dict[str, Any], *, what: str
+) -> None:
     """``engine.save_checkpoint(path, tag="checkpoint", client_state=...)``; a value a checkpoint cannot
     hold (no pickle: JSON values and tensors only) is refused naming where it sits in ``what``."""
     try:
@@ -190,10 +207,16 @@ def check_checkpoint_dir(path: Any, *, single_file_hint: str) -> Path:
         return p
     head = f"{str(path)!r} is not an infinity checkpoint (a directory holding '{TAG}/')"
     if p.is_dir() and p.name == TAG or p.is_dir() and (p.parent / TAG).is_dir():
-        raise FileNotFoundError(f"{head}; it looks like a folder inside one: load {str(p.parent)!r} instead")
+        raise FileNotFoundError(
+            f"{head}; it looks like a folder inside one: load {str(p.parent)!r} instead"
+        )
     if p.is_file() and (p.parent.parent / TAG).is_dir():
-        raise FileNotFoundError(f"{head}; it is a file inside one: load {str(p.parent.parent)!r} instead")
+        raise FileNotFoundError(
+            f"{head}; it is a file inside one: load {str(p.parent.parent)!r} instead"
+        )
     if p.is_file():
-        raise FileNotFoundError(f"{head}; it is a single file, as Lightning's other strategies write: "
-                                f"{single_file_hint}")
+        raise FileNotFoundError(
+            f"{head}; it is a single file, as Lightning's other strategies write: "
+            f"{single_file_hint}"
+        )
     raise FileNotFoundError(f"{head}; no such directory")

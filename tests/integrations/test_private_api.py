@@ -55,9 +55,11 @@ def _sets(cls: type, name: str) -> bool:
 
 
 def _changed(entry: PrivateApi, what: str) -> str:
-    return (f"{entry.name} ({entry.kind}, used in infinity/integrations/{', '.join(entry.used_in)}.py): {what} in "
-            f"{entry.framework} {version(entry.framework)}; the table was checked against {entry.framework} "
-            f"{PINNED[entry.framework]}. Why we use it: {entry.why}. Update the adapter and the table together.")
+    return (
+        f"{entry.name} ({entry.kind}, used in infinity/integrations/{', '.join(entry.used_in)}.py): {what} in "
+        f"{entry.framework} {version(entry.framework)}; the table was checked against {entry.framework} "
+        f"{PINNED[entry.framework]}. Why we use it: {entry.why}. Update the adapter and the table together."
+    )
 
 
 @pytest.mark.parametrize("entry", PRIVATE_APIS, ids=lambda e: e.name)
@@ -93,7 +95,11 @@ def _private(name: str) -> bool:
 
 def _framework_bases(module_name: str, class_name: str) -> list[type]:
     cls = getattr(importlib.import_module(f"infinity.integrations.{module_name}"), class_name)
-    return [b for b in inspect.getmro(cls) if not b.__module__.startswith("infinity") and b is not object]
+    return [
+        b
+        for b in inspect.getmro(cls)
+        if not b.__module__.startswith("infinity") and b is not object
+    ]
 
 
 def _uses(module_name: str) -> dict[str, int]:
@@ -108,8 +114,12 @@ def _uses(module_name: str) -> dict[str, int]:
             name = None
             if isinstance(node, ast.FunctionDef) and _private(node.name):
                 name = node.name
-            elif (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
-                  and node.value.id in ("self", "cls")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 name = node.attr
             if name is None:
                 continue
@@ -122,11 +132,21 @@ def _uses(module_name: str) -> dict[str, int]:
         if isinstance(node, ast.Attribute) and _private(node.attr):
             if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
                 touched.setdefault(node.attr, node.lineno)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr")
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
             touched.setdefault(node.args[1].value, node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("infinity"):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and not node.module.startswith("infinity")
+        ):
             for alias in node.names:
                 if _private(alias.name):
                     touched.setdefault(alias.name, node.lineno)
@@ -143,9 +163,17 @@ def _own_everywhere() -> frozenset[str]:
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             bases = _framework_bases(module_name, cls.name)
             for node in ast.walk(cls):
-                name = node.name if isinstance(node, ast.FunctionDef) else (
-                    node.attr if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id == "self" else None)
+                name = (
+                    node.name
+                    if isinstance(node, ast.FunctionDef)
+                    else (
+                        node.attr
+                        if isinstance(node, ast.Attribute)
+                        and isinstance(node.value, ast.Name)
+                        and node.value.id == "self"
+                        else None
+                    )
+                )
                 if name and _private(name) and not any(_sets(b, name) for b in bases):
                     own.add(name)
     return frozenset(own)
@@ -155,7 +183,9 @@ def _own_everywhere() -> frozenset[str]:
 def test_every_private_name_an_adapter_touches_is_in_the_table(module_name):
     listed = {e.attribute for e in PRIVATE_APIS if module_name in e.used_in}
     own = _own_everywhere()
-    missing = {n: line for n, line in _uses(module_name).items() if n not in listed | own | PYTHON_API}
+    missing = {
+        n: line for n, line in _uses(module_name).items() if n not in listed | own | PYTHON_API
+    }
     assert not missing, (
         f"infinity/integrations/{module_name}.py touches private framework names not listed for it in "
         f"infinity/integrations/private_api.py: {', '.join(f'{n} (line {line})' for n, line in sorted(missing.items()))}"
@@ -167,4 +197,5 @@ def test_every_table_entry_is_used_where_it_says():
         for module_name in entry.used_in:
             assert entry.attribute in (ADAPTERS / f"{module_name}.py").read_text(), (
                 f"{entry.name} is listed as used in {module_name}.py, which does not mention it: remove it from "
-                "the table")
+                "the table"
+            )

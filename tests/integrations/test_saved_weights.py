@@ -77,7 +77,9 @@ def assert_files_hold(paths: list[Path]) -> dict[str, torch.Tensor]:
                 bare = name.split(".", 1)[1] if name.startswith("model.") else name
                 assert t.shape == shapes[bare], f"{path.name}: {name} has shape {tuple(t.shape)}"
                 out[name] = t
-        assert path.stat().st_size >= claimed, f"{path.name}: {path.stat().st_size} bytes hold {claimed}"
+        assert path.stat().st_size >= claimed, (
+            f"{path.name}: {path.stat().st_size} bytes hold {claimed}"
+        )
     return out
 
 
@@ -91,7 +93,9 @@ def assert_checkpoint_holds(checkpoint: Path) -> None:
 def assert_bitwise(got: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> None:
     for name, want in held.items():
         assert name in got, f"{name} is missing (the file has {sorted(got)})"
-        assert got[name].dtype == want.dtype and torch.equal(got[name], want), f"{name} differs from the engine's"
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), (
+            f"{name} differs from the engine's"
+        )
 
 
 def exported(checkpoint: Path, tag: str, out: Path) -> dict[str, torch.Tensor]:
@@ -116,7 +120,9 @@ def _accelerate_trained(nvme_dir):
     torch.manual_seed(0)
     model = tiny_gpt()
     opt, sched = optimizer_and_schedule(model.parameters())
-    model, opt, dl, sched = prepare(accelerator, model, opt, loader(), sched, config=auto_config(nvme_dir))
+    model, opt, dl, sched = prepare(
+        accelerator, model, opt, loader(), sched, config=auto_config(nvme_dir)
+    )
     for _ in range(2):
         for x, y in dl:
             accelerator.backward(model(x, y))
@@ -138,12 +144,16 @@ def test_accelerate_unwrap_get_state_dict_and_save_model(plain_accelerate, tmp_p
     wrapped = accelerator.get_state_dict(model, unwrap=False)
     assert_bitwise({k.removeprefix("module."): v for k, v in wrapped.items()}, held)
 
-    accelerator.save_model(model, tmp_path / "saved")  # the folder is created, as Accelerate creates it
+    accelerator.save_model(
+        model, tmp_path / "saved"
+    )  # the folder is created, as Accelerate creates it
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == ["model.safetensors"]
     files = assert_files_hold([tmp_path / "saved" / "model.safetensors"])
     assert_bitwise(files, {n: held[n] for n in files})
     fresh = tiny_gpt()
-    fresh.load_state_dict(load_file(tmp_path / "saved" / "model.safetensors"))  # tied head: same tensor
+    fresh.load_state_dict(
+        load_file(tmp_path / "saved" / "model.safetensors")
+    )  # tied head: same tensor
     assert_bitwise(dict(fresh.named_parameters()), held)
 
     # Shards of max_shard_size with Accelerate's index, as its save_model writes them.
@@ -180,12 +190,20 @@ def test_prepare_returns_what_accelerator_prepare_returns(count, nvme_dir):
     config = engine_config(nvme_dir)
     if count == 1:  # no optimizer passed: the config's
         config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    ours = prepare(Accelerator(cpu=True, gradient_accumulation_steps=GAS), *objects(), config=config)
+    ours = prepare(
+        Accelerator(cpu=True, gradient_accumulation_steps=GAS), *objects(), config=config
+    )
     if count == 1:
         assert not isinstance(theirs, tuple) and not isinstance(ours, tuple)
         theirs, ours = (theirs,), (ours,)
     assert len(ours) == len(theirs) == count
-    their_kinds = [torch.nn.Module, AcceleratedOptimizer, DataLoader, DataLoader, AcceleratedScheduler]
+    their_kinds = [
+        torch.nn.Module,
+        AcceleratedOptimizer,
+        DataLoader,
+        DataLoader,
+        AcceleratedScheduler,
+    ]
     our_kinds = [EngineModule, EngineOptimizer, DataLoader, DataLoader, EngineScheduler]
     for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
         assert isinstance(a, their_kinds[i]) and isinstance(b, our_kinds[i]), (i, type(a), type(b))
@@ -208,7 +226,12 @@ def plain_lightning():
 
 def _lightning_fit(nvme_dir, callbacks=()):
     module = GPTModule()
-    t = trainer(infinity_strategy(nvme_dir), epochs=2, callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+    t = trainer(
+        infinity_strategy(nvme_dir),
+        epochs=2,
+        callbacks=list(callbacks),
+        enable_checkpointing=bool(callbacks),
+    )
     data = dataset(2)
     t.fit(module, lightning_loader(data), lightning_loader(data[:2]))
     return module, t
@@ -223,16 +246,22 @@ def test_lightning_save_checkpoint_holds_the_weights(plain_lightning, tmp_path, 
     held = full_weights(module.model)
     assert_weights_close(held, plain_lightning)
     t.save_checkpoint(tmp_path / "final.ckpt")
-    assert_bitwise(exported(tmp_path / "final.ckpt", "checkpoint", tmp_path / "w.safetensors"), _prefixed(held))
+    assert_bitwise(
+        exported(tmp_path / "final.ckpt", "checkpoint", tmp_path / "w.safetensors"), _prefixed(held)
+    )
     t.strategy.engine.close()
 
 
 def test_lightning_model_checkpoint_holds_the_weights(plain_lightning, tmp_path, nvme_dir):
-    module, t = _lightning_fit(nvme_dir, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    module, t = _lightning_fit(
+        nvme_dir, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)]
+    )
     held = full_weights(module.model)
     assert_weights_close(held, plain_lightning)
-    assert_bitwise(exported(tmp_path / "ckpt" / "last.ckpt", "checkpoint", tmp_path / "w.safetensors"),
-                   _prefixed(held))
+    assert_bitwise(
+        exported(tmp_path / "ckpt" / "last.ckpt", "checkpoint", tmp_path / "w.safetensors"),
+        _prefixed(held),
+    )
     t.strategy.engine.close()
 
 
@@ -240,7 +269,10 @@ def test_fabric_save_holds_the_weights(tmp_path, nvme_dir):
     from infinity.integrations.fabric import InfinityFabricStrategy
 
     plain = fabric_run("auto")[2]
-    _, _, held, _ = fabric_run(InfinityFabricStrategy(config=engine_config(nvme_dir)), save_after=2,
-                               path=tmp_path / "fabric")
+    _, _, held, _ = fabric_run(
+        InfinityFabricStrategy(config=engine_config(nvme_dir)),
+        save_after=2,
+        path=tmp_path / "fabric",
+    )
     assert_weights_close(held, plain)
     assert_bitwise(exported(tmp_path / "fabric", "checkpoint", tmp_path / "w.safetensors"), held)
