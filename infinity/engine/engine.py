@@ -31,6 +31,7 @@ from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
+from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
 from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
@@ -112,6 +113,9 @@ class Engine:
         self._window = UpdateWindow()
         # Stage 3: the optimizer step runs behind the next forward (engine/overlap.py).
         self.overlap_step = self.stage == 3
+        # The model's own state_dict() and save_pretrained() give the real weights
+        # ([Note: saving a partitioned model] in engine/saving.py).
+        self._saving = ModelSaving(self)
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if self.optimizer is None:
@@ -380,6 +384,24 @@ class Engine:
         return checkpoint.save_16bit_model(self, save_dir, save_filename, layout=layout,
                                            max_shard_size=max_shard_size, progress=progress)
 
+    def gathered_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict()`` entries named by ``keys`` (default: all) as full tensors on CPU,
+        gathered unit by unit: only the units holding the keys asked are read. The dict holds what it
+        names in host memory (all of the model by default; to write the weights without that, use
+        ``save_pretrained`` or ``save_16bit_model``). Every rank must call it with the same keys
+        ([Note: saving a partitioned model] in infinity/engine/saving.py)."""
+        self._check_open("engine.gathered_state_dict()")
+        return gathered_state_dict(self, keys)
+
+    def save_pretrained(self, save_directory: Any, **kwargs: Any) -> Any:
+        """Saves the model as its framework does, streamed: a PEFT model's adapters (``adapter_config.json``,
+        ``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes them), a transformers model's
+        folder ``from_pretrained`` reads (``PreTrainedModel.save_pretrained``'s arguments), any other
+        module's ``save_directory/model.safetensors`` (every state_dict name). Creates the folder; returns
+        it. Every rank must call it."""
+        self._check_open("engine.save_pretrained()")
+        return save_pretrained(self, save_directory, **kwargs)
+
     def checkpoint_parts(self) -> checkpoint.TrainingParts:
         """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace
         (see [Note: the checkpoint's view of an engine] in infinity/engine/checkpoint/target.py)."""
@@ -450,7 +472,12 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._saving.close()
         self.runtime.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> Engine:
         return self

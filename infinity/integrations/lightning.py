@@ -413,6 +413,12 @@ class InfinityStrategy(DDPStrategy):
 
     # -- checkpoints -------------------------------------------------------------------
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty: the checkpoint's weights are the engine's (save_checkpoint drops the "state_dict"
+        entry); the module's state_dict() would gather the whole model into host memory for nothing
+        ([Note: saving a partitioned model] in infinity/engine/saving.py)."""
+        return {}
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
             raise TypeError("Trainer.save_checkpoint(..., storage_options=...) is not supported by InfinityStrategy: "

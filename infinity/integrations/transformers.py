@@ -3,7 +3,7 @@
 A ``Trainer`` subclass that trains through an infinity engine where
 ``TrainingArguments(deepspeed=...)`` would train through DeepSpeed's. How the
 Trainer's pieces map onto the engine (public API only: ``infinity.initialize``,
-the engine's forward/backward/step, its checkpoints and ``save_16bit_model``):
+the engine's forward/backward/step, its checkpoints and ``save_pretrained``):
 
 - The config's ``"auto"`` values are filled from ``TrainingArguments`` by the
   table HF's ``HfTrainerDeepSpeedConfig`` uses ([Note: the argument table] in
@@ -24,15 +24,19 @@ the engine's forward/backward/step, its checkpoints and ``save_16bit_model``):
   (``gradient_clipping`` from ``max_grad_norm``) and updates at the window's
   end, where the Trainer calls ``optimizer.step()`` (see [Note: the update
   the Trainer asks for]).
-- Checkpoints go through the Trainer's own flow: ``checkpoint-N/`` holds the
-  HF-layout weights (``save_model``), the engine checkpoint under
-  ``checkpoint-N/infinity/`` (weights, Adam moments, schedule, step counts)
-  in place of ``optimizer.pt`` / ``scheduler.pt``, and the Trainer's
-  ``trainer_state.json`` and RNG states; ``train(resume_from_checkpoint=...)``
-  restores the engine and lets the Trainer skip the batches already seen.
-- ``save_model`` writes what ``from_pretrained`` loads (``engine.save_16bit_model``:
-  ``model.safetensors`` or shards, ``config.json``), plus the processing class
-  and ``training_args.bin`` as the Trainer does.
+- Checkpoints go through the Trainer's own flow: ``checkpoint-N/`` holds what
+  ``save_model`` writes, the engine checkpoint under ``checkpoint-N/infinity/``
+  (weights, Adam moments, schedule, step counts) in place of ``optimizer.pt`` /
+  ``scheduler.pt`` (none with ``save_only_model``), and the Trainer's
+  ``trainer_state.json`` and RNG states; ``save_total_limit`` rotates them as
+  the Trainer does; ``train(resume_from_checkpoint=...)`` restores the engine
+  and lets the Trainer skip the batches already seen.
+- ``save_model`` is the Trainer's own: ``model.save_pretrained``, which on the
+  engine's model streams the weights (``model.safetensors`` or shards,
+  ``config.json``) or, for a PEFT model, writes the adapters as PEFT does
+  (``adapter_config.json``, ``adapter_model.safetensors``), see
+  [Note: saving a partitioned model] in infinity/engine/saving.py; plus the
+  processing class and ``training_args.bin``.
 
 One process (the Trainer's CPU or one GPU); the model is handed to
 ``initialize`` as built (the Trainer does not move it to the device first: the
@@ -348,18 +352,24 @@ class InfinityTrainer(Trainer):
     def _load_scaler(self, checkpoint: str | None) -> None:
         """Restored with the engine checkpoint."""
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """The trained weights as ``from_pretrained`` loads them (``engine.save_16bit_model``), with the
-        processing class and ``training_args.bin`` as ``Trainer.save_model`` writes them."""
-        if self._engine is None:
-            super().save_model(output_dir, _internal_call)
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's own ``_save`` (the folder, ``save_pretrained``, the processing class,
+        ``training_args.bin``): on the engine's model ``save_pretrained`` streams the weights, and a
+        PEFT model writes its adapters ([Note: saving a partitioned model] in infinity/engine/saving.py).
+        A model with no ``save_pretrained`` gets ``model.safetensors`` from ``engine.save_pretrained``
+        (every state_dict name, streamed) where the Trainer would hold its whole state dict."""
+        engine = self._engine
+        if engine is None or state_dict is not None or hasattr(self.model, "save_pretrained"):
+            super()._save(output_dir, state_dict)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self._engine.save_16bit_model(output_dir)
-        if self.args.should_save:
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
+        engine.save_pretrained(output_dir)
+        if not self.args.should_save:
+            return
+        # the rest of what Trainer._save writes beside the weights
+        tokenizer = getattr(self.data_collator, "tokenizer", None)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

@@ -4,7 +4,8 @@
 with save_pretrained in shards (the files the other phases read; not measured).
 ``... train DIR NVME OUT CKPT``: built under zero.Init, load_pretrained from DIR, initialize (stage 3,
 parameters and optimizer on NVMe), two training steps, save_16bit_model to OUT (Hugging Face layout,
-shards of SHARD), save_checkpoint to CKPT with config.json beside it.
+shards of SHARD), the model's own save_pretrained to OUT_pretrained (the same), save_checkpoint to
+CKPT with config.json beside it.
 ``... materialise DIR``: the control. Built under zero.Init as ``train`` builds it, then loaded the way
 one would without load_pretrained: the whole model gathered and the files' state dict copied in.
 ``... export CKPT OUT``: export_checkpoint to OUT (Hugging Face layout, shards of SHARD).
@@ -89,6 +90,7 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     import torch
 
     import infinity
+    from infinity.host import reset_peak_rss
     from infinity.memory import peak_host_nbytes
     from infinity.zero.init import _INIT_POOL_NBYTES
 
@@ -118,6 +120,10 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     peaks["trained"] = peak_host_nbytes()
     engine.save_16bit_model(out, max_shard_size=SHARD)
     peaks["saved"] = peak_host_nbytes()
+    # The user's own call on the model they hold ([Note: saving a partitioned model]), measured alone.
+    peaks["reset before save_pretrained"] = reset_peak_rss()
+    model.save_pretrained(f"{out}_pretrained", max_shard_size=SHARD)
+    peaks["save_pretrained"] = peak_host_nbytes()
     engine.save_checkpoint(ckpt)
     model.config.save_pretrained(ckpt)
     engine.close()

@@ -71,3 +71,18 @@ def mixed_run(arch: str, dtype: torch.dtype, *, steps: int) -> tuple[dict, dict]
         losses[(step, "eval")] = eval_loss(model, arch, step)
         model.train()
     return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
+
+
+def plain_trained(model: torch.nn.Module, arch: str, *, steps: int) -> torch.nn.Module:
+    """``model`` after ``steps`` of plain_run's training (torch AdamW, foreach=False, clipping; no eval
+    forwards), each forward after ``torch.manual_seed(step)``; only parameters with requires_grad train."""
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for step in range(steps):
+        torch.manual_seed(step)
+        model(**batch(arch, step)).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model

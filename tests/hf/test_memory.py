@@ -2,9 +2,10 @@
 
 A Llama of 32 layers (338 MB of fp32 weights in 11 shards, each layer 10.5 MB) is loaded with
 load_pretrained into a model built under zero.Init, trained for two steps on NVMe, saved with
-save_16bit_model and exported from its checkpoint in the Hugging Face layout. Each phase runs in a
-fresh process (tests/hf/memory_probe.py) that reports its baseline (the imports, before any model)
-and its peak host memory as the OS counts it (VmHWM plus hugetlb pages).
+save_16bit_model and with the model's own save_pretrained, and exported from its checkpoint in the
+Hugging Face layout. Each phase runs in a fresh process (tests/hf/memory_probe.py) that reports its
+baseline (the imports, before any model) and its peak host memory as the OS counts it (VmHWM plus
+hugetlb pages).
 
 The oracle for "whole" is the control: the same build, then the same files loaded as one would
 without load_pretrained (the model gathered, the state dict copied in). Its peak grows by the
@@ -60,7 +61,7 @@ def runs(tmp_path_factory) -> dict:
         out["export"] = _probe("export", tmp / "ckpt", tmp / "exported")
     finally:
         shutil.rmtree(nvme, ignore_errors=True)
-    out["dirs"] = {k: tmp / k for k in ("out", "exported")}
+    out["dirs"] = {k: tmp / k for k in ("out", "out_pretrained", "exported")}
     for r in (out["train"], out["control"]):
         if not r["peaks"]["reset"]:
             pytest.skip("/proc/self/clear_refs is refused here: the peak cannot be measured from after the build")
@@ -102,11 +103,13 @@ def test_training_from_load_pretrained_stays_within_the_pools(runs):
         assert used <= bound, f"{step}: {used / MiB:.0f} MiB over the baseline, pools {t['pools']} + allowance"
 
 
-def test_save_16bit_model_and_export_hold_a_shard_not_the_model(runs):
+def test_save_16bit_model_save_pretrained_and_export_hold_a_shard_not_the_model(runs):
     t, e, w = runs["train"], runs["export"], runs["written"]
     saved_bound = sum(t["pools"].values()) + ALLOWANCE_NBYTES + SHARD_NBYTES + w["layer_nbytes"]
     assert saved_bound < w["file_nbytes"]
     assert t["peaks"]["saved"] - t["baseline"] <= saved_bound
+    assert t["peaks"]["reset before save_pretrained"]  # measured from its own start: the same bound
+    assert t["peaks"]["save_pretrained"] - t["baseline"] <= saved_bound
     assert e["peaks"]["exported"] - e["baseline"] <= ALLOWANCE_NBYTES + SHARD_NBYTES
     for d in runs["dirs"].values():
         index = json.loads((d / "model.safetensors.index.json").read_text())

@@ -13,10 +13,14 @@ Per-step losses agree within 1e-5 relative. Then: resume from checkpoint-N equal
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 
+import peft
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -30,6 +34,8 @@ from transformers import (
 import infinity
 from infinity.config import ConfigError
 from infinity.integrations.transformers import ENGINE_TAG, InfinityTrainer
+from infinity.zero.gathered import GatheredParameters
+from tests.hf.saved_files import claimed_nbytes
 
 VOCAB, SEQ, SAMPLES = 64, 16, 32
 BATCH, GAS, MAX_STEPS, WARMUP = 4, 2, 6, 2  # 4 updates per epoch: the run crosses an epoch
@@ -42,6 +48,14 @@ def gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return GPT2LMHeadModel(config)
+
+
+@contextlib.contextmanager
+def peft_quietly():
+    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` as it wraps a model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -103,9 +117,10 @@ def stage2_cpu() -> dict:
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
 
 
-def infinity_run(out, config, *, resume: str | None = None, **overrides) -> tuple[Losses, InfinityTrainer]:
+def infinity_run(out, config, *, resume: str | None = None, model=None, **overrides
+                 ) -> tuple[Losses, InfinityTrainer]:
     rec = Losses()
-    trainer = InfinityTrainer(model=gpt2(), args=arguments(out, **overrides), train_dataset=Tokens(),
+    trainer = InfinityTrainer(model=model or gpt2(), args=arguments(out, **overrides), train_dataset=Tokens(),
                               callbacks=[rec], infinity_config=config)
     trainer.train(resume_from_checkpoint=resume)
     return rec, trainer
@@ -272,3 +287,65 @@ def test_refusals(nvme_dir, tmp_path):
     plain.train()
     with pytest.raises(FileNotFoundError, match="holds no engine checkpoint"):
         infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(tmp_path / "plain" / "checkpoint-1"))
+
+
+def lora_gpt2():
+    """``gpt2()`` with LoRA on its attention's c_attn (a Conv1D, hence fan_in_fan_out)."""
+    model = gpt2()
+    torch.manual_seed(5)  # LoRA's A matrices are drawn at random
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True)
+    with peft_quietly():
+        return peft.get_peft_model(model, config)
+
+
+def engine_held(engine) -> dict[str, torch.Tensor]:
+    """The engine's model's state dict as the engine holds it (gathered by GatheredParameters)."""
+    with GatheredParameters(engine):
+        return {k: v.detach().clone() for k, v in engine.module.state_dict(keep_vars=True).items()}
+
+
+def saved_files(run) -> dict[str, list[str]]:
+    """Each checkpoint-N/ of a run's output folder (save_total_limit kept them) with its files."""
+    return {d.name: sorted(p.name for p in d.iterdir()) for d in sorted(run.glob("checkpoint-*"))}
+
+
+@pytest.mark.parametrize("kind", ["lora", "full"])
+def test_save_model_and_checkpoints_write_what_the_plain_trainer_writes(nvme_dir, tmp_path, kind):
+    """save_steps checkpoints (save_only_model, save_total_limit) and save_model: the same files as the
+    plain Trainer's (adapters for a PEFT model), holding the engine's weights bit for bit, which equal the
+    plain Trainer's within torch AdamW's fused-vs-foreach noise; reloaded by PEFT / transformers."""
+    make = lora_gpt2 if kind == "lora" else gpt2
+    args = dict(save_strategy="steps", save_steps=2, save_only_model=True, save_total_limit=2)
+    plain = Trainer(model=make(), args=arguments(tmp_path / "plain", **args), train_dataset=Tokens())
+    plain.train()
+    plain.save_model(str(tmp_path / "plain_final"))
+    _, trainer = infinity_run(tmp_path / "ours", stage3_nvme(nvme_dir), model=make(), **args)
+    try:
+        trainer.save_model(str(tmp_path / "ours_final" / "nested"))  # folders created as the Trainer does
+        held = engine_held(trainer.engine)
+    finally:
+        trainer.engine.close()
+    ours, theirs = saved_files(tmp_path / "ours"), saved_files(tmp_path / "plain")
+    assert ours == theirs and list(ours) == ["checkpoint-4", "checkpoint-6"]
+    final = tmp_path / "ours_final" / "nested"
+    assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in (tmp_path / "plain_final").iterdir())
+    if kind == "lora":
+        name, want = "adapter_model.safetensors", peft.get_peft_model_state_dict(trainer.model, state_dict=held)
+        with peft_quietly():
+            reloaded = peft.PeftModel.from_pretrained(gpt2(), final)
+        got = peft.get_peft_model_state_dict(reloaded)
+    else:
+        name, want = "model.safetensors", held
+        got = GPT2LMHeadModel.from_pretrained(final).state_dict()
+    reference = load_file(tmp_path / "plain_final" / name)  # the names the plain Trainer writes
+    for files in (load_file(final / name), load_file(tmp_path / "ours" / "checkpoint-6" / name)):
+        assert sorted(files) == sorted(reference) and all(torch.equal(v, want[k]) for k, v in files.items())
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
+    for k, v in reference.items():
+        assert (want[k] - v).abs().max() <= 5e-4 * v.abs().max(), k  # fused-vs-foreach AdamW noise
+    nbytes = sum(v.numel() * v.element_size() for v in reference.values())
+    assert claimed_nbytes(final / name) == nbytes == claimed_nbytes(tmp_path / "plain_final" / name)
+    # a checkpoint with the model only cannot resume the engine: refused, naming what to do
+    with pytest.raises(FileNotFoundError, match="save_only_model=False"):
+        infinity_run(tmp_path / "again", stage3_nvme(nvme_dir), model=make(),
+                     resume=str(tmp_path / "ours" / "checkpoint-6"))

@@ -445,13 +445,13 @@ def _live_values(engine: CheckpointTarget, parts: TrainingParts,
             yield unit.params[k].detach().cpu().contiguous()
             continue
         if held != ui:
-            full = _gather_unit(engine, parts, unit)
+            full = gather_unit(engine, parts, unit)
             held = ui
         s = unit.layout.slots[k]
         yield full[s.offset : s.offset + s.numel]
 
 
-def _gather_unit(engine: CheckpointTarget, parts: TrainingParts, unit: Any) -> torch.Tensor:
+def gather_unit(engine: CheckpointTarget, parts: TrainingParts, unit: Any) -> torch.Tensor:
     store = parts.param_store
     device = collective_device(engine.group)
     shard = store.fetch(unit.key).result()
