@@ -5,8 +5,6 @@
 - ``build_engine``: ``infinity.initialize`` for an adapter, refusing a module another engine already
   trains; ``EngineModule``: the engine as the ``nn.Module`` a framework calls, and the owner of the
   link from the trained module to its engine (``engine_of``, see [Note: a module's engine]).
-- ``gathered_state_dict``: the whole ``state_dict`` of a (stage-3) engine's module, gathered one
-  submodule at a time, for the framework calls that return a state dict.
 - Checkpoints with a framework's state as the engine checkpoint's ``client_state`` under the tag
   ``checkpoint`` (Lightning's DeepSpeed layout ``<path>/checkpoint/``, which Fabric shares), with
   the errors a user needs when a path is not one.
@@ -164,22 +162,6 @@ class EngineModule(nn.Module):
     def step(self) -> None:
         self.engine.step()
         self._backward_pending = False
-
-
-def gathered_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` with every parameter whole, on the CPU, detached copies: each
-    submodule's own parameters gathered in turn (``GatheredParameters``), so at most one
-    submodule's parameters are gathered at a time besides the copies returned. Every rank must
-    call it (the gathers are collectives); every rank gets the whole dict."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        own = list(sub.parameters(recurse=False))
-        with infinity.GatheredParameters(own):
-            sub_state: dict[str, Any] = {}
-            sub._save_to_state_dict(sub_state, f"{prefix}." if prefix else "", keep_vars=False)
-            for name, value in sub_state.items():
-                out.setdefault(name, value.detach().to("cpu", copy=True))
-    return out
 
 
 # -- checkpoints --------------------------------------------------------------------

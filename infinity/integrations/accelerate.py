@@ -25,7 +25,7 @@ would see empty placeholders: a 128-byte model.safetensors). ``prepare`` changes
 things on the one ``Accelerator`` instance it is given (never the class): its ``backward`` goes to
 the engine it prepared (``model.backward(loss)`` does the same without the patch); its
 ``unwrap_model`` returns the user's model for a prepared one; its ``get_state_dict`` gathers the
-engine's weights (one submodule at a time, into CPU copies: the whole model, as the call means);
+engine's weights (``engine.gathered_state_dict()``: the whole model in CPU copies, as the call means);
 its ``save_model`` streams them from the engine's units into Accelerate's layout
 (``model.safetensors``, or shards of ``max_shard_size`` with ``model.safetensors.index.json``; tied
 weights once; ``config.json`` too for a transformers model) through ``engine.save_16bit_model``,
@@ -340,8 +340,8 @@ def _patch_saving(accelerator: Any) -> None:
         em = _ours(accelerator, model)
         if em is None:
             return get_state_dict(model, unwrap=unwrap)
-        em.engine.synchronize()  # an update still running in the background is part of the weights
-        return _shared.gathered_state_dict(em.module if unwrap else em)
+        state = em.engine.gathered_state_dict()  # the engine's weights, whole, on the CPU
+        return state if unwrap else {f"module.{k}": v for k, v in state.items()}  # EngineModule's names
 
     def streamed_save_model(model: Any, save_directory: Any, max_shard_size: int | str = "10GB",
                             safe_serialization: bool = True) -> None:

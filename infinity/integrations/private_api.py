@@ -161,6 +161,15 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         ("self", "checkpoint"),
         ("transformers",),
     ),
+    PrivateApi(
+        "transformers",
+        f"{_T}._save",
+        "override",
+        "save_model and every checkpoint-N/ write the model through it: a model without save_pretrained "
+        "gets engine.save_pretrained's streamed model.safetensors instead of a gathered state dict",
+        ("self", "output_dir", "state_dict"),
+        ("transformers",),
+    ),
     # -- torch --------------------------------------------------------------------------------
     PrivateApi(
         "torch",
@@ -170,14 +179,6 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "warn that optimizer.step() never ran ([Note: the engine steps in the optimizer's place])",
         None,
         ("_shared", "transformers"),
-    ),
-    PrivateApi(
-        "torch",
-        "torch.nn.Module._save_to_state_dict",
-        "call",
-        "a submodule's own state_dict entries, read while its parameters are gathered",
-        ("self", "destination", "prefix", "keep_vars"),
-        ("_shared",),
     ),
     PrivateApi(
         "torch",
