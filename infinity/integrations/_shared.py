@@ -3,8 +3,8 @@
 - ``read_config``: a DeepSpeed-style ``config=`` (a dict, copied, or a JSON path read as DeepSpeed
   reads it); ``make_default_nvme_path``, ``zero_stage``, ``is_auto``: reading such a config.
 - ``build_engine``: ``infinity.initialize`` for an adapter, refusing a module another engine already
-  trains; ``EngineModule``: the engine as the ``nn.Module`` a framework calls, and the owner of the
-  link from the trained module to its engine (``engine_of``, see [Note: a module's engine]).
+  trains; the trained module keeps its engine (``engine_of``, see [Note: a module's engine]).
+- ``EngineModule``: the engine as the ``nn.Module`` a framework calls ([Note: one backward per step]).
 - Checkpoints with a framework's state as the engine checkpoint's ``client_state`` under the tag
   ``checkpoint`` (Lightning's DeepSpeed layout ``<path>/checkpoint/``, which Fabric shares), with
   the errors a user needs when a path is not one.
