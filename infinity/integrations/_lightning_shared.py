@@ -1,19 +1,17 @@
 """What the Lightning Trainer strategy (lightning.py) and the Fabric strategy (fabric.py) share.
 
+What every adapter shares (the config read, the engine as an ``nn.Module``, client-state
+checkpoints) is in ``_shared.py``; this module is Lightning's alone:
+
 - ``strategy_config``: Lightning's ``DeepSpeedStrategy`` keyword arguments, with DeepSpeed's
   meanings, as a DeepSpeed-style config dict. Only what the user set is written: a knob left at
   None is the engine's default (DeepSpeed's; infinity's own for aio), so a config never carries keys
   the engine would report as "accepted without effect" unless the user asked for them.
-- ``read_config``: the ``config=`` argument (a dict, a path read as DeepSpeed reads it, or the
-  ``PL_DEEPSPEED_CONFIG_PATH`` variable Lightning's DeepSpeed strategy honours).
+- ``read_config``: the ``config=`` argument, or the ``PL_DEEPSPEED_CONFIG_PATH`` variable
+  Lightning's DeepSpeed strategy honours.
 - Lightning's precision names onto the config's ``fp16`` / ``bf16`` sections (``add_precision``).
-- ``EngineModule``: the engine as the ``nn.Module`` Lightning calls (the Trainer's
-  ``strategy.model``, Fabric's forward module). Its forward is ``engine(...)``, so every forward
-  opens the stage-3 prefetch trace step that ``engine.backward`` closes; it refuses a second
-  backward before ``step`` (see [Note: one backward per step]).
-- Checkpoints: Lightning's (or Fabric's) state rides in the engine's checkpoint as its
-  ``client_state`` under the tag ``checkpoint`` (Lightning's DeepSpeed layout:
-  ``<path>/checkpoint/``), with the errors a Lightning user needs when a path is not one.
+- ``sharded_context``: ``zero.Init`` for ``configure_model`` / ``fabric.init_module()``.
+- ``load_gathered``: a single-file (whole-model) checkpoint into the stage-3 shards.
 
 Nothing here imports lightning; nothing here or in the strategies imports deepspeed.
 Threading: none of this is thread-safe; Lightning drives it from the training thread.
@@ -25,23 +23,24 @@ import contextlib
 import copy
 import logging
 import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import infinity
-from infinity.config import ConfigError, read_config_file
-from infinity.engine import Engine
+from infinity.config import ConfigError
+from infinity.integrations import _shared
+from infinity.integrations._shared import (
+    is_auto,
+    make_default_nvme_path,
+    zero_stage,
+)
 
 CONFIG_ENV_VAR = "PL_DEEPSPEED_CONFIG_PATH"  # the variable Lightning's DeepSpeed strategies read
 log = logging.getLogger("infinity.integrations")
 
-DEFAULT_NVME_PATH = "./infinity_nvme"
-TAG = "checkpoint"  # Lightning's DeepSpeed strategies save under this tag
 
 # Lightning precision -> (engine dtype, config section). "-true" and "-mixed" both train the
 # module in the 16-bit dtype with fp32 master weights, as DeepSpeed's engine does for both.
@@ -67,19 +66,11 @@ def check_precision(precision: str, strategy: str) -> tuple[torch.dtype, str | N
 
 
 def read_config(config: Any) -> dict[str, Any] | None:
-    """``config=`` as a dict of our own (the caller's is never changed), or None for "build one"."""
+    """``config=`` (or the path in ``PL_DEEPSPEED_CONFIG_PATH``) as a dict of our own, or None for
+    "build one from the strategy's arguments"."""
     if config is None and os.environ.get(CONFIG_ENV_VAR):
         config = os.environ[CONFIG_ENV_VAR]
-    if config is None:
-        return None
-    if isinstance(config, (str, os.PathLike)):
-        if not Path(config).is_file():
-            raise FileNotFoundError(f"the config path {str(config)!r} is not a file; pass a DeepSpeed-style "
-                                    "JSON config file or a dict")
-        return read_config_file(config)
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(f"config= takes a dict or a path to a DeepSpeed-style JSON file, not {type(config).__name__}")
+    return None if config is None else _shared.read_config(config)
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -177,24 +168,6 @@ def configure_strategy(strategy: Any, args: Mapping[str, Any]) -> None:
     strategy._config_formatted = False
 
 
-def make_default_nvme_path(config: Mapping[str, Any]) -> None:
-    """Creates ``./infinity_nvme`` where an offload section names it: the strategies' default swap
-    folder (as ``infinity demo``'s). A path the user gave must exist; the engine says so otherwise."""
-    zero = config.get("zero_optimization")
-    for key in ("offload_param", "offload_optimizer"):
-        node = zero.get(key) if isinstance(zero, Mapping) else None
-        if isinstance(node, Mapping) and node.get("device") == "nvme" and node.get("nvme_path") == DEFAULT_NVME_PATH:
-            os.makedirs(DEFAULT_NVME_PATH, exist_ok=True)
-
-
-def zero_stage(config: Mapping[str, Any]) -> int:
-    zero = config.get("zero_optimization")
-    return int(zero.get("stage", 0)) if isinstance(zero, Mapping) else 0
-
-
-def is_auto(value: Any) -> bool:
-    return isinstance(value, str) and value == "auto"
-
 
 def fill(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
     """Sets a top-level key the framework decides (accumulation, clipping), where the config leaves
@@ -258,35 +231,6 @@ def sharded_context(config: dict[str, Any], remote_device: str | None, nvme_path
         yield
 
 
-# -- building the engine ----------------------------------------------------------
-
-# The engine that partitioned each module, so that a later Trainer or Fabric run finds it
-# (a stage-3 module's parameters are empty placeholders; only its engine has the weights).
-_ENGINES: weakref.WeakKeyDictionary[nn.Module, Engine] = weakref.WeakKeyDictionary()
-
-
-def engine_of(module: nn.Module) -> Engine | None:
-    return _ENGINES.get(module)
-
-
-def build_engine(module: nn.Module, config: dict[str, Any], optimizer: Any = None, lr_scheduler: Any = None) -> Engine:
-    if engine_of(module) is not None:
-        raise RuntimeError(
-            f"this {type(module).__name__} is already trained by an infinity engine (another Trainer or Fabric "
-            "set it up; under stage 3 only that engine holds its weights). Keep using that Trainer or Fabric, "
-            "or save a checkpoint with it and resume a freshly built module from that checkpoint"
-        )
-    if optimizer is not None:
-        # [Note: the engine steps in the optimizer's place] The engine maps the torch optimizer onto
-        # its own (sharing its param group dicts) and never calls its step(). torch's LRScheduler
-        # checks, at its first step, that its optimizer's step() ran, and would warn that the
-        # schedule skips its first value, which it does not: every engine update counts as one.
-        optimizer._opt_called = True
-    make_default_nvme_path(config)
-    engine = infinity.initialize(module, config, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    _ENGINES[module] = engine
-    return engine
-
 
 def evaluation_config(config: dict[str, Any]) -> dict[str, Any]:
     """An engine for validate/test/predict before any training: infinity.initialize builds a training
@@ -297,41 +241,6 @@ def evaluation_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}}
 
 
-# [Note: one backward per step]
-# The engine counts micro-steps in step(): backward() scales by 1/gradient_accumulation_steps and
-# starts a fresh gradient window when the count says a window begins. Two backward() calls without
-# a step() in between would both start one, and the first's gradients would be lost without a word.
-# Accumulation is the engine's (the config's gradient_accumulation_steps, which the Trainer fills
-# from accumulate_grad_batches): every backward is followed by a step, as with DeepSpeed.
-
-
-class EngineModule(nn.Module):
-    """The engine as an ``nn.Module``: ``forward`` is ``engine(...)``; the trained module is its child
-    ``module`` (so ``train()`` / ``eval()`` reach it)."""
-
-    def __init__(self, engine: Engine):
-        super().__init__()
-        self.engine = engine
-        self.module = engine.module
-        self._backward_pending = False
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        if self._backward_pending:
-            raise RuntimeError(
-                "backward was called twice without an optimizer step in between; with infinity the engine "
-                "accumulates gradients: call optimizer.step() after every backward and set "
-                "gradient_accumulation_steps in the config (the Trainer sets it from accumulate_grad_batches); "
-                "the engine updates the weights once per window"
-            )
-        self.engine.backward(loss)
-        self._backward_pending = True
-
-    def step(self) -> None:
-        self.engine.step()
-        self._backward_pending = False
 
 
 def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -371,36 +280,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-# -- checkpoints --------------------------------------------------------------------
-
-
-def save_client_state(engine: Engine, path: Any, client_state: dict[str, Any], *, what: str) -> None:
-    """``engine.save_checkpoint(path, tag="checkpoint", client_state=...)``; a value a checkpoint cannot
-    hold (no pickle: JSON values and tensors only) is refused naming where it sits in ``what``."""
-    try:
-        engine.save_checkpoint(path, tag=TAG, client_state=client_state)
-    except TypeError as e:
-        raise TypeError(
-            f"{e}. The {what} rides in the checkpoint as JSON values and tensors; keep such objects out of "
-            "it (e.g. save_hyperparameters(ignore=[...]) for a hyper-parameter, or store its state_dict())"
-        ) from None
-
-
-def check_checkpoint_dir(path: Any, *, single_file_hint: str) -> Path:
-    """The directory a checkpoint was saved to (``<path>/checkpoint/``), with DeepSpeed's hints for
-    the usual mistakes: a subfolder or a file inside it, or a single-file checkpoint."""
-    p = Path(path)
-    if p.is_dir() and (p / TAG).is_dir():
-        return p
-    head = f"{str(path)!r} is not an infinity checkpoint (a directory holding '{TAG}/')"
-    if p.is_dir() and p.name == TAG or p.is_dir() and (p.parent / TAG).is_dir():
-        raise FileNotFoundError(f"{head}; it looks like a folder inside one: load {str(p.parent)!r} instead")
-    if p.is_file() and (p.parent.parent / TAG).is_dir():
-        raise FileNotFoundError(f"{head}; it is a file inside one: load {str(p.parent.parent)!r} instead")
-    if p.is_file():
-        raise FileNotFoundError(f"{head}; it is a single file, as Lightning's other strategies write: "
-                                f"{single_file_hint}")
-    raise FileNotFoundError(f"{head}; no such directory")
 
 
 def load_gathered(module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, rank: int,

@@ -6,7 +6,7 @@ from its stage-3 shards. The loop is the one Accelerate's DeepSpeed plugin asks 
 
     accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
     model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler,
-                                                  config="ds_config.json")
+                                                  config="ds_config.json")   # as many as given
     for batch in loader:
         loss = model(**batch).loss
         accelerator.backward(loss)      # engine.backward(loss): the engine scales by 1/accumulation
@@ -15,16 +15,25 @@ from its stage-3 shards. The loop is the one Accelerate's DeepSpeed plugin asks 
         optimizer.zero_grad()           # nothing: the engine starts each window with no gradient
     accelerator.save_state("ckpt")      # the engine's checkpoint in ckpt/infinity_model/, with
     accelerator.load_state("ckpt")      # Accelerate's RNG and dataloader state beside it
+    accelerator.save_model(model, "out")  # model.safetensors streamed from the engine
 
 [Note: what prepare patches]
-Accelerate's ``backward`` calls ``loss.backward()`` on anything but its own DeepSpeed engine, and
-its ``save_state`` saves only what ``accelerator.prepare`` wrapped. ``prepare`` changes exactly
-three things on the one ``Accelerator`` instance it is given (never the class): its ``backward``
-goes to the engine it prepared (``model.backward(loss)`` does the same without the patch), and a
-save-state and a load-state pre-hook (Accelerate's public ``register_save_state_pre_hook`` /
-``register_load_state_pre_hook``) write and read each engine's checkpoint under
-``<dir>/infinity_model[_i]/``. Everything else is Accelerate's own: the dataloader goes through
-``accelerator.prepare``, RNG states ride in ``save_state``.
+Accelerate's ``backward`` calls ``loss.backward()`` on anything but its own DeepSpeed engine, its
+``save_state`` saves only what ``accelerator.prepare`` wrapped, and its ``unwrap_model``,
+``get_state_dict`` and ``save_model`` know only its own wrappers (on an engine's stage-3 model they
+would see empty placeholders: a 128-byte model.safetensors). ``prepare`` changes exactly these
+things on the one ``Accelerator`` instance it is given (never the class): its ``backward`` goes to
+the engine it prepared (``model.backward(loss)`` does the same without the patch); its
+``unwrap_model`` returns the user's model for a prepared one; its ``get_state_dict`` gathers the
+engine's weights (``engine.gathered_state_dict()``: the whole model in CPU copies, as the call means);
+its ``save_model`` streams them from the engine's units into Accelerate's layout
+(``model.safetensors``, or shards of ``max_shard_size`` with ``model.safetensors.index.json``; tied
+weights once; ``config.json`` too for a transformers model) through ``engine.save_16bit_model``,
+never the whole model in memory; and a save-state and a load-state pre-hook (Accelerate's public
+``register_save_state_pre_hook`` / ``register_load_state_pre_hook``) write and read each engine's
+checkpoint under ``<dir>/infinity_model[_i]/``. Any other model goes to Accelerate's own methods.
+Everything else is Accelerate's: dataloaders go through ``accelerator.prepare``, RNG states ride in
+``save_state``.
 
 The "auto" values are filled as Accelerate's DeepSpeed plugin fills them (``Accelerator.
 _prepare_deepspeed``, accelerate 1.15), through infinity's argument table (infinity/config/
@@ -42,17 +51,20 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
 
-import infinity
 from infinity.engine import Engine
 from infinity.inference import InferenceEngine
-from infinity.integrations import _lightning_shared as shared
+from infinity.integrations import _shared
 
 __all__ = ["EngineOptimizer", "EngineScheduler", "prepare", "prepare_frozen"]
 
@@ -81,13 +93,13 @@ def _check_accelerator(accelerator: Any) -> None:
 def _read(config: Any) -> dict[str, Any]:
     if config is None:
         raise TypeError("config= is required: a DeepSpeed-style config dict or the path of its JSON file")
-    cfg = shared.read_config(config)
+    cfg = _shared.read_config(config)
     assert cfg is not None
     return cfg
 
 
 def _auto_or_absent(cfg: Mapping[str, Any], key: str) -> bool:
-    return key not in cfg or shared.is_auto(cfg[key])
+    return key not in cfg or _shared.is_auto(cfg[key])
 
 
 # Each precision's section under the names DeepSpeed reads it by (bfloat16 is bf16's alias).
@@ -118,7 +130,7 @@ def _precision(cfg: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
             cfg[mixed_precision] = {"enabled": True}
     for name in ("fp16", "bf16"):
         node = _section(cfg, name)
-        if node is not None and shared.is_auto(node.get("enabled")):
+        if node is not None and _shared.is_auto(node.get("enabled")):
             out[name] = mixed_precision == name
     return out
 
@@ -159,7 +171,7 @@ def auto_values(accelerator: Any, cfg: dict[str, Any], dataloader: Any = None) -
     if _auto_or_absent(cfg, "train_micro_batch_size_per_gpu"):
         values["train_micro_batch_size_per_gpu"] = _micro_batch(accelerator, dataloader)
     values.update(_accumulation(cfg, accelerator))
-    if shared.is_auto(cfg.get("gradient_clipping")):
+    if _shared.is_auto(cfg.get("gradient_clipping")):
         values["gradient_clipping"] = 1.0  # Accelerate's default (DeepSpeedPlugin gradient_clipping)
     return values
 
@@ -170,7 +182,7 @@ class EngineOptimizer:
     as Accelerate's DeepSpeed optimizer wrapper. ``param_groups`` are the engine optimizer's (their lr
     is the schedule's); its state lives in the engine (save it with ``accelerator.save_state``)."""
 
-    def __init__(self, model: shared.EngineModule):
+    def __init__(self, model: _shared.EngineModule):
         self.model = model
         self.optimizer = model.engine.optimizer
 
@@ -226,26 +238,73 @@ class EngineScheduler:
         self.scheduler.load_state_dict(state_dict)
 
 
-def _refuse_wrapped(accelerator: Any, model: nn.Module, optimizer: Any, scheduler: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"prepare() trains an nn.Module, not {type(model).__name__}")
-    if isinstance(model, shared.EngineModule) or shared.engine_of(model) is not None:
+def _is_dataloader(obj: Any) -> bool:
+    return isinstance(obj, DataLoader) or type(obj).__name__.endswith("DataLoader")
+
+
+def _sort(accelerator: Any, objects: tuple[Any, ...]) -> tuple[nn.Module, Any, Any, list[Any]]:
+    """The model, optimizer (torch or DummyOptim), scheduler (torch or DummyScheduler) and
+    dataloaders among ``prepare``'s objects, anything else refused naming what to pass instead."""
+    models = [o for o in objects if isinstance(o, nn.Module)]
+    if len(models) != 1:
+        raise TypeError(f"prepare() trains one nn.Module per call; got {len(models)} (prepare each model with its "
+                        "own call, or a frozen one with prepare_frozen)")
+    optimizers = [o for o in objects if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
+    schedulers = [o for o in objects if isinstance(o, (LRScheduler, DummyScheduler))]
+    for found, what in ((optimizers, "optimizer"), (schedulers, "lr scheduler")):
+        if len(found) > 1:
+            raise TypeError(f"prepare() takes at most one {what} (the engine's); got {len(found)}")
+    for i, obj in enumerate(objects):
+        if obj is None:
+            raise TypeError(
+                f"prepare()'s object {i} is None: to train with the config's optimizer or scheduler section, pass "
+                "accelerate.utils.deepspeed.DummyOptim(model.parameters(), lr=...) / DummyScheduler(optimizer, ...) in "
+                "its place (as with Accelerate's DeepSpeed plugin), or leave it out"
+            )
+        name = type(obj).__name__
+        if name.startswith("Accelerated"):
+            raise RuntimeError(f"object {i} is an {name} (accelerator.prepare wrapped it): pass the plain torch "
+                               "object to infinity's prepare()")
+        if not (isinstance(obj, (nn.Module, torch.optim.Optimizer, DummyOptim, LRScheduler, DummyScheduler))
+                or _is_dataloader(obj)):
+            raise TypeError(f"prepare()'s object {i} is a {name}: it takes the model, its optimizer, lr scheduler "
+                            "and dataloaders")
+    model = models[0]
+    if isinstance(model, _shared.EngineModule) or _shared.engine_of(model) is not None:
         raise RuntimeError(f"this {type(model).__name__} is already trained by an infinity engine; prepare each "
                            "model once")
     if any(model is m or getattr(m, "module", None) is model for m in getattr(accelerator, "_models", [])):
         raise RuntimeError(f"this {type(model).__name__} went through accelerator.prepare already: give "
                            "infinity's prepare() the plain model (it owns model and optimizer)")
-    for obj, what in ((optimizer, "optimizer"), (scheduler, "scheduler")):
-        name = type(obj).__name__
-        if name.startswith("Accelerated"):
-            raise RuntimeError(f"the {what} is an {name} (accelerator.prepare wrapped it): pass the plain "
-                               f"torch {what} to infinity's prepare()")
-        if name.startswith("Dummy"):
-            raise TypeError(f"accelerate.utils.{name} is a DeepSpeed placeholder: pass {what}=None to use the "
-                            f"config's {what} section (its \"auto\" values filled by keyword arguments: lr=...)")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer (or None for the config's), not "
-                        f"{type(optimizer).__name__}")
+    return (model, optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
+            [o for o in objects if _is_dataloader(o)])
+
+
+def _placeholder_values(accelerator: Any, cfg: Mapping[str, Any], optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """What Accelerate's DeepSpeed plugin fills from DummyOptim / DummyScheduler (``_prepare_deepspeed``):
+    the optimizer section's lr and weight_decay, the WarmupLR family's warmup and total steps."""
+    values: dict[str, Any] = {}
+    if isinstance(optimizer, DummyOptim):
+        if "optimizer" not in cfg:
+            raise ValueError("a DummyOptim stands for the config's optimizer section, and the config has none: "
+                             "pass a torch optimizer, or add an optimizer section")
+        values.update(lr=optimizer.lr, weight_decay=optimizer.weight_decay)
+    elif "optimizer" in cfg and optimizer is not None:
+        raise ValueError("the config has an optimizer section and a torch optimizer was passed: keep one (pass "
+                         "accelerate.utils.DummyOptim in the optimizer's place to use the config's)")
+    if isinstance(scheduler, DummyScheduler):
+        if "scheduler" not in cfg:
+            raise ValueError("a DummyScheduler stands for the config's scheduler section, and the config has "
+                             "none: pass a torch lr scheduler, or add a scheduler section")
+        if scheduler.lr_scheduler_callable is not None:
+            raise ValueError("DummyScheduler(lr_scheduler_callable=...) is not supported: pass the torch lr "
+                             "scheduler itself")
+        values.update(warmup_min_lr=0, warmup_num_steps=max(1, scheduler.warmup_num_steps))
+        if scheduler.total_num_steps is not None:
+            total = scheduler.total_num_steps
+            values["total_num_steps"] = total if accelerator.split_batches else math.ceil(
+                total / accelerator.num_processes)
+    return values
 
 
 def _backward(accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -260,14 +319,60 @@ def _backward(accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
     trained[0].backward(loss)
 
 
-def _register(accelerator: Any, model: shared.EngineModule) -> None:
-    trained: list[shared.EngineModule] = getattr(accelerator, _PREPARED, None) or []
+def _ours(accelerator: Any, model: Any) -> _shared.EngineModule | None:
+    """The prepared wrapper ``model`` is (or whose trained module it is), or None."""
+    for em in getattr(accelerator, _PREPARED, []):
+        if model is em or model is em.module:
+            return em
+    return None
+
+
+def _patch_saving(accelerator: Any) -> None:
+    """``unwrap_model``, ``get_state_dict`` and ``save_model`` answer for the engines prepare() built
+    and hand everything else to Accelerate's own ([Note: what prepare patches])."""
+    unwrap, get_state_dict, save_model = accelerator.unwrap_model, accelerator.get_state_dict, accelerator.save_model
+
+    def unwrap_model(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+        em = _ours(accelerator, model)
+        return em.module if em is not None else unwrap(model, keep_fp32_wrapper, keep_torch_compile)
+
+    def gathered_state_dict(model: Any, unwrap: bool = True) -> Any:
+        em = _ours(accelerator, model)
+        if em is None:
+            return get_state_dict(model, unwrap=unwrap)
+        state = em.engine.gathered_state_dict()  # the engine's weights, whole, on the CPU
+        return state if unwrap else {f"module.{k}": v for k, v in state.items()}  # EngineModule's names
+
+    def streamed_save_model(model: Any, save_directory: Any, max_shard_size: int | str = "10GB",
+                            safe_serialization: bool = True) -> None:
+        em = _ours(accelerator, model)
+        if em is None:
+            return save_model(model, save_directory, max_shard_size=max_shard_size,
+                              safe_serialization=safe_serialization)
+        if not safe_serialization:
+            raise ValueError("accelerator.save_model(..., safe_serialization=False) writes pickle, which infinity's "
+                             "engine does not stream: save with safe_serialization=True (safetensors)")
+        if os.path.isfile(save_directory):
+            raise NotADirectoryError(f"accelerator.save_model: {str(save_directory)!r} is a file; pass a directory")
+        os.makedirs(save_directory, exist_ok=True)
+        # What Accelerate writes (model.safetensors, or shards of max_shard_size and their index; tied
+        # weights once), streamed from the engine's units; a transformers model gets its config.json too.
+        em.engine.save_16bit_model(save_directory, layout="hf", max_shard_size=max_shard_size)
+
+    accelerator.unwrap_model = unwrap_model
+    accelerator.get_state_dict = gathered_state_dict
+    accelerator.save_model = streamed_save_model
+
+
+def _register(accelerator: Any, model: _shared.EngineModule) -> None:
+    trained: list[_shared.EngineModule] = getattr(accelerator, _PREPARED, None) or []
     index = len(trained)
     trained.append(model)
     setattr(accelerator, _PREPARED, trained)
     tag = CHECKPOINT_TAG if index == 0 else f"{CHECKPOINT_TAG}_{index}"
     if index == 0:
         accelerator.backward = lambda loss, **kwargs: _backward(accelerator, loss, **kwargs)
+        _patch_saving(accelerator)
 
     def save(models: Any, weights: Any, output_dir: str) -> None:
         model.engine.save_checkpoint(output_dir, tag=tag)
@@ -282,40 +387,47 @@ def _register(accelerator: Any, model: shared.EngineModule) -> None:
     accelerator.register_load_state_pre_hook(load)
 
 
-def prepare(
-    accelerator: Any,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    dataloader: Any = None,
-    scheduler: Any = None,
-    *,
-    config: Any,
-    **auto: Any,
-) -> tuple[shared.EngineModule, EngineOptimizer, Any, EngineScheduler | None]:
-    """``accelerator.prepare`` for a model trained by infinity: returns ``(model, optimizer, dataloader,
-    scheduler)``. The dataloader goes through ``accelerator.prepare`` (sharded over the ranks); the
-    model and optimizer become an infinity engine (``infinity.initialize(model, config, optimizer,
-    lr_scheduler=scheduler)``), "auto" values filled as Accelerate's DeepSpeed plugin fills them; other
-    keyword arguments fill "auto" values too (``lr=``, ``warmup_num_steps=``...). ``optimizer=None``:
-    the config's optimizer section. See the module docstring for the loop and what is patched."""
+def prepare(accelerator: Any, *objects: Any, config: Any, **auto: Any) -> Any:
+    """``accelerator.prepare(*objects)`` for a model trained by infinity: returns as many objects as it
+    is given, in their order (one object bare, as Accelerate returns it). The model (one) and its
+    optimizer become an infinity engine (``infinity.initialize(model, config, optimizer,
+    lr_scheduler=scheduler)``): the model comes back as the engine's ``EngineModule``, the optimizer as
+    ``EngineOptimizer``, the lr scheduler as ``EngineScheduler``; dataloaders go through
+    ``accelerator.prepare`` (sharded over the ranks). "auto" values are filled as Accelerate's DeepSpeed
+    plugin fills them (the micro-batch from the first dataloader); keyword arguments fill "auto" values
+    too (``lr=``, ``warmup_num_steps=``...). Accelerate's ``DummyOptim`` / ``DummyScheduler`` stand for
+    the config's optimizer / scheduler sections, as with its DeepSpeed plugin. See the module docstring
+    for the loop and what is patched."""
     _check_accelerator(accelerator)
-    _refuse_wrapped(accelerator, model, optimizer, scheduler)
+    model, optimizer, scheduler, dataloaders = _sort(accelerator, objects)
     cfg = _read(config)
-    values = {**auto_values(accelerator, cfg, dataloader), **auto}
-    if optimizer is not None:
-        optimizer._opt_called = True  # type: ignore[attr-defined]  # [Note: the engine steps in the optimizer's place]
-    shared.make_default_nvme_path(cfg)
-    engine = infinity.initialize(model, cfg, optimizer=optimizer, lr_scheduler=scheduler, **values)
+    values = {**auto_values(accelerator, cfg, dataloaders[0] if dataloaders else None),
+              **_placeholder_values(accelerator, cfg, optimizer, scheduler), **auto}
+    engine = _shared.build_engine(
+        model, cfg, optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+        lr_scheduler=scheduler if isinstance(scheduler, LRScheduler) else None, **values)
     if not isinstance(engine, Engine):
         engine.close()
         raise ValueError("nothing to train: the config has no optimizer and none was passed (for a frozen "
                          "model use prepare_frozen(model, config))")
-    em = shared.EngineModule(engine)
+    em = _shared.EngineModule(engine)
     _register(accelerator, em)
     # After the engine: a refused config leaves no dataloader registered with the Accelerator.
-    prepared_loader = accelerator.prepare(dataloader) if dataloader is not None else None
-    wrapped = EngineScheduler(engine.lr_scheduler) if engine.lr_scheduler is not None else None
-    return em, EngineOptimizer(em), prepared_loader, wrapped
+    prepared_loaders = {id(d): accelerator.prepare(d) for d in dataloaders}
+    out: list[Any] = []
+    for obj in objects:
+        if obj is model:
+            out.append(em)
+        elif obj is optimizer:
+            out.append(EngineOptimizer(em))
+        elif obj is scheduler:
+            if engine.lr_scheduler is None:
+                raise ValueError("a scheduler was passed and the engine has none: pass a torch lr scheduler, or a "
+                                 "DummyScheduler with a scheduler section in the config")
+            out.append(EngineScheduler(engine.lr_scheduler))
+        else:
+            out.append(prepared_loaders[id(obj)])
+    return out[0] if len(out) == 1 else tuple(out)
 
 
 def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **auto: Any) -> InferenceEngine:
@@ -327,10 +439,10 @@ def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare_frozen() takes an nn.Module, not {type(model).__name__}")
     cfg = _read(config)
-    if shared.zero_stage(cfg) != 3:
+    if _shared.zero_stage(cfg) != 3:
         raise ValueError(
             f"prepare_frozen serves the model from ZeRO stage-3 shards; the config has stage "
-            f"{shared.zero_stage(cfg)}: set zero_optimization.stage to 3 (with offload_param device 'nvme' "
+            f"{_shared.zero_stage(cfg)}: set zero_optimization.stage to 3 (with offload_param device 'nvme' "
             "to keep the parameters on NVMe)"
         )
     if "optimizer" in cfg or "scheduler" in cfg:
@@ -341,10 +453,9 @@ def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **
         _check_accelerator(accelerator)
         values.update(_precision(cfg, accelerator.mixed_precision))
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if shared.is_auto(cfg.get(key)):
+        if _shared.is_auto(cfg.get(key)):
             values[key] = 1
     model.requires_grad_(False)
-    shared.make_default_nvme_path(cfg)
-    engine = infinity.initialize(model, copy.deepcopy(cfg), **{**values, **auto})
+    engine = _shared.build_engine(model, copy.deepcopy(cfg), **{**values, **auto})
     assert isinstance(engine, InferenceEngine), "stage 3 without an optimizer builds the inference engine"
     return engine

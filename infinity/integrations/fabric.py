@@ -56,7 +56,8 @@ from lightning.fabric.utilities.load import _move_state_into
 from torch import nn
 
 from infinity.engine import Engine
-from infinity.integrations import _lightning_shared as shared
+from infinity.integrations import _lightning_shared as lightning_shared
+from infinity.integrations import _shared
 
 __all__ = ["InfinityFabricPrecision", "InfinityFabricStrategy"]
 
@@ -72,26 +73,26 @@ class InfinityFabricPrecision(Precision):
     inputs and buffers are cast to it, outputs back to the default dtype."""
 
     def __init__(self, precision: str = "32-true") -> None:
-        self._dtype, _ = shared.check_precision(precision, "InfinityFabricStrategy")
+        self._dtype, _ = lightning_shared.check_precision(precision, "InfinityFabricStrategy")
         self.precision = precision  # type: ignore[assignment]
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return shared.cast_floating_buffers(module, self._dtype)
+        return lightning_shared.cast_floating_buffers(module, self._dtype)
 
     def convert_input(self, data: Any) -> Any:
-        return shared.convert_floats(data, self._dtype)
+        return lightning_shared.convert_floats(data, self._dtype)
 
     def convert_output(self, data: Any) -> Any:
-        return shared.convert_floats(data, torch.get_default_dtype())
+        return lightning_shared.convert_floats(data, torch.get_default_dtype())
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
+        return lightning_shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return self.tensor_init_context()
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(model, shared.EngineModule):
+        if not isinstance(model, _shared.EngineModule):
             raise TypeError("InfinityFabricPrecision back-propagates through the engine of a model set up with "
                             "InfinityFabricStrategy; pass that model: fabric.backward(loss, model=model)")
         model.backward(tensor)
@@ -104,7 +105,7 @@ def _as_infinity_precision(plugin: Precision | None) -> InfinityFabricPrecision 
         return InfinityFabricPrecision(plugin.precision)
     raise ValueError(
         f"InfinityFabricStrategy cannot use the precision plugin {type(plugin).__name__} (precision "
-        f"{getattr(plugin, 'precision', '?')!r}): the engine trains in {', '.join(shared.PRECISIONS)}; pass "
+        f"{getattr(plugin, 'precision', '?')!r}): the engine trains in {', '.join(lightning_shared.PRECISIONS)}; pass "
         "Fabric(precision=...) with one of those"
     )
 
@@ -133,7 +134,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         offload_params_device: str = "cpu",
-        nvme_path: str = shared.DEFAULT_NVME_PATH,
+        nvme_path: str = _shared.DEFAULT_NVME_PATH,
         params_buffer_count: int | None = None,
         params_buffer_size: int | None = None,
         max_in_cpu: int | None = None,
@@ -174,7 +175,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         start_method: str = "popen",
     ) -> None:
-        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for shared.configure_strategy
+        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -185,8 +186,8 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             start_method=start_method,  # type: ignore[arg-type]
         )
         self._backward_sync_control = _EngineAccumulation()
-        shared.configure_strategy(self, args)
-        self._engine_modules: list[shared.EngineModule] = []
+        lightning_shared.configure_strategy(self, args)
+        self._engine_modules: list[_shared.EngineModule] = []
 
     # -- precision ---------------------------------------------------------------------
 
@@ -203,10 +204,10 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
 
     @property
     def zero_stage_3(self) -> bool:
-        return shared.zero_stage(self.config) == 3
+        return _shared.zero_stage(self.config) == 3
 
     @property
-    def model(self) -> shared.EngineModule | None:
+    def model(self) -> _shared.EngineModule | None:
         """The last model set up (Fabric's DeepSpeed strategy calls it its engine)."""
         return self._engine_modules[-1] if self._engine_modules else None
 
@@ -221,9 +222,9 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
     def _format_config(self) -> None:
         if self._config_formatted:
             return
-        if shared.is_auto(self.config.get("train_micro_batch_size_per_gpu", "auto")):
+        if _shared.is_auto(self.config.get("train_micro_batch_size_per_gpu", "auto")):
             self.config["train_micro_batch_size_per_gpu"] = 1
-        shared.add_precision(self.config, self.precision.precision, strategy="InfinityFabricStrategy",
+        lightning_shared.add_precision(self.config, self.precision.precision, strategy="InfinityFabricStrategy",
                              fp16=self._fp16)
         self._config_formatted = True
 
@@ -234,17 +235,17 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             raise ValueError(f"InfinityFabricStrategy trains one module with one optimizer; got {len(optimizers)} "
                              "optimizers (set up each model with its own optimizer)")
         self._format_config()
-        engine = shared.build_engine(module, self.config, optimizer=optimizers[0], lr_scheduler=scheduler)
+        engine = _shared.build_engine(module, self.config, optimizer=optimizers[0], lr_scheduler=scheduler)
         return self._keep(engine), [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A module without an optimizer (evaluation): the engine that already trains it, or a new one."""
         self._format_config()
-        engine = shared.engine_of(module) or shared.build_engine(module, shared.evaluation_config(self.config))
+        engine = _shared.engine_of(module) or _shared.build_engine(module, lightning_shared.evaluation_config(self.config))
         return self._keep(engine)
 
-    def _keep(self, engine: Engine) -> shared.EngineModule:
-        em = shared.EngineModule(engine)
+    def _keep(self, engine: Engine) -> _shared.EngineModule:
+        em = _shared.EngineModule(engine)
         self._engine_modules.append(em)
         return em
 
@@ -270,12 +271,12 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
 
     def module_sharded_context(self) -> contextlib.AbstractContextManager:
         self._format_config()
-        return shared.sharded_context(self.config, self.remote_device, self.nvme_path)
+        return lightning_shared.sharded_context(self.config, self.remote_device, self.nvme_path)
 
     # -- the step ------------------------------------------------------------------------
 
-    def _engine_module(self, module: nn.Module | None) -> shared.EngineModule:
-        if isinstance(module, shared.EngineModule):
+    def _engine_module(self, module: nn.Module | None) -> _shared.EngineModule:
+        if isinstance(module, _shared.EngineModule):
             return module
         if module is None and len(self._engine_modules) == 1:
             return self._engine_modules[0]
@@ -317,8 +318,8 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
 
     # -- checkpoints -------------------------------------------------------------------
 
-    def _the_engine_module(self, state: Mapping[str, Any], verb: str) -> shared.EngineModule:
-        found = [v for v in state.values() if isinstance(v, shared.EngineModule)]
+    def _the_engine_module(self, state: Mapping[str, Any], verb: str) -> _shared.EngineModule:
+        found = [v for v in state.values() if isinstance(v, _shared.EngineModule)]
         if len(found) != 1:
             raise ValueError(
                 f"fabric.{verb}(path, state) with InfinityFabricStrategy needs exactly one model set up by it in "
@@ -339,7 +340,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         path = self.broadcast(path)
         rest = {k: v for k, v in state.items() if v is not em and v is not em.engine.optimizer}
         rest = self._convert_stateful_objects_in_state(rest, filter={})
-        shared.save_client_state(em.engine, path, rest, what="Fabric state")
+        _shared.save_client_state(em.engine, path, rest, what="Fabric state")
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -349,9 +350,9 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         em = self._the_engine_module(state, "load")
         if self.load_full_weights:
             return self._load_full_weights(path, state, em, strict, weights_only)
-        shared.check_checkpoint_dir(path, single_file_hint="load it with InfinityFabricStrategy(load_full_weights=True)")
+        _shared.check_checkpoint_dir(path, single_file_hint="load it with InfinityFabricStrategy(load_full_weights=True)")
         with_optimizer = any(v is em.engine.optimizer for v in state.values())
-        client_state = em.engine.load_checkpoint(path, tag=shared.TAG, load_optimizer_states=with_optimizer,
+        client_state = em.engine.load_checkpoint(path, tag=_shared.TAG, load_optimizer_states=with_optimizer,
                                                  load_lr_scheduler_states=with_optimizer,
                                                  load_module_only=not with_optimizer)
         if not isinstance(client_state, dict):
@@ -363,7 +364,7 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         _move_state_into(source=client_state, destination=state, keys=keys)
         return client_state
 
-    def _load_full_weights(self, path: Any, state: dict[str, Any], em: shared.EngineModule, strict: bool,
+    def _load_full_weights(self, path: Any, state: dict[str, Any], em: _shared.EngineModule, strict: bool,
                            weights_only: bool | None) -> dict[str, Any]:
         if not self.zero_stage_3:
             raise ValueError("load_full_weights reads a whole-model file into the stage-3 shards; under stages 0-2 "
@@ -377,12 +378,12 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             _move_state_into(source=checkpoint, destination=state, keys=others)
         else:  # a bare state_dict
             weights, checkpoint = checkpoint, {}
-        shared.load_gathered(em.module, weights, strict=strict, rank=self.global_rank, broadcast=self.broadcast)
+        lightning_shared.load_gathered(em.module, weights, strict=strict, rank=self.global_rank, broadcast=self.broadcast)
         return checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        shared.register_names(strategy_registry, cls)
+        lightning_shared.register_names(strategy_registry, cls)
 
 
-shared.register_names(STRATEGY_REGISTRY, InfinityFabricStrategy)
+lightning_shared.register_names(STRATEGY_REGISTRY, InfinityFabricStrategy)

@@ -64,7 +64,8 @@ from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, 
 from torch.optim import LBFGS
 
 from infinity.engine import Engine
-from infinity.integrations import _lightning_shared as shared
+from infinity.integrations import _lightning_shared as lightning_shared
+from infinity.integrations import _shared
 
 __all__ = ["InfinityPrecision", "InfinityStrategy"]
 
@@ -81,17 +82,17 @@ class InfinityPrecision(Precision):
     """
 
     def __init__(self, precision: str = "32-true") -> None:
-        self._dtype, _ = shared.check_precision(precision, "InfinityStrategy")
+        self._dtype, _ = lightning_shared.check_precision(precision, "InfinityStrategy")
         self.precision = precision  # type: ignore[assignment]
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return shared.cast_floating_buffers(module, self._dtype)
+        return lightning_shared.cast_floating_buffers(module, self._dtype)
 
     def convert_input(self, data: Any) -> Any:
-        return shared.convert_floats(data, self._dtype)
+        return lightning_shared.convert_floats(data, self._dtype)
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
+        return lightning_shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return self.tensor_init_context()
@@ -143,7 +144,7 @@ def _as_infinity_precision(plugin: Precision | None) -> InfinityPrecision | None
         return InfinityPrecision(plugin.precision)
     raise ValueError(
         f"InfinityStrategy cannot use the precision plugin {type(plugin).__name__} (precision "
-        f"{getattr(plugin, 'precision', '?')!r}): the engine trains in {', '.join(shared.PRECISIONS)}; pass "
+        f"{getattr(plugin, 'precision', '?')!r}): the engine trains in {', '.join(lightning_shared.PRECISIONS)}; pass "
         "Trainer(precision=...) with one of those"
     )
 
@@ -172,7 +173,7 @@ class InfinityStrategy(DDPStrategy):
         offload_optimizer: bool = False,
         offload_parameters: bool = False,
         offload_params_device: str = "cpu",
-        nvme_path: str = shared.DEFAULT_NVME_PATH,
+        nvme_path: str = _shared.DEFAULT_NVME_PATH,
         params_buffer_count: int | None = None,
         params_buffer_size: int | None = None,
         max_in_cpu: int | None = None,
@@ -216,7 +217,7 @@ class InfinityStrategy(DDPStrategy):
         cpu_offload_params: bool | None = None,
         cpu_offload_use_pin_memory: bool | None = None,
     ) -> None:
-        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for shared.configure_strategy
+        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -230,8 +231,8 @@ class InfinityStrategy(DDPStrategy):
                             ("pin_memory", cpu_offload_use_pin_memory)):  # Lightning 1.x's names
             if alias is not None:
                 args[name] = alias
-        shared.configure_strategy(self, args)
-        self._engine_module: shared.EngineModule | None = None
+        lightning_shared.configure_strategy(self, args)
+        self._engine_module: _shared.EngineModule | None = None
 
     # -- precision -------------------------------------------------------------------
 
@@ -252,7 +253,7 @@ class InfinityStrategy(DDPStrategy):
         return self._engine_module.engine if self._engine_module is not None else None
 
     @property
-    def engine_module(self) -> shared.EngineModule:
+    def engine_module(self) -> _shared.EngineModule:
         if self._engine_module is None:
             raise RuntimeError("InfinityStrategy has no engine yet: it is built when the Trainer sets up "
                                "(trainer.fit/validate/test/predict)")
@@ -260,7 +261,7 @@ class InfinityStrategy(DDPStrategy):
 
     @property
     def zero_stage_3(self) -> bool:
-        return shared.zero_stage(self.config) == 3
+        return _shared.zero_stage(self.config) == 3
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -301,14 +302,14 @@ class InfinityStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         cfg = self.config
         if trainer is not None:
-            shared.fill(cfg, "gradient_accumulation_steps", trainer.accumulate_grad_batches,
+            lightning_shared.fill(cfg, "gradient_accumulation_steps", trainer.accumulate_grad_batches,
                         source=f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})")
             if trainer.gradient_clip_val is not None:
-                shared.fill(cfg, "gradient_clipping", float(trainer.gradient_clip_val),
+                lightning_shared.fill(cfg, "gradient_clipping", float(trainer.gradient_clip_val),
                             source=f"Trainer(gradient_clip_val={trainer.gradient_clip_val})")
-            if shared.is_auto(cfg.get("train_micro_batch_size_per_gpu", "auto")):
+            if _shared.is_auto(cfg.get("train_micro_batch_size_per_gpu", "auto")):
                 cfg["train_micro_batch_size_per_gpu"] = self._auto_select_batch_size(trainer)
-        shared.add_precision(cfg, self.precision_plugin.precision, strategy="InfinityStrategy", fp16=self._fp16)
+        lightning_shared.add_precision(cfg, self.precision_plugin.precision, strategy="InfinityStrategy", fp16=self._fp16)
         self._config_formatted = trainer is not None
 
     @staticmethod
@@ -339,27 +340,27 @@ class InfinityStrategy(DDPStrategy):
         module = self.lightning_module
         self.model = self.precision_plugin.convert_module(module)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._engine_module = shared.EngineModule(self._engine_for(module, fitting, trainer))
+        self._engine_module = _shared.EngineModule(self._engine_for(module, fitting, trainer))
         self.model = self._engine_module
         self.setup_precision_plugin()
         self.barrier()
 
     def _engine_for(self, module: LightningModule, fitting: bool, trainer: Trainer) -> Engine:
-        existing = shared.engine_of(module)
+        existing = _shared.engine_of(module)
         if existing is not None and (not fitting or (self.engine is existing)):
             return existing  # evaluation after fit, or fit again with this Trainer: the engine carries on
         if not fitting:
-            return shared.build_engine(module, shared.evaluation_config(self.config))
+            return _shared.build_engine(module, lightning_shared.evaluation_config(self.config))
         if "optimizer" in self.config:
             rank_zero_info("the config has an 'optimizer' section: it is used, and configure_optimizers is not called")
             self.optimizers, self.lr_scheduler_configs = [], []
-            engine = shared.build_engine(module, self.config)
+            engine = _shared.build_engine(module, self.config)
         else:
             super().setup_optimizers(trainer)  # configure_optimizers
             if len(self.optimizers) != 1:
                 raise MisconfigurationException(
                     f"InfinityStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}")
-            engine = shared.build_engine(module, self.config, optimizer=self.optimizers[0])
+            engine = _shared.build_engine(module, self.config, optimizer=self.optimizers[0])
         # Lightning steps the user's lr scheduler; it moves the shared param group dicts.
         self.optimizers = [engine.optimizer]
         return engine
@@ -407,7 +408,7 @@ class InfinityStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """configure_model / configure_sharded_model run under ``infinity.zero.Init`` at stage 3."""
         self._format_config()
-        with shared.sharded_context(self.config, self.remote_device, self.nvme_path):
+        with lightning_shared.sharded_context(self.config, self.remote_device, self.nvme_path):
             yield
 
     # -- checkpoints -------------------------------------------------------------------
@@ -424,16 +425,16 @@ class InfinityStrategy(DDPStrategy):
                             "the engine writes the checkpoint itself, without a CheckpointIO")
         filepath = self.broadcast(filepath)
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        shared.save_client_state(self.engine_module.engine, filepath, client_state, what="Lightning checkpoint")
+        _shared.save_client_state(self.engine_module.engine, filepath, client_state, what="Lightning checkpoint")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if self.load_full_weights:
             return super().load_checkpoint(self.broadcast(checkpoint_path), weights_only)
-        shared.check_checkpoint_dir(checkpoint_path, single_file_hint=(
+        _shared.check_checkpoint_dir(checkpoint_path, single_file_hint=(
             "load it with InfinityStrategy(load_full_weights=True)"))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         client_state = self.engine_module.engine.load_checkpoint(
-            checkpoint_path, tag=shared.TAG, load_optimizer_states=fitting, load_lr_scheduler_states=fitting,
+            checkpoint_path, tag=_shared.TAG, load_optimizer_states=fitting, load_lr_scheduler_states=fitting,
             load_module_only=not fitting)
         if not isinstance(client_state, dict):
             raise MisconfigurationException(f"{str(checkpoint_path)!r} is an infinity checkpoint without Lightning's "
@@ -449,7 +450,7 @@ class InfinityStrategy(DDPStrategy):
         if not self.zero_stage_3:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        shared.load_gathered(self.lightning_module, checkpoint["state_dict"], strict=strict, rank=self.global_rank,
+        lightning_shared.load_gathered(self.lightning_module, checkpoint["state_dict"], strict=strict, rank=self.global_rank,
                        broadcast=self.broadcast)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -461,7 +462,7 @@ class InfinityStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        shared.register_names(strategy_registry, cls)
+        lightning_shared.register_names(strategy_registry, cls)
 
 
-shared.register_names(StrategyRegistry, InfinityStrategy)
+lightning_shared.register_names(StrategyRegistry, InfinityStrategy)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.utils.data import DataLoader
 
 import infinity
@@ -91,12 +92,10 @@ def test_auto_values_are_filled_as_accelerates_deepspeed_plugin_fills_them(nvme_
            "zero_optimization": {"stage": 2}}
     torch.manual_seed(0)
     model = tiny_gpt()
-    model, opt, dl, sched = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader(),
-                                    config=cfg)
+    model, opt, dl = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader(), config=cfg)
     c = model.engine.config
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (2, 3, 6)
     assert c.gradient_clipping == 1.0 and c.bf16.enabled and not c.fp16.enabled
-    assert sched is None
     model.engine.close()
 
 
@@ -104,12 +103,14 @@ def test_auto_values_are_filled_as_accelerates_deepspeed_plugin_fills_them(nvme_
 def test_a_guides_config_unchanged_with_its_optimizer_and_schedule(mixed_precision, nvme_dir):
     """The zero2_offload_cpu.json users copy from DeepSpeed's guides (optimizer and WarmupLR sections,
     "auto" everywhere, bf16 under its alias bfloat16): optimizer=None uses the config's, keyword
-    arguments fill what Accelerate's DummyOptim/DummyScheduler would."""
+    Accelerate's DummyOptim/DummyScheduler stand for its optimizer and scheduler sections and fill
+    their "auto" values, as with Accelerate's DeepSpeed plugin."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = tiny_gpt()
-    model, opt, dl, sched = prepare(accelerator, model, None, loader(), config=CONFIGS / "zero2_offload_cpu.json",
-                                    lr=1e-3, warmup_num_steps=2)
+    dummy = DummyOptim(model.parameters(), lr=1e-3)
+    model, opt, dl, sched = prepare(accelerator, model, dummy, loader(), DummyScheduler(dummy, warmup_num_steps=2),
+                                    config=CONFIGS / "zero2_offload_cpu.json")
     c = model.engine.config
     assert c.bf16.enabled is (mixed_precision == "bf16") and not c.fp16.enabled
     assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.gradient_clipping) == (2, GAS, 1.0)
@@ -198,7 +199,7 @@ def test_two_trained_models_on_one_accelerator(tmp_path, nvme_dir):
     for seed in (0, 1):
         torch.manual_seed(seed)
         model = tiny_gpt()
-        model, opt, dl, _ = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+        model, opt, dl = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                                     loader(), config=auto_config(nvme_dir, stage=2, offload="cpu"))
         prepared.append((model, opt))
     x, y = next(iter(dl))
