@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from infinity.config import ConfigError
-from infinity.estimate import estimate_inference, estimate_memory
+from infinity.estimate import estimate_memory
+from infinity.inference import estimate_inference
 from infinity.models import GPTConfig
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -40,7 +40,9 @@ class ModelSpec:
 
 def _num_params(module: nn.Module) -> int:
     shapes = placeholder_shapes(module)
-    return sum(shapes[p].numel() if p in shapes else p.numel() for p in dict.fromkeys(module.parameters()))
+    return sum(
+        shapes[p].numel() if p in shapes else p.numel() for p in dict.fromkeys(module.parameters())
+    )
 
 
 def _meta_gpt(cfg: GPTConfig) -> nn.Module:
@@ -67,7 +69,9 @@ def describe_model(
             if p.device.type == "cpu" and p not in placeholders
         )
         gpt = model.cfg if isinstance(model, GPT) else model_config
-        return ModelSpec(model, _num_params(model), built, gpt, f"{type(model).__name__} (module)", live=True)
+        return ModelSpec(
+            model, _num_params(model), built, gpt, f"{type(model).__name__} (module)", live=True
+        )
     if isinstance(model, GPTConfig):
         model_config, model = model, None
     if model is None:
@@ -75,7 +79,9 @@ def describe_model(
         desc = "GPT (model config)"
     else:
         if isinstance(model, bool) or not isinstance(model, (int, float)) or not model >= 1:
-            raise ValueError(f"the model must be an nn.Module, a GPTConfig or a parameter count >= 1; got {model!r}")
+            raise ValueError(
+                f"the model must be an nn.Module, a GPTConfig or a parameter count >= 1; got {model!r}"
+            )
         if model_config is not None:
             cfg = model_config
             desc = "GPT (model config)"

@@ -97,8 +97,12 @@ class _Tally:
     nbytes: dict[int, int] = dataclasses.field(default_factory=dict)
     region: dict[int, int | None] = dataclasses.field(default_factory=dict)
     layer: dict[int, int | None] = dataclasses.field(default_factory=dict)
-    layer_inputs: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # layer -> storage -> nbytes
-    region_inputs: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # region -> storage -> nbytes
+    layer_inputs: dict[int, dict[int, int]] = dataclasses.field(
+        default_factory=dict
+    )  # layer -> storage -> nbytes
+    region_inputs: dict[int, dict[int, int]] = dataclasses.field(
+        default_factory=dict
+    )  # region -> storage -> nbytes
     regions: int = 0
     allocated: dict[int | None, int] = dataclasses.field(default_factory=dict)
     """Bytes of every new tensor made in each layer (None: outside layers), saved or not."""
@@ -158,15 +162,31 @@ def model_activations(
     traced = None
     if spec.live:
         try:
-            traced = traced_activations(spec.module, micro_batch=micro_batch, seq=seq, dtype=dtype,
-                                        shapes=placeholder_shapes(spec.module), inputs=inputs)
-        except Exception as e:  # a forward fake tensors cannot run (data-dependent Python control flow)
-            log.warning("activations of %s are not counted: its forward could not run on fake tensors (%s: %s); "
-                        "the estimate leaves them out", type(spec.module).__name__, type(e).__name__, e)
-    if spec.gpt is not None:  # infinity GPT's coefficients are measured; the trace says if it checkpoints
+            traced = traced_activations(
+                spec.module,
+                micro_batch=micro_batch,
+                seq=seq,
+                dtype=dtype,
+                shapes=placeholder_shapes(spec.module),
+                inputs=inputs,
+            )
+        except (
+            Exception
+        ) as e:  # a forward fake tensors cannot run (data-dependent Python control flow)
+            log.warning(
+                "activations of %s are not counted: its forward could not run on fake tensors (%s: %s); "
+                "the estimate leaves them out",
+                type(spec.module).__name__,
+                type(e).__name__,
+                e,
+            )
+    if (
+        spec.gpt is not None
+    ):  # infinity GPT's coefficients are measured; the trace says if it checkpoints
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return gpt_activations(spec.gpt, micro_batch=micro_batch, seq=seq, itemsize=itemsize), bool(
-            traced and traced[1])
+            traced and traced[1]
+        )
     return traced if traced is not None else (None, False)
 
 
@@ -185,15 +205,21 @@ def max_context(model: nn.Module) -> int | None:
 def default_inputs(model: nn.Module) -> Inputs | None:
     """The forward arguments of a model whose inputs are known (infinity GPT, transformers LMs)."""
     if isinstance(model, GPT):
+
         def gpt(b: int, t: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             idx = torch.zeros(b, t, dtype=torch.long)
             return (idx, idx), {}
+
         return gpt
     config = getattr(model, "config", None)
-    if getattr(model, "main_input_name", None) == "input_ids" and getattr(config, "vocab_size", None):
+    if getattr(model, "main_input_name", None) == "input_ids" and getattr(
+        config, "vocab_size", None
+    ):
+
         def hf(b: int, t: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             ids = torch.zeros(b, t, dtype=torch.long)
             return (), {"input_ids": ids, "labels": ids}
+
         return hf
     return None
 
@@ -244,23 +270,35 @@ def count_saved(
         if layer is not None:
             by_layer[layer] += nbytes
     for kind, index in units:
-        unit_inputs.update(tally.layer_inputs.get(index, {}) if kind == "layer" else tally.region_inputs[index])
+        unit_inputs.update(
+            tally.layer_inputs.get(index, {}) if kind == "layer" else tally.region_inputs[index]
+        )
     saved = sum(tally.nbytes.values())
     # A unit's inputs stay alive to its recomputation (a reentrant checkpoint saves them, a
     # non-reentrant one holds them): counted unless a save outside every region counted them already.
-    inputs_inside = sum(n for k, n in unit_inputs.items() if k not in tally.nbytes or tally.region[k] is not None)
+    inputs_inside = sum(
+        n for k, n in unit_inputs.items() if k not in tally.nbytes or tally.region[k] is not None
+    )
     kept = saved - sum(units.values()) + inputs_inside if units else saved
-    all_layer_inputs = {k: n for per_layer in tally.layer_inputs.values() for k, n in per_layer.items()}
+    all_layer_inputs = {
+        k: n for per_layer in tally.layer_inputs.values() for k, n in per_layer.items()
+    }
     outside = [n for k, n in tally.nbytes.items() if tally.layer[k] is None]
     return SavedCount(
         saved=saved,
         kept=kept,
         largest_region=max(units.values(), default=0),
         layers=tuple(by_layer),
-        layer_inputs=sum(n for k, n in all_layer_inputs.items() if k not in tally.nbytes or tally.layer[k] is not None),
+        layer_inputs=sum(
+            n
+            for k, n in all_layer_inputs.items()
+            if k not in tally.nbytes or tally.layer[k] is not None
+        ),
         outside_layers=sum(outside),
         largest_outside=max(outside, default=0),
-        transient=max((tally.allocated.get(i, 0) - by_layer[i] for i in range(n_layers)), default=0),
+        transient=max(
+            (tally.allocated.get(i, 0) - by_layer[i] for i in range(n_layers)), default=0
+        ),
         checkpoints=bool(units),
     )
 
@@ -276,20 +314,30 @@ def traced_activations(
 ) -> tuple[Activations, bool] | None:
     """(activations, whether the model checkpoints) for one micro-batch: count_saved's figures with
     the allocator's margins ([Note: counting saved tensors]); None where count_saved gives None."""
-    count = count_saved(model, micro_batch=micro_batch, seq=seq, dtype=dtype, shapes=shapes, inputs=inputs)
+    count = count_saved(
+        model, micro_batch=micro_batch, seq=seq, dtype=dtype, shapes=shapes, inputs=inputs
+    )
     if count is None:
         return None
     largest_layer = max(count.layers, default=0)
     # [Note: the CPU heap's margin]: 1.25 × the layers' saves without checkpointing, one layer's
     # transient with it (which also holds the recomputed unit's gradients).
     if count.checkpoints:
-        saved_checkpointed = count.kept + count.largest_region + max(count.transient, count.largest_region)
+        saved_checkpointed = (
+            count.kept + count.largest_region + max(count.transient, count.largest_region)
+        )
     else:
-        saved_checkpointed = (count.outside_layers + count.layer_inputs + largest_layer
-                              + max(count.transient, largest_layer))
+        saved_checkpointed = (
+            count.outside_layers
+            + count.layer_inputs
+            + largest_layer
+            + max(count.transient, largest_layer)
+        )
     itemsize = _itemsize(dtype)
-    working = (WORK_LOGITS_TENTHS * count.largest_outside // 10
-               + WORK_BTD * largest_layer * 4 // itemsize // SAVED_PER_BLOCK)
+    working = (
+        WORK_LOGITS_TENTHS * count.largest_outside // 10
+        + WORK_BTD * largest_layer * 4 // itemsize // SAVED_PER_BLOCK
+    )
     return Activations(
         micro_batch=micro_batch,
         seq=seq,
@@ -304,7 +352,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def _meta_state(model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter, torch.Size]) -> dict[str, Any]:
+def _meta_state(
+    model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter, torch.Size]
+) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, p in model.named_parameters():  # a tied parameter once: functional_call ties the rest
         shape = shapes.get(p, p.shape)
@@ -315,14 +365,26 @@ def _meta_state(model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter,
     return state
 
 
-def _trace(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dtype,
-           shapes: dict[nn.Parameter, torch.Size]) -> _Tally:
+def _trace(
+    model: nn.Module,
+    make: Inputs,
+    b: int,
+    t: int,
+    dtype: torch.dtype,
+    shapes: dict[nn.Parameter, torch.Size],
+) -> _Tally:
     with FakeTensorMode(allow_non_fake_inputs=True):
         return _trace_fake(model, make, b, t, dtype, shapes)
 
 
-def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dtype,
-                shapes: dict[nn.Parameter, torch.Size]) -> _Tally:
+def _trace_fake(
+    model: nn.Module,
+    make: Inputs,
+    b: int,
+    t: int,
+    dtype: torch.dtype,
+    shapes: dict[nn.Parameter, torch.Size],
+) -> _Tally:
     state = _meta_state(model, dtype, shapes)
     excluded = {v.untyped_storage()._cdata for v in state.values()}
     tally = _Tally()
@@ -355,7 +417,9 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
             for a in list(args) + list(kwargs.values()):
                 if isinstance(a, torch.Tensor):
                     tally.alive.append(a)
-                    tally.region_inputs[region][a.untyped_storage()._cdata] = a.untyped_storage().nbytes()
+                    tally.region_inputs[region][a.untyped_storage()._cdata] = (
+                        a.untyped_storage().nbytes()
+                    )
         layer = layer_index.get(id(module), parent["layer"])
         if id(module) in layer_index:
             for a in list(args) + list(kwargs.values()):
@@ -366,7 +430,9 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         torch.set_grad_enabled(True)
-        stack.append({"region": region, "layer": layer, "hooks": hooks, "grad": grad_was, "module": module})
+        stack.append(
+            {"region": region, "layer": layer, "hooks": hooks, "grad": grad_was, "module": module}
+        )
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         while stack:
@@ -377,12 +443,16 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
                 break
 
     class Allocations(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             out = func(*args, **(kwargs or {}))
             layer = stack[-1]["layer"] if stack else None
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor) and o._base is None:
-                    tally.allocated[layer] = tally.allocated.get(layer, 0) + o.untyped_storage().nbytes()
+                    tally.allocated[layer] = (
+                        tally.allocated.get(layer, 0) + o.untyped_storage().nbytes()
+                    )
             return out
 
     handles = []
@@ -391,7 +461,11 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
         handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
     args, kwargs = make(b, t)
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), Allocations():
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+            Allocations(),
+        ):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for h in handles:

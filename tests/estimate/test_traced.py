@@ -11,7 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from infinity.estimate import Setting, estimate_memory, gpt_activations
+from infinity.estimate import ZeroSetting, estimate_memory, gpt_activations
 from infinity.estimate.traced import HEAP_MARGIN_QUARTERS, count_saved, traced_activations
 from infinity.models import GPT, GPTConfig
 
@@ -130,7 +130,7 @@ def test_a_plain_module_with_given_inputs_is_counted_as_torch_sees_it(mode):
 def test_a_model_whose_inputs_are_not_known_is_not_counted():
     assert count_saved(Stack(), micro_batch=B, seq=T, dtype=torch.float32) is None
     est = estimate_memory(Stack(), micro_batch=B, seq=T, device="cpu", machine=False, baseline_nbytes=0,
-                          settings=[Setting(0, "none", "none")])
+                          settings=[ZeroSetting(0, "none", "none")])
     assert est.activations is None
 
 
@@ -142,7 +142,7 @@ def test_the_training_dtype_is_counted_as_a_model_in_it_saves():
 
 def test_the_estimate_counts_as_the_model_checkpoints():
     """activation_checkpointing=None follows the module; True/False override it; checkpointing costs less."""
-    kw = dict(micro_batch=B, seq=T, device="cpu", machine=False, baseline_nbytes=0, settings=[Setting(0, "none", "none")])
+    kw = dict(micro_batch=B, seq=T, device="cpu", machine=False, baseline_nbytes=0, settings=[ZeroSetting(0, "none", "none")])
     plain = estimate_memory(_gpt2(), **kw)
     ckpt = estimate_memory(_gpt2("non_reentrant"), **kw)
     assert not plain.checkpointing and ckpt.checkpointing
@@ -152,7 +152,7 @@ def test_the_estimate_counts_as_the_model_checkpoints():
     assert not estimate_memory(_gpt2("reentrant"), activation_checkpointing=False, **kw).checkpointing
 
     def item(est):
-        return next(i.nbytes for i in est.settings[0].plan.items if i.name == "activations saved for backward")
+        return next(i.nbytes for i in est.settings[0].breakdown.items if i.name == "activations saved for backward")
 
     assert item(ckpt) == ckpt.activations.saved_checkpointed < item(plain) == plain.activations.saved
 
@@ -172,7 +172,7 @@ def test_infinity_gpt_keeps_its_measured_coefficients():
     cfg = GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=64)
     torch.manual_seed(0)
     kw = dict(micro_batch=B, seq=T, precision="fp32", device="cpu", machine=False, baseline_nbytes=0,
-              settings=[Setting(0, "none", "none")])
+              settings=[ZeroSetting(0, "none", "none")])
     for model in (GPT(cfg), cfg):
         est = estimate_memory(model, **kw)
         assert est.activations == gpt_activations(cfg, micro_batch=B, seq=T, itemsize=4)
@@ -189,7 +189,7 @@ def test_a_model_built_under_zero_init_is_counted_at_its_true_shapes():
     import infinity
 
     kw = dict(micro_batch=B, seq=T, precision="fp32", device="cpu", machine=False, baseline_nbytes=0,
-              settings=[Setting(3, "cpu", "cpu")])
+              settings=[ZeroSetting(3, "cpu", "cpu")])
     plain = estimate_memory(_gpt2(), **kw)
     with infinity.zero.Init(config={"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}):
         placeholders = _gpt2()
