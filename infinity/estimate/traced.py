@@ -42,6 +42,24 @@ Model inputs are made for the shapes the model takes: ``idx, targets`` for
 infinity.models.GPT, ``input_ids`` and ``labels`` for a transformers model
 whose main input is ``input_ids``; any other model needs ``inputs``.
 
+[Note: mixture of experts]
+A mixture-of-experts layer routes each token to its top-k experts by the
+router's values, which fake tensors do not have. transformers' default
+experts implementation (grouped_mm) computes every routed token in one
+grouped matrix product whose shapes do not depend on the routing: the tokens
+are sorted by expert, top_k × tokens rows in all, so what it saves is the
+same for any routing and counted exactly (tests/estimate/test_traced.py
+checks it against a real forward). Its meta kernel accepts bf16 alone (the
+CUDA kernel's rule), so the trace gives the CPU kernel's shapes itself
+(``_grouped_mm``). transformers' eager loop branches on the routing in Python
+(which experts any token chose); a model set to it is counted as its
+grouped_mm implementation computes it — the same tokens through the same
+experts — and the estimate's source says so: the loop keeps a few more
+copies of the routed tokens (5-7% of all saves on tiny Mixtral and
+Qwen2-MoE shapes), inside the heap's margin. A forward that cannot run on
+fake tensors otherwise is reported in one line (model_activations), never
+with torch's traceback.
+
 Threading: runs on the caller's thread; the model is not modified (its
 parameters are swapped for fake tensors through torch.func.functional_call
 for the one forward, and its hooks are removed after it).
@@ -49,9 +67,10 @@ for the one forward, and its hooks are removed after it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -134,6 +153,9 @@ class SavedCount:
     """The most any one layer allocates beyond what it saves (freed intermediates)."""
     checkpoints: bool
     """The model checkpoints some of its forward (a reentrant or non-reentrant region)."""
+    experts_switched: bool = False
+    """Its mixture-of-experts layers, set to transformers' eager loop, were counted as its grouped_mm
+    implementation computes them ([Note: mixture of experts])."""
 
 
 PREFLIGHT_MAX_SEQ = 2048
@@ -254,7 +276,8 @@ def count_saved(
     make = inputs or default_inputs(model)
     if make is None or any(type(m._parameters) is not dict for m in model.modules()):
         return None
-    tally = _trace(model, make, micro_batch, seq, dtype, shapes or {})
+    with _countable_experts(model) as experts_switched:
+        tally = _trace(model, make, micro_batch, seq, dtype, shapes or {})
     n_layers = len(layers_of(model))
     # A checkpointed unit is a layer where its saves are in a region (a layer may checkpoint its
     # forward below its own hooks, as transformers' GradientCheckpointingLayer does, so its children
@@ -300,6 +323,7 @@ def count_saved(
             (tally.allocated.get(i, 0) - by_layer[i] for i in range(n_layers)), default=0
         ),
         checkpoints=bool(units),
+        experts_switched=experts_switched,
     )
 
 
@@ -344,7 +368,13 @@ def traced_activations(
         saved=count.saved + HEAP_MARGIN_QUARTERS * sum(count.layers) // 4,
         saved_checkpointed=saved_checkpointed,
         working=working,
-        source=f"counted in one forward of {type(model).__name__}",
+        source=f"counted in one forward of {type(model).__name__}"
+        + (
+            " (its experts as transformers' grouped_mm computes them: the eager loop it is set to"
+            " keeps a few more copies of the routed tokens)"
+            if count.experts_switched
+            else ""
+        ),
     ), count.checkpoints
 
 
@@ -373,8 +403,58 @@ def _trace(
     dtype: torch.dtype,
     shapes: dict[nn.Parameter, torch.Size],
 ) -> _Tally:
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
         return _trace_fake(model, make, b, t, dtype, shapes)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch logs a traceback at ERROR for every operator whose meta kernel fails under fake tensors,
+    before raising it; the estimate reports such a failure itself, in one line (model_activations)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _countable_experts(model: nn.Module) -> Iterator[bool]:
+    """A transformers model set to its eager experts loop, switched to grouped_mm for the trace and
+    back ([Note: mixture of experts]); yields whether it was."""
+    current = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    switch = getattr(model, "set_experts_implementation", None)
+    if current != "eager" or switch is None:
+        yield False
+        return
+    switch("grouped_mm")
+    try:
+        yield True
+    finally:
+        switch(current)
+
+
+def _grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """aten._grouped_mm's result under fake tensors: its meta kernel accepts bf16 alone (CUDA's
+    rule), where the CPU kernel, which transformers' mixture-of-experts layers call in any precision,
+    computes every one ([Note: mixture of experts]). The shapes are the meta kernel's."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        shape = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        shape = [mat_a.size(1), mat_b.size(1)]
+    else:
+        shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
 def _trace_fake(
@@ -446,7 +526,10 @@ def _trace_fake(
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._grouped_mm.default:
+                out = _grouped_mm(*args, **(kwargs or {}))
+            else:
+                out = func(*args, **(kwargs or {}))
             layer = stack[-1]["layer"] if stack else None
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor) and o._base is None:
