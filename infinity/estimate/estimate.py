@@ -42,7 +42,6 @@ from infinity.estimate.traced import Inputs, model_activations
 from infinity.estimate.tune import tune
 from infinity.memory import format_nbytes
 from infinity.models import GPTConfig
-from infinity.zero import init as zero_init_mod
 
 NvmePathOption = str | os.PathLike | Sequence[str | os.PathLike] | None
 """One folder or several (one per drive, striped over); None: DEFAULT_NVME_PATH."""
@@ -337,11 +336,8 @@ def _estimate(
     zero_init = opts.zero_init
     if (
         zero_init is None
-    ):  # a count is assumed built under zero.Init (the way to build a large model)
-        is_module = isinstance(model_or_param_count, nn.Module)
-        zero_init = (
-            not is_module or zero_init_mod.init_store_of(list(spec.module.parameters())) is not None
-        )
+    ):  # [Note: a model on the meta device]; a count is taken as built under zero.Init
+        zero_init = spec.built_under_zero_init()
     if opts.baseline_nbytes is None:
         baseline_nbytes = max(0, runtime_baseline_nbytes() - spec.built_nbytes)
         baseline_source = "measured in this process" + (

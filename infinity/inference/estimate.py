@@ -405,11 +405,8 @@ def estimate_inference(
         precision = "bf16"
     cfg = inference_config(config, world_size=world_size, precision=precision, nvme_path=nvme_path)
     shape = decoder_shape(spec.gpt if spec.gpt is not None else model_or_param_count)
-    if zero_init is None:
-        zero_init = (
-            not isinstance(model_or_param_count, nn.Module)
-            or zero_init_mod.init_store_of(list(spec.module.parameters())) is not None
-        )
+    if zero_init is None:  # [Note: a model on the meta device] in infinity/estimate/model.py
+        zero_init = spec.built_under_zero_init()
     if baseline_nbytes is None:
         baseline_nbytes = max(0, runtime_baseline_nbytes() - spec.built_nbytes)
     runtime = plan_runtime(spec.module, cfg, world_size=world_size, trains=False)

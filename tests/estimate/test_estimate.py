@@ -281,3 +281,41 @@ def test_a_cuda_plan_splits_device_and_host_and_checks_the_gpu(tmp_path):
     assert not f.device_ok and any("per GPU" in r for r in f.reasons)
     no_gpu = check_fit(s3, _machine(tmp_path, ram=1 << 50), ranks_per_node=1)
     assert not no_gpu.device_ok and any("no GPU is visible" in r for r in no_gpu.reasons)
+
+
+def _meta_llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _as_built(breakdown) -> int:
+    return sum(i.nbytes for i in breakdown.items if i.name == "model as built (fp32)")
+
+
+def test_a_model_on_the_meta_device_is_not_counted_as_fp32_weights_in_memory():
+    """[Note: a model on the meta device]: at stage 3 it is taken as built under zero.Init (its weights
+    exist only as zero.Init's shards), exactly as when zero_init=True is said; at stages 0-2, and when
+    zero_init=False is said, the weights would be materialised, and their fp32 bytes are counted."""
+    model = _meta_llama()
+    n = sum(p.numel() for p in model.parameters())
+    s3, s1 = ZeroSetting(3, "nvme", "nvme"), ZeroSetting(1, "none", "none")
+    default = _est(model, settings=[s3, s1])
+    said = _est(model, settings=[s3, s1], zero_init=True)
+    plain = _est(model, settings=[s3], zero_init=False)
+    assert "on the meta device" in default.model
+    stage3 = default.setting(3, "nvme", "nvme").breakdown
+    assert _as_built(stage3) == 0 and any(i.name.startswith("zero.Init") for i in stage3.items)
+    assert stage3.items == said.setting(3, "nvme", "nvme").breakdown.items
+    assert _as_built(plain.settings[0].breakdown) == n * 4
+    assert _as_built(default.setting(1).breakdown) == n * 4
+
+
+def test_a_materialised_module_is_counted_as_it_is_built():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_config(_meta_llama().config)
+    est = _est(model, settings=[ZeroSetting(3, "nvme", "nvme")])
+    assert "on the meta device" not in est.model
+    assert _as_built(est.settings[0].breakdown) == sum(p.numel() * 4 for p in model.parameters())
