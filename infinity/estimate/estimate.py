@@ -263,8 +263,8 @@ def _estimate_all(cfg, selected, wanted, nvme_path, itemise, tune_cfg, machine, 
     for s in wanted:
         try:
             configs.append(cfg if s == selected else config_for(cfg, s, nvme_path))
-        except ConfigError as e:
-            skipped.append((s, str(e)))
+        except ConfigError as refused:
+            skipped.append((s, str(refused)))
     breakdowns = [itemise(c) for c in configs]
     if machine is True:
         view = machine_view(dict.fromkeys(path for b in breakdowns for path, _ in b.nvme_by_path))
