@@ -261,8 +261,8 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from infinity.estimate import estimate_inference
     from infinity.estimate.machine import runtime_baseline_nbytes
+    from infinity.inference import estimate_inference
 
     hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     with torch.device("meta"):

@@ -202,12 +202,12 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
     the budget is the second plus ``share`` of the third."""
     from infinity.config import load_config
     from infinity.estimate.context import run_context
-    from infinity.estimate.placement import plan_placement
+    from infinity.estimate.placement import place_in_budget
     from infinity.estimate.runtime_plan import STATE_CLASSES
 
     cfg = load_config(raw)
     ctx = run_context(model, cfg, device="cpu", world_size=1)
-    low = plan_placement(model, cfg, ctx, budget_nbytes=0, budget_source="bench")
+    low = place_in_budget(model, cfg, ctx, budget_nbytes=0, budget_source="bench")
     state = sum(low.state_nbytes(c) for c in STATE_CLASSES if c == "param" or c in low.optimizer.state_keys)
     floor = low.chosen.need_nbytes
     return floor + int(share * state), floor, state
@@ -215,7 +215,7 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
 
 def _plan_record(plan) -> dict:
     """Where the plan put each state class, and the bytes per step it should move."""
-    from infinity.estimate.placement import describe
+    from infinity.estimate.placement import describe_placement
     from infinity.estimate.runtime_plan import STATE_CLASSES
     from infinity.estimate.traffic import expected_traffic, worst_case_traffic
 
@@ -225,7 +225,7 @@ def _plan_record(plan) -> dict:
         "expected_read_nbytes": t.read_nbytes, "expected_write_nbytes": t.write_nbytes,
         "worst_read_nbytes": w.read_nbytes, "worst_write_nbytes": w.write_nbytes,
         "homes": {c: {"host": plan.state_nbytes(c, "cpu"), "nvme": plan.state_nbytes(c, "nvme")} for c in classes},
-        "plan": describe(plan),
+        "plan": describe_placement(plan),
     }
 
 

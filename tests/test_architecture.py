@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+tomllib = pytest.importorskip(
+    "tomllib", reason="tomllib is in the standard library from Python 3.11"
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
@@ -141,3 +143,61 @@ def test_a_false_import_rule_is_caught(graph):
     planted = stated_imports("Imports only infinity.memory and infinity.aio (and torch).")
     assert planted != actual_imports(graph, "infinity.store")
     assert actual_imports(graph, "infinity.store")[0] == planted[0] | {"infinity.host"}
+
+
+TYPING_ONLY_CYCLE = frozenset(
+    {
+        "infinity.store.device",
+        "infinity.store.integrity",
+        "infinity.store.read_path",
+        "infinity.store.state",
+        "infinity.store.store",
+        "infinity.store.write_path",
+    }
+)
+"""The one cycle left, and only through imports under ``if TYPE_CHECKING:`` (StoreState names the
+TieredStore and DeviceTier that hold it): listed so that it cannot grow unseen; remove it once the
+store's state no longer names its owners."""
+
+
+def _cycles(exclude_type_checking_imports: bool) -> list[set[str]]:
+    """The sets of infinity's modules that import one another (each module that imports, directly or
+    through others, a module that imports it back, with all such modules)."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter (the test extra)")
+    graph = grimp.build_graph(
+        "infinity", exclude_type_checking_imports=exclude_type_checking_imports, cache_dir=None
+    )
+    imports = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), list(imports[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(imports.get(m, ()))
+        return seen
+
+    reach = {m: reachable(m) for m in graph.modules}
+    cycles: list[set[str]] = []
+    for m in sorted(graph.modules):
+        if m in reach[m] and not any(m in c for c in cycles):
+            cycles.append({n for n in reach[m] if m in reach[n]})
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    """No module of infinity imports, directly or through others, a module that imports it back: each
+    concept sits below what uses it. Imports inside functions run, and count."""
+    assert _cycles(exclude_type_checking_imports=True) == [], (
+        "import cycles (modules that import one another)"
+    )
+
+
+def test_no_import_cycle_even_for_type_checking_but_the_listed_one():
+    """Imports under ``if TYPE_CHECKING:`` never run, but a cycle through them is still two concepts
+    that name each other: none but TYPING_ONLY_CYCLE, which is still there (else drop it from the list)."""
+    cycles = _cycles(exclude_type_checking_imports=False)
+    assert cycles == [set(TYPING_ONLY_CYCLE)], (
+        f"import cycles through typing-only imports: {cycles}"
+    )

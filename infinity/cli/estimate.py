@@ -1,6 +1,6 @@
 """``infinity estimate``: per-rank memory and NVMe for every stage × offload setting, and what fits here.
 
-    infinity estimate --params 13e9 [--model-config gpt.json] [--nodes 1] [--gpus-per-node 1]
+    infinity estimate --params 13e9 | --model-config config.json [--nodes 1] [--gpus-per-node 1]
                       [--config ds_config.json] [--micro-batch 1 --seq 2048] [--json]
     infinity estimate --inference --params 7e9 [--batch 8 --prompt 128 --gen 16] [--config ...] [--json]
 
@@ -21,22 +21,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from infinity.config import ConfigError
-from infinity.estimate import estimate_inference, estimate_memory
+from infinity.estimate import estimate_memory
+from infinity.inference import estimate_inference
 from infinity.models import GPTConfig
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
-
-# config.json names of other GPT-style models, mapped onto GPTConfig's fields.
-_ALIASES = {
-    "n_embd": "d_model",
-    "hidden_size": "d_model",
-    "num_hidden_layers": "n_layer",
-    "num_attention_heads": "n_head",
-    "n_positions": "seq_len",
-    "max_position_embeddings": "seq_len",
-}
-
 
 def parse_count(text: str) -> float:
     """'13e9', '13B', '150M', '1.5e9' -> a parameter count."""
@@ -49,9 +42,10 @@ def parse_count(text: str) -> float:
     return n
 
 
-def read_model_config(path: str) -> tuple[GPTConfig, list[str]]:
-    """A GPTConfig from a JSON file with GPTConfig's fields (or GPT-2 / LLaMA config.json names);
-    returns it and the keys it did not use."""
+def read_model_config(path: str) -> nn.Module | GPTConfig:
+    """--model-config: a Hugging Face config.json (it names its ``model_type``) is built as the real
+    model on the meta device (nothing allocated) for any architecture transformers knows; a JSON of
+    GPTConfig's fields is infinity's GPT of exactly that shape."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
@@ -61,24 +55,52 @@ def read_model_config(path: str) -> tuple[GPTConfig, list[str]]:
         raise ValueError(f"--model-config {path!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--model-config {path!r} must hold a JSON object")
-    fields = {f for f in GPTConfig.__dataclass_fields__}
-    kw: dict[str, Any] = {}
-    ignored = []
-    for k, v in data.items():
-        name = _ALIASES.get(k, k)
-        if name in fields:
-            kw[name] = v
-        else:
-            ignored.append(k)
-    missing = {"n_layer", "d_model", "n_head"} - set(kw)
+    if "model_type" in data:
+        return _transformers_model(path)
+    fields = set(GPTConfig.__dataclass_fields__)
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(
+            f"--model-config {path!r} is neither a Hugging Face config.json (it has no \"model_type\") nor "
+            f"infinity GPT's shape: unknown keys {', '.join(unknown)} (GPTConfig fields: {', '.join(sorted(fields))})"
+        )
+    missing = {"n_layer", "d_model", "n_head"} - set(data)
     if missing:
         raise ValueError(
             f"--model-config {path!r} lacks {', '.join(sorted(missing))} (GPTConfig fields: {', '.join(sorted(fields))})"
         )
     try:
-        return GPTConfig(**kw), ignored
+        return GPTConfig(**data)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--model-config {path!r}: {e}") from None
+
+
+def _transformers_model(path: str) -> nn.Module:
+    """The model a Hugging Face config.json describes, built by transformers' from_config on the meta
+    device: the class its ``architectures`` names when transformers maps the config to it, else a
+    causal LM, a sequence-to-sequence LM (T5, BART), or the bare model, the first that takes it."""
+    try:
+        import transformers
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        raise ValueError(f"--model-config {path!r} is a Hugging Face config.json: building it needs transformers "
+                         "(pip install transformers)") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model-config {path!r}: transformers cannot read it: {e}") from None
+    kinds = (
+        (transformers.AutoModelForCausalLM, auto.MODEL_FOR_CAUSAL_LM_MAPPING),
+        (transformers.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING),
+        (transformers.AutoModel, auto.MODEL_MAPPING),
+    )
+    fitting = [(auto_class, mapping[type(config)]) for auto_class, mapping in kinds if type(config) in mapping]
+    if not fitting:
+        raise ValueError(f"--model-config {path!r}: transformers has no model for {type(config).__name__}")
+    named = [auto_class for auto_class, cls in fitting if cls.__name__ in (config.architectures or ())]
+    auto_class = (named or [auto_class for auto_class, _ in fitting])[0]
+    with torch.device("meta"):
+        return auto_class.from_config(config)
 
 
 NAME = "estimate"
@@ -87,7 +109,9 @@ HELP = "memory and NVMe each ZeRO stage × offload setting needs, and the fastes
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=parse_count, help="parameter count (13e9, 13B, 150M): a GPT-shaped model")
-    p.add_argument("--model-config", metavar="JSON", help="the GPT's shape (GPTConfig fields or a config.json)")
+    p.add_argument("--model-config", metavar="JSON",
+                   help="a Hugging Face config.json (any architecture transformers knows: the real model, built on "
+                   "the meta device) or GPTConfig's fields")
     p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per machine (default 1)")
     p.add_argument("--config", metavar="JSON", help="DeepSpeed-style config: its sizes and precision are kept")
@@ -117,11 +141,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     notes = []
     try:
-        model_config = None
-        if args.model_config:
-            model_config, ignored = read_model_config(args.model_config)
-            if ignored:
-                notes.append(f"--model-config: ignored keys {', '.join(ignored)}")
+        model = read_model_config(args.model_config) if args.model_config else None
+        # A GPTConfig shapes a count (--params) or is the model; a transformers model is the model.
+        model_config = model if isinstance(model, GPTConfig) else None
+        subject = model if args.params is None or isinstance(model, nn.Module) else args.params
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be at least 1")
         if args.inference:
@@ -131,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--micro-batch, --seq and --activation-checkpointing are training's; "
                                  "--inference takes --batch, --prompt and --gen")
             est = estimate_inference(
-                args.params if args.params is not None else model_config,
+                subject,
                 model_config=model_config,
                 config=args.config,
                 batch=args.batch,
@@ -141,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
                 nvme_path=args.nvme_path,
                 device=args.device,
             )
-            return _print(est, args, notes, model_config)
+            return _print(est, args, notes, model)
         est = estimate_memory(
-            args.params if args.params is not None else model_config,
+            subject,
             model_config=model_config,
             config=args.config,
             nodes=args.nodes,
@@ -158,11 +181,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"infinity estimate: {e}", file=sys.stderr)
         return 2
-    return _print(est, args, notes, model_config)
+    return _print(est, args, notes, model)
 
 
-def _print(est: Any, args: argparse.Namespace, notes: list[str], model_config: GPTConfig | None) -> int:
-    if args.params is not None and model_config is not None:
+def _print(est: Any, args: argparse.Namespace, notes: list[str], model: nn.Module | GPTConfig | None) -> int:
+    if args.params is not None and model is not None:
         rel = abs(est.num_params - args.params) / args.params
         if rel > 0.05:
             notes.append(f"--model-config has {est.num_params:,} parameters, {rel:.0%} off --params; it was used")

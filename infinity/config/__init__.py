@@ -1,7 +1,8 @@
 """The run configuration: DeepSpeed's JSON schema read into typed, frozen, validated sections.
 
 ``load_config(path_or_dict, world_size=..., optimizer=..., **auto_values)``
-is the one entry point; it returns an ``InfinityConfig`` composed of
+is the one entry point; it returns an ``InfinityConfig`` (``describe_config``
+renders one for people) composed of
 ``ZeroConfig`` (with ``OffloadParamConfig`` / ``OffloadOptimizerConfig``),
 ``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig``,
 ``ActivationCheckpointingConfig`` and ``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
@@ -31,6 +32,7 @@ from infinity.config.optim import (
 from infinity.config.precision import BF16Config, FP16Config
 from infinity.config.quantization import QuantizedInitializationConfig, WeightQuantizationConfig
 from infinity.config.root import InfinityConfig
+from infinity.config.summary import describe_config
 from infinity.config.support import NOT_ACTED_ON, OPAQUE, acted_on
 from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -58,6 +60,7 @@ __all__ = [
     "WeightQuantizationConfig",
     "ZeroConfig",
     "acted_on",
+    "describe_config",
     "load_config",
     "read_config_file",
     "training_arguments_values",

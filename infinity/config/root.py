@@ -5,7 +5,8 @@ resolved, batch sizes completed), or directly in code. Frozen; validated in
 ``__post_init__`` so that no invalid combination can exist: fp16 with bf16,
 batch sizes that do not multiply out, offload rules (see ZeroConfig).
 ``to_dict()`` gives back a DeepSpeed-shaped dict of the resolved values
-(for checkpoint manifests); ``summary()`` a few readable lines.
+(for checkpoint manifests); ``infinity.config.describe_config`` (summary.py)
+renders it as a few readable lines.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from infinity.config.errors import ConfigError
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
 from infinity.config.quantization import WeightQuantizationConfig
-from infinity.config.summary import render
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
 from infinity.config.values import (
     check_section,
@@ -174,10 +174,6 @@ class InfinityConfig:
                 node = node.setdefault(p, {})
             node[leaf] = copy.deepcopy(value)
         return out
-
-    def summary(self) -> str:
-        """A few readable lines: what will run, what "auto" became, what has no effect here."""
-        return render(self)
 
 
 def _section_dict(obj: Any) -> dict[str, Any]:

@@ -1,14 +1,9 @@
-"""InfinityConfig.summary(): the resolved config as a few lines a person reads before a long run."""
+"""describe_config: the resolved config as a few lines a person reads before a long run."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from infinity.config.zero import nvme_paths
-
-if TYPE_CHECKING:
-    from infinity.config.root import InfinityConfig
-    from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from infinity.config.root import InfinityConfig
+from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig, nvme_paths
 
 
 def _n(x: int) -> str:
@@ -54,7 +49,8 @@ def _optimizer_offload(o: OffloadOptimizerConfig) -> str:
     return f"{where} ({'pinned' if o.pin_memory else 'pageable'}{extra})"
 
 
-def render(cfg: InfinityConfig) -> str:
+def describe_config(cfg: InfinityConfig) -> str:
+    """A few readable lines: what will run, what "auto" became, what has no effect here."""
     z = cfg.zero_optimization
     lines = [f"infinity config: world size {cfg.world_size}, {cfg.precision}"]
     lines.append(

@@ -23,7 +23,7 @@ from infinity.config import ConfigError, InfinityConfig
 from infinity.engine.checkpoint.sources import UnitSource, source_of
 from infinity.engine.optimizers import OptimizerChoice
 from infinity.engine.overlap import GatedMasters, GatedShardSource, OverlappedStep, StepProgress
-from infinity.estimate import placement
+from infinity.estimate.placement import describe_placement
 from infinity.estimate.runtime_plan import RuntimePlan, StorePlan, plan_runtime
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
@@ -136,7 +136,7 @@ def build_runtime(
         log.warning("%s", warning)
     zero = cfg.zero_optimization
     if group.rank == 0 and (zero.offload_param.device, zero.offload_optimizer.device) != ("none", "none"):
-        log.info("where the training state rests:\n%s", "\n".join(placement.describe(plan)))
+        log.info("where the training state rests:\n%s", "\n".join(describe_placement(plan)))
     if group.rank == 0:
         _say_param_pool_sizing(plan, cfg)
     cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)

@@ -16,8 +16,7 @@ from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig, load_config
 from infinity.engine.engine import Engine
-from infinity.estimate import preflight
-from infinity.estimate.placement import plan_for_run
+from infinity.estimate import plan_runtime_for_rank, preflight
 from infinity.zero import checkpointing
 from infinity.zero.collectives import DataParallelGroup
 
@@ -89,7 +88,7 @@ def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.o
         )
     # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]); with an
     # offload device "auto", the placement planner chose where the state rests ([Note: the placement planner]).
-    plan, context = plan_for_run(model, cfg, group=group, device=device)
+    plan, context = plan_runtime_for_rank(model, cfg, group=group, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
     preflight(model, cfg, device=device, group=group, runtime=plan, context=context)
     checkpointing.configure_from(cfg)

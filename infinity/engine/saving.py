@@ -51,7 +51,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -59,8 +59,21 @@ from torch import nn
 from infinity.engine.checkpoint.export import gather_unit
 
 if TYPE_CHECKING:
-    from infinity.engine.engine import Engine
     from infinity.zero.unit import ParamUnit
+
+
+class EngineToSave(Protocol):
+    """What saving needs of an engine (engine.py's ``Engine``, which imports this module, so it is
+    named here by what it offers rather than imported)."""
+
+    module: nn.Module
+    runtime: Any
+    checkpoint_parts: Callable[..., Any]
+    save_16bit_model: Callable[..., Any]
+    synchronize: Callable[[], None]
+
+    @property
+    def closed(self) -> bool: ...
 
 log = logging.getLogger("infinity.engine")
 
@@ -71,7 +84,7 @@ WORKING_CALLS = (
 
 
 def gathered_state_dict(
-    engine: Engine, keys: Iterable[str] | None = None
+    engine: EngineToSave, keys: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:
     """``keys`` of ``engine.module.state_dict()`` (default: all), each a full tensor on CPU (a copy
     for a partitioned parameter), gathered unit by unit; in the state dict's order."""
@@ -95,7 +108,7 @@ def gathered_state_dict(
 
 
 def full_values(
-    engine: Engine, entries: dict[str, torch.Tensor], params: dict[str, nn.Parameter]
+    engine: EngineToSave, entries: dict[str, torch.Tensor], params: dict[str, nn.Parameter]
 ) -> None:
     """Replaces each ``entries[key]`` whose parameter (``params[key]``) is partitioned with a full copy,
     gathering each unit it needs once, in unit order (the same on every rank)."""
@@ -125,7 +138,7 @@ def full_values(
 class _StateDictHook:
     """A module's state_dict post-hook: its own partitioned parameters' placeholders become full copies."""
 
-    def __init__(self, engine: Engine, own: list[tuple[str, nn.Parameter, torch.Size]]):
+    def __init__(self, engine: EngineToSave, own: list[tuple[str, nn.Parameter, torch.Size]]):
         self.engine = weakref.ref(engine)
         self.own = own  # (local name, parameter, true shape)
 
@@ -170,7 +183,7 @@ def _is_transformers_model(module: nn.Module) -> bool:
 class ModelSaving:
     """What ``initialize`` installs on the engine's model ([Note: saving a partitioned model])."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineToSave):
         self.module = engine.module
         self._engine = weakref.ref(engine)
         self._handles: list[Any] = []
@@ -203,7 +216,7 @@ class ModelSaving:
             self.module.__dict__.pop(name, None)
         self._overrides = []
 
-    def engine(self) -> Engine:
+    def engine(self) -> EngineToSave:
         engine = self._engine()
         if engine is None or engine.closed:
             raise RuntimeError(
@@ -327,7 +340,7 @@ class ModelSaving:
         return {**probe, **gathered_state_dict(engine, keys)}
 
 
-def save_pretrained(engine: Engine, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
+def save_pretrained(engine: EngineToSave, save_directory: str | os.PathLike, **kwargs: Any) -> Path:
     """The engine's model saved as its framework saves it: a PEFT model's adapters (PEFT's files), a
     transformers model's Hugging Face folder (streamed), any other module's ``model.safetensors`` (every
     state_dict name, streamed). Returns the directory."""

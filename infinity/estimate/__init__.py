@@ -1,64 +1,101 @@
-"""Know before you run: per-rank memory and NVMe estimates, the machine's view, and the pre-flight check.
+"""Know before you run: what a run allocates per rank, where its state rests, and whether it fits here.
 
-``estimate_memory(model_or_param_count, ...)`` itemises what the runtime
-allocates for every setting (stage × offload) and checks each against this
-machine; ``preflight(model, cfg)`` is the check ``infinity.initialize`` runs
-before allocating anything. Both read the RuntimePlan (``plan_runtime``): every
-sizing decision the engine acts on, made in one place (runtime_plan.py), which
-the engine allocates as it is.
+One concept per module:
+
+- the sizing model the engine allocates: ``runtime_plan.py`` (``RuntimePlan``
+  and its parts, ``plan_runtime``; [Note: one sizing model]) and
+  ``rank_plan.py`` (``plan_runtime_for_rank``: initialize's RuntimePlan);
+- the placement planner: ``placement.py`` (``place_in_budget``: the homes of
+  "auto" sections), ``budget.py`` (the host-memory budget), ``knapsack.py``,
+  ``traffic.py`` (NVMe bytes per step);
+- the itemised estimate: ``setting.py`` (``ZeroSetting``: stage × offload),
+  ``breakdown.py`` (``Breakdown``: a setting's items by resource and phase),
+  ``itemise.py`` (``Itemiser``: a RuntimePlan read into a Breakdown),
+  ``rules.py`` (what the estimator adds: measured overheads, page and block
+  rounding), ``fit.py`` (``check_fit`` against a machine), ``tune.py``,
+  ``estimate.py`` (``estimate_memory``, ``EstimateOptions``), ``report.py``
+  (``MemoryEstimate`` as a table and a dict);
+- activations: ``activations.py`` (infinity GPT's coefficients) and
+  ``traced.py`` (any model, counted on fake tensors);
+- the machine: ``machine.py`` (``MachineView``, the process baseline);
+- the run: ``model.py`` (``ModelSpec``), ``context.py`` (``RunContext``) and
+  ``preflight.py`` (the check ``infinity.initialize`` runs before it
+  allocates).
+
+The inference estimate (``estimate_inference``) is the inference room's
+(``infinity.inference.estimate``); it uses the public names below.
 """
 
 from infinity.estimate.activations import Activations, gpt_activations
-from infinity.estimate.estimate import Fit, MemoryEstimate, SettingEstimate, estimate_memory
-from infinity.estimate.inference import (
-    DecoderShape,
-    InferenceEstimate,
-    decoder_shape,
-    estimate_inference,
-    preflight_inference,
+from infinity.estimate.breakdown import Breakdown, Item, Problem, Resource
+from infinity.estimate.estimate import (
+    ActivationOptions,
+    EstimateOptions,
+    Ranks,
+    estimate_config,
+    estimate_memory,
+    nvme_path_value,
 )
+from infinity.estimate.fit import Fit, check_fit
+from infinity.estimate.itemise import Itemiser, itemise
 from infinity.estimate.machine import (
     DiskInfo,
     GPUInfo,
     MachineView,
     describe_machine,
     machine_view,
-    process_rss_nbytes,
     runtime_baseline_nbytes,
 )
-from infinity.estimate.plan import Item, Problem, Setting, SettingPlan, all_settings
-from infinity.estimate.preflight import PreflightError, PreflightResult, preflight
-from infinity.estimate.runtime_plan import RuntimePlan, plan_runtime
+from infinity.estimate.model import ModelSpec, describe_model
+from infinity.estimate.preflight import (
+    PreflightError,
+    PreflightResult,
+    preflight,
+    warn_preflight_skipped,
+)
+from infinity.estimate.rank_plan import plan_runtime_for_rank
+from infinity.estimate.report import MemoryEstimate, SettingEstimate, items_table
+from infinity.estimate.runtime_plan import RuntimePlan, partitioner_working_set, plan_runtime
+from infinity.estimate.setting import ZeroSetting, all_settings
 from infinity.estimate.tune import tune
 
 __all__ = [
+    "ActivationOptions",
     "Activations",
-    "DecoderShape",
+    "Breakdown",
     "DiskInfo",
+    "EstimateOptions",
     "Fit",
     "GPUInfo",
-    "InferenceEstimate",
     "Item",
+    "Itemiser",
     "MachineView",
     "MemoryEstimate",
+    "ModelSpec",
     "PreflightError",
     "PreflightResult",
     "Problem",
+    "Ranks",
+    "Resource",
     "RuntimePlan",
-    "Setting",
     "SettingEstimate",
-    "SettingPlan",
+    "ZeroSetting",
     "all_settings",
-    "decoder_shape",
+    "check_fit",
     "describe_machine",
-    "estimate_inference",
+    "describe_model",
+    "estimate_config",
     "estimate_memory",
     "gpt_activations",
+    "items_table",
+    "itemise",
     "machine_view",
+    "nvme_path_value",
+    "partitioner_working_set",
     "plan_runtime",
+    "plan_runtime_for_rank",
     "preflight",
-    "preflight_inference",
-    "process_rss_nbytes",
     "runtime_baseline_nbytes",
     "tune",
+    "warn_preflight_skipped",
 ]

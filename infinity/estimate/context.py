@@ -4,9 +4,10 @@ The model as described for the estimate, what the process holds already (its
 baseline and the model as built: measured, not to be found again), whether
 zero.Init built it, the activations of one micro-batch (infinity.models.GPT's
 measured coefficients, any other model traced: infinity/estimate/traced.py)
-and whether the model checkpoints them, and how many ranks share this node. ``itemise(cfg, runtime)`` is plan.py's itemised
-plan for a RuntimePlan under it, and ``host_need`` the host memory that plan
-still needs per rank — the quantity the pre-flight check compares with the
+and whether the model checkpoints them, and how many ranks share this node.
+``itemise(cfg, runtime)`` is the Breakdown of a RuntimePlan under it
+(itemise.py), and ``host_need`` the host memory that breakdown still needs per
+rank — the quantity the pre-flight check compares with the
 available memory and ``host_memory_budget`` bounds.
 """
 
@@ -21,9 +22,10 @@ from torch import nn
 
 from infinity.config import InfinityConfig
 from infinity.estimate.activations import Activations
+from infinity.estimate.breakdown import Breakdown
+from infinity.estimate.itemise import itemise
 from infinity.estimate.machine import runtime_baseline_nbytes
 from infinity.estimate.model import ModelSpec, describe_model
-from infinity.estimate.plan import SettingPlan, plan_setting
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.estimate.traced import PREFLIGHT_MAX_SEQ, max_context, model_activations
 from infinity.zero import init as zero_init_mod
@@ -44,27 +46,44 @@ class RunContext:
     """Activations counted as with every transformer block checkpointed (as the model is set up, or the
     estimate's option)."""
 
-    def itemise(self, cfg: InfinityConfig, runtime: RuntimePlan | None = None,
-                changes: Sequence[tuple[str, int, int]] = ()) -> SettingPlan:
-        return plan_setting(self.spec, cfg, world_size=self.world_size, device_type=self.device_type,
-                            baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
-                            activations=self.activations, checkpointing=self.checkpointing, zero_init=self.zero_init,
-                            changes=changes, runtime=runtime)
+    def itemise(
+        self,
+        cfg: InfinityConfig,
+        runtime: RuntimePlan | None = None,
+        changes: Sequence[tuple[str, int, int]] = (),
+    ) -> Breakdown:
+        return itemise(
+            self.spec,
+            cfg,
+            world_size=self.world_size,
+            device_type=self.device_type,
+            baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
+            activations=self.activations,
+            checkpointing=self.checkpointing,
+            zero_init=self.zero_init,
+            changes=changes,
+            runtime=runtime,
+        )
 
-    def host_need(self, plan: SettingPlan) -> int:
-        """Host memory ``plan`` needs per rank beyond what the process holds (RAM on a CPU device)."""
-        per_rank = plan.ram_nbytes if plan.device_type == "cpu" else plan.host_nbytes
+    def host_need(self, breakdown: Breakdown) -> int:
+        """Host memory ``breakdown`` needs per rank beyond what the process holds (RAM on a CPU device)."""
+        per_rank = breakdown.ram_nbytes if breakdown.device_type == "cpu" else breakdown.host_nbytes
         return per_rank - self.held_nbytes
 
 
-def run_context(model: nn.Module, cfg: InfinityConfig, *, device: torch.device | str, world_size: int) -> RunContext:
+def run_context(
+    model: nn.Module, cfg: InfinityConfig, *, device: torch.device | str, world_size: int
+) -> RunContext:
     """The context of ``model`` trained under ``cfg`` on ``device`` in this process, measured now."""
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
     spec = describe_model(model)
     context = max_context(model)
     acts, checkpointing = model_activations(
-        spec, micro_batch=cfg.train_micro_batch_size_per_gpu,
-        seq=min(context, PREFLIGHT_MAX_SEQ) if context else None, dtype=train_dtype(cfg))
+        spec,
+        micro_batch=cfg.train_micro_batch_size_per_gpu,
+        seq=min(context, PREFLIGHT_MAX_SEQ) if context else None,
+        dtype=train_dtype(cfg),
+    )
     return RunContext(
         spec=spec,
         held_nbytes=runtime_baseline_nbytes(),

@@ -95,16 +95,19 @@ def choose(candidates: Sequence[Candidate], capacity: int) -> set[int]:
     # On a coarse grid the rounded-up weights leave room unused: fill it, best value per byte first.
     # (On an exact grid nothing more fits, or the DP's choice was not the best.)
     room = capacity - sum(candidates[i].weight for i in kept)
-    for i in sorted(set(live) - kept, key=lambda i: (-candidates[i].value / candidates[i].weight,
-                                                     candidates[i].priority)):
+    for i in sorted(
+        set(live) - kept,
+        key=lambda i: (-candidates[i].value / candidates[i].weight, candidates[i].priority),
+    ):
         if candidates[i].weight <= room:
             kept.add(i)
             room -= candidates[i].weight
     return kept
 
 
-def _rows(candidates: Sequence[Candidate], live: Sequence[int],
-          grid: int) -> tuple[list[tuple[tuple[int, int], list[int]]], list[tuple[int, int, int]]]:
+def _rows(
+    candidates: Sequence[Candidate], live: Sequence[int], grid: int
+) -> tuple[list[tuple[tuple[int, int], list[int]]], list[tuple[int, int, int]]]:
     """The kinds ((cells, value) -> members), best-ranked first — on ties the DP keeps earlier rows —
     and the DP's rows: (kind number, count, cells) per pseudo-candidate of the binary split."""
     kinds: dict[tuple[int, int], list[int]] = {}

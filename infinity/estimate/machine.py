@@ -18,8 +18,15 @@ from pathlib import Path
 
 import torch
 
-from infinity.host import CgroupMemory, hugetlb_free_nbytes, meminfo, memory_cgroup, mount_of
-from infinity.memory import format_nbytes, resident_host_nbytes
+from infinity.host import (
+    CgroupMemory,
+    hugetlb_free_nbytes,
+    meminfo,
+    memory_cgroup,
+    mount_of,
+    resident_host_nbytes,
+)
+from infinity.memory import format_nbytes
 from infinity.store import nvme_path
 
 
@@ -69,11 +76,6 @@ class MachineView:
         return next((d for d in self.disks if d.path == p), None)
 
 
-def process_rss_nbytes() -> int:
-    """This process's resident memory now: VmRSS plus hugetlb pages (which VmRSS leaves out)."""
-    return resident_host_nbytes()
-
-
 def runtime_baseline_nbytes() -> int:
     """The resident memory of this process with what every training run loads before its first allocation.
 
@@ -91,7 +93,7 @@ def runtime_baseline_nbytes() -> int:
         pass
     if torch.cuda.is_available():
         torch.cuda.init()
-    return process_rss_nbytes()
+    return resident_host_nbytes()
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -137,37 +139,54 @@ def machine_view(nvme_paths: Iterable[str | os.PathLike] = ()) -> MachineView:
         cpu_count=os.cpu_count() or 1,
         gpus=tuple(gpus),
         disks=disks,
-        self_rss_nbytes=process_rss_nbytes(),
+        self_rss_nbytes=resident_host_nbytes(),
         cgroup=cgroup,
     )
 
 
-def describe_machine(view: MachineView | None = None, nvme_paths: Iterable[str | os.PathLike] = ()) -> list[str]:
+def describe_machine(
+    view: MachineView | None = None, nvme_paths: Iterable[str | os.PathLike] = ()
+) -> list[str]:
     """A few lines for ``infinity doctor``: what a run may use here."""
     v = view or machine_view(nvme_paths)
     lines = [
         f"host memory  {format_nbytes(v.mem_available_nbytes)} available of {format_nbytes(v.mem_total_nbytes)}"
-        + (f"; {format_nbytes(v.hugetlb_free_nbytes)} free in huge pages (used by pinned pools)"
-           if v.hugetlb_free_nbytes else ""),
+        + (
+            f"; {format_nbytes(v.hugetlb_free_nbytes)} free in huge pages (used by pinned pools)"
+            if v.hugetlb_free_nbytes
+            else ""
+        ),
         f"cpus         {v.cpu_count}",
     ]
     if v.cgroup is not None:
-        lines.insert(1, f"memory limit {format_nbytes(v.cgroup.limit_nbytes)} on this process's cgroup "
-                        f"({v.cgroup.version}, {v.cgroup.path}), {format_nbytes(v.cgroup.available_nbytes)} of it "
-                        "free: the available memory above is capped to that")
+        lines.insert(
+            1,
+            f"memory limit {format_nbytes(v.cgroup.limit_nbytes)} on this process's cgroup "
+            f"({v.cgroup.version}, {v.cgroup.path}), {format_nbytes(v.cgroup.available_nbytes)} of it "
+            "free: the available memory above is capped to that",
+        )
     if v.gpus:
         for g in v.gpus:
             lines.append(
                 f"gpu {g.index}        {g.name}: {format_nbytes(g.free_nbytes)} free of {format_nbytes(g.total_nbytes)}"
             )
     else:
-        lines.append("gpu          none (CUDA not available): the compute device is the CPU, sharing host memory")
+        lines.append(
+            "gpu          none (CUDA not available): the compute device is the CPU, sharing host memory"
+        )
     first_on: dict[int, str] = {}
     for d in v.disks:
-        where = d.path if d.existing == os.path.abspath(d.path) else f"{d.path} (not created yet; {d.existing})"
+        where = (
+            d.path
+            if d.existing == os.path.abspath(d.path)
+            else f"{d.path} (not created yet; {d.existing})"
+        )
         tmpfs = " — tmpfs is RAM, not NVMe" if d.fs_type == "tmpfs" else ""
-        shared = (f" — the file system of {first_on[d.device]}: free space and bandwidth shared"
-                  if d.device in first_on else "")
+        shared = (
+            f" — the file system of {first_on[d.device]}: free space and bandwidth shared"
+            if d.device in first_on
+            else ""
+        )
         first_on.setdefault(d.device, d.path)
         lines.append(
             f"nvme_path    {where}: {format_nbytes(d.free_nbytes)} free of {format_nbytes(d.total_nbytes)}, "

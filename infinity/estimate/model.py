@@ -7,6 +7,16 @@ pools) is then the engine's own, from infinity.zero.units, and nothing is
 allocated. A live module is never modified; for one built under zero.Init,
 whose parameters are empty placeholders, the shapes come from its init store
 (as the engine's build_units takes them).
+
+[Note: a model on the meta device]
+A module whose parameters are all on the meta device holds no weights: it
+describes the architecture (``from_config`` under ``torch.device("meta")``,
+as ``infinity estimate --model-config`` builds it). Like a parameter count,
+it is taken as the model the run will build under zero.Init at stage 3 —
+its weights then exist only as zero.Init's shards, never whole in host
+memory — unless the estimate is told otherwise (``zero_init=False``). At
+stages 0-2 every weight must be materialised to train, so the model as built
+(fp32) is counted there as for a count.
 """
 
 from __future__ import annotations
@@ -36,11 +46,23 @@ class ModelSpec:
     """How the model was given, for the report."""
     live: bool = False
     """The user's own module (its forward can be traced); False for a stand-in built from a shape."""
+    materialised: bool = True
+    """Whether the weights exist (False for a count, a GPTConfig, or a module whose parameters are all on
+    the meta device): [Note: a model on the meta device]."""
+
+    def built_under_zero_init(self) -> bool:
+        """Whether the model is (or, not materialised, is taken to be) built under zero.Init."""
+        return (
+            not self.materialised
+            or zero_init.init_store_of(list(self.module.parameters())) is not None
+        )
 
 
 def _num_params(module: nn.Module) -> int:
     shapes = placeholder_shapes(module)
-    return sum(shapes[p].numel() if p in shapes else p.numel() for p in dict.fromkeys(module.parameters()))
+    return sum(
+        shapes[p].numel() if p in shapes else p.numel() for p in dict.fromkeys(module.parameters())
+    )
 
 
 def _meta_gpt(cfg: GPTConfig) -> nn.Module:
@@ -67,7 +89,12 @@ def describe_model(
             if p.device.type == "cpu" and p not in placeholders
         )
         gpt = model.cfg if isinstance(model, GPT) else model_config
-        return ModelSpec(model, _num_params(model), built, gpt, f"{type(model).__name__} (module)", live=True)
+        params = list(model.parameters())
+        on_meta = bool(params) and all(p.device.type == "meta" for p in params)
+        desc = f"{type(model).__name__} (module{', on the meta device' if on_meta else ''})"
+        return ModelSpec(
+            model, _num_params(model), built, gpt, desc, live=True, materialised=not on_meta
+        )
     if isinstance(model, GPTConfig):
         model_config, model = model, None
     if model is None:
@@ -75,7 +102,9 @@ def describe_model(
         desc = "GPT (model config)"
     else:
         if isinstance(model, bool) or not isinstance(model, (int, float)) or not model >= 1:
-            raise ValueError(f"the model must be an nn.Module, a GPTConfig or a parameter count >= 1; got {model!r}")
+            raise ValueError(
+                f"the model must be an nn.Module, a GPTConfig or a parameter count >= 1; got {model!r}"
+            )
         if model_config is not None:
             cfg = model_config
             desc = "GPT (model config)"
@@ -88,7 +117,7 @@ def describe_model(
     if seq is not None and seq > cfg.seq_len:
         cfg = dataclasses.replace(cfg, seq_len=seq)
     module = _meta_gpt(cfg)
-    return ModelSpec(module, _num_params(module), 0, cfg, desc)
+    return ModelSpec(module, _num_params(module), 0, cfg, desc, materialised=False)
 
 
 def _count(n: float) -> str:

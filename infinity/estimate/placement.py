@@ -1,14 +1,14 @@
 """The placement planner: which training state lives in host memory and which on NVMe, within a budget.
 
 Where ``offload_param.device`` or ``offload_optimizer.device`` is ``"auto"``,
-``plan_placement`` decides, per unit, where each state class of that section
+``place_in_budget`` decides, per unit, where each state class of that section
 rests — the parameter shard (stage 3: 16-bit, or fp32 as its own master) and
 the optimizer's fp32 master, m, v and g — so that the NVMe bytes moved per
 step are the fewest the host-memory budget allows. Its output is a RuntimePlan
 (runtime_plan.py, [Note: placement]), which the engine allocates as it is.
 
 [Note: the placement planner]
-1. Budget: ``host_memory_budget`` (bytes, or a fraction of the available host
+1. Budget (budget.py): ``host_memory_budget`` (bytes, or a fraction of the available host
    memory), else the available memory less SAFETY_MARGIN (at least
    MIN_MARGIN_NBYTES); per rank when several share a node. It bounds what the
    run needs beyond what the process holds at initialize — what the pre-flight
@@ -37,16 +37,14 @@ step are the fewest the host-memory budget allows. Its output is a RuntimePlan
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 
 import torch
 from torch import nn
 
-from infinity.config import ConfigError, InfinityConfig
-from infinity.estimate.context import RunContext, run_context
+from infinity.config import InfinityConfig
+from infinity.estimate.context import RunContext
 from infinity.estimate.knapsack import Candidate, choose
-from infinity.estimate.machine import MachineView, machine_view
 from infinity.estimate.runtime_plan import (
     FP32_NBYTES,
     PARAM,
@@ -64,14 +62,7 @@ from infinity.estimate.traffic import (
 )
 from infinity.estimate.tune import two_consecutive
 from infinity.memory import format_nbytes, round_up
-from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.units import UnitMap
-
-log = logging.getLogger("infinity.estimate")
-
-SAFETY_MARGIN = 0.10
-"""Share of the available host memory the default budget leaves free (the OS, the page cache, other jobs)."""
-MIN_MARGIN_NBYTES = 512 << 20
 
 CLASS_ORDER = (PARAM, "master", "m", "v", "g")
 """Which class is kept first when the traffic ties (point 4 of the note)."""
@@ -96,37 +87,9 @@ def is_auto(cfg: InfinityConfig) -> bool:
     return "auto" in (zero.offload_param.device, zero.offload_optimizer.device)
 
 
-def default_budget(machine: MachineView, ranks_per_node: int) -> tuple[int, str]:
-    """The available host memory per rank less the safety margin, and how it was found."""
-    avail = (machine.mem_available_nbytes + machine.hugetlb_free_nbytes) // max(1, ranks_per_node)
-    margin = max(int(SAFETY_MARGIN * avail), MIN_MARGIN_NBYTES)
-    per = f" per rank ({ranks_per_node} on this node)" if ranks_per_node > 1 else ""
-    return max(0, avail - margin), (f"the available host memory{per}, {format_nbytes(avail)}, less a "
-                                    f"safety margin of {format_nbytes(margin)}")
-
-
-def resolve_budget(cfg: InfinityConfig, machine: MachineView, ranks_per_node: int) -> tuple[int, str]:
-    """host_memory_budget in bytes per rank (and how it was found), or the default."""
-    budget = cfg.host_budget
-    if budget is None:
-        return default_budget(machine, ranks_per_node)
-    avail = (machine.mem_available_nbytes + machine.hugetlb_free_nbytes) // max(1, ranks_per_node)
-    nbytes = budget.resolve(avail)
-    written = _written(cfg)
-    if budget.nbytes is not None:
-        return nbytes, f"host_memory_budget={written!r}"
-    return nbytes, (f"host_memory_budget={written!r} of the available {format_nbytes(avail)}"
-                    + (" per rank" if ranks_per_node > 1 else ""))
-
-
-def _written(cfg: InfinityConfig) -> object:
-    """host_memory_budget as the user wrote it (JSON numbers arrive as floats: 3e9 shows as 3000000000)."""
-    value = cfg.host_memory_budget
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def auto_sizes(model: nn.Module, cfg: InfinityConfig, unit_map: UnitMap, world_size: int
-               ) -> tuple[InfinityConfig, tuple[tuple[str, int, int], ...]]:
+def auto_sizes(
+    model: nn.Module, cfg: InfinityConfig, unit_map: UnitMap, world_size: int
+) -> tuple[InfinityConfig, tuple[tuple[str, int, int], ...]]:
     """``cfg`` with the sizing keys of its "auto" sections that the config leaves unset derived from the
     model, and the (key, old, new) changes. Under "auto" anything may rest on NVMe, so they are sized
     for the all-NVMe plan, the most the pools must hold:
@@ -153,7 +116,10 @@ def auto_sizes(model: nn.Module, cfg: InfinityConfig, unit_map: UnitMap, world_s
     if zero.stage != 3 or zero.offload_param.device != "auto":
         return cfg, tuple(changes)
     base = plan_runtime(model, cfg, world_size=world_size, unit_map=unit_map)
-    if base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes and MAX_LIVE_KEY not in user:
+    if (
+        base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes
+        and MAX_LIVE_KEY not in user
+    ):
         live = round_up(-(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND)
         changes.append((MAX_LIVE_KEY, zero.stage3_max_live_parameters, live))
         zero = dataclasses.replace(zero, stage3_max_live_parameters=live)
@@ -165,10 +131,15 @@ def auto_sizes(model: nn.Module, cfg: InfinityConfig, unit_map: UnitMap, world_s
         held = round_up(base.schedule.pool_working_set_nbytes, 4096)
         need = max(two_consecutive(per_group), max(per_group, default=0) + held)
         count = math.ceil(need / (size * base.itemsize)) + READ_AHEAD_BUFFERS
-        for key, old, new in ((BUFFER_SIZE_KEY, off.buffer_size, size), (BUFFER_COUNT_KEY, off.buffer_count, count)):
+        for key, old, new in (
+            (BUFFER_SIZE_KEY, off.buffer_size, size),
+            (BUFFER_COUNT_KEY, off.buffer_count, count),
+        ):
             if old != new:
                 changes.append((key, old, new))
-        zero = dataclasses.replace(zero, offload_param=dataclasses.replace(off, buffer_size=size, buffer_count=count))
+        zero = dataclasses.replace(
+            zero, offload_param=dataclasses.replace(off, buffer_size=size, buffer_count=count)
+        )
     return dataclasses.replace(cfg, zero_optimization=zero), tuple(changes)
 
 
@@ -198,11 +169,15 @@ def candidates(plan: RuntimePlan, cfg: InfinityConfig) -> list[_Choice]:
                 saved = frozen_param_cost(nbytes, gas=gas).nbytes
             else:
                 saved = spill_cost(cls, nbytes, gas=gas, own_master=own_master).nbytes
-            out.append(_Choice(unit.index, cls, Candidate(nbytes, saved, (CLASS_ORDER.index(cls), unit.index))))
+            out.append(
+                _Choice(
+                    unit.index, cls, Candidate(nbytes, saved, (CLASS_ORDER.index(cls), unit.index))
+                )
+            )
     return out
 
 
-def plan_placement(
+def place_in_budget(
     model: nn.Module,
     cfg: InfinityConfig,
     ctx: RunContext,
@@ -221,8 +196,15 @@ def plan_placement(
     sized, changes = auto_sizes(model, cfg, unit_map, ctx.world_size)
 
     def make(homes: dict) -> tuple[RuntimePlan, int]:
-        p = plan_runtime(model, sized, world_size=ctx.world_size, rank=rank, device=device, unit_map=unit_map,
-                         placement=Placement(homes))
+        p = plan_runtime(
+            model,
+            sized,
+            world_size=ctx.world_size,
+            rank=rank,
+            device=device,
+            unit_map=unit_map,
+            placement=Placement(homes),
+        )
         return p, ctx.host_need(ctx.itemise(sized, p))
 
     base, _ = make({})
@@ -239,8 +221,12 @@ def plan_placement(
         solved.append((need <= budget_nbytes, worst_case_traffic(plan).nbytes, need, plan))
     fitting = [x for x in solved if x[0]]
     # The least traffic that fits; if nothing does, the least memory (the refusal then says how much).
-    _, _, need, plan = min(fitting, key=lambda x: x[1:3]) if fitting else min(solved, key=lambda x: x[2])
-    return dataclasses.replace(plan, chosen=PlacementChoice(budget_nbytes, budget_source, need, changes))
+    _, _, need, plan = (
+        min(fitting, key=lambda x: x[1:3]) if fitting else min(solved, key=lambda x: x[2])
+    )
+    return dataclasses.replace(
+        plan, chosen=PlacementChoice(budget_nbytes, budget_source, need, changes)
+    )
 
 
 def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
@@ -258,65 +244,44 @@ def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
     return cases
 
 
-def check_budget(plan: RuntimePlan, cfg: InfinityConfig) -> None:
-    """Refuses a plan that needs more than the host_memory_budget the config sets (ConfigError naming the
-    key and what it would take): even with every "auto" section on NVMe, the rest does not fit it.
-    (Under the default budget, the pre-flight check judges against the available memory itself.)"""
-    c = plan.chosen
-    if c is None or cfg.host_budget is None or c.need_nbytes <= c.budget_nbytes:
-        return
-    raise ConfigError(
-        f"host_memory_budget={_written(cfg)!r} gives {format_nbytes(c.budget_nbytes)} per rank, but this "
-        f"run needs {format_nbytes(c.need_nbytes)} of host memory with every \"auto\" section's state on NVMe "
-        "(pools, activations, runtime overheads; `infinity estimate --config` itemises them): raise "
-        f"host_memory_budget to at least {format_nbytes(c.need_nbytes)}, or lower what the rest needs"
-    )
-
-
-def plan_for_run(
-    model: nn.Module,
-    cfg: InfinityConfig,
-    *,
-    group: DataParallelGroup,
-    device: torch.device,
-    machine: MachineView | None = None,
-) -> tuple[RuntimePlan, RunContext | None]:
-    """initialize's plan for this rank: plan_runtime's, or with an "auto" section the placement planner's
-    within the budget (the smallest of the ranks' budgets, so that every rank plans alike). Returns the
-    run context it measured (None when it needed none), for the pre-flight check to reuse."""
-    if not is_auto(cfg):
-        return plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device), None
-    ctx = run_context(model, cfg, device=device, world_size=group.world_size)
-    nbytes, source = resolve_budget(cfg, machine or machine_view(), ctx.ranks_per_node)
-    agreed = torch.tensor([-nbytes], dtype=torch.int64)
-    group.all_reduce_max(agreed)
-    if -int(agreed) != nbytes:
-        nbytes, source = -int(agreed), f"the smallest budget of the {group.world_size} ranks ({source} here)"
-    plan = plan_placement(model, cfg, ctx, budget_nbytes=nbytes, budget_source=source, rank=group.rank,
-                          device=device)
-    check_budget(plan, cfg)
-    return plan, ctx
-
-
-def describe(plan: RuntimePlan) -> list[str]:
+def describe_placement(plan: RuntimePlan) -> list[str]:
     """A few lines on where the plan puts each state class and what it moves per step."""
     lines = []
     numel = sum(u.layout.numel for u in plan.units)
     if plan.chosen is not None:
         c = plan.chosen
-        lines.append(f"placement planner: budget {format_nbytes(c.budget_nbytes)} ({c.budget_source}); the plan "
-                     f"needs {format_nbytes(c.need_nbytes)} of host memory")
+        lines.append(
+            f"placement planner: budget {format_nbytes(c.budget_nbytes)} ({c.budget_source}); the plan "
+            f"needs {format_nbytes(c.need_nbytes)} of host memory"
+        )
         if c.changes:
-            lines.append("  sizes chosen: " + ", ".join(f"{k.removeprefix('zero_optimization.')}={new:,}"
-                                                        for k, _, new in c.changes))
-    names = {PARAM: f"parameters ({str(plan.dtype).removeprefix('torch.')})", "master": "fp32 master",
-             "m": "Adam m", "v": "Adam v", "g": "gradients (fp32)"}
-    classes = ([PARAM] if plan.stage == 3 else []) + list(plan.optimizer.state_keys if plan.optimizer else ())
+            lines.append(
+                "  sizes chosen: "
+                + ", ".join(
+                    f"{k.removeprefix('zero_optimization.')}={new:,}" for k, _, new in c.changes
+                )
+            )
+    names = {
+        PARAM: f"parameters ({str(plan.dtype).removeprefix('torch.')})",
+        "master": "fp32 master",
+        "m": "Adam m",
+        "v": "Adam v",
+        "g": "gradients (fp32)",
+    }
+    classes = ([PARAM] if plan.stage == 3 else []) + list(
+        plan.optimizer.state_keys if plan.optimizer else ()
+    )
     for cls in classes:
         host, nvme = plan.state_nbytes(cls, "cpu"), plan.state_nbytes(cls, "nvme")
         units = _unit_ranges(plan, cls)
-        lines.append(f"  {names[cls]:20s} host {format_nbytes(host):>10s}, NVMe {format_nbytes(nvme):>10s}"
-                     + (f" (on NVMe: {'' if 'units' in units else 'units '}{units})" if units and host and nvme else ""))
+        lines.append(
+            f"  {names[cls]:20s} host {format_nbytes(host):>10s}, NVMe {format_nbytes(nvme):>10s}"
+            + (
+                f" (on NVMe: {'' if 'units' in units else 'units '}{units})"
+                if units and host and nvme
+                else ""
+            )
+        )
     worst, expected = worst_case_traffic(plan), expected_traffic(plan)
     per = max(1, numel)
     lines.append(
@@ -329,8 +294,11 @@ def describe(plan: RuntimePlan) -> list[str]:
 
 def _unit_ranges(plan: RuntimePlan, cls: str, most: int = 6) -> str:
     """The unit indices whose ``cls`` rests on NVMe, as ranges ("0-3, 7"); past ``most`` ranges, a count."""
-    idx = [sp.index for sp in plan.shards
-           if (sp.param_home if cls == PARAM else dict(sp.state_homes).get(cls)) == "nvme"]
+    idx = [
+        sp.index
+        for sp in plan.shards
+        if (sp.param_home if cls == PARAM else dict(sp.state_homes).get(cls)) == "nvme"
+    ]
     out, start = [], None
     for i, j in enumerate(idx):
         if start is None:

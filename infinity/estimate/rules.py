@@ -2,7 +2,7 @@
 
 The runtime's own sizing decisions (pools, homes, keys, reserves, caches,
 budgets) are not here: they are the RuntimePlan (runtime_plan.py), which the
-engine allocates and plan.py itemises. What is here the runtime does not
+engine allocates and itemise.py itemises. What is here the runtime does not
 decide: how the allocator and the OS account for a buffer (huge pages, swap
 files rounded to blocks, file-system metadata), the transient tensors that
 autograd and gradient reduction make and free step after step, what zero.Init
@@ -42,11 +42,13 @@ INIT_OVERHEAD_NBYTES = 16 << 20
 threads and rings, store records, hooks and heap left over from moving the model home (4-5 MiB
 for a 0.1M-parameter GPT, up to 17 MiB for 57M on CPU, torch 2.13)."""
 
+
 def first_step_overhead_nbytes(dtype: torch.dtype) -> int:
     """Measured, not mirrored: what the first forward/backward/step allocates once — kernel
     workspaces, autograd's thread, thread-local arenas. A 0.1M-parameter GPT measured 16 MiB in
     fp32 and 30 MiB in bf16 (CPU, torch 2.13); larger models a few MiB more (weight packing)."""
     return (32 << 20) if dtype == torch.float32 else (48 << 20)
+
 
 SLACK_PERCENT = 10
 """Measured, not mirrored: glibc's heap keeps some of what torch frees (grads, flat buffers,
@@ -135,7 +137,13 @@ def swap_growth_nbytes(sizes: Sequence[int], block_size: int, ndrives: int = 1) 
 
 
 def flat_buffers_nbytes(
-    units: Sequence[ParamUnit], stage: int, world_size: int, dtype: torch.dtype, *, cap_nbytes: int, caching: bool
+    units: Sequence[ParamUnit],
+    stage: int,
+    world_size: int,
+    dtype: torch.dtype,
+    *,
+    cap_nbytes: int,
+    caching: bool,
 ) -> int:
     """Peak bytes of the TensorCache's flat buffers (zero/buffers.py) beyond those counted as
     their own items (stages 0-1's gradient accumulators, stage 3's gathered units):

@@ -5,7 +5,7 @@
 swap reserves, the optimizer's keys and sub-groups, the tensor cache, the
 prefetch budgets — and refuses what the plan refuses (a parameter pool that
 cannot hold the largest layer). infinity.estimate itemises the same plan
-(plan.py) for ``infinity estimate`` and the pre-flight check, adding only what
+(itemise.py) for ``infinity estimate`` and the pre-flight check, adding only what
 the runtime does not decide (activations, the process baseline, measured
 overheads, allocator slack: rules.py). There is no second copy of these rules,
 so the estimate and what is allocated cannot disagree.
@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
 
 import torch
 from torch import nn
@@ -57,13 +56,12 @@ from infinity.config.zero import NvmePath, OffloadOptimizerConfig, OffloadParamC
 from infinity.memory import BufferPool, round_up
 from infinity.optim.partitioned_adam import split_sub_groups
 from infinity.schedule import ScheduleBudget
+from infinity.store.store import Home
 from infinity.weights.quant import QuantSpec, ShardFormat
 from infinity.zero.init import init_store_of
 from infinity.zero.quantized_shards import unit_shard_format
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap, build_units
-
-Home = Literal["cpu", "nvme"]
 
 FP32_NBYTES = 4
 
@@ -91,7 +89,10 @@ STATE_CLASSES = (PARAM, *STATE_KEYS)
 STATE_NBYTES_PER_ELEMENT = FP32_NBYTES * len(STATE_KEYS)
 """The most optimizer-state bytes per element (every array swapped)."""
 
-PARAM_POOL_KEYS = ("zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size")
+PARAM_POOL_KEYS = (
+    "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size",
+)
 OPTIMIZER_POOL_KEYS = ("zero_optimization.sub_group_size",)
 
 
@@ -335,7 +336,11 @@ class RuntimePlan:
 
     def at_rest_nbytes(self, unit: ParamUnit) -> int:
         """Bytes of the unit's shard as it rests in the parameter store (packed when quantised)."""
-        return self.formats[unit.index].nbytes if self.formats is not None else unit.layout.shard_nbytes
+        return (
+            self.formats[unit.index].nbytes
+            if self.formats is not None
+            else unit.layout.shard_nbytes
+        )
 
     def nvme_units(self) -> list[ParamUnit]:
         """The units whose parameter shard rests on NVMe."""
@@ -348,8 +353,12 @@ class RuntimePlan:
             if cls == PARAM:
                 if sp.param_home is not None and home in (None, sp.param_home):
                     out += u.layout.shard_nbytes
-            elif self.optimizer is not None and cls in self.optimizer.state_keys and sp.state_homes \
-                    and home in (None, sp.state_home(cls)):
+            elif (
+                self.optimizer is not None
+                and cls in self.optimizer.state_keys
+                and sp.state_homes
+                and home in (None, sp.state_home(cls))
+            ):
                 out += FP32_NBYTES * sp.numel
         return out
 
@@ -397,8 +406,14 @@ def weights_dtype(model: nn.Module, cfg: InfinityConfig) -> torch.dtype:
     return max(counts, key=lambda d: counts[d]) if counts else torch.float32
 
 
-def cut_units(model: nn.Module, cfg: InfinityConfig, *, world_size: int, device: torch.device,
-              trains: bool = True) -> UnitMap:
+def cut_units(
+    model: nn.Module,
+    cfg: InfinityConfig,
+    *,
+    world_size: int,
+    device: torch.device,
+    trains: bool = True,
+) -> UnitMap:
     """The units: whole at stage 0 (layout world 1), the persistence threshold only at stage 3,
     zero.Init's true shapes where it holds the parameters. ``trains=False`` (inference) keeps each
     parameter's dtype as loaded unless the config enables bf16 or fp16."""
@@ -408,7 +423,9 @@ def cut_units(model: nn.Module, cfg: InfinityConfig, *, world_size: int, device:
     return build_units(
         model,
         world_size=1 if zero.stage == 0 else world_size,
-        persistence_threshold=int(zero.stage3_param_persistence_threshold) if zero.stage == 3 else 0,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold)
+        if zero.stage == 3
+        else 0,
         device=device,
         dtype=None if as_loaded else train_dtype(cfg),
         shape_of=store.shape if store is not None else None,
@@ -429,7 +446,7 @@ def plan_runtime(
     """The plan for ``model`` under ``cfg`` on ``rank`` of ``world_size``. ``unit_map``: the units if
     already cut for this config (a plan for the same model with other sizes reuses them). ``placement``:
     the homes of the "auto" sections' state (see [Note: placement]; by default all on NVMe, the
-    placement planner's starting point — infinity.estimate.placement.plan_placement chooses).
+    placement planner's starting point — infinity.estimate.placement.place_in_budget chooses).
     ``trains=False``: no parameter trains (an inference engine): no optimizer plan, weights in the
     precision weights_dtype says (see [Note: frozen units])."""
     zero = cfg.zero_optimization
@@ -443,21 +460,34 @@ def plan_runtime(
     keys = STATE_KEYS[1:] if zero.stage == 3 and dtype == torch.float32 else STATE_KEYS
     trainable = [u for u in units if u.trainable] if trains else []
     trains_unit = {u.index for u in trainable}
-    shards = tuple(ShardPlan(u.index, homes[u.index],
-                             state_homes(u, keys, zero, placement) if u.index in trains_unit else (),
-                             u.layout.shard_numel)
-                   for u in units)
+    shards = tuple(
+        ShardPlan(
+            u.index,
+            homes[u.index],
+            state_homes(u, keys, zero, placement) if u.index in trains_unit else (),
+            u.layout.shard_numel,
+        )
+        for u in units
+    )
     optimizer = _optimizer(trainable, shards, keys, zero) if trainable else None
     quant = cfg.weight_quantization.quantized_initialization
     formats = None
     if not trains and quant is not None and zero.stage == 3:
         spec = QuantSpec(quant.num_bits, quant.group_size, quant.symmetric)
         formats = tuple(unit_shard_format(u.layout, rank, spec) for u in units)
-    schedule = _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
+    schedule = (
+        _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
+    )
     param_store, refusal = None, None
     if zero.stage == 3:
-        param_store, refusal = _param_store(units, homes, zero.offload_param, dtype, optimizer, schedule, formats)
-    state_store = _state_store(trainable, zero.offload_optimizer, optimizer) if optimizer is not None else None
+        param_store, refusal = _param_store(
+            units, homes, zero.offload_param, dtype, optimizer, schedule, formats
+        )
+    state_store = (
+        _state_store(trainable, zero.offload_optimizer, optimizer)
+        if optimizer is not None
+        else None
+    )
     largest_flat = max((u.layout.padded_numel for u in units), default=0)
     return RuntimePlan(
         stage=zero.stage,
@@ -471,9 +501,13 @@ def plan_runtime(
         state_store=state_store,
         optimizer=optimizer,
         swap_reserves=_swap_reserves(zero, param_store, state_store),
-        tensor_cache_cap_nbytes=(CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat if trains
-                                 else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_flat
-                                 if formats is not None or world_size > 1 else 0),
+        tensor_cache_cap_nbytes=(
+            CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat
+            if trains
+            else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_flat
+            if formats is not None or world_size > 1
+            else 0
+        ),
         staging_numel=largest_flat,
         schedule=schedule,
         param_pool_refusal=refusal,
@@ -484,7 +518,9 @@ def plan_runtime(
     )
 
 
-def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig, placement: Placement | None = None) -> tuple[Home, ...]:
+def param_homes(
+    units: Sequence[ParamUnit], zero: ZeroConfig, placement: Placement | None = None
+) -> tuple[Home, ...]:
     """Stage-3 shards at rest, by unit index: persistent units, and every unit unless offload_param is
     nvme or auto, in host memory; with auto, where ``placement`` says; with nvme, units stay in host
     memory greedily while their shards fit in ``max_in_cpu`` elements (DeepSpeed's meaning of the key),
@@ -507,7 +543,11 @@ def param_homes(units: Sequence[ParamUnit], zero: ZeroConfig, placement: Placeme
 
 
 def partitioner_working_set(
-    model: nn.Module, unit_map: UnitMap, counts: Callable[[ParamUnit], bool] = lambda u: True, *, full: bool = False
+    model: nn.Module,
+    unit_map: UnitMap,
+    counts: Callable[[ParamUnit], bool] = lambda u: True,
+    *,
+    full: bool = False,
 ) -> int:
     """The most (non-persistent, ``counts``) unit bytes the stage-3 partitioner holds at once: the
     heaviest root-to-leaf chain of modules' units (a frame holds its module's units while its children
@@ -554,8 +594,9 @@ def _unit_sub_groups(units: Sequence[ParamUnit], limit: int) -> tuple[tuple[int,
     return tuple(tuple(units[i].index for i in g) for g in groups)
 
 
-def state_homes(unit: ParamUnit, keys: Sequence[str], zero: ZeroConfig,
-                placement: Placement | None = None) -> tuple[tuple[str, Home], ...]:
+def state_homes(
+    unit: ParamUnit, keys: Sequence[str], zero: ZeroConfig, placement: Placement | None = None
+) -> tuple[tuple[str, Home], ...]:
     """Where each of a unit's optimizer arrays rests: with offload_optimizer auto, where ``placement``
     says; with nvme, on NVMe (g in host memory with grads_in_host); else in host memory."""
     off = zero.offload_optimizer
@@ -566,13 +607,17 @@ def state_homes(unit: ParamUnit, keys: Sequence[str], zero: ZeroConfig,
     return tuple((k, "cpu" if k == "g" and off.grads_in_host else home) for k in keys)
 
 
-def _optimizer(units: Sequence[ParamUnit], shards: Sequence[ShardPlan], keys: tuple[str, ...],
-               zero: ZeroConfig) -> OptimizerPlan:
+def _optimizer(
+    units: Sequence[ParamUnit], shards: Sequence[ShardPlan], keys: tuple[str, ...], zero: ZeroConfig
+) -> OptimizerPlan:
     """The optimizer state of ``units`` (the trainable ones: [Note: frozen units])."""
     numels = [u.layout.shard_numel for u in units]
     sub = int(zero.sub_group_size)
     groups = _unit_sub_groups(units, sub)
-    unit_swap = {sp.index: len(sp.nvme_keys()) * round_up(FP32_NBYTES * sp.numel, DIRECT_ALIGNMENT) for sp in shards}
+    unit_swap = {
+        sp.index: len(sp.nvme_keys()) * round_up(FP32_NBYTES * sp.numel, DIRECT_ALIGNMENT)
+        for sp in shards
+    }
     return OptimizerPlan(
         state_keys=keys,
         sub_group_numel=sub,
@@ -583,8 +628,14 @@ def _optimizer(units: Sequence[ParamUnit], shards: Sequence[ShardPlan], keys: tu
     )
 
 
-def _schedule(model: nn.Module, unit_map: UnitMap, homes: Sequence[Home | None], zero: ZeroConfig,
-              world_size: int, dtype: torch.dtype) -> SchedulePlan:
+def _schedule(
+    model: nn.Module,
+    unit_map: UnitMap,
+    homes: Sequence[Home | None],
+    zero: ZeroConfig,
+    world_size: int,
+    dtype: torch.dtype,
+) -> SchedulePlan:
     b = itemsize(dtype)
 
     def per_rank_nbytes(numel: float) -> int:
@@ -600,15 +651,23 @@ def _schedule(model: nn.Module, unit_map: UnitMap, homes: Sequence[Home | None],
             itemsize=b,
         ),
         working_set_nbytes=partitioner_working_set(model, unit_map),
-        pool_working_set_nbytes=partitioner_working_set(model, unit_map, lambda u: homes[u.index] == "nvme"),
+        pool_working_set_nbytes=partitioner_working_set(
+            model, unit_map, lambda u: homes[u.index] == "nvme"
+        ),
         largest_unit_nbytes=largest.layout.shard_nbytes if largest else 0,
         largest_unit=repr(largest.module_name) if largest else "the largest unit",
     )
 
 
-def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: OffloadParamConfig,
-                 dtype: torch.dtype, optimizer: OptimizerPlan | None, schedule: SchedulePlan | None,
-                 formats: Sequence[ShardFormat] | None = None) -> tuple[StorePlan, LayerTooLarge | None]:
+def _param_store(
+    units: Sequence[ParamUnit],
+    homes: Sequence[Home | None],
+    off: OffloadParamConfig,
+    dtype: torch.dtype,
+    optimizer: OptimizerPlan | None,
+    schedule: SchedulePlan | None,
+    formats: Sequence[ShardFormat] | None = None,
+) -> tuple[StorePlan, LayerTooLarge | None]:
     """The parameter store: a pool of offload_param's buffers when any shard rests on NVMe. The pool must
     hold the largest such shard (else initialize refuses), the partitioner's NVMe working set and a
     whole sub-group of the step's (need_nbytes)."""
@@ -617,21 +676,42 @@ def _param_store(units: Sequence[ParamUnit], homes: Sequence[Home | None], off: 
         return StorePlan("params", UNUSED_POOL), None
     largest = max(nvme, key=lambda u: u.layout.shard_nbytes)
     sub_groups = optimizer.sub_groups if optimizer is not None else ()
-    need = max([largest.layout.shard_nbytes, *_sub_group_nvme_nbytes(units, homes, sub_groups),
-                round_up(schedule.pool_working_set_nbytes, DIRECT_ALIGNMENT) if schedule else 0])
+    need = max(
+        [
+            largest.layout.shard_nbytes,
+            *_sub_group_nvme_nbytes(units, homes, sub_groups),
+            round_up(schedule.pool_working_set_nbytes, DIRECT_ALIGNMENT) if schedule else 0,
+        ]
+    )
     b = itemsize(dtype)
-    pool = PoolPlan("params", int(off.buffer_count), _param_buffer_nbytes(units, off, b, need), _pin(off.pin_memory),
-                    PARAM_POOL_KEYS, need)
+    pool = PoolPlan(
+        "params",
+        int(off.buffer_count),
+        _param_buffer_nbytes(units, off, b, need),
+        _pin(off.pin_memory),
+        PARAM_POOL_KEYS,
+        need,
+    )
     refusal = None
     if largest.layout.shard_nbytes > pool.capacity_nbytes:
-        refusal = LayerTooLarge(largest.module_name, largest.layout.shard_numel, largest.layout.shard_nbytes,
-                                int(off.buffer_count), int(off.buffer_size), pool.capacity_nbytes)
-    at_rest = [formats[u.index].nbytes if formats is not None else u.layout.shard_nbytes for u in nvme]
+        refusal = LayerTooLarge(
+            largest.module_name,
+            largest.layout.shard_numel,
+            largest.layout.shard_nbytes,
+            int(off.buffer_count),
+            int(off.buffer_size),
+            pool.capacity_nbytes,
+        )
+    at_rest = [
+        formats[u.index].nbytes if formats is not None else u.layout.shard_nbytes for u in nvme
+    ]
     store = StorePlan("params", pool, off.nvme_path, sum(at_rest), off.integrity)
     return store, refusal
 
 
-def _param_buffer_nbytes(units: Sequence[ParamUnit], off: OffloadParamConfig, b: int, need: int) -> int:
+def _param_buffer_nbytes(
+    units: Sequence[ParamUnit], off: OffloadParamConfig, b: int, need: int
+) -> int:
     """offload_param.buffer_size in bytes, capped so that the pool holds no more than every shard that may
     rest on NVMe (all but the persistent units) at once: the pool is a byte slab that serves any mix of
     shards, so room past that is never used, and the defaults (5 × 1e8 elements: 2 GB in fp32) would
@@ -640,17 +720,30 @@ def _param_buffer_nbytes(units: Sequence[ParamUnit], off: OffloadParamConfig, b:
     units a placement puts on NVMe unless that need is larger, so the placement planner's host need stays
     additive ([Note: the placement planner])."""
     asked = int(off.buffer_size) * b
-    everything = sum(round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in units if not u.persistent)
-    return min(asked, round_up(-(-max(everything, need) // int(off.buffer_count)), DIRECT_ALIGNMENT))
+    everything = sum(
+        round_up(u.layout.shard_nbytes, DIRECT_ALIGNMENT) for u in units if not u.persistent
+    )
+    return min(
+        asked, round_up(-(-max(everything, need) // int(off.buffer_count)), DIRECT_ALIGNMENT)
+    )
 
 
-def _sub_group_nvme_nbytes(units: Sequence[ParamUnit], homes: Sequence[Home | None],
-                           sub_groups: Sequence[Sequence[int]]) -> list[int]:
-    return [sum(round_up(units[i].layout.shard_nbytes, DIRECT_ALIGNMENT) for i in g if homes[i] == "nvme")
-            for g in sub_groups]
+def _sub_group_nvme_nbytes(
+    units: Sequence[ParamUnit], homes: Sequence[Home | None], sub_groups: Sequence[Sequence[int]]
+) -> list[int]:
+    return [
+        sum(
+            round_up(units[i].layout.shard_nbytes, DIRECT_ALIGNMENT)
+            for i in g
+            if homes[i] == "nvme"
+        )
+        for g in sub_groups
+    ]
 
 
-def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan) -> StorePlan:
+def _state_store(
+    units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimizer: OptimizerPlan
+) -> StorePlan:
     """The optimizer store of ``units`` (the trainable ones): with arrays on NVMe, a pool of three
     sub-groups' swapped arrays (read ‖ update ‖ write) and a reserve for every one of them."""
     reserve = sum(optimizer.sub_group_swap_nbytes)
@@ -660,22 +753,41 @@ def _state_store(units: Sequence[ParamUnit], off: OffloadOptimizerConfig, optimi
     # memory is then its fixed part plus what it keeps there (see [Note: the placement planner]).
     per = FP32_NBYTES * len(optimizer.state_keys)
     if off.device == "nvme":  # exactly what spills: every shard swaps the same arrays
-        per = sum(optimizer.sub_group_swap_nbytes) // max(1, sum(u.layout.shard_numel for u in units))
+        per = sum(optimizer.sub_group_swap_nbytes) // max(
+            1, sum(u.layout.shard_numel for u in units)
+        )
     buffer = round_up(optimizer.pool_buffer_numel * per, DIRECT_ALIGNMENT)
     largest = max((u.layout.shard_numel for u in units), default=0)
-    pool = PoolPlan("optimizer", OPTIMIZER_POOL_BUFFERS, buffer, _pin(off.pin_memory), OPTIMIZER_POOL_KEYS,
-                    OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT))
+    pool = PoolPlan(
+        "optimizer",
+        OPTIMIZER_POOL_BUFFERS,
+        buffer,
+        _pin(off.pin_memory),
+        OPTIMIZER_POOL_KEYS,
+        OPTIMIZER_POOL_BUFFERS * round_up(largest * per, DIRECT_ALIGNMENT),
+    )
     return StorePlan("optimizer", pool, off.nvme_path, reserve, off.integrity)
 
 
-def _swap_reserves(zero: ZeroConfig, param_store: StorePlan | None,
-                   state_store: StorePlan | None) -> tuple[SwapReserve, ...]:
+def _swap_reserves(
+    zero: ZeroConfig, param_store: StorePlan | None, state_store: StorePlan | None
+) -> tuple[SwapReserve, ...]:
     """Every offload section on NVMe, and every "auto" one that places something there."""
     out = []
-    if param_store is not None and (zero.offload_param.device == "nvme" or param_store.reserve_nbytes):
-        out.append(SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes))
-    if state_store is not None and (zero.offload_optimizer.device == "nvme" or state_store.reserve_nbytes):
-        out.append(SwapReserve("optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes))
+    if param_store is not None and (
+        zero.offload_param.device == "nvme" or param_store.reserve_nbytes
+    ):
+        out.append(
+            SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes)
+        )
+    if state_store is not None and (
+        zero.offload_optimizer.device == "nvme" or state_store.reserve_nbytes
+    ):
+        out.append(
+            SwapReserve(
+                "optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes
+            )
+        )
     return tuple(out)
 
 
@@ -684,8 +796,9 @@ def _pin(pin_memory: bool) -> bool | None:
     return None if pin_memory else False
 
 
-def _max_in_cpu_warning(units: Sequence[ParamUnit], homes: Sequence[Home | None],
-                        offload: OffloadParamConfig) -> tuple[str, ...]:
+def _max_in_cpu_warning(
+    units: Sequence[ParamUnit], homes: Sequence[Home | None], offload: OffloadParamConfig
+) -> tuple[str, ...]:
     kept = [u for u in units if not u.persistent and homes[u.index] == "cpu"]
     if offload.device != "nvme" or not kept:
         return ()

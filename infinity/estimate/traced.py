@@ -42,6 +42,24 @@ Model inputs are made for the shapes the model takes: ``idx, targets`` for
 infinity.models.GPT, ``input_ids`` and ``labels`` for a transformers model
 whose main input is ``input_ids``; any other model needs ``inputs``.
 
+[Note: mixture of experts]
+A mixture-of-experts layer routes each token to its top-k experts by the
+router's values, which fake tensors do not have. transformers' default
+experts implementation (grouped_mm) computes every routed token in one
+grouped matrix product whose shapes do not depend on the routing: the tokens
+are sorted by expert, top_k × tokens rows in all, so what it saves is the
+same for any routing and counted exactly (tests/estimate/test_traced.py
+checks it against a real forward). Its meta kernel accepts bf16 alone (the
+CUDA kernel's rule), so the trace gives the CPU kernel's shapes itself
+(``_grouped_mm``). transformers' eager loop branches on the routing in Python
+(which experts any token chose); a model set to it is counted as its
+grouped_mm implementation computes it — the same tokens through the same
+experts — and the estimate's source says so: the loop keeps a few more
+copies of the routed tokens (5-7% of all saves on tiny Mixtral and
+Qwen2-MoE shapes), inside the heap's margin. A forward that cannot run on
+fake tensors otherwise is reported in one line (model_activations), never
+with torch's traceback.
+
 Threading: runs on the caller's thread; the model is not modified (its
 parameters are swapped for fake tensors through torch.func.functional_call
 for the one forward, and its hooks are removed after it).
@@ -49,9 +67,10 @@ for the one forward, and its hooks are removed after it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -97,8 +116,12 @@ class _Tally:
     nbytes: dict[int, int] = dataclasses.field(default_factory=dict)
     region: dict[int, int | None] = dataclasses.field(default_factory=dict)
     layer: dict[int, int | None] = dataclasses.field(default_factory=dict)
-    layer_inputs: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # layer -> storage -> nbytes
-    region_inputs: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # region -> storage -> nbytes
+    layer_inputs: dict[int, dict[int, int]] = dataclasses.field(
+        default_factory=dict
+    )  # layer -> storage -> nbytes
+    region_inputs: dict[int, dict[int, int]] = dataclasses.field(
+        default_factory=dict
+    )  # region -> storage -> nbytes
     regions: int = 0
     allocated: dict[int | None, int] = dataclasses.field(default_factory=dict)
     """Bytes of every new tensor made in each layer (None: outside layers), saved or not."""
@@ -130,6 +153,9 @@ class SavedCount:
     """The most any one layer allocates beyond what it saves (freed intermediates)."""
     checkpoints: bool
     """The model checkpoints some of its forward (a reentrant or non-reentrant region)."""
+    experts_switched: bool = False
+    """Its mixture-of-experts layers, set to transformers' eager loop, were counted as its grouped_mm
+    implementation computes them ([Note: mixture of experts])."""
 
 
 PREFLIGHT_MAX_SEQ = 2048
@@ -158,15 +184,31 @@ def model_activations(
     traced = None
     if spec.live:
         try:
-            traced = traced_activations(spec.module, micro_batch=micro_batch, seq=seq, dtype=dtype,
-                                        shapes=placeholder_shapes(spec.module), inputs=inputs)
-        except Exception as e:  # a forward fake tensors cannot run (data-dependent Python control flow)
-            log.warning("activations of %s are not counted: its forward could not run on fake tensors (%s: %s); "
-                        "the estimate leaves them out", type(spec.module).__name__, type(e).__name__, e)
-    if spec.gpt is not None:  # infinity GPT's coefficients are measured; the trace says if it checkpoints
+            traced = traced_activations(
+                spec.module,
+                micro_batch=micro_batch,
+                seq=seq,
+                dtype=dtype,
+                shapes=placeholder_shapes(spec.module),
+                inputs=inputs,
+            )
+        except (
+            Exception
+        ) as e:  # a forward fake tensors cannot run (data-dependent Python control flow)
+            log.warning(
+                "activations of %s are not counted: its forward could not run on fake tensors (%s: %s); "
+                "the estimate leaves them out",
+                type(spec.module).__name__,
+                type(e).__name__,
+                e,
+            )
+    if (
+        spec.gpt is not None
+    ):  # infinity GPT's coefficients are measured; the trace says if it checkpoints
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return gpt_activations(spec.gpt, micro_batch=micro_batch, seq=seq, itemsize=itemsize), bool(
-            traced and traced[1])
+            traced and traced[1]
+        )
     return traced if traced is not None else (None, False)
 
 
@@ -185,15 +227,21 @@ def max_context(model: nn.Module) -> int | None:
 def default_inputs(model: nn.Module) -> Inputs | None:
     """The forward arguments of a model whose inputs are known (infinity GPT, transformers LMs)."""
     if isinstance(model, GPT):
+
         def gpt(b: int, t: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             idx = torch.zeros(b, t, dtype=torch.long)
             return (idx, idx), {}
+
         return gpt
     config = getattr(model, "config", None)
-    if getattr(model, "main_input_name", None) == "input_ids" and getattr(config, "vocab_size", None):
+    if getattr(model, "main_input_name", None) == "input_ids" and getattr(
+        config, "vocab_size", None
+    ):
+
         def hf(b: int, t: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
             ids = torch.zeros(b, t, dtype=torch.long)
             return (), {"input_ids": ids, "labels": ids}
+
         return hf
     return None
 
@@ -228,7 +276,8 @@ def count_saved(
     make = inputs or default_inputs(model)
     if make is None or any(type(m._parameters) is not dict for m in model.modules()):
         return None
-    tally = _trace(model, make, micro_batch, seq, dtype, shapes or {})
+    with _countable_experts(model) as experts_switched:
+        tally = _trace(model, make, micro_batch, seq, dtype, shapes or {})
     n_layers = len(layers_of(model))
     # A checkpointed unit is a layer where its saves are in a region (a layer may checkpoint its
     # forward below its own hooks, as transformers' GradientCheckpointingLayer does, so its children
@@ -244,24 +293,37 @@ def count_saved(
         if layer is not None:
             by_layer[layer] += nbytes
     for kind, index in units:
-        unit_inputs.update(tally.layer_inputs.get(index, {}) if kind == "layer" else tally.region_inputs[index])
+        unit_inputs.update(
+            tally.layer_inputs.get(index, {}) if kind == "layer" else tally.region_inputs[index]
+        )
     saved = sum(tally.nbytes.values())
     # A unit's inputs stay alive to its recomputation (a reentrant checkpoint saves them, a
     # non-reentrant one holds them): counted unless a save outside every region counted them already.
-    inputs_inside = sum(n for k, n in unit_inputs.items() if k not in tally.nbytes or tally.region[k] is not None)
+    inputs_inside = sum(
+        n for k, n in unit_inputs.items() if k not in tally.nbytes or tally.region[k] is not None
+    )
     kept = saved - sum(units.values()) + inputs_inside if units else saved
-    all_layer_inputs = {k: n for per_layer in tally.layer_inputs.values() for k, n in per_layer.items()}
+    all_layer_inputs = {
+        k: n for per_layer in tally.layer_inputs.values() for k, n in per_layer.items()
+    }
     outside = [n for k, n in tally.nbytes.items() if tally.layer[k] is None]
     return SavedCount(
         saved=saved,
         kept=kept,
         largest_region=max(units.values(), default=0),
         layers=tuple(by_layer),
-        layer_inputs=sum(n for k, n in all_layer_inputs.items() if k not in tally.nbytes or tally.layer[k] is not None),
+        layer_inputs=sum(
+            n
+            for k, n in all_layer_inputs.items()
+            if k not in tally.nbytes or tally.layer[k] is not None
+        ),
         outside_layers=sum(outside),
         largest_outside=max(outside, default=0),
-        transient=max((tally.allocated.get(i, 0) - by_layer[i] for i in range(n_layers)), default=0),
+        transient=max(
+            (tally.allocated.get(i, 0) - by_layer[i] for i in range(n_layers)), default=0
+        ),
         checkpoints=bool(units),
+        experts_switched=experts_switched,
     )
 
 
@@ -276,27 +338,43 @@ def traced_activations(
 ) -> tuple[Activations, bool] | None:
     """(activations, whether the model checkpoints) for one micro-batch: count_saved's figures with
     the allocator's margins ([Note: counting saved tensors]); None where count_saved gives None."""
-    count = count_saved(model, micro_batch=micro_batch, seq=seq, dtype=dtype, shapes=shapes, inputs=inputs)
+    count = count_saved(
+        model, micro_batch=micro_batch, seq=seq, dtype=dtype, shapes=shapes, inputs=inputs
+    )
     if count is None:
         return None
     largest_layer = max(count.layers, default=0)
     # [Note: the CPU heap's margin]: 1.25 × the layers' saves without checkpointing, one layer's
     # transient with it (which also holds the recomputed unit's gradients).
     if count.checkpoints:
-        saved_checkpointed = count.kept + count.largest_region + max(count.transient, count.largest_region)
+        saved_checkpointed = (
+            count.kept + count.largest_region + max(count.transient, count.largest_region)
+        )
     else:
-        saved_checkpointed = (count.outside_layers + count.layer_inputs + largest_layer
-                              + max(count.transient, largest_layer))
+        saved_checkpointed = (
+            count.outside_layers
+            + count.layer_inputs
+            + largest_layer
+            + max(count.transient, largest_layer)
+        )
     itemsize = _itemsize(dtype)
-    working = (WORK_LOGITS_TENTHS * count.largest_outside // 10
-               + WORK_BTD * largest_layer * 4 // itemsize // SAVED_PER_BLOCK)
+    working = (
+        WORK_LOGITS_TENTHS * count.largest_outside // 10
+        + WORK_BTD * largest_layer * 4 // itemsize // SAVED_PER_BLOCK
+    )
     return Activations(
         micro_batch=micro_batch,
         seq=seq,
         saved=count.saved + HEAP_MARGIN_QUARTERS * sum(count.layers) // 4,
         saved_checkpointed=saved_checkpointed,
         working=working,
-        source=f"counted in one forward of {type(model).__name__}",
+        source=f"counted in one forward of {type(model).__name__}"
+        + (
+            " (its experts as transformers' grouped_mm computes them: the eager loop it is set to"
+            " keeps a few more copies of the routed tokens)"
+            if count.experts_switched
+            else ""
+        ),
     ), count.checkpoints
 
 
@@ -304,7 +382,9 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
 
-def _meta_state(model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter, torch.Size]) -> dict[str, Any]:
+def _meta_state(
+    model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter, torch.Size]
+) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, p in model.named_parameters():  # a tied parameter once: functional_call ties the rest
         shape = shapes.get(p, p.shape)
@@ -315,14 +395,80 @@ def _meta_state(model: nn.Module, dtype: torch.dtype, shapes: dict[nn.Parameter,
     return state
 
 
-def _trace(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dtype,
-           shapes: dict[nn.Parameter, torch.Size]) -> _Tally:
-    with FakeTensorMode(allow_non_fake_inputs=True):
+def _trace(
+    model: nn.Module,
+    make: Inputs,
+    b: int,
+    t: int,
+    dtype: torch.dtype,
+    shapes: dict[nn.Parameter, torch.Size],
+) -> _Tally:
+    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
         return _trace_fake(model, make, b, t, dtype, shapes)
 
 
-def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dtype,
-                shapes: dict[nn.Parameter, torch.Size]) -> _Tally:
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch logs a traceback at ERROR for every operator whose meta kernel fails under fake tensors,
+    before raising it; the estimate reports such a failure itself, in one line (model_activations)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _countable_experts(model: nn.Module) -> Iterator[bool]:
+    """A transformers model set to its eager experts loop, switched to grouped_mm for the trace and
+    back ([Note: mixture of experts]); yields whether it was."""
+    current = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    switch = getattr(model, "set_experts_implementation", None)
+    if current != "eager" or switch is None:
+        yield False
+        return
+    try:
+        switch("grouped_mm")
+    except ValueError:  # transformers' answer for a model without experts (eager is its default)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        switch(current)
+
+
+def _grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """aten._grouped_mm's result under fake tensors: its meta kernel accepts bf16 alone (CUDA's
+    rule), where the CPU kernel, which transformers' mixture-of-experts layers call in any precision,
+    computes every one ([Note: mixture of experts]). The shapes are the meta kernel's."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:
+        shape = [offs.size(0), mat_a.size(0), mat_b.size(1)]
+    elif mat_a.dim() == 2:
+        shape = [mat_a.size(0), mat_b.size(-1)]
+    elif mat_b.dim() == 2:
+        shape = [mat_a.size(1), mat_b.size(1)]
+    else:
+        shape = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+def _trace_fake(
+    model: nn.Module,
+    make: Inputs,
+    b: int,
+    t: int,
+    dtype: torch.dtype,
+    shapes: dict[nn.Parameter, torch.Size],
+) -> _Tally:
     state = _meta_state(model, dtype, shapes)
     excluded = {v.untyped_storage()._cdata for v in state.values()}
     tally = _Tally()
@@ -355,7 +501,9 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
             for a in list(args) + list(kwargs.values()):
                 if isinstance(a, torch.Tensor):
                     tally.alive.append(a)
-                    tally.region_inputs[region][a.untyped_storage()._cdata] = a.untyped_storage().nbytes()
+                    tally.region_inputs[region][a.untyped_storage()._cdata] = (
+                        a.untyped_storage().nbytes()
+                    )
         layer = layer_index.get(id(module), parent["layer"])
         if id(module) in layer_index:
             for a in list(args) + list(kwargs.values()):
@@ -366,7 +514,9 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         torch.set_grad_enabled(True)
-        stack.append({"region": region, "layer": layer, "hooks": hooks, "grad": grad_was, "module": module})
+        stack.append(
+            {"region": region, "layer": layer, "hooks": hooks, "grad": grad_was, "module": module}
+        )
 
     def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         while stack:
@@ -377,12 +527,19 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
                 break
 
     class Allocations(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            out = func(*args, **(kwargs or {}))
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func is torch.ops.aten._grouped_mm.default:
+                out = _grouped_mm(*args, **(kwargs or {}))
+            else:
+                out = func(*args, **(kwargs or {}))
             layer = stack[-1]["layer"] if stack else None
             for o in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(o, torch.Tensor) and o._base is None:
-                    tally.allocated[layer] = tally.allocated.get(layer, 0) + o.untyped_storage().nbytes()
+                    tally.allocated[layer] = (
+                        tally.allocated.get(layer, 0) + o.untyped_storage().nbytes()
+                    )
             return out
 
     handles = []
@@ -391,7 +548,11 @@ def _trace_fake(model: nn.Module, make: Inputs, b: int, t: int, dtype: torch.dty
         handles.append(mod.register_forward_hook(post, with_kwargs=True, always_call=True))
     args, kwargs = make(b, t)
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), Allocations():
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+            Allocations(),
+        ):
             torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
     finally:
         for h in handles:

@@ -92,7 +92,9 @@ def pool_turn_nbytes(plan: RuntimePlan) -> int:
     nvme = plan.state_nbytes(PARAM, "nvme")
     if plan.param_store is None or not nvme:
         return 0
-    free = plan.param_store.pool.capacity_nbytes - (plan.schedule.pool_working_set_nbytes if plan.schedule else 0)
+    free = plan.param_store.pool.capacity_nbytes - (
+        plan.schedule.pool_working_set_nbytes if plan.schedule else 0
+    )
     return max(0, min(nvme, free))
 
 

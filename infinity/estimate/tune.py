@@ -42,7 +42,9 @@ SUB_GROUP_TARGET = (1 << 30) // (OPTIMIZER_POOL_BUFFERS * STATE_NBYTES_PER_ELEME
 _ROUND = 1 << 20
 
 
-def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[InfinityConfig, list[tuple[str, int, int]]]:
+def tune(
+    spec: ModelSpec, cfg: InfinityConfig, world_size: int
+) -> tuple[InfinityConfig, list[tuple[str, int, int]]]:
     """``cfg`` with its NVMe sizing keys set by the rules above, and the (key, old, new) changes."""
     zero = cfg.zero_optimization
     off = zero.offload_param
@@ -60,22 +62,30 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
     new_off = off
     live = zero.stage3_max_live_parameters
     if zero.stage == 3 and base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes:
-        new_live = round_up(-(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND)
+        new_live = round_up(
+            -(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND
+        )
         changes.append(("zero_optimization.stage3_max_live_parameters", live, new_live))
         live = new_live
     if off.device == "nvme" and zero.stage == 3:
         if off.max_in_cpu:
             changes.append(("zero_optimization.offload_param.max_in_cpu", off.max_in_cpu, 0))
         new_off = dataclasses.replace(off, max_in_cpu=0)
-        planned = plan_runtime(spec.module, _with(cfg, sub, new_off, live), world_size=world_size,
-                               unit_map=base.unit_map)
+        planned = plan_runtime(
+            spec.module,
+            _with(cfg, sub, new_off, live),
+            world_size=world_size,
+            unit_map=base.unit_map,
+        )
         if planned.nvme_units():
             held = round_up(planned.schedule.pool_working_set_nbytes, 4096)
             per_group = planned.sub_group_param_nbytes()
             need = max(two_consecutive(per_group), max(per_group, default=0) + held)
             size = round_up(math.ceil(need / off.buffer_count / base.itemsize), _ROUND)
             if size != off.buffer_size:
-                changes.append(("zero_optimization.offload_param.buffer_size", off.buffer_size, size))
+                changes.append(
+                    ("zero_optimization.offload_param.buffer_size", off.buffer_size, size)
+                )
                 new_off = dataclasses.replace(new_off, buffer_size=size)
     if not changes:
         return cfg, []
@@ -83,11 +93,17 @@ def tune(spec: ModelSpec, cfg: InfinityConfig, world_size: int) -> tuple[Infinit
 
 
 def _with(cfg: InfinityConfig, sub_group_size: int, offload_param, max_live: int) -> InfinityConfig:
-    zero = dataclasses.replace(cfg.zero_optimization, sub_group_size=sub_group_size, offload_param=offload_param,
-                               stage3_max_live_parameters=max_live)
+    zero = dataclasses.replace(
+        cfg.zero_optimization,
+        sub_group_size=sub_group_size,
+        offload_param=offload_param,
+        stage3_max_live_parameters=max_live,
+    )
     return dataclasses.replace(cfg, zero_optimization=zero)
 
 
 def two_consecutive(per_group: list[int]) -> int:
     """The most parameter-pool bytes two consecutive sub-groups take (one read while the other is updated)."""
-    return max([a + b for a, b in zip(per_group, per_group[1:], strict=False)] + per_group, default=0)
+    return max(
+        [a + b for a, b in zip(per_group, per_group[1:], strict=False)] + per_group, default=0
+    )

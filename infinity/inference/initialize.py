@@ -17,8 +17,9 @@ from torch import nn
 
 from infinity.engine import Engine
 from infinity.engine.initialize import start, training_engine
-from infinity.estimate import plan_runtime, preflight_inference
+from infinity.estimate import plan_runtime
 from infinity.inference.engine import InferenceEngine
+from infinity.inference.estimate import preflight_inference
 
 log = logging.getLogger("infinity.inference")
 

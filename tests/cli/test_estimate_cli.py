@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from infinity.cli.estimate import parse_count
 from infinity.cli.main import main
@@ -50,22 +51,45 @@ def test_several_nvme_paths_get_their_bytes_each(capsys, tmp_path):
 
 def test_table_with_activations_and_a_model_config(capsys, tmp_path):
     cfg = tmp_path / "gpt.json"
-    cfg.write_text(json.dumps({"n_layer": 12, "d_model": 768, "n_head": 12, "vocab_size": 50257,
-                               "seq_len": 1024, "architectures": ["GPT2LMHeadModel"]}))
+    cfg.write_text(json.dumps({"n_layer": 12, "d_model": 768, "n_head": 12, "vocab_size": 50257, "seq_len": 1024}))
     code, out, _ = _run(capsys, "--model-config", str(cfg), "--micro-batch", "2", "--seq", "1024")
     assert code == 0
     assert "GPT (model config)" in out and "activations micro-batch 2 × seq 1024" in out
     assert "stage 3, params nvme, optimizer nvme" in out
-    assert "note: --model-config: ignored keys architectures" in out
 
 
-def test_hugging_face_config_names_are_understood(capsys, tmp_path):
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"n_embd": 256, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 512}))
-    code, out, _ = _run(capsys, "--model-config", str(cfg), "--json")
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+
+
+@pytest.mark.parametrize("name, published", [
+    ("llama-2-7b", 6_738_415_616), ("llama-2-70b", 68_976_648_192), ("mixtral-8x7b", 46_702_792_704),
+    ("t5-base", None),
+])
+def test_a_hugging_face_config_is_counted_as_from_config_builds_it(capsys, name, published):
+    """The real model, built on the meta device by transformers' from_config (here: the auto class for
+    the architecture the config names), counted exactly; the published counts where they are known."""
+    transformers = pytest.importorskip("transformers")
+    path = MODEL_CONFIGS / f"{name}.json"
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    code, out, _ = _run(capsys, "--model-config", str(path), "--json", "--device", "cpu")
     assert code == 0
     d = json.loads(out)
-    assert d["num_params"] == 512 * 256 + 128 * 256 + 2 * (12 * 256 * 256 + 13 * 256) + 2 * 256
+    assert d["num_params"] == built and d["model"].startswith(config.architectures[0])
+    assert published is None or built == published
+
+
+def test_a_config_json_that_is_neither_hugging_faces_nor_gpts_is_refused(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"n_embd": 256, "n_layer": 2, "n_head": 4, "n_positions": 128, "vocab_size": 512}))
+    code, _, err = _run(capsys, "--model-config", str(cfg))
+    assert code == 2 and 'no "model_type"' in err and "unknown keys n_embd, n_positions" in err
+    cfg.write_text(json.dumps({"model_type": "no-such-architecture", "hidden_size": 8}))
+    code, _, err = _run(capsys, "--model-config", str(cfg))
+    assert code == 2 and "transformers cannot read it" in err
 
 
 def test_a_deepspeed_config_is_marked_as_the_configs_own(capsys, tmp_path):

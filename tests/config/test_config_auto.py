@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infinity.config import ConfigError, load_config
+from infinity.config import ConfigError, describe_config, load_config
 
 
 def _adam_auto():
@@ -565,7 +565,7 @@ def test_lr_without_an_optimizer_section_writes_hf_trainers_default_adamw():
     assert sources["optimizer.params.lr"] == "learning_rate="
     assert sources["optimizer.params.eps"] == "TrainingArguments' default 1e-08"
     assert sources["optimizer"].startswith("no optimizer section and none passed: AdamW")
-    assert "(HF Trainer's default: none on biases and norm weights)" in cfg.summary()
+    assert "(HF Trainer's default: none on biases and norm weights)" in describe_config(cfg)
     cfg = load_config({}, lr=1e-3, adam_beta2=0.95, eps=1e-6, weight_decay=0.1)
     p = cfg.optimizer.params
     assert (p.lr, p.betas, p.eps, p.weight_decay) == (1e-3, (0.9, 0.95), 1e-6, 0.1)

@@ -10,6 +10,7 @@ from infinity.config import (
     OPAQUE,
     ConfigError,
     acted_on,
+    describe_config,
     load_config,
 )
 from infinity.config.schema import alias_paths, known_paths
@@ -294,7 +295,7 @@ def test_activation_checkpointing_is_read_and_names_what_has_no_effect(caplog):
     assert acted_on("activation_checkpointing.cpu_checkpointing")
     assert acted_on("activation_checkpointing.partition_activations")
     assert load_config(cfg.to_dict()).activation_checkpointing == ac
-    assert "checkpoint inputs in host memory and split across model-parallel ranks" in cfg.summary()
+    assert "checkpoint inputs in host memory and split across model-parallel ranks" in describe_config(cfg)
     with pytest.raises(ConfigError, match=r"^activation_checkpointing\.number_checkpoints must be an integer >= 1"):
         load_config({"activation_checkpointing": {"number_checkpoints": 0}})
     with pytest.raises(ConfigError, match=r"did you mean activation_checkpointing\.cpu_checkpointing\?"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity.config import InfinityConfig, load_config
+from infinity.config import InfinityConfig, describe_config, load_config
 
 DATA = Path(__file__).parent / "data"
 
@@ -83,7 +83,7 @@ def test_an_infinity_config_passes_through_load_config():
 def test_summary_names_what_runs_what_auto_became_and_what_is_ignored(caplog):
     caplog.set_level(logging.WARNING, "infinity.config")
     cfg = load_config(DATA / "zero3_offload_cpu.json", lr=5e-5, hidden_size=512, world_size=2)
-    text = cfg.summary()
+    text = describe_config(cfg)
     assert text.splitlines()[0] == "infinity config: world size 2, fp32"
     assert "train_batch_size 2 = micro 1 x accumulation 1 x world 2" in text
     assert "stage 3; sub_group_size 1,000,000,000 elements" in text
@@ -106,7 +106,7 @@ def test_summary_names_what_runs_what_auto_became_and_what_is_ignored(caplog):
 
 def test_summary_of_nvme_and_fp16_configs():
     raw = json.loads((DATA / "zero3_infinity_nvme.json").read_text())
-    text = load_config(raw).summary()
+    text = describe_config(load_config(raw))
     assert (
         "params     nvme at /local_nvme (pinned; 5 buffers x 100,000,000 elements; max_in_cpu 1,000,000,000)"
         in text
@@ -117,7 +117,7 @@ def test_summary_of_nvme_and_fp16_configs():
     assert "precision  bf16, fp32 master weights" in text
     raw["bf16"]["enabled"] = False
     raw["fp16"] = {"enabled": True}
-    text = load_config(raw).summary()
+    text = describe_config(load_config(raw))
     assert (
         "precision  fp16, fp32 master weights, dynamic loss scale from 2^16, window 1000, hysteresis 2, min 1"
         in text

@@ -7,6 +7,7 @@ from infinity.config import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ZeroConfig,
+    describe_config,
     load_config,
 )
 
@@ -311,5 +312,5 @@ def test_nvme_path_takes_a_list_of_folders_one_per_drive():
     assert p.nvme_path == ("/d0", "~/d1") and o.nvme_path == "/d2"  # as written: "~" is the store's to expand
     assert cfg.to_dict()["zero_optimization"]["offload_param"]["nvme_path"] == ["/d0", "~/d1"]
     assert load_config(cfg.to_dict()) == cfg
-    assert "params     nvme striped over 2 folders (/d0, ~/d1)" in cfg.summary()
-    assert "optimizer  nvme at /d2" in cfg.summary()
+    assert "params     nvme striped over 2 folders (/d0, ~/d1)" in describe_config(cfg)
+    assert "optimizer  nvme at /d2" in describe_config(cfg)

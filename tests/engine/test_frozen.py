@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import infinity
-from infinity.estimate import Setting, estimate_memory
+from infinity.estimate import ZeroSetting, estimate_memory
 from infinity.estimate.rules import swap_dir_overhead_nbytes, swap_nbytes
 from infinity.zero.gathered import GatheredParameters
 from tests.engine.models import batch, tiny_gpt
@@ -91,10 +91,10 @@ def test_partially_frozen_model_trains_as_plain_pytorch(stage, offload_param, of
 
 def _plan(model, cfg):
     z = cfg["zero_optimization"]
-    setting = Setting(z["stage"], z.get("offload_param", {}).get("device", "none"),
+    setting = ZeroSetting(z["stage"], z.get("offload_param", {}).get("device", "none"),
                       z.get("offload_optimizer", {}).get("device", "none"))
     est = estimate_memory(model, config=cfg, device="cpu", machine=False, settings=[setting])
-    return est.settings[0].plan
+    return est.settings[0].breakdown
 
 
 def test_only_trainable_units_have_optimizer_state_on_nvme(nvme_dir):
@@ -144,7 +144,7 @@ def test_a_frozen_model_needs_no_optimizer_and_allocates_no_state(with_optimizer
     plan = _plan(teacher, cfg)
     assert plan.runtime.optimizer is None and plan.runtime.state_store is None
     assert not [i for i in plan.items if "optimizer" in i.name or "Adam" in i.name or "master" in i.name]
-    assert plan.nvme_nbytes == sum(i.nbytes for i in plan.items if i.tier == "nvme" and i.name.startswith("parameter"))
+    assert plan.nvme_nbytes == sum(i.nbytes for i in plan.items if i.resource == "nvme" and i.name.startswith("parameter"))
     engine = infinity.engine.initialize(teacher, cfg)
     try:
         assert isinstance(engine, infinity.Engine)

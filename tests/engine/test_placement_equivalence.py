@@ -134,15 +134,15 @@ def test_the_planners_choices_at_several_budgets(fraction, nvme_dir, reference):
     weights every time."""
     from infinity.config import load_config
     from infinity.estimate.context import run_context
-    from infinity.estimate.placement import plan_placement
+    from infinity.estimate.placement import place_in_budget
     from tests.engine.models import MODELS
 
     cfg = engine_config(3, "auto", "auto", nvme_dir, gas=GAS)
     torch.manual_seed(0)
     probe = MODELS["gpt"]()
     ctx = run_context(probe, load_config(cfg), device="cpu", world_size=1)
-    low = plan_placement(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
-    high = plan_placement(probe, load_config(cfg), ctx, budget_nbytes=1 << 40, budget_source="probe")
+    low = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
+    high = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=1 << 40, budget_source="probe")
     lo, hi = low.chosen.need_nbytes, high.chosen.need_nbytes
     cfg["host_memory_budget"] = int(lo + fraction * (hi - lo)) + 1
     seen = {}

@@ -57,7 +57,7 @@ def test_the_planner_keeps_every_parameter_the_budget_holds_and_reads_none(gas, 
     import infinity
     from infinity.config import load_config
     from infinity.estimate.context import run_context
-    from infinity.estimate.placement import plan_placement
+    from infinity.estimate.placement import place_in_budget
 
     cfg = engine_config(3, "auto", "auto", nvme_dir, gas=gas)
     for key in ("buffer_count", "buffer_size"):
@@ -65,7 +65,7 @@ def test_the_planner_keeps_every_parameter_the_budget_holds_and_reads_none(gas, 
     torch.manual_seed(0)
     probe = MODELS["gpt"]()
     ctx = run_context(probe, load_config(cfg), device="cpu", world_size=1)
-    low = plan_placement(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
+    low = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
     params = sum(u.layout.shard_nbytes for sp, u in zip(low.shards, low.units, strict=True) if sp.param_home == "nvme")
     assert params, "at the least budget some parameters rest on NVMe"
     cfg["host_memory_budget"] = low.chosen.need_nbytes + params

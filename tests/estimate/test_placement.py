@@ -20,19 +20,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from infinity.config import ConfigError, load_config
+from infinity.estimate.budget import check_budget, default_budget, resolve_budget
 from infinity.estimate.context import RunContext
 from infinity.estimate.knapsack import Candidate, choose, total_value
 from infinity.estimate.machine import MachineView
 from infinity.estimate.model import describe_model
-from infinity.estimate.placement import (
-    PARAM,
-    auto_sizes,
-    candidates,
-    check_budget,
-    default_budget,
-    plan_placement,
-    resolve_budget,
-)
+from infinity.estimate.placement import PARAM, auto_sizes, candidates, place_in_budget
 from infinity.estimate.runtime_plan import Placement, cut_units, plan_runtime
 from infinity.models import GPT, GPTConfig
 
@@ -192,7 +185,7 @@ def test_planner_equals_brute_force(widths, sections, dtype, gas, where):
     every = _enumerate(model, cfg, ctx)
     needs = [n for n, _ in every]
     budget = int(min(needs) + where * (max(needs) - min(needs)))
-    plan = plan_placement(model, cfg, ctx, budget_nbytes=budget, budget_source="test")
+    plan = place_in_budget(model, cfg, ctx, budget_nbytes=budget, budget_source="test")
     assert plan.chosen.need_nbytes == ctx.host_need(ctx.itemise(cfg, plan))
     fitting = [t for n, t in every if n <= budget]
     if not fitting:  # nothing fits: the planner's plan needs the least there is (the refusal says so)
@@ -210,12 +203,12 @@ def test_planner_on_a_gpt_spends_the_budget_on_parameters_first():
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64))
     cfg = _config(3, "auto", "auto")
     ctx = _ctx(model)
-    low = plan_placement(model, cfg, ctx, budget_nbytes=0, budget_source="test")
+    low = place_in_budget(model, cfg, ctx, budget_nbytes=0, budget_source="test")
     floor = low.chosen.need_nbytes
     params = low.state_nbytes(PARAM)
     traffic = []
     for extra in (0, params // 2, params + 300_000, params + 10**9):
-        plan = plan_placement(model, cfg, ctx, budget_nbytes=floor + extra, budget_source="test")
+        plan = place_in_budget(model, cfg, ctx, budget_nbytes=floor + extra, budget_source="test")
         assert plan.chosen.need_nbytes <= floor + extra
         traffic.append(_traffic(plan, 1))
         if extra == params + 300_000:
@@ -252,7 +245,7 @@ def test_a_budget_below_what_everything_on_nvme_needs_is_refused_naming_the_key(
     model = Stack([64, 64])
     cfg = _config(3, "auto", "auto", budget="1MiB")
     ctx = _ctx(model)
-    plan = plan_placement(model, cfg, ctx, budget_nbytes=1 << 20, budget_source="test")
+    plan = place_in_budget(model, cfg, ctx, budget_nbytes=1 << 20, budget_source="test")
     with pytest.raises(ConfigError, match=r"host_memory_budget='1MiB' gives 1\.0 MiB .* raise host_memory_budget to at "
                                           r"least"):
         check_budget(plan, cfg)

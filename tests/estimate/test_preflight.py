@@ -63,7 +63,7 @@ def test_too_little_host_memory_is_refused_before_anything_is_allocated(nvme_dir
     assert "host memory" in msg and "1.0 MiB available" in msg
     assert "Adam moments m, v" in msg and "parameter pool" in msg  # the plan, itemised
     assert '"preflight": false' in msg
-    assert e.value.plan.setting.stage == 3 and e.value.reasons
+    assert e.value.breakdown.setting.stage == 3 and e.value.reasons
     # Nothing allocated: no swap directory made, the model untouched.
     assert not (nvme_dir / "rank0").exists()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -72,7 +72,7 @@ def test_too_little_host_memory_is_refused_before_anything_is_allocated(nvme_dir
 def _fix_when_short(model, cfg, small_machine, short_nbytes: int) -> str:
     """The refusal's fix on a machine with ``short_nbytes`` less RAM than the run needs."""
     est = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False)
-    small_machine(ram=est.focus.plan.ram_nbytes - est.baseline_nbytes - short_nbytes)
+    small_machine(ram=est.focus.breakdown.ram_nbytes - est.baseline_nbytes - short_nbytes)
     with pytest.raises(PreflightError) as e:
         infinity.initialize(model, cfg)
     return str(e.value).split("Fix:")[1]
@@ -93,7 +93,7 @@ def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, s
     two is refused, naming the path and the bytes (the engine sees only its own rank's need)."""
     cfg = load_config(_config(nvme_dir))
     model = GPT(MODEL)
-    need = preflight(model, cfg).plan.nvme_nbytes
+    need = preflight(model, cfg).breakdown.nvme_nbytes
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     small_machine(disk=2 * need)
     with pytest.raises(PreflightError) as e:
@@ -114,7 +114,7 @@ def test_a_refusal_over_several_drives_names_each_ones_bytes(nvme_dir, small_mac
         raw["zero_optimization"][section]["nvme_path"] = [str(a), str(b)]
     cfg = load_config(raw)
     model = GPT(MODEL)
-    by_path = dict(preflight(model, cfg).plan.nvme_by_path)
+    by_path = dict(preflight(model, cfg).breakdown.nvme_by_path)
     assert list(by_path) == [str(a), str(b)] and by_path[str(a)] == by_path[str(b)]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     small_machine(disk=2 * by_path[str(a)])  # each file system has room for two ranks' share, not four
@@ -153,7 +153,7 @@ def test_a_parameter_pool_too_big_for_memory_names_both_of_its_keys(nvme_dir):
     cfg = _config(nvme_dir)
     cfg["zero_optimization"]["offload_param"].update(buffer_count=4, buffer_size=1 << 26)
     model = GPT(dataclasses.replace(MODEL, n_layer=16, d_model=256, n_head=4))  # 13M parameters: 51 MB of shards
-    plan = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False).focus.plan
+    plan = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False).focus.breakdown
     pool = plan.runtime.param_store.pool
     assert pool.capacity_nbytes < 4 * (1 << 26) * 4
     spare = rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True) - rules.mapped_nbytes(pool.need_nbytes,
@@ -187,9 +187,9 @@ def test_a_run_that_fits_passes_and_reports_its_plan(nvme_dir):
     cfg = load_config(_config(nvme_dir))
     model = GPT(MODEL)
     r = preflight(model, cfg)
-    assert r is not None and r.plan.setting.offload_param == "nvme"
+    assert r is not None and r.breakdown.setting.offload_param == "nvme"
     assert r.held_nbytes > 100 << 20  # torch and infinity are in this process
-    assert r.plan.nvme_nbytes > 0 and not (nvme_dir / "rank0").exists()
+    assert r.breakdown.nvme_nbytes > 0 and not (nvme_dir / "rank0").exists()
 
 
 def _rank_refuses(rank, nvme):
@@ -219,7 +219,7 @@ def test_an_auto_placement_that_cannot_fit_is_refused_with_where_the_planner_put
                                                                                     monkeypatch):
     """With no host_memory_budget the planner plans within the available memory less a margin; when
     even everything on NVMe does not fit, the pre-flight refusal shows the placement it checked."""
-    placement_mod = importlib.import_module("infinity.estimate.placement")
+    placement_mod = importlib.import_module("infinity.estimate.rank_plan")
     monkeypatch.setattr(placement_mod, "machine_view", lambda paths=(): _machine(list(paths), ram=1 << 20))
     small_machine(ram=1 << 20)
     torch.manual_seed(0)
@@ -259,12 +259,12 @@ def test_the_refusal_counts_any_models_activations_as_it_checkpoints(nvme_dir, s
         infinity.initialize(lm, _config(nvme_dir))
     msg = str(e.value)
     assert "activations not included" not in msg and "activations saved for backward" in msg
-    plain = next(i.nbytes for i in e.value.plan.items if i.name == "activations saved for backward")
+    plain = next(i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward")
     with pytest.warns(FutureWarning):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(PreflightError) as e:
         infinity.initialize(lm, _config(nvme_dir))
-    checkpointed = next(i.nbytes for i in e.value.plan.items if i.name == "activations saved for backward")
+    checkpointed = next(i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward")
     assert checkpointed < plain
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     with pytest.raises(PreflightError) as e:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from infinity.estimate import Setting, estimate_memory
+from infinity.estimate import ZeroSetting, estimate_memory
 from infinity.models import GPTConfig
 
 PROBE = Path(__file__).with_name("probe.py")
@@ -91,11 +91,11 @@ def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dic
 def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False):
     size, mb, seq, _ = case
     z = cfg["zero_optimization"]
-    setting = Setting(z["stage"], z.get("offload_param", {}).get("device", "none"),
+    setting = ZeroSetting(z["stage"], z.get("offload_param", {}).get("device", "none"),
                       z.get("offload_optimizer", {}).get("device", "none"))
     est = estimate_memory(GPTConfig(**SIZES[size]), config=cfg, micro_batch=mb, seq=seq, device="cpu",
                           zero_init=zero_init, baseline_nbytes=measured["baseline"], machine=False, settings=[setting])
-    return est.settings[0].plan
+    return est.settings[0].breakdown
 
 
 def _measure(cases: dict, root: Path) -> dict:
@@ -204,10 +204,10 @@ def test_estimate_holds_a_transformers_model(name, nvme_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     est = estimate_memory(build_hf(hf), config=cfg, micro_batch=mb, seq=seq, device="cpu",
-                          baseline_nbytes=m["baseline"], machine=False, settings=[Setting(2, "none", "cpu")])
+                          baseline_nbytes=m["baseline"], machine=False, settings=[ZeroSetting(2, "none", "cpu")])
     assert est.checkpointing == (checkpointing is not None)
     assert "counted in one forward" in est.activations.source
-    ram, peak = est.settings[0].plan.ram_nbytes, m["peak"]
+    ram, peak = est.settings[0].breakdown.ram_nbytes, m["peak"]
     line = f"{name}: peak RSS {peak / MiB:.1f} MiB, estimate {ram / MiB:.1f} MiB ({ram / peak:.3f})"
     print(line)
     assert ram >= peak, "estimate below the measured peak RSS: " + line

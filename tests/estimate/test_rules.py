@@ -14,8 +14,7 @@ import torch
 
 import infinity
 from infinity.config import load_config
-from infinity.estimate import estimate_memory, plan_runtime, rules
-from infinity.estimate.plan import Setting
+from infinity.estimate import ZeroSetting, estimate_memory, plan_runtime, rules
 from infinity.estimate.runtime_plan import cut_units, param_homes
 from infinity.memory import format_nbytes
 from infinity.models import GPT, GPTConfig
@@ -67,20 +66,21 @@ def _partial_budget(model, raw) -> int:
     from infinity.estimate.activations import gpt_activations
     from infinity.estimate.context import RunContext
     from infinity.estimate.model import describe_model
-    from infinity.estimate.placement import plan_placement
+    from infinity.estimate.placement import place_in_budget
 
     cfg = load_config(raw)
     spec = describe_model(model)
     acts = gpt_activations(spec.gpt, micro_batch=1, seq=MODEL.seq_len, itemsize=2 if cfg.bf16.enabled else 4)
     ctx = RunContext(spec, spec.built_nbytes, False, acts, "cpu", 1, 1)
-    lo, hi = (plan_placement(model, cfg, ctx, budget_nbytes=b, budget_source="").chosen.need_nbytes
+    lo, hi = (place_in_budget(model, cfg, ctx, budget_nbytes=b, budget_source="").chosen.need_nbytes
               for b in (0, 1 << 50))
     assert lo < hi
     return (lo + hi) // 2
 
 
-def _items(plan, name_prefix, tier=None):
-    return sum(i.nbytes for i in plan.items if i.name.startswith(name_prefix) and (tier is None or i.tier == tier))
+def _items(breakdown, name_prefix, resource=None):
+    return sum(i.nbytes for i in breakdown.items
+               if i.name.startswith(name_prefix) and (resource is None or i.resource == resource))
 
 
 DECISIONS = ("shards", "param_store", "state_store", "optimizer", "swap_reserves", "tensor_cache_cap_nbytes",
@@ -91,12 +91,12 @@ DECISIONS = ("shards", "param_store", "state_store", "optimizer", "swap_reserves
 
 def _estimate(model, cfg, stage):
     z = cfg["zero_optimization"]
-    setting = Setting(stage, z.get("offload_param", {}).get("device", "none"),
+    setting = ZeroSetting(stage, z.get("offload_param", {}).get("device", "none"),
                       z.get("offload_optimizer", {}).get("device", "none"))
     # activations as initialize counts them (they take from an "auto" placement's budget)
     est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0, settings=[setting],
                           micro_batch=cfg["train_micro_batch_size_per_gpu"])
-    return est.settings[0].plan
+    return est.settings[0].breakdown
 
 
 def _check_pool(store, pool_plan, plan, item):
@@ -168,7 +168,7 @@ def test_flat_buffer_peak_matches_the_cache_after_training(nvme_dir):
     model = GPT(MODEL)
     cfg = _config(1, o="cpu")
     est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0,
-                          settings=[Setting(1, "none", "cpu")])
+                          settings=[ZeroSetting(1, "none", "cpu")])
     engine = infinity.initialize(model, cfg)
     try:
         x = torch.randint(0, MODEL.vocab_size, (1, 16))
@@ -177,7 +177,7 @@ def test_flat_buffer_peak_matches_the_cache_after_training(nvme_dir):
             engine.step()
         cache = engine.runtime.cache
         cached = sum(t.numel() * t.element_size() for b in cache._free.values() for t in b)
-        plan = est.settings[0].plan
+        plan = est.settings[0].breakdown
         assert 0 < cached <= _items(plan, "flat buffers") + _items(plan, "gradient accumulators")
         assert _items(plan, "gradient accumulators") == 4 * sum(u.layout.padded_numel
                                                                  for u in engine.runtime.unit_map.units)
@@ -245,8 +245,8 @@ def test_the_estimate_gives_each_drive_the_swap_files_the_runtime_puts_there(nvm
     torch.manual_seed(0)
     model = GPT(MODEL)
     est = estimate_memory(model, config=cfg, device="cpu", machine=False, baseline_nbytes=0,
-                          settings=[Setting(3, "nvme", "nvme")])
-    by_path = dict(est.settings[0].plan.nvme_by_path)
+                          settings=[ZeroSetting(3, "nvme", "nvme")])
+    by_path = dict(est.settings[0].breakdown.nvme_by_path)
     assert list(by_path) == [str(d) for d in drives]
     assert est.to_dict()["settings"][0]["nvme_by_path"] == by_path
     sizes = ", ".join(f"{d} {format_nbytes(by_path[str(d)])}" for d in drives)
@@ -300,9 +300,9 @@ def test_the_schedulers_refusals_are_foreseen_exactly(nvme_dir, what):
             raw["zero_optimization"]["offload_param"].update(buffer_count=1, buffer_size=on_nvme // 4 + delta)
         raw["preflight"] = False
         est = estimate_memory(GPT(MODEL), config=raw, device="cpu", machine=False, baseline_nbytes=0,
-                              settings=[Setting(3, "nvme", "nvme")])
-        flagged = any("prefetch scheduler refuses" in p.message for p in est.settings[0].plan.problems)
-        assert flagged == refused, (what, delta, est.settings[0].plan.problems)
+                              settings=[ZeroSetting(3, "nvme", "nvme")])
+        flagged = any("prefetch scheduler refuses" in p.message for p in est.settings[0].breakdown.problems)
+        assert flagged == refused, (what, delta, est.settings[0].breakdown.problems)
         if refused:
             with pytest.raises(ValueError, match="stage3_max_live_parameters" if what == "live budget" else "pool"):
                 infinity.initialize(GPT(MODEL), raw)

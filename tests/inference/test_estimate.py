@@ -14,7 +14,7 @@ import pytest
 
 import infinity
 from infinity.cli.main import main
-from infinity.estimate import estimate_inference
+from infinity.inference import estimate_inference
 from tests.inference.models import PAD, inference_config, pair, prompts
 
 TRAINING_WORDS = ("optimizer", "Adam", "master", "gradient")
@@ -32,13 +32,13 @@ def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvm
         cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": bits, "group_size": 64}}
         cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216
     est = estimate_inference(model, config=cfg, batch=2, prompt=7, gen=8, machine=False)
-    assert not [i for i in est.plan.items if any(w in i.name for w in TRAINING_WORDS)]
-    assert est.plan.runtime.optimizer is None
+    assert not [i for i in est.breakdown.items if any(w in i.name for w in TRAINING_WORDS)]
+    assert est.breakdown.runtime.optimizer is None
     engine = infinity.initialize(model, cfg)
     try:
         (param_dir,) = sorted((nvme_dir / "rank0").glob("infinity-params-*"))
         on_disk = _disk_nbytes(param_dir)
-        assert on_disk <= est.plan.nvme_nbytes <= 1.15 * on_disk
+        assert on_disk <= est.breakdown.nvme_nbytes <= 1.15 * on_disk
     finally:
         engine.close()
 
@@ -53,7 +53,7 @@ def test_the_kv_cache_item_holds_the_cache_generate_makes(name):
     cache = out.past_key_values
     actual = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     est = estimate_inference(model, batch=batch, prompt=prompt, gen=gen, machine=False)
-    (kv,) = [i.nbytes for i in est.plan.items if i.name == "KV cache"]
+    (kv,) = [i.nbytes for i in est.breakdown.items if i.name == "KV cache"]
     # the cache holds every position but the last token's (generate never feeds it back)
     assert actual == kv * (prompt + gen - 1) // (prompt + gen)
 
@@ -62,9 +62,9 @@ def test_the_largest_batch_is_the_last_that_fits(tmp_path):
     probe = estimate_inference(150e6, batch=1, prompt=128, gen=16, nvme_path=str(tmp_path))
     small = estimate_inference(150e6, batch=40, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
     big = estimate_inference(150e6, batch=41, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
-    assert big.plan.ram_nbytes > small.plan.ram_nbytes
+    assert big.breakdown.ram_nbytes > small.breakdown.ram_nbytes
     # a machine with room for batch 40's plan and not batch 41's
-    room = (small.plan.ram_nbytes + big.plan.ram_nbytes) // 2
+    room = (small.breakdown.ram_nbytes + big.breakdown.ram_nbytes) // 2
     view = dataclasses.replace(probe.machine, mem_total_nbytes=room, mem_available_nbytes=room, hugetlb_free_nbytes=0,
                                self_rss_nbytes=0)
     est = estimate_inference(150e6, batch=8, prompt=128, gen=16, nvme_path=str(tmp_path), machine=view)

@@ -2,7 +2,7 @@
 
 The weights' part is the RuntimePlan the inference engine allocates
 (``plan_runtime(..., trains=False)``: no optimizer plan, [Note: frozen units]),
-itemised by plan.py's _Planner as for training: the parameter store's pool,
+itemised by infinity.estimate's Itemiser as for training: the parameter store's pool,
 shards kept in host memory, swap files (packed when quantised), what is
 gathered or dequantised. What generation adds is counted here from the
 decoder's shape (DecoderShape: an HF config, infinity's GPTConfig):
@@ -41,16 +41,26 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError, InfinityConfig
-from infinity.estimate.estimate import Fit, _as_config, _nvme_path, check_fit
-from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
-from infinity.estimate.model import ModelSpec, describe_model
-from infinity.estimate.plan import Item, Setting, SettingPlan, _Planner
-from infinity.estimate.preflight import PreflightError, skip_warning
-from infinity.estimate.report import items_table
-from infinity.estimate.runtime_plan import (
+from infinity.estimate import (
+    Breakdown,
+    Fit,
+    Item,
+    Itemiser,
+    MachineView,
+    ModelSpec,
+    PreflightError,
     RuntimePlan,
+    ZeroSetting,
+    check_fit,
+    describe_model,
+    estimate_config,
+    items_table,
+    machine_view,
+    nvme_path_value,
     partitioner_working_set,
     plan_runtime,
+    runtime_baseline_nbytes,
+    warn_preflight_skipped,
 )
 from infinity.memory import format_nbytes
 from infinity.models import GPTConfig
@@ -81,7 +91,9 @@ class DecoderShape:
     def prefill_nbytes(self, batch: int, prompt: int, logits_nbytes_per_value: int = 4) -> int:
         """The largest forward's working memory (see [Note: inference activations])."""
         bt = batch * prompt
-        hidden = 4 * bt * (HIDDEN_FP32_PER_TOKEN * self.hidden + MLP_FP32_PER_TOKEN * self.intermediate)
+        hidden = (
+            4 * bt * (HIDDEN_FP32_PER_TOKEN * self.hidden + MLP_FP32_PER_TOKEN * self.intermediate)
+        )
         scores = 4 * batch * self.n_head * prompt * prompt
         logits = LOGITS_COPIES * batch * self.vocab * max(4, logits_nbytes_per_value)
         return hidden + scores + logits
@@ -92,8 +104,15 @@ def decoder_shape(model: Any) -> DecoderShape | None:
     GPTConfig; None when it cannot be read."""
     cfg = getattr(model, "config", None) or getattr(model, "cfg", None) or model
     if isinstance(cfg, GPTConfig):
-        return DecoderShape(cfg.n_layer, cfg.n_head, cfg.n_head, cfg.d_model // cfg.n_head, cfg.d_model,
-                            4 * cfg.d_model, cfg.vocab_size)
+        return DecoderShape(
+            cfg.n_layer,
+            cfg.n_head,
+            cfg.n_head,
+            cfg.d_model // cfg.n_head,
+            cfg.d_model,
+            4 * cfg.d_model,
+            cfg.vocab_size,
+        )
     cfg = getattr(cfg, "get_text_config", lambda: cfg)()
 
     def first(*names: str) -> Any:
@@ -127,18 +146,21 @@ class InferenceEstimate:
     prompt: int
     gen: int
     shape: DecoderShape | None
-    plan: SettingPlan
+    breakdown: Breakdown
     fit: Fit | None
     machine: MachineView | None
     largest_batch: int | None
-    """The largest batch whose plan fits this machine (None: no machine view, or not even batch 1)."""
+    """The largest batch whose breakdown fits this machine (None: no machine view, or not even batch 1)."""
 
     def table(self) -> str:
         cpu = self.device_type == "cpu"
-        p = self.plan
+        p = self.breakdown
         q = p.runtime.formats[0].spec if p.runtime is not None and p.runtime.formats else None
-        weights = (f"int{q.num_bits} (groups of {q.group_size}, {'symmetric' if q.symmetric else 'min/max'})"
-                   if q else self.dtype)
+        weights = (
+            f"int{q.num_bits} (groups of {q.group_size}, {'symmetric' if q.symmetric else 'min/max'})"
+            if q
+            else self.dtype
+        )
         lines = [
             f"model      {self.model}: {self.num_params:,} parameters, weights at rest in {weights}",
             f"generate   batch {self.batch} × (prompt {self.prompt} + {self.gen} new tokens); compute device "
@@ -147,10 +169,15 @@ class InferenceEstimate:
             f"{'stage 3, weights streamed from NVMe'}, per rank:",
         ]
         lines += ["  " + ln for ln in items_table(p)]
-        mem = f"RAM {format_nbytes(p.ram_nbytes)}" if cpu else (
-            f"GPU {format_nbytes(p.device_nbytes)}, host {format_nbytes(p.host_nbytes)}")
-        lines.append(f"  peak: {mem}, NVMe {format_nbytes(p.nvme_nbytes)} (init: as built + stores; "
-                     "train: generation — weights streamed, KV cache, working memory)")
+        mem = (
+            f"RAM {format_nbytes(p.ram_nbytes)}"
+            if cpu
+            else (f"GPU {format_nbytes(p.device_nbytes)}, host {format_nbytes(p.host_nbytes)}")
+        )
+        lines.append(
+            f"  peak: {mem}, NVMe {format_nbytes(p.nvme_nbytes)} (init: as built + stores; "
+            "train: generation — weights streamed, KV cache, working memory)"
+        )
         if self.fit is not None:
             lines.append("")
             lines.append("fits this machine" if self.fit.ok else "does not fit this machine:")
@@ -159,17 +186,27 @@ class InferenceEstimate:
             if self.largest_batch is None:
                 lines.append("largest batch that fits: none (not even batch 1)")
             else:
-                lines.append(f"largest batch that fits: {self.largest_batch} (prompt {self.prompt} + {self.gen})")
+                lines.append(
+                    f"largest batch that fits: {self.largest_batch} (prompt {self.prompt} + {self.gen})"
+                )
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        p = self.plan
+        p = self.breakdown
         return {
-            "model": self.model, "num_params": self.num_params, "dtype": self.dtype,
-            "device_type": self.device_type, "batch": self.batch, "prompt": self.prompt, "gen": self.gen,
+            "model": self.model,
+            "num_params": self.num_params,
+            "dtype": self.dtype,
+            "device_type": self.device_type,
+            "batch": self.batch,
+            "prompt": self.prompt,
+            "gen": self.gen,
             "shape": dataclasses.asdict(self.shape) if self.shape else None,
-            "ram_nbytes": p.ram_nbytes, "host_nbytes": p.host_nbytes, "device_nbytes": p.device_nbytes,
-            "nvme_nbytes": p.nvme_nbytes, "nvme_by_path": dict(p.nvme_by_path),
+            "ram_nbytes": p.ram_nbytes,
+            "host_nbytes": p.host_nbytes,
+            "device_nbytes": p.device_nbytes,
+            "nvme_nbytes": p.nvme_nbytes,
+            "nvme_by_path": dict(p.nvme_by_path),
             "items": [dataclasses.asdict(i) for i in p.items],
             "problems": [dataclasses.asdict(x) for x in p.problems],
             "fit": dataclasses.asdict(self.fit) if self.fit else None,
@@ -177,8 +214,8 @@ class InferenceEstimate:
         }
 
 
-class _InferencePlanner(_Planner):
-    """plan.py's itemisation of the weights, plus what generation adds."""
+class _InferenceItemiser(Itemiser):
+    """infinity.estimate's itemisation of the weights, plus what generation adds."""
 
     def gathered(self) -> None:
         """Quantised weights are dequantised into buffers of their dtype (the partitioner's working set
@@ -187,62 +224,149 @@ class _InferencePlanner(_Planner):
         if self.rt.formats is None or self.cuda or self.world > 1:
             return  # on CUDA / several ranks _scheduler counts the gathered units
         working = partitioner_working_set(self.spec.module, self.unit_map, full=True)
-        self.add(Item(f"dequantised weights ({self.dname})", "device", working + self.rt.tensor_cache_cap_nbytes,
-                      "train", "the units in use, dequantised after each read (infinity/weights/quant.py), and the "
-                      "buffers the TensorCache keeps for reuse", heap=True))
+        self.add(
+            Item(
+                f"dequantised weights ({self.dname})",
+                "device",
+                working + self.rt.tensor_cache_cap_nbytes,
+                "train",
+                "the units in use, dequantised after each read (infinity/weights/quant.py), and the "
+                "buffers the TensorCache keeps for reuse",
+                heap=True,
+            )
+        )
         largest = max((u.layout.padded_numel for u in self.units), default=0)
-        self.add(Item("quantisation transient", "host", largest * 9, "init",
-                      "build.py: one unit's values in fp32 while its codes are computed", heap=True))
+        self.add(
+            Item(
+                "quantisation transient",
+                "host",
+                largest * 9,
+                "init",
+                "build.py: one unit's values in fp32 while its codes are computed",
+                heap=True,
+            )
+        )
 
     def generation(self, shape: DecoderShape | None, batch: int, prompt: int, gen: int) -> None:
         if shape is None or batch == 0:
             return
         b = self.b
         kv = shape.kv_nbytes(batch, prompt + gen, b)
-        self.add(Item("KV cache", "host", kv, "train",
-                      f"2 × {shape.n_layer} layers × batch {batch} × {prompt + gen} positions × {shape.n_kv_head} "
-                      f"KV heads × {shape.head_dim} × {b} B (Hugging Face's cache, host memory)", heap=True))
-        self.add(Item("KV cache growth", "host", kv // max(1, shape.n_layer), "train",
-                      "one layer's cache again while a decode step makes it one position longer", heap=True))
-        self.add(Item("prefill working memory", "device", shape.prefill_nbytes(batch, prompt, b), "train",
-                      f"batch {batch} × prompt {prompt}: hidden states, attention scores, last logits "
-                      "(measured coefficients, see [Note: inference activations])", heap=True))
+        self.add(
+            Item(
+                "KV cache",
+                "host",
+                kv,
+                "train",
+                f"2 × {shape.n_layer} layers × batch {batch} × {prompt + gen} positions × {shape.n_kv_head} "
+                f"KV heads × {shape.head_dim} × {b} B (Hugging Face's cache, host memory)",
+                heap=True,
+            )
+        )
+        self.add(
+            Item(
+                "KV cache growth",
+                "host",
+                kv // max(1, shape.n_layer),
+                "train",
+                "one layer's cache again while a decode step makes it one position longer",
+                heap=True,
+            )
+        )
+        self.add(
+            Item(
+                "prefill working memory",
+                "device",
+                shape.prefill_nbytes(batch, prompt, b),
+                "train",
+                f"batch {batch} × prompt {prompt}: hidden states, attention scores, last logits "
+                "(measured coefficients, see [Note: inference activations])",
+                heap=True,
+            )
+        )
 
 
-def plan_inference(spec: ModelSpec, cfg: InfinityConfig, *, shape: DecoderShape | None, batch: int, prompt: int,
-                   gen: int, world_size: int, device_type: str, baseline_nbytes: int, zero_init: bool,
-                   runtime: RuntimePlan | None = None) -> SettingPlan:
+def itemise_inference(
+    spec: ModelSpec,
+    cfg: InfinityConfig,
+    *,
+    shape: DecoderShape | None,
+    batch: int,
+    prompt: int,
+    gen: int,
+    world_size: int,
+    device_type: str,
+    baseline_nbytes: int,
+    zero_init: bool,
+    runtime: RuntimePlan | None = None,
+) -> Breakdown:
     """The items of an inference run of ``batch`` × (``prompt`` + ``gen``) under ``cfg`` (stage 3)."""
     runtime = runtime or plan_runtime(spec.module, cfg, world_size=world_size, trains=False)
-    p = _InferencePlanner(spec, cfg, runtime, device_type)
-    p.add(Item("process baseline", "host", baseline_nbytes, "run",
-               "torch and infinity imported" + (", the CUDA context" if p.cuda else "")))
+    p = _InferenceItemiser(spec, cfg, runtime, device_type)
+    p.add(
+        Item(
+            "process baseline",
+            "host",
+            baseline_nbytes,
+            "run",
+            "torch and infinity imported" + (", the CUDA context" if p.cuda else ""),
+        )
+    )
     p.model_as_built(zero_init)
     p.parameter_store()
     p.gathered()
-    p.add(Item("initialisation transient", "host", runtime.staging_numel * (4 + p.b), "init",
-               "build.py _full_values: one unit's flat fp32 values and its converted shard", heap=True))
+    p.add(
+        Item(
+            "initialisation transient",
+            "host",
+            runtime.staging_numel * (4 + p.b),
+            "init",
+            "build.py _full_values: one unit's flat fp32 values and its converted shard",
+            heap=True,
+        )
+    )
     p.generation(shape, batch, prompt, gen)
     p.overheads()
     zero = cfg.zero_optimization
-    return SettingPlan(setting=Setting(3, zero.offload_param.device, "none"), dtype=p.dname, items=tuple(p.items),
-                       problems=tuple(p.problems), device_type=device_type, nvme_by_path=tuple(p.nvme_paths.items()),
-                       nvme_traffic_nbytes=sum(runtime.at_rest_nbytes(u) for u in runtime.nvme_units()),
-                       runtime=runtime)  # a forward reads every shard on NVMe once, writes nothing
+    return Breakdown(
+        setting=ZeroSetting(3, zero.offload_param.device, "none"),
+        dtype=p.dname,
+        items=tuple(p.items),
+        problems=tuple(p.problems),
+        device_type=device_type,
+        nvme_by_path=tuple(p.nvme_paths.items()),
+        nvme_traffic_nbytes=sum(runtime.at_rest_nbytes(u) for u in runtime.nvme_units()),
+        runtime=runtime,
+    )  # a forward reads every shard on NVMe once, writes nothing
 
 
-def inference_config(config: Any, *, world_size: int, precision: str | None,
-                     nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None) -> InfinityConfig:
+def inference_config(
+    config: Any,
+    *,
+    world_size: int,
+    precision: str | None,
+    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None,
+) -> InfinityConfig:
     """The config an estimate is for: the user's (which must be stage 3), else stage 3 with the weights on
     NVMe at ``nvme_path``, none kept in host memory (max_in_cpu 0: streamed, not DeepSpeed's default of
     keeping up to 1e9 elements) and DeepSpeed's default sizes otherwise."""
     if config is None:
-        config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "max_in_cpu": 0,
-                                                                       "nvme_path": _nvme_path(nvme_path)}}}
-    cfg = _as_config(config, world_size, precision, None)
+        config = {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {
+                    "device": "nvme",
+                    "max_in_cpu": 0,
+                    "nvme_path": nvme_path_value(nvme_path),
+                },
+            }
+        }
+    cfg = estimate_config(config, world_size, precision, None)
     if cfg.zero_optimization.stage != 3:
-        raise ConfigError(f"inference streams weights at zero_optimization.stage 3; the config has stage "
-                          f"{cfg.zero_optimization.stage}")
+        raise ConfigError(
+            f"inference streams weights at zero_optimization.stage 3; the config has stage "
+            f"{cfg.zero_optimization.stage}"
+        )
     return cfg
 
 
@@ -281,27 +405,49 @@ def estimate_inference(
         precision = "bf16"
     cfg = inference_config(config, world_size=world_size, precision=precision, nvme_path=nvme_path)
     shape = decoder_shape(spec.gpt if spec.gpt is not None else model_or_param_count)
-    if zero_init is None:
-        zero_init = (not isinstance(model_or_param_count, nn.Module)
-                     or zero_init_mod.init_store_of(list(spec.module.parameters())) is not None)
+    if zero_init is None:  # [Note: a model on the meta device] in infinity/estimate/model.py
+        zero_init = spec.built_under_zero_init()
     if baseline_nbytes is None:
         baseline_nbytes = max(0, runtime_baseline_nbytes() - spec.built_nbytes)
     runtime = plan_runtime(spec.module, cfg, world_size=world_size, trains=False)
 
-    def plan(b: int) -> SettingPlan:
-        return plan_inference(spec, cfg, shape=shape, batch=b, prompt=prompt, gen=gen, world_size=world_size,
-                              device_type=device, baseline_nbytes=baseline_nbytes, zero_init=zero_init,
-                              runtime=runtime)
+    def itemise(b: int) -> Breakdown:
+        return itemise_inference(
+            spec,
+            cfg,
+            shape=shape,
+            batch=b,
+            prompt=prompt,
+            gen=gen,
+            world_size=world_size,
+            device_type=device,
+            baseline_nbytes=baseline_nbytes,
+            zero_init=zero_init,
+            runtime=runtime,
+        )
 
-    own = plan(batch)
-    view = (machine_view(path for path, _ in own.nvme_by_path) if machine is True else machine or None)
+    own = itemise(batch)
+    view = (
+        machine_view(path for path, _ in own.nvme_by_path) if machine is True else machine or None
+    )
     fit = check_fit(own, view, ranks_per_node=1) if view is not None else None
     largest = None
     if view is not None and shape is not None:
-        largest = _largest_batch(lambda b: check_fit(plan(b), view, ranks_per_node=1).ok, max_batch)
+        largest = _largest_batch(
+            lambda b: check_fit(itemise(b), view, ranks_per_node=1).ok, max_batch
+        )
     return InferenceEstimate(
-        model=spec.description, num_params=spec.num_params, dtype=str(runtime.dtype).removeprefix("torch."),
-        device_type=device, batch=batch, prompt=prompt, gen=gen, shape=shape, plan=own, fit=fit, machine=view,
+        model=spec.description,
+        num_params=spec.num_params,
+        dtype=str(runtime.dtype).removeprefix("torch."),
+        device_type=device,
+        batch=batch,
+        prompt=prompt,
+        gen=gen,
+        shape=shape,
+        breakdown=own,
+        fit=fit,
+        machine=view,
         largest_batch=largest,
     )
 
@@ -320,22 +466,38 @@ def _largest_batch(fits, limit: int) -> int | None:
     return lo
 
 
-def preflight_inference(model: nn.Module, cfg: InfinityConfig, *, device: torch.device | str = "cpu",
-                        group: DataParallelGroup | None = None, runtime: RuntimePlan | None = None,
-                        machine: MachineView | None = None) -> SettingPlan | None:
+def preflight_inference(
+    model: nn.Module,
+    cfg: InfinityConfig,
+    *,
+    device: torch.device | str = "cpu",
+    group: DataParallelGroup | None = None,
+    runtime: RuntimePlan | None = None,
+    machine: MachineView | None = None,
+) -> Breakdown | None:
     """Before the inference engine allocates: do its weights' stores fit this machine (generation's KV
-    cache and activations come later, with the batch)? Raises PreflightError with the itemised plan."""
+    cache and activations come later, with the batch)? Raises PreflightError with the itemised breakdown."""
     if not cfg.preflight:
-        skip_warning()
+        warn_preflight_skipped()
         return None
     group = group or DataParallelGroup()
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
     spec = describe_model(model)
     held = runtime_baseline_nbytes()
     zinit = zero_init_mod.init_store_of(list(model.parameters())) is not None
-    own = plan_inference(spec, cfg, shape=None, batch=0, prompt=1, gen=0, world_size=group.world_size,
-                         device_type=device_type, baseline_nbytes=max(0, held - spec.built_nbytes), zero_init=zinit,
-                         runtime=runtime)
+    own = itemise_inference(
+        spec,
+        cfg,
+        shape=None,
+        batch=0,
+        prompt=1,
+        gen=0,
+        world_size=group.world_size,
+        device_type=device_type,
+        baseline_nbytes=max(0, held - spec.built_nbytes),
+        zero_init=zinit,
+        runtime=runtime,
+    )
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
     fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
@@ -343,12 +505,20 @@ def preflight_inference(model: nn.Module, cfg: InfinityConfig, *, device: torch.
     group.all_reduce_max(failed)
     if fit.ok and not int(failed):
         return own
-    lines = ["infinity.initialize: the inference engine's weights do not fit (pre-flight check; nothing has been "
-             "allocated):"]
-    lines += ["  " + r for r in fit.reasons] or [f"  another rank's check failed; rank {group.rank} stops too"]
-    lines.append("It would allocate per rank (the KV cache and activations come on top, with the batch):")
+    lines = [
+        "infinity.initialize: the inference engine's weights do not fit (pre-flight check; nothing has been "
+        "allocated):"
+    ]
+    lines += ["  " + r for r in fit.reasons] or [
+        f"  another rank's check failed; rank {group.rank} stops too"
+    ]
+    lines.append(
+        "It would allocate per rank (the KV cache and activations come on top, with the batch):"
+    )
     lines += ["  " + ln for ln in items_table(own)]
-    lines.append("Fix: lower zero_optimization.offload_param.buffer_count or buffer_size (the parameter pool), "
-                 'keep the weights on NVMe (offload_param.device "nvme", max_in_cpu 0), quantise them '
-                 '("weight_quantization"), or skip this check with "preflight": false')
+    lines.append(
+        "Fix: lower zero_optimization.offload_param.buffer_count or buffer_size (the parameter pool), "
+        'keep the weights on NVMe (offload_param.device "nvme", max_in_cpu 0), quantise them '
+        '("weight_quantization"), or skip this check with "preflight": false'
+    )
     raise PreflightError("\n".join(lines), own, fit.reasons)

@@ -1,0 +1,93 @@
+"""The ``zero.Init`` context: modules built inside have their parameters partitioned into an
+``InitStore`` (init.py) as they are created, and transformers' ``from_pretrained`` under it streams a
+checkpoint into the shards (hf_init.py). It sits above both, which know nothing of it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from torch.nn.modules import module as module_hooks
+
+from infinity.zero import hf_init
+from infinity.zero.collectives import DataParallelGroup
+from infinity.zero.init import InitMode, InitStore
+
+log = logging.getLogger("infinity.zero")
+
+
+INIT_SECTIONS = ("zero_optimization", "aio")
+"""The parts of a config zero.Init reads."""
+
+
+def _init_sections(config: Any) -> dict[str, Any]:
+    """The sections of ``config`` (a path, a mapping, None) that zero.Init reads. An "auto" elsewhere
+    (lr, batch sizes: HF writes its configs full of them) is for initialize() to fill, so a config
+    written for HF's Trainer builds a model under Init with no arguments, as under DeepSpeed's."""
+    from infinity.config import read_config_file
+
+    if config is None:
+        return {"zero_optimization": {"stage": 3}}
+    raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else dict(config)
+    return {k: raw[k] for k in INIT_SECTIONS if k in raw}
+
+
+class Init:
+    """Context manager: modules built inside have their parameters partitioned as they are created.
+
+    ``config`` is the training config (path or dict) or an already loaded
+    InfinityConfig; it decides where parameters wait (``offload_param``). With a
+    stage below 3 the context does nothing (DeepSpeed's behaviour), and says so.
+    """
+
+    def __init__(self, config: Any = None, *, enabled: bool = True, **auto_values: Any):
+        self.enabled = enabled
+        self.config = config
+        self.auto_values = auto_values
+        self._mode: InitMode | None = None
+        self._handles: list[Any] = []
+        self.store: InitStore | None = None
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        from infinity.config import InfinityConfig, load_config
+
+        group = DataParallelGroup()
+        cfg = self.config
+        if not isinstance(cfg, InfinityConfig):
+            cfg = load_config(_init_sections(cfg), world_size=group.world_size, **self.auto_values)
+        zero = cfg.zero_optimization
+        if zero.stage != 3:
+            log.warning("zero.Init does nothing with zero_optimization.stage=%d (it partitions for stage 3)", zero.stage)
+            self.enabled = False
+            return self
+        offload = zero.offload_param
+        # "auto": the placement planner has not run yet (it needs the model); the model as built waits
+        # on NVMe, which holds any model, and goes home from there.
+        home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
+        self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
+                               aio=cfg.aio, group=group)
+        self._mode = InitMode(self.store)
+        self.store.settle = self._mode.finish
+        self._handles = [
+            module_hooks.register_module_module_registration_hook(self._mode.on_module_registered),
+            module_hooks.register_module_parameter_registration_hook(self._mode.on_param_registered),
+        ]
+        self._mode.__enter__()
+        hf_init.install()  # [Note: from_pretrained under zero.Init]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is None:
+            return
+        mode = self._mode
+        self._mode = None
+        hf_init.uninstall()
+        mode.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        mode.finish()
+        mode.store.building = False
