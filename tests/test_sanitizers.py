@@ -20,7 +20,9 @@ import infinity._aio
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / ".ci" / "sanitize.sh"
 
-pytestmark = pytest.mark.sanitize
+# The build and the sanitized run each take minutes (ASan slows the tests about 2x); the suite's
+# 600 s limit per test stopped the run on a loaded machine, so these get more.
+pytestmark = [pytest.mark.sanitize, pytest.mark.timeout(1800)]
 
 
 def _sanitized(*command: str, timeout: float) -> subprocess.CompletedProcess:
