@@ -66,7 +66,8 @@ def test_a_planted_signed_overflow_is_caught(build):
 def test_the_aio_and_adam_tests_are_clean_under_the_sanitizers(build):
     r = _sanitized(timeout=1200)
     out = r.stdout + r.stderr
+    # rc 0 also says the tests imported the sanitized build: .ci/sanitized_build.py stops the run
+    # otherwise
     assert r.returncode == 0, out
-    assert "sanitized extensions (ASan + UBSan) from" in out, out
     assert "AddressSanitizer" not in out and "runtime error:" not in out, out
     assert " passed" in out and " failed" not in out, out
