@@ -41,11 +41,22 @@ import torch
 import infinity
 from infinity import _adam
 from infinity.host import cpu_model, memory_total_nbytes
-from infinity.optim import CPUAdam, foreach_adam_step, get_isa, has_overflow, stream_bound_step
+from infinity.optim import (
+    AdamHyper,
+    CPUAdam,
+    foreach_adam_step,
+    get_isa,
+    has_overflow,
+    stream_bound_step,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+ADAM_HYPER = AdamHyper(
+    lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], eps=HYPER["eps"],
+    weight_decay=HYPER["weight_decay"], adamw=True,
+)  # fmt: skip
 
 
 def _deepspeed_adam() -> type | None:
@@ -115,13 +126,8 @@ class Case:
             self.grad16,
             self.m16,
             self.v16,
+            ADAM_HYPER,
             step=self.step16,
-            lr=HYPER["lr"],
-            beta1=HYPER["betas"][0],
-            beta2=HYPER["betas"][1],
-            eps=HYPER["eps"],
-            weight_decay=HYPER["weight_decay"],
-            adamw=True,
             out_halves=self.halves,
             num_threads=self.threads,
         )
@@ -210,10 +216,10 @@ def run_pieces(threads: int, rounds: int, piece: int) -> dict:
 
     def ours() -> None:
         step[0] += 1
-        adam_step(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True, num_threads=threads)
+        adam_step(p, g, m, v, ADAM_HYPER, step=step[0], num_threads=threads)
 
     def call_overhead() -> None:
-        adam_step(*tiny, step=1, lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True, num_threads=threads)
+        adam_step(*tiny, ADAM_HYPER, step=1, num_threads=threads)
 
     fns = {"ours adam_step": ours, "torch fused": fused.step, "adam_step call, 16 elements": call_overhead}
     for fn in fns.values():

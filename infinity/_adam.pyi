@@ -13,6 +13,39 @@ SCALAR: int
 AVX2: int
 AVX512: int
 
+class AdamHyper:
+    """The hyper-parameters of an Adam/AdamW step (csrc/adam/adam.h's Hyper).
+
+    Keyword-only, checked when made (ValueError naming the field), read-only;
+    equal and hashable by value, picklable.
+    """
+
+    def __init__(
+        self,
+        *,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        adamw: bool,
+        bias_correction: bool = True,
+    ) -> None: ...
+    @property
+    def lr(self) -> float: ...
+    @property
+    def beta1(self) -> float: ...
+    @property
+    def beta2(self) -> float: ...
+    @property
+    def eps(self) -> float: ...
+    @property
+    def weight_decay(self) -> float: ...
+    @property
+    def adamw(self) -> bool: ...
+    @property
+    def bias_correction(self) -> bool: ...
+
 def isa_supported(isa: int) -> bool: ...
 def best_isa() -> int: ...
 def isa_name(isa: int) -> str: ...
@@ -29,14 +62,8 @@ def adam_step(
     numels: list[int],
     grad_dtypes: list[int],
     half_dtypes: list[int],
+    hyper: AdamHyper,
     step: float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
-    bias_correction: bool,
     isa: int,
     num_threads: int,
 ) -> None: ...

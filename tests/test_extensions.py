@@ -175,9 +175,11 @@ def test_adam_bindings_refuse_positional_arguments():
 
     p, g, m, v = (torch.full((8,), x) for x in (1.0, 0.5, 0.0, 0.0))
     lists = [[t.data_ptr()] for t in (p, g, m, v)] + [[0], [8], [_adam.FLOAT32], [-1]]
-    hyper = dict(step=1.0, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    hyper = _adam.AdamHyper(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
     with pytest.raises(TypeError):
-        _adam.adam_step(*lists, *hyper.values(), True, True, _adam.SCALAR, 1)
+        _adam.adam_step(*lists, hyper, 1.0, _adam.SCALAR, 1)
+    with pytest.raises(TypeError):  # the hyper-parameters cross as one AdamHyper, not a row of numbers
+        _adam.adam_step(*lists, 0.1, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, _adam.SCALAR, 1)
     names = (
         "params",
         "grads",
@@ -190,9 +192,8 @@ def test_adam_bindings_refuse_positional_arguments():
     )
     _adam.adam_step(
         **dict(zip(names, lists, strict=True)),
-        **hyper,
-        adamw=True,
-        bias_correction=True,
+        hyper=hyper,
+        step=1.0,
         isa=_adam.SCALAR,
         num_threads=1,
     )

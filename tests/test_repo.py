@@ -41,3 +41,30 @@ def test_readme_has_exactly_two_setup_commands():
     cmds = readme_command.commands()
     assert "pytest" in cmds["tests"]
     assert cmds["main"].startswith("./setup.sh")
+    # CI prints the slowest tests, so a test that grows slow is seen before the suite is.
+    assert "--durations=25" in cmds["tests"].split()
+
+
+def test_a_hung_test_fails_with_every_threads_stack(tmp_path):
+    """The suite's per-test timeout (pyproject's [tool.pytest.ini_options]) is live: a test that
+    hangs fails, and the stack of the hung thread is printed (here with the limit lowered)."""
+    (tmp_path / "test_hang.py").write_text(
+        "import threading, time\n"
+        "def sleeper_in_a_thread():\n"
+        "    time.sleep(60)\n"
+        "def test_hangs():\n"
+        "    threading.Thread(target=sleeper_in_a_thread, daemon=True).start()\n"
+        "    time.sleep(60)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
+         "-o", "timeout=3", "-o", "faulthandler_timeout=2", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "Failed: Timeout (>3.0s) from pytest-timeout" in out, out
+    assert "Timeout (0:00:02)!" in out, out  # faulthandler's dump, from a C thread
+    # both threads' stacks: the test's own and the one it started
+    assert "in test_hangs" in out and "in sleeper_in_a_thread" in out, out

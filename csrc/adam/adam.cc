@@ -78,17 +78,25 @@ void require(bool ok, const std::string& what, double got) {
   if (!ok) throw std::invalid_argument(what + ", got " + fmt(got));
 }
 
-// See [Note: Adam numerics] in kernel_impl.h: every scalar is computed in
-// double as torch.optim computes it in Python, then rounded to fp32 once.
-Coeffs derive(const Hyper& h) {
+}  // namespace
+
+void validate(const Hyper& h) {
   require(std::isfinite(h.lr) && h.lr >= 0, "lr must be a finite number >= 0", h.lr);
   require(h.beta1 >= 0 && h.beta1 < 1, "beta1 must be in [0, 1)", h.beta1);
   require(h.beta2 >= 0 && h.beta2 < 1, "beta2 must be in [0, 1)", h.beta2);
   require(std::isfinite(h.eps) && h.eps >= 0, "eps must be a finite number >= 0", h.eps);
   require(std::isfinite(h.weight_decay) && h.weight_decay >= 0,
           "weight_decay must be a finite number >= 0", h.weight_decay);
-  require(std::isfinite(h.step) && h.step >= 1,
-          "step must be >= 1 (the number of this update; 1 for the first)", h.step);
+}
+
+namespace {
+
+// See [Note: Adam numerics] in kernel_impl.h: every scalar is computed in
+// double as torch.optim computes it in Python, then rounded to fp32 once.
+Coeffs derive(const Hyper& h, double step) {
+  validate(h);
+  require(std::isfinite(step) && step >= 1,
+          "step must be >= 1 (the number of this update; 1 for the first)", step);
   Coeffs c;
   if (h.weight_decay != 0) c.decay_mode = h.adamw ? WeightDecay::kDecoupled : WeightDecay::kL2;
   c.weight_decay = static_cast<float>(h.weight_decay);
@@ -101,8 +109,8 @@ Coeffs derive(const Hyper& h) {
   double bias_correction1 = 1.0;
   double bias_correction2 = 1.0;
   if (h.bias_correction) {
-    bias_correction1 = 1.0 - std::pow(h.beta1, h.step);
-    bias_correction2 = 1.0 - std::pow(h.beta2, h.step);
+    bias_correction1 = 1.0 - std::pow(h.beta1, step);
+    bias_correction2 = 1.0 - std::pow(h.beta2, step);
   }
   c.neg_step_size = static_cast<float>(-(h.lr / bias_correction1));
   c.bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5));
@@ -243,9 +251,9 @@ const char* threading_backend() { return parallel_backend(); }
 size_t stream_min_bytes() { return g_stream_min_bytes.load(); }
 void set_stream_min_bytes(size_t bytes) { g_stream_min_bytes.store(bytes); }
 
-void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, Isa isa,
+void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, double step, Isa isa,
                int num_threads) {
-  Coeffs c = derive(hyper);
+  Coeffs c = derive(hyper, step);
   const KernelSet& k = kernels_for(isa);
   check_threads(num_threads);
   check_no_overlap(tensors, count);

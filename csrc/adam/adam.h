@@ -38,17 +38,22 @@ struct Buffers {
   DType half_dtype = DType::kBFloat16;  // ignored when out_half is nullptr
 };
 
-// Hyper-parameters of one step, as the user gives them (double, like Python).
+// The hyper-parameters of a step, as the user gives them (double, like
+// Python); bound to Python as infinity.optim.AdamHyper (bindings.cc), so one
+// typed value crosses the boundary instead of a row of positional numbers.
+// The step count is not among them: it is per tensor and per call.
 struct Hyper {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.0;
-  double step = 1;              // the step being taken (1 for the first)
   bool adamw = true;            // decoupled weight decay (AdamW) or L2 (Adam)
   bool bias_correction = true;
 };
+
+// Throws std::invalid_argument naming the first field out of range.
+void validate(const Hyper& hyper);
 
 bool isa_supported(Isa isa);
 Isa best_isa();
@@ -63,9 +68,11 @@ const char* threading_backend();
 size_t stream_min_bytes();
 void set_stream_min_bytes(size_t bytes);
 
-// Updates `count` tensors in place. Throws std::invalid_argument on a bad
-// hyper-parameter, an unsupported ISA, or overlapping buffers.
-void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, Isa isa, int num_threads);
+// Updates `count` tensors in place; `step` is the number of this update (1
+// for the first). Throws std::invalid_argument on a bad hyper-parameter or
+// step, an unsupported ISA, or overlapping buffers.
+void adam_step(const Buffers* tensors, size_t count, const Hyper& hyper, double step, Isa isa,
+               int num_threads);
 
 // True when any element of the `count` arrays is inf or NaN.
 bool has_overflow(const void* const* data, const size_t* numel, const DType* dtypes, size_t count,

@@ -4,8 +4,10 @@
 // tensors are in infinity/optim (Python); the core's std::invalid_argument
 // (hyper-parameters, overlapping buffers, ISA) arrives as ValueError.
 // Long argument lists, flags and the ISA/thread options are keyword-only
-// (py::kw_only): eight lists of ints and six floats in a row are too easy to
-// pass in the wrong order.
+// (py::kw_only): eight lists of ints in a row are too easy to pass in the
+// wrong order. The hyper-parameters cross as one typed value, AdamHyper (the
+// core's Hyper, bound below): named fields, keyword construction, checked when
+// made, read-only after.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -80,6 +82,10 @@ std::vector<ad::Buffers> gather(const std::vector<uintptr_t>& params,
   return b;
 }
 
+py::tuple as_tuple(const ad::Hyper& h) {
+  return py::make_tuple(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw, h.bias_correction);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_adam, m) {
@@ -103,34 +109,77 @@ PYBIND11_MODULE(_adam, m) {
   m.def("threading_backend", [] { return std::string(ad::threading_backend()); },
         "\"openmp\" (sharing torch's libgomp), or \"serial\" for a build without OpenMP.");
 
+  py::class_<ad::Hyper>(m, "AdamHyper",
+                        "The hyper-parameters of an Adam/AdamW step (csrc/adam/adam.h's Hyper).\n\n"
+                        "Keyword-only, checked when made (ValueError naming the field), read-only.")
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay,
+                       bool adamw, bool bias_correction) {
+             ad::Hyper h;
+             h.lr = lr;
+             h.beta1 = beta1;
+             h.beta2 = beta2;
+             h.eps = eps;
+             h.weight_decay = weight_decay;
+             h.adamw = adamw;
+             h.bias_correction = bias_correction;
+             ad::validate(h);
+             return h;
+           }),
+           py::kw_only(), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+           py::arg("weight_decay"), py::arg("adamw").noconvert(),
+           py::arg("bias_correction").noconvert() = true)
+      .def_readonly("lr", &ad::Hyper::lr)
+      .def_readonly("beta1", &ad::Hyper::beta1)
+      .def_readonly("beta2", &ad::Hyper::beta2)
+      .def_readonly("eps", &ad::Hyper::eps)
+      .def_readonly("weight_decay", &ad::Hyper::weight_decay)
+      .def_readonly("adamw", &ad::Hyper::adamw, "decoupled weight decay (AdamW), or L2 (Adam)")
+      .def_readonly("bias_correction", &ad::Hyper::bias_correction)
+      .def("__eq__",
+           [](const ad::Hyper& a, const ad::Hyper& b) {
+             return as_tuple(a).equal(as_tuple(b));
+           },
+           py::is_operator())
+      .def("__hash__", [](const ad::Hyper& h) { return py::hash(as_tuple(h)); })
+      .def("__repr__",
+           [](const ad::Hyper& h) {
+             return py::str("AdamHyper(lr={!r}, beta1={!r}, beta2={!r}, eps={!r}, "
+                            "weight_decay={!r}, adamw={!r}, bias_correction={!r})")
+                 .format(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw, h.bias_correction);
+           })
+      .def(py::pickle([](const ad::Hyper& h) { return as_tuple(h); },
+                      [](const py::tuple& t) {
+                        if (t.size() != 7) {
+                          throw std::invalid_argument("AdamHyper's state has 7 fields");
+                        }
+                        ad::Hyper h;
+                        h.lr = t[0].cast<double>();
+                        h.beta1 = t[1].cast<double>();
+                        h.beta2 = t[2].cast<double>();
+                        h.eps = t[3].cast<double>();
+                        h.weight_decay = t[4].cast<double>();
+                        h.adamw = t[5].cast<bool>();
+                        h.bias_correction = t[6].cast<bool>();
+                        ad::validate(h);
+                        return h;
+                      }));
+
   m.def(
       "adam_step",
       [](const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
          const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
          const std::vector<uintptr_t>& out_halfs, const std::vector<size_t>& numels,
-         const std::vector<int>& grad_dtypes, const std::vector<int>& half_dtypes, double step,
-         double lr, double beta1, double beta2, double eps, double weight_decay, bool adamw,
-         bool bias_correction, int isa, int num_threads) {
+         const std::vector<int>& grad_dtypes, const std::vector<int>& half_dtypes,
+         const ad::Hyper& hyper, double step, int isa, int num_threads) {
         const std::vector<ad::Buffers> b =
             gather(params, grads, exp_avgs, exp_avg_sqs, out_halfs, numels, grad_dtypes, half_dtypes);
-        ad::Hyper h;
-        h.step = step;
-        h.lr = lr;
-        h.beta1 = beta1;
-        h.beta2 = beta2;
-        h.eps = eps;
-        h.weight_decay = weight_decay;
-        h.adamw = adamw;
-        h.bias_correction = bias_correction;
         const ad::Isa which = to_isa(isa);
         py::gil_scoped_release release;
-        ad::adam_step(b.data(), b.size(), h, which, num_threads);
+        ad::adam_step(b.data(), b.size(), hyper, step, which, num_threads);
       },
       py::kw_only(), py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("out_halfs"), py::arg("numels"), py::arg("grad_dtypes"), py::arg("half_dtypes"),
-      py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-      py::arg("weight_decay"), py::arg("adamw"), py::arg("bias_correction"), py::arg("isa"),
-      py::arg("num_threads"),
+      py::arg("hyper"), py::arg("step"), py::arg("isa"), py::arg("num_threads"),
       "One Adam/AdamW step over tensors given as data pointers (see infinity.optim.adam_step).");
 
   m.def(

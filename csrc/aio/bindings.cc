@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <system_error>
 #include <type_traits>
 #include <unordered_map>
@@ -310,6 +311,22 @@ PYBIND11_MODULE(_aio, m) {
   m.def("crc32c_is_hardware", &crc32c_is_hardware);
   m.def("probe_io_uring", [] { return without_gil([] { return probe_io_uring(); }); });
   m.def("built_with_io_uring", &built_with_io_uring);
+
+#ifdef INFINITY_PLANT_UAF
+  // Planted bugs, compiled only into the sanitizer build (CMake's
+  // INFINITY_SANITIZE): tests/test_sanitizers.py calls them and expects the
+  // sanitizer's report, which proves the sanitized run of the tests is real.
+  m.def("_planted_use_after_free", [] {
+    auto* segments = new std::vector<int64_t>(64, 7);
+    const volatile int64_t* first = segments->data();
+    delete segments;
+    return static_cast<int64_t>(*first);  // read after free
+  });
+  m.def("_planted_signed_overflow", [](int x) {
+    volatile int big = x;
+    return big + std::numeric_limits<int>::max();  // overflows for x > 0
+  }, py::arg("x"));
+#endif
   m.attr("DIRECT_ALIGNMENT") = kDirectAlignment;
   m.attr("HUGE_PAGE_SIZE") = kHugePageSize;
 }

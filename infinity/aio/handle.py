@@ -45,16 +45,20 @@ log = logging.getLogger("infinity.aio")
 PathLike = Union[str, "os.PathLike[str]"]
 FileArg = Union["AioFile", PathLike, int]
 
-_announced: set[str] = set()
-_announce_lock = threading.Lock()
+class Notices:
+    """Fallback notices, each logged once per process by whichever handle or file meets it first.
+    ``AioHandle.notices`` is the process's; a test swaps in a fresh one to see them again."""
 
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
 
-def _announce_once(key: str, message: str) -> None:
-    with _announce_lock:
-        if key in _announced:
-            return
-        _announced.add(key)
-    log.warning(message)
+    def once(self, key: str, message: str) -> None:
+        with self._lock:
+            if key in self._said:
+                return
+            self._said.add(key)
+        log.warning(message)
 
 
 def io_uring_status() -> str:
@@ -127,7 +131,7 @@ def open_file(
     except OSError as e:
         raise _open_error(e, p, mode) from None
     if o_direct and not raw.direct:
-        _announce_once(
+        AioHandle.notices.once(
             "odirect:" + os.path.dirname(os.path.abspath(p)),
             f"O_DIRECT is refused by the file system holding {os.path.dirname(os.path.abspath(p))}; "
             "using buffered I/O there (reads may be served from the page cache)",
@@ -216,23 +220,46 @@ class AioRequest:
 # without callbacks, pruned as they grow. tests/aio/test_finalizers.py and
 # tests/store/test_finalizers.py check that dropping each kind of object runs
 # no Python code; tests/checkpoint/test_interrupt.py samples the symptom.
-_live_handles: dict[int, weakref.ref[AioHandle]] = {}
-_prune_at = 64
+class LiveHandles:
+    """The handles of this process not closed yet, so that exit closes them and a forked child keeps
+    theirs alive. ``AioHandle.live`` is the process's (exit and fork are the process's).
 
+    Plain weak references without callbacks ([Note: finalizers run no Python]), pruned as they grow;
+    no lock (dict operations under the GIL are atomic, and a lock held by another thread at fork
+    would deadlock the child's hook)."""
 
-def _track(handle: AioHandle) -> None:
-    """Adds ``handle`` to the handles closed at exit (a weak reference without a callback)."""
-    global _prune_at
-    if len(_live_handles) >= _prune_at:
-        for key, ref in list(_live_handles.items()):
-            if ref() is None:
-                _live_handles.pop(key, None)
-        _prune_at = max(64, 2 * len(_live_handles))
-    _live_handles[id(handle)] = weakref.ref(handle)
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[AioHandle]] = {}
+        self._prune_at = 64
 
+    def add(self, handle: AioHandle) -> None:
+        if len(self._refs) >= self._prune_at:
+            for key, ref in list(self._refs.items()):
+                if ref() is None:
+                    self._refs.pop(key, None)
+            self._prune_at = max(64, 2 * len(self._refs))
+        self._refs[id(handle)] = weakref.ref(handle)
 
-def _tracked() -> list[AioHandle]:
-    return [h for h in (r() for r in list(_live_handles.values())) if h is not None]
+    def discard(self, handle: AioHandle) -> None:
+        self._refs.pop(id(handle), None)
+
+    def handles(self) -> list[AioHandle]:
+        return [h for h in (r() for r in list(self._refs.values())) if h is not None]
+
+    def close_all(self) -> None:
+        """At exit: every handle still open is drained and closed."""
+        for h in self.handles():
+            h.close()
+
+    def keep_alive_in_child(self) -> None:
+        """After fork, in the child: the parent's worker threads do not exist here, and destroying an
+        engine would join threads that are gone. Every inherited engine is kept alive for good (a
+        deliberate leak); the handles refuse use (``AioHandle._check``)."""
+        import ctypes
+
+        for h in self.handles():
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._engine))
+        self._refs.clear()
 
 
 class AioHandle:
@@ -247,6 +274,11 @@ class AioHandle:
     workers share a request.
     """
 
+    live: LiveHandles = LiveHandles()
+    """This process's open handles (closed at exit, kept alive in a forked child)."""
+    notices: Notices = Notices()
+    """This process's fallback notices, each said once."""
+
     def __init__(self, config: AioConfig | None = None, /, **options: Any):
         if config is not None and not isinstance(config, AioConfig):
             raise TypeError(
@@ -259,7 +291,7 @@ class AioHandle:
         self.config = dataclasses.replace(cfg, engine=resolved)
         self._pid = os.getpid()
         self._closed = False
-        _track(self)
+        AioHandle.live.add(self)
 
     @classmethod
     def from_config(cls, config: AioConfig) -> AioHandle:
@@ -409,7 +441,7 @@ class AioHandle:
         self._closed = True
         if os.getpid() == self._pid:
             self._engine.shutdown()  # drains, then lets go of every request's buffers
-        _live_handles.pop(id(self), None)
+        AioHandle.live.discard(self)
 
     def __enter__(self) -> AioHandle:
         return self
@@ -495,7 +527,7 @@ def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
                 f"engine='io_uring' is not available here ({reason}); use engine='auto' to fall "
                 "back to the threads engine",
             )
-        _announce_once(
+        AioHandle.notices.once(
             "engine",
             f"io_uring is not available ({reason}); using the threads I/O engine. In Docker, "
             "io_uring is blocked by the default seccomp profile (see the README).",
@@ -503,23 +535,5 @@ def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
     return _aio.Engine(backend="threads", **kw), "threads"
 
 
-def _close_all_at_exit() -> None:
-    for h in _tracked():
-        h.close()
-
-
-atexit.register(_close_all_at_exit)
-
-
-def _after_fork_in_child() -> None:
-    # The parent's worker threads do not exist in the child: destroying an
-    # engine here would join threads that are gone. Keep every inherited
-    # engine alive for good (a deliberate leak) and let _check() refuse use.
-    import ctypes
-
-    for h in _tracked():
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(h._engine))
-    _live_handles.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(AioHandle.live.close_all)
+os.register_at_fork(after_in_child=AioHandle.live.keep_alive_in_child)

@@ -1,9 +1,10 @@
 """The ``activation_checkpointing`` section: where DeepSpeed-style checkpoints keep their inputs.
 
 Read by ``infinity.checkpointing`` (infinity/zero/checkpointing.py,
-[Note: checkpoint inputs]): ``infinity.initialize`` configures it from a
-config that has this section, and ``infinity.checkpointing.configure(
-deepspeed_config=...)`` from any config. Defaults and key names are
+[Note: checkpoint inputs]): an engine built from a config that has this
+section keeps it as its own (``engine.activation_checkpointing``, [Note: whose
+checkpoint settings]), and ``infinity.checkpointing.configure(
+deepspeed_config=...)`` sets the process-wide settings from any config. Defaults and key names are
 DeepSpeed's (``deepspeed/runtime/activation_checkpointing/config.py``).
 Which keys have no effect, and why, is in infinity.config.support.
 """

@@ -36,6 +36,7 @@ from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
+from infinity.zero.checkpointing import ModelCheckpointing
 from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.engine")
@@ -91,6 +92,9 @@ class Engine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._closed = False
+        # This engine's activation-checkpointing settings, in force during its forward and backward
+        # ([Note: whose checkpoint settings] in infinity/zero/checkpointing.py).
+        self.activation_checkpointing = ModelCheckpointing.for_config(config)
         self.loss_scaler = (
             LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
         )
@@ -152,7 +156,8 @@ class Engine:
         if trace is not None and not trace.step_open:
             trace.begin_step()
         try:
-            out = self.module(*args, **kwargs)
+            with self.activation_checkpointing.in_force():
+                out = self.module(*args, **kwargs)
         except BaseException:
             if trace is not None:
                 trace.abort_step()
@@ -177,7 +182,8 @@ class Engine:
             rt.reducer.begin_micro(last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         try:
-            (loss * scale if scale != 1.0 else loss).backward()
+            with self.activation_checkpointing.in_force():
+                (loss * scale if scale != 1.0 else loss).backward()
         except BaseException as e:
             self._backward_failed(e)
             raise

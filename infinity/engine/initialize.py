@@ -17,7 +17,6 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, load_config
 from infinity.engine.engine import Engine
 from infinity.estimate import plan_runtime_for_rank, preflight
-from infinity.zero import checkpointing
 from infinity.zero.collectives import DataParallelGroup
 
 
@@ -53,7 +52,7 @@ def initialize(
     model's hidden size (``model.config``, as HF reads it) unless
     ``hidden_size=`` is given. With no optimizer section and none passed,
     ``lr=`` gives the HF Trainer's default AdamW. A config with an ``activation_checkpointing``
-    section configures ``infinity.checkpointing`` from it.
+    section gives the engine its own checkpoint settings ([Note: whose checkpoint settings]).
     """
     group, cfg, device = start(model, config, optimizer, **auto_values)
     return training_engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)
@@ -91,5 +90,4 @@ def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.o
     plan, context = plan_runtime_for_rank(model, cfg, group=group, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
     preflight(model, cfg, device=device, group=group, runtime=plan, context=context)
-    checkpointing.configure_from(cfg)
     return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)

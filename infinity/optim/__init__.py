@@ -2,6 +2,7 @@
 
 from infinity.optim.cpu_adam import CPUAdam
 from infinity.optim.functional import (
+    AdamHyper,
     adam_step,
     foreach_adam_step,
     has_overflow,
@@ -11,6 +12,7 @@ from infinity.optim.functional import (
 from infinity.optim.kernel import best_isa, get_isa, set_isa, supported_isas, use_isa
 
 __all__ = [
+    "AdamHyper",
     "CPUAdam",
     "adam_step",
     "best_isa",

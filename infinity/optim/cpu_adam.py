@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from infinity import _adam
-from infinity.optim.functional import foreach_adam_step
+from infinity.optim.functional import AdamHyper, foreach_adam_step
 
 # Keys torch.optim.Adam keeps in every group; a state dict saved here must
 # carry them so that torch's Adam/AdamW can load it and step.
@@ -216,22 +216,20 @@ class CPUAdam(torch.optim.Optimizer):
         for i, done in enumerate(_adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=0.0)):
             buckets.setdefault(done, []).append(i)
         beta1, beta2 = group["betas"]
+        hyper = AdamHyper(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw=bool(group["decoupled_weight_decay"]),
+            bias_correction=bool(group["bias_correction"]),
+        )
         for done, idx in buckets.items():
             if len(buckets) == 1:
                 sel = (params, grads, exp_avgs, exp_avg_sqs)
             else:
                 sel = tuple([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs))
-            foreach_adam_step(
-                *sel,
-                step=done + 1,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw=bool(group["decoupled_weight_decay"]),
-                bias_correction=bool(group["bias_correction"]),
-                num_threads=self.num_threads,
-            )
+            foreach_adam_step(*sel, hyper, step=done + 1, num_threads=self.num_threads)
         _adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=1.0)
         _bump_versions(params)

@@ -6,6 +6,11 @@ optionally writing a bf16/fp16 copy of the new weights. ``foreach_adam_step``
 does the same for many tensors in one call (one thread dispatch; what
 ``CPUAdam`` uses). ``has_overflow`` is the fp16 loss-scaling check.
 
+The hyper-parameters travel as one :class:`AdamHyper` (lr, betas, eps, weight
+decay, AdamW or Adam, bias correction), the C++ core's ``Hyper`` bound with
+pybind11: checked when made, read-only, the same value on both sides of the
+boundary; the step number is passed beside it (it differs per tensor).
+
 The math is torch.optim.Adam/AdamW's (foreach=False); see
 [Note: Adam numerics] in csrc/adam/kernel_impl.h. The kernels run in C++
 with the GIL released, on ``num_threads`` threads (default:
@@ -25,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from infinity import _adam
+from infinity._adam import AdamHyper
 from infinity.optim import kernel
 
 _F32 = torch.float32
@@ -181,19 +187,13 @@ def adam_step(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
+    hyper: AdamHyper,
     *,
     step: int | float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
     out_half: torch.Tensor | None = None,
-    bias_correction: bool = True,
     num_threads: int | None = None,
 ) -> None:
-    """One Adam (``adamw=False``, L2 weight decay) or AdamW step, in place, on flat CPU buffers.
+    """One AdamW (or Adam: ``hyper.adamw`` False, L2 decay) step, in place, on flat CPU buffers.
 
     ``param``, ``exp_avg``, ``exp_avg_sq``: contiguous fp32. ``grad``: contiguous
     fp32, bf16 or fp16. ``out_half``: None, or a contiguous bf16/fp16 tensor
@@ -203,19 +203,27 @@ def adam_step(
     ``state["step"]`` after its increment).
 
     Raises TypeError/ValueError naming the argument for a tensor that is not a
-    CPU tensor, not contiguous, of the wrong dtype or size; ValueError for
-    hyper-parameters out of range or buffers that overlap in memory.
+    CPU tensor, not contiguous, of the wrong dtype or size, or a ``hyper`` that
+    is not an AdamHyper; ValueError for a step below 1 or buffers that overlap
+    in memory.
     """
     ptrs = _gather((param,), (grad,), (exp_avg,), (exp_avg_sq,), None if out_half is None else (out_half,), True)
-    _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads)
+    _run(ptrs, hyper, step, num_threads)
 
 
-def _run(ptrs: _Pointers, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads) -> None:
+def _run(ptrs: _Pointers, hyper: AdamHyper, step: int | float, num_threads: int | None) -> None:
     """The kernel call shared by adam_step and foreach_adam_step (``ptrs`` from _gather)."""
+    if type(hyper) is not AdamHyper:
+        raise TypeError(
+            f"hyper must be an infinity.optim.AdamHyper, got {type(hyper).__name__}; make one with "
+            f"AdamHyper(lr=..., beta1=..., beta2=..., eps=..., weight_decay=..., adamw=...)"
+        )
     _adam.adam_step(
-        **ptrs._asdict(), step=float(step), lr=float(lr), beta1=float(beta1), beta2=float(beta2),
-        eps=float(eps), weight_decay=float(weight_decay), adamw=bool(adamw),
-        bias_correction=bool(bias_correction), isa=kernel.isa_code, num_threads=_threads(num_threads),
+        **ptrs._asdict(),
+        hyper=hyper,
+        step=float(step),
+        isa=kernel.isa_code,
+        num_threads=_threads(num_threads),
     )
 
 
@@ -224,16 +232,10 @@ def foreach_adam_step(
     grads: Sequence[torch.Tensor],
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
+    hyper: AdamHyper,
     *,
     step: int | float,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw: bool,
     out_halves: Sequence[torch.Tensor | None] | None = None,
-    bias_correction: bool = True,
     num_threads: int | None = None,
 ) -> None:
     """``adam_step`` over many tensors with the same hyper-parameters and step, in one call.
@@ -243,7 +245,7 @@ def foreach_adam_step(
     index, e.g. ``grad[3]``.
     """
     ptrs = _gather(params, grads, exp_avgs, exp_avg_sqs, out_halves, False)
-    _run(ptrs, step, lr, beta1, beta2, eps, weight_decay, adamw, bias_correction, num_threads)
+    _run(ptrs, hyper, step, num_threads)
 
 
 def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> bool:

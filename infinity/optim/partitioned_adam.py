@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from infinity.aio.waits import result_of
-from infinity.optim.functional import adam_step, sum_squares
+from infinity.optim.functional import AdamHyper, adam_step, sum_squares
 from infinity.store import TieredStore
 
 log = logging.getLogger("infinity.optim")
@@ -210,12 +210,22 @@ class PartitionedAdam(torch.optim.Optimizer):
         self._sumsq.clear()  # the next window's norms start afresh
         return total
 
-    def hyperparameters(self) -> list[tuple[float, float, float, float, float]]:
-        """(lr, beta1, beta2, eps, weight_decay) per param group, as they are now."""
+    def hyperparameters(self) -> list[AdamHyper]:
+        """Each param group's hyper-parameters as they are now (a value: the lr schedule moving on
+        later does not change it)."""
         out = []
         for g in self.param_groups:
             beta1, beta2 = g["betas"]
-            out.append((float(g["lr"]), float(beta1), float(beta2), float(g["eps"]), float(g["weight_decay"])))
+            out.append(
+                AdamHyper(
+                    lr=float(g["lr"]),
+                    beta1=float(beta1),
+                    beta2=float(beta2),
+                    eps=float(g["eps"]),
+                    weight_decay=float(g["weight_decay"]),
+                    adamw=bool(self.adamw),
+                )
+            )
         return out
 
     @torch.no_grad()
@@ -226,7 +236,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         grad_scale: float = 1.0,
         has_grad: Sequence[torch.Tensor],
         only: Collection[int] | None = None,
-        hyper: list[tuple[float, float, float, float, float]] | None = None,
+        hyper: list[AdamHyper] | None = None,
         on_shard_done: Callable[[int], None] | None = None,
     ) -> None:
         """One Adam step over every shard (or the shards whose index is in ``only``).
@@ -287,7 +297,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         return futures
 
     def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor,
-                      hyper: list[tuple[float, float, float, float, float]]) -> None:
+                      hyper: list[AdamHyper]) -> None:
         in_param_store = self._master_in_param_store[s.index]
         master = t["param"] if in_param_store else t["master"]
         half = t["param"] if s.param_key is not None and not in_param_store else None
@@ -301,19 +311,13 @@ class PartitionedAdam(torch.optim.Optimizer):
                 if half is not None:  # unchanged, but the half copy is written whole
                     half[lo:hi].copy_(master[lo:hi])
                 continue
-            lr, beta1, beta2, eps, weight_decay = hyper[gi]
             adam_step(
                 master[lo:hi],
                 g[lo:hi],
                 m[lo:hi],
                 v[lo:hi],
+                hyper[gi],
                 step=self.param_steps[seg.param] + 1,
-                lr=lr,
-                beta1=beta1,
-                beta2=beta2,
-                eps=eps,
-                weight_decay=weight_decay,
-                adamw=self.adamw,
                 out_half=None if half is None else half[lo:hi],
             )
         if self.on_updated is not None:

@@ -38,16 +38,32 @@ floating-point tensors with at least mp elements are moved or split
 ``synchronize_checkpoint_boundary`` and ``profile`` are accepted without
 effect (infinity.config.support gives the reason of each).
 
-Threading: the settings are process-wide, as DeepSpeed's are; configure from
-the thread that trains, before the forward that uses them.
+[Note: whose checkpoint settings]
+Two sources, as two owners: ``configure(...)`` sets the process-wide
+settings, as DeepSpeed's does (code written for DeepSpeed calls it once);
+an engine whose config has an ``activation_checkpointing`` section owns its
+own (``engine.activation_checkpointing``, a ``ModelCheckpointing``) and puts
+them in force for the duration of its ``forward`` and ``backward``, so
+``checkpoint(...)`` called from inside its model acts on that engine's
+section. A teacher and a student in one process each keep theirs; an engine
+without the section follows the process-wide settings. Building an engine
+changes nothing process-wide. The settings in force are a context variable:
+per thread, restored when the engine's call returns or raises. The
+checkpoint's saved-tensor hooks take the settings when they are made (in
+forward), so backward needs none, except for checkpoints nested inside a
+recomputation (in force too when it runs in ``engine.backward``'s thread).
+
+Threading: configure from the thread that trains, before the forward that
+uses the settings.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -59,7 +75,15 @@ from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.zero")
 
-__all__ = ["checkpoint", "configure", "is_configured", "non_reentrant_checkpoint", "settings"]
+__all__ = [
+    "CheckpointSettings",
+    "ModelCheckpointing",
+    "checkpoint",
+    "configure",
+    "is_configured",
+    "non_reentrant_checkpoint",
+    "settings",
+]
 
 
 class ModelParallelUnit(Protocol):
@@ -86,8 +110,13 @@ class CheckpointSettings:
         return mp.world_size if self.partition_activations and mp is not None else 1
 
 
+# configure()'s: process-wide, as DeepSpeed's ([Note: whose checkpoint settings]).
 _settings = CheckpointSettings()
 _configured = False
+# The settings of the engine whose forward or backward is running in this thread, if it has its own.
+_in_force: contextvars.ContextVar[CheckpointSettings | None] = contextvars.ContextVar(
+    "infinity_checkpoint_settings", default=None
+)
 
 _NO_EFFECT = {
     "contiguous_checkpointing": "activation_checkpointing.contiguous_memory_optimization",
@@ -98,13 +127,13 @@ _NO_EFFECT = {
 
 
 def settings() -> CheckpointSettings:
-    """The settings the checkpoint functions use now."""
-    return _settings
+    """The settings the checkpoint functions use now: those of the engine whose forward or backward
+    is running (when its config has the section), else the process-wide ones of ``configure``."""
+    return _in_force.get() or _settings
 
 
 def is_configured() -> bool:
-    """Whether ``configure`` has been called (by the user, or by ``infinity.initialize`` for a config
-    with an ``activation_checkpointing`` section), as DeepSpeed's."""
+    """Whether ``configure`` has been called, as DeepSpeed's (building an engine does not call it)."""
     return _configured
 
 
@@ -148,12 +177,59 @@ def configure(
         )
 
 
-def configure_from(cfg: InfinityConfig) -> None:
-    """``infinity.initialize``: a config with an ``activation_checkpointing`` section configures the
-    checkpoint functions from it (keeping the model-parallel group configured before); one without
-    leaves them as they are."""
-    if any(k == "activation_checkpointing" or k.startswith("activation_checkpointing.") for k in cfg.user_keys):
-        configure(deepspeed_config=cfg)
+class ModelCheckpointing:
+    """One engine's activation-checkpointing settings, from its config's ``activation_checkpointing``
+    section ([Note: whose checkpoint settings]); None for a config without the section, whose
+    engine follows the process-wide settings of ``configure``."""
+
+    def __init__(self, section: ActivationCheckpointingConfig | None) -> None:
+        self.section = section
+        s = self.settings()
+        if section is not None and s.partition_activations and s.partitions == 1:
+            log.info(
+                "activation_checkpointing.partition_activations: no model-parallel group of more than one "
+                "rank (infinity.checkpointing.configure(mpu_=...)); data-parallel ranks hold different "
+                "activations, so checkpoint inputs are kept whole"
+            )
+
+    @classmethod
+    def for_config(cls, cfg: InfinityConfig) -> ModelCheckpointing:
+        written = any(k == "activation_checkpointing" or k.startswith("activation_checkpointing.")
+                      for k in cfg.user_keys)
+        return cls(cfg.activation_checkpointing if written else None)
+
+    def settings(self) -> CheckpointSettings:
+        """The settings this engine's checkpoints use. The model-parallel group is the one given to
+        ``configure(mpu_=...)`` (the process's model parallelism, which no config section names)."""
+        if self.section is None:
+            return _settings
+        return CheckpointSettings(
+            cpu_checkpointing=self.section.cpu_checkpointing,
+            partition_activations=self.section.partition_activations,
+            model_parallel=_settings.model_parallel,
+        )
+
+    @contextlib.contextmanager
+    def in_force(self) -> Iterator[None]:
+        """Within the block, in this thread, the checkpoint functions act on this engine's settings."""
+        if self.section is None:
+            yield
+            return
+        token = _in_force.set(self.settings())
+        try:
+            yield
+        finally:
+            _in_force.reset(token)
+
+    def checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``checkpoint`` with this engine's settings, wherever it is called from."""
+        with self.in_force():
+            return checkpoint(function, *args, **kwargs)
+
+    def non_reentrant_checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``non_reentrant_checkpoint`` with this engine's settings, wherever it is called from."""
+        with self.in_force():
+            return non_reentrant_checkpoint(function, *args, **kwargs)
 
 
 def _load(config: Any) -> InfinityConfig:
@@ -179,7 +255,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Runs ``function(*args, **kwargs)`` keeping only its inputs for backward (reentrant, as
     DeepSpeed's ``checkpointing.checkpoint``); the inputs are kept as configured."""
     function, args = _keywords_as_positions(function, args, kwargs)
-    with _input_hooks(_settings):
+    with _input_hooks(settings()):
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=True)
 
 
@@ -187,7 +263,7 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
     """The same with torch's non-reentrant checkpoint (DeepSpeed's ``non_reentrant_checkpoint``): grads
     reach the function's parameters even when no input requires grad."""
     function, args = _keywords_as_positions(function, args, kwargs)
-    with _input_hooks(_settings):
+    with _input_hooks(settings()):
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 

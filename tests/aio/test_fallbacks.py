@@ -13,13 +13,13 @@ import torch
 from aio_util import mounted, random_bytes
 
 from infinity.aio import AioError, AioHandle, aligned_empty, io_uring_status
-from infinity.aio import handle as handle_mod
+from infinity.aio.handle import Notices
 
 
 @pytest.fixture
 def fresh_announcements(monkeypatch):
     """Each fallback is announced once per process; start each test with none announced."""
-    monkeypatch.setattr(handle_mod, "_announced", set())
+    monkeypatch.setattr(AioHandle, "notices", Notices())
 
 
 def round_trip(h: AioHandle, path) -> None:

@@ -1,15 +1,25 @@
 """Clear errors: each names the argument, what is wrong, and the fix."""
 
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from infinity.optim import CPUAdam, adam_step, foreach_adam_step, has_overflow, kernel, set_isa
+from infinity.optim import (
+    AdamHyper,
+    CPUAdam,
+    adam_step,
+    foreach_adam_step,
+    has_overflow,
+    kernel,
+    set_isa,
+)
 
-HYPER = {"step": 1, "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "adamw": True}
+FIELDS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "adamw": True}
+ARGS = {"hyper": AdamHyper(**FIELDS), "step": 1}
 
 
 def _bufs(n=8):
@@ -19,35 +29,35 @@ def _bufs(n=8):
 def test_non_contiguous():
     p, g, m, v = _bufs(16)
     with pytest.raises(ValueError, match=r"grad is not contiguous .*stride \(2,\).*\.contiguous\(\)"):
-        adam_step(p[:8], g[::2], m[:8], v[:8], **HYPER)
+        adam_step(p[:8], g[::2], m[:8], v[:8], **ARGS)
     with pytest.raises(ValueError, match=r"param is not contiguous"):
-        adam_step(p.view(4, 4).t(), g, m, v, **HYPER)
+        adam_step(p.view(4, 4).t(), g, m, v, **ARGS)
 
 
 def test_mismatched_sizes():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"exp_avg_sq has 7 elements but param has 8"):
-        adam_step(p, g, m, v[:7], **HYPER)
+        adam_step(p, g, m, v[:7], **ARGS)
     with pytest.raises(ValueError, match=r"out_half has 9 elements but param has 8"):
-        adam_step(p, g, m, v, out_half=torch.empty(9, dtype=torch.bfloat16), **HYPER)
+        adam_step(p, g, m, v, out_half=torch.empty(9, dtype=torch.bfloat16), **ARGS)
 
 
 def test_wrong_dtypes():
     p, g, m, v = _bufs()
     with pytest.raises(TypeError, match=r"grad has dtype torch.float64; the CPU Adam kernel needs torch.float32 or torch.bfloat16 or torch.float16"):
-        adam_step(p, g.double(), m, v, **HYPER)
+        adam_step(p, g.double(), m, v, **ARGS)
     with pytest.raises(TypeError, match=r"param has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32"):
-        adam_step(p.bfloat16(), g, m, v, **HYPER)
+        adam_step(p.bfloat16(), g, m, v, **ARGS)
     with pytest.raises(TypeError, match=r"out_half has dtype torch.float32; the CPU Adam kernel needs torch.bfloat16 or torch.float16"):
-        adam_step(p, g, m, v, out_half=torch.empty(8), **HYPER)
+        adam_step(p, g, m, v, out_half=torch.empty(8), **ARGS)
     with pytest.raises(TypeError, match=r"exp_avg must be a torch.Tensor, got list"):
-        adam_step(p, g, [0.0] * 8, v, **HYPER)
+        adam_step(p, g, [0.0] * 8, v, **ARGS)
 
 
 def test_not_on_cpu():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"exp_avg is on meta, but the CPU Adam kernel reads and writes host memory"):
-        adam_step(p, g, torch.zeros(8, device="meta"), v, **HYPER)
+        adam_step(p, g, torch.zeros(8, device="meta"), v, **ARGS)
     with pytest.raises(ValueError, match=r"tensors\[1\] is on meta"):
         has_overflow([g, torch.zeros(8, device="meta")])
 
@@ -55,22 +65,24 @@ def test_not_on_cpu():
 def test_sparse_and_overlapping():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"grad has layout torch.sparse_coo"):
-        adam_step(p, g.to_sparse(), m, v, **HYPER)
+        adam_step(p, g.to_sparse(), m, v, **ARGS)
     with pytest.raises(ValueError, match=r"tensor 0's exp_avg overlaps tensor 0's exp_avg_sq in memory"):
-        adam_step(p, g, m, m, **HYPER)
+        adam_step(p, g, m, m, **ARGS)
     big = torch.zeros(12)
     with pytest.raises(ValueError, match=r"overlaps"):
-        adam_step(p, g, big[:8], big[4:], **HYPER)
+        adam_step(p, g, big[:8], big[4:], **ARGS)
     shared = torch.randn(8)  # read-only gradients may share memory
-    foreach_adam_step([p, torch.randn(8)], [shared, shared], [m, torch.zeros(8)], [v, torch.zeros(8)], **HYPER)
+    foreach_adam_step(
+        [p, torch.randn(8)], [shared, shared], [m, torch.zeros(8)], [v, torch.zeros(8)], **ARGS
+    )
 
 
 def test_foreach_names_the_index_and_counts():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"grad\[1\] has 7 elements but param has 8"):
-        foreach_adam_step([p, p.clone()], [g, g[:7]], [m, m.clone()], [v, v.clone()], **HYPER)
+        foreach_adam_step([p, p.clone()], [g, g[:7]], [m, m.clone()], [v, v.clone()], **ARGS)
     with pytest.raises(ValueError, match=r"grads has 1 tensors but params has 2"):
-        foreach_adam_step([p, p.clone()], [g], [m, m.clone()], [v, v.clone()], **HYPER)
+        foreach_adam_step([p, p.clone()], [g], [m, m.clone()], [v, v.clone()], **ARGS)
 
 
 @pytest.mark.parametrize(
@@ -88,14 +100,47 @@ def test_hyper_parameters(key, value, message):
     p, g, m, v = _bufs()
     before = p.clone()
     with pytest.raises(ValueError, match=message):
-        adam_step(p, g, m, v, **{**HYPER, key: value})
+        if key == "step":
+            adam_step(p, g, m, v, **{**ARGS, key: value})
+        else:  # a bad AdamHyper is never made
+            AdamHyper(**{**FIELDS, key: value})
     assert torch.equal(p, before), "a refused step changes nothing"
+
+
+def test_adam_hyper_is_one_typed_read_only_value():
+    h = AdamHyper(**FIELDS)
+    assert (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw, h.bias_correction) == (
+        1e-3, 0.9, 0.999, 1e-8, 0.0, True, True
+    )
+    assert h == AdamHyper(**FIELDS, bias_correction=True)
+    assert h != AdamHyper(**{**FIELDS, "lr": 2e-3})
+    assert hash(h) == hash(AdamHyper(**FIELDS))
+    assert pickle.loads(pickle.dumps(h)) == h
+    assert repr(h) == (
+        "AdamHyper(lr=0.001, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.0, adamw=True, "
+        "bias_correction=True)"
+    )
+    with pytest.raises(AttributeError):
+        h.lr = 0.1  # a step running in another thread keeps the value it was given
+    with pytest.raises(TypeError):
+        AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)  # keyword-only: no row of positional numbers
+    with pytest.raises(TypeError):
+        # no silent choice between AdamW and Adam
+        AdamHyper(**{k: v for k, v in FIELDS.items() if k != "adamw"})
+    with pytest.raises(TypeError):
+        AdamHyper(**{**FIELDS, "adamw": 1})  # flags are bools, not numbers
+
+
+def test_hyper_must_be_an_adam_hyper():
+    p, g, m, v = _bufs()
+    with pytest.raises(TypeError, match=r"hyper must be an infinity.optim.AdamHyper, got dict; make"):
+        adam_step(p, g, m, v, FIELDS, step=1)
 
 
 def test_thread_count():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"num_threads must be a positive int or None"):
-        adam_step(p, g, m, v, num_threads=0, **HYPER)
+        adam_step(p, g, m, v, num_threads=0, **ARGS)
     with pytest.raises(ValueError, match=r"num_threads must be a positive int or None"):
         CPUAdam([torch.nn.Parameter(p)], num_threads=-2)
 

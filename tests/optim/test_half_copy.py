@@ -4,9 +4,13 @@ import pytest
 import torch
 from adam_helpers import bits
 
-from infinity.optim import adam_step
+from infinity.optim import AdamHyper, adam_step
 
 BF16, F16 = torch.bfloat16, torch.float16
+
+
+def _hyper(lr: float) -> AdamHyper:
+    return AdamHyper(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
 
 
 def _copy_through_step(values: torch.Tensor, half: torch.dtype, grad_dtype=torch.float32):
@@ -15,7 +19,7 @@ def _copy_through_step(values: torch.Tensor, half: torch.dtype, grad_dtype=torch
     g = torch.ones(p.numel(), dtype=grad_dtype)
     out = torch.empty(p.numel(), dtype=half)
     m, v = torch.zeros_like(p), torch.zeros_like(p)
-    adam_step(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, out_half=out)
+    adam_step(p, g, m, v, _hyper(lr=0.0), step=1, out_half=out)
     return p, out
 
 
@@ -68,7 +72,7 @@ def test_half_gradients_are_read_exactly(isa, grad_dtype):
     results = []
     for g in (g16, g16.float()):
         p, m, v = torch.ones(n), torch.zeros(n), torch.zeros(n)
-        adam_step(p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+        adam_step(p, g, m, v, _hyper(lr=1e-3), step=1)
         results.append((p, m, v))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.isnan(), b.isnan())
@@ -83,7 +87,7 @@ def test_copy_into_unaligned_views(isa, copy_mode, offset):
     buffer = torch.full((n + 64,), -7.0, dtype=BF16)
     out = buffer[offset : offset + n]
     p, g, m, v = values.clone(), torch.randn(n), torch.zeros(n), torch.zeros(n)
-    adam_step(p, g, m, v, step=1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, out_half=out)
+    adam_step(p, g, m, v, _hyper(lr=1e-2), step=1, out_half=out)
     assert torch.equal(bits(out), bits(p.to(BF16)))
     untouched = torch.cat([buffer[:offset], buffer[offset + n :]])
     assert bool((untouched == -7.0).all()), "nothing outside out_half is written"

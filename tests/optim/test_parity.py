@@ -4,7 +4,7 @@ import pytest
 import torch
 from adam_helpers import assert_adam_close, bits
 
-from infinity.optim import CPUAdam, adam_step
+from infinity.optim import AdamHyper, CPUAdam, adam_step
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -64,15 +64,12 @@ def test_adam_step_matches_torch(isa, grad_dtype, half, adamw):
     ref_opt = ref_cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
     out = None if half is None else torch.empty(n, dtype=half)
+    hyper = AdamHyper(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd, adamw=adamw)
     for step in range(1, 101):
         grad = (torch.randn(n, generator=gen) * 0.1).to(grad_dtype)
         ref.grad = grad.float()  # the reference sees the same values (16-bit to fp32 is exact)
         ref_opt.step()
-        adam_step(
-            param, grad, exp_avg, exp_avg_sq,
-            step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-            weight_decay=wd, adamw=adamw, out_half=out,
-        )  # fmt: skip
+        adam_step(param, grad, exp_avg, exp_avg_sq, hyper, step=step, out_half=out)
         if out is not None:
             assert torch.equal(bits(out), bits(param.to(half)))
     assert_adam_close(param, ref.detach())
@@ -86,9 +83,12 @@ def test_bias_correction_off_matches_the_formula(isa):
     gen = torch.Generator().manual_seed(3)
     p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
     p64, m64, v64 = p.double(), m.double(), v.double()
+    hyper = AdamHyper(
+        lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adamw=True, bias_correction=False
+    )
     for step in range(1, 21):
         g = torch.randn(n, generator=gen)
-        adam_step(p, g, m, v, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, adamw=True, bias_correction=False)
+        adam_step(p, g, m, v, hyper, step=step)
         g64 = g.double()
         p64 = p64 * (1 - lr * wd)
         m64 = b1 * m64 + (1 - b1) * g64
@@ -109,6 +109,7 @@ def test_nan_and_inf_propagate_like_torch(isa):
         ref_opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], lr=1e-3, weight_decay=0.1, foreach=False)
         m, v = torch.zeros(n), torch.zeros(n)
         out = torch.empty(n, dtype=BF16)
+        hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw)
         for step in range(1, 4):
             grad = torch.randn(n, generator=gen)
             grad[[3, 20, 33]] = torch.tensor([float("nan"), float("inf"), float("-inf")])
@@ -116,7 +117,7 @@ def test_nan_and_inf_propagate_like_torch(isa):
                 grad[5] = float("nan")
             ref.grad = grad.clone()
             ref_opt.step()
-            adam_step(param, grad, m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw, out_half=out)
+            adam_step(param, grad, m, v, hyper, step=step, out_half=out)
         state = ref_opt.state[ref]
         for ours, theirs in ((param, ref.detach()), (m, state["exp_avg"]), (v, state["exp_avg_sq"])):
             assert torch.equal(ours.isnan(), theirs.isnan())

@@ -8,7 +8,7 @@ from adam_helpers import assert_adam_close, bits, streamed_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infinity.optim import adam_step, foreach_adam_step, kernel
+from infinity.optim import AdamHyper, adam_step, foreach_adam_step, kernel
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -30,7 +30,8 @@ def _run_ours(isa, p, grads, half, h, bias_correction=True):
     out = None if half is None else torch.empty(p.numel(), dtype=half)
     with kernel.use_isa(isa):
         for step, g in enumerate(grads, 1):
-            adam_step(p, g, m, v, step=step, out_half=out, bias_correction=bias_correction, **h)
+            hyper = AdamHyper(**h, bias_correction=bias_correction)
+            adam_step(p, g, m, v, hyper, step=step, out_half=out)
     return p, m, v, out
 
 
@@ -83,17 +84,17 @@ def test_foreach_equals_one_call_per_tensor_for_any_thread_count(numels, threads
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=gen) for n in numels]
     grads = [torch.randn(n, generator=gen).to(BF16) for n in numels]
-    h = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01, "adamw": True}
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
     ours = [p.clone() for p in params]
     ms, vs = [torch.full_like(p, 0.1) for p in params], [torch.full_like(p, 0.2) for p in params]
     # The 16-bit copies are views into one buffer, at an arbitrary alignment.
     halves = list(torch.empty(offset + sum(numels), dtype=F16)[offset:].split(numels))
     with streamed_copy(streamed):
-        foreach_adam_step(ours, grads, ms, vs, step=3, out_halves=halves, num_threads=threads, **h)
+        foreach_adam_step(ours, grads, ms, vs, h, step=3, out_halves=halves, num_threads=threads)
     for p, g, m, v, out in zip(params, grads, ms, vs, halves, strict=True):
         m1, v1, out1 = torch.full_like(p, 0.1), torch.full_like(p, 0.2), torch.empty_like(out)
         with streamed_copy(False):
-            adam_step(p, g, m1, v1, step=3, out_half=out1, num_threads=1, **h)
+            adam_step(p, g, m1, v1, h, step=3, out_half=out1, num_threads=1)
         assert torch.equal(bits(m), bits(m1)) and torch.equal(bits(v), bits(v1))
         assert torch.equal(bits(out), bits(out1))
     for a, b in zip(ours, params, strict=True):

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import torch
 
-from infinity.optim import CPUAdam, adam_step
+from infinity.optim import AdamHyper, CPUAdam, adam_step
 
-HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "adamw": True}
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
 
 
 def _subnormals() -> list[torch.Tensor]:
@@ -20,7 +20,7 @@ def _subnormals() -> list[torch.Tensor]:
 
 
 def _step(buffers: list[torch.Tensor], threads: int) -> list[torch.Tensor]:
-    adam_step(*buffers, step=1, num_threads=threads, **HYPER)
+    adam_step(*buffers, HYPER, step=1, num_threads=threads)
     return buffers
 
 
@@ -50,9 +50,10 @@ def test_one_openmp_runtime_whatever_the_import_order():
     for first in ("import torch, infinity.optim", "import infinity._adam; import torch, infinity.optim"):
         script = first + textwrap.dedent(
             """
-            from infinity.optim import adam_step
+            from infinity.optim import AdamHyper, adam_step
             t = [torch.ones(1 << 18) for _ in range(4)]
-            adam_step(*t, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True, num_threads=2)
+            h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+            adam_step(*t, h, step=1, num_threads=2)
             torch.ones(1 << 20).mul_(2.0)
             from infinity.host import mapped_paths
             names = ("libgomp", "libiomp", "libomp")
@@ -88,15 +89,15 @@ def test_forked_child_can_step():
     script = textwrap.dedent(
         """
         import os, torch
-        from infinity.optim import adam_step
-        h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+        from infinity.optim import AdamHyper, adam_step
+        h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
         n = 1 << 18
         parent = [torch.ones(n), torch.ones(n), torch.zeros(n), torch.zeros(n)]
         child = [t.clone() for t in parent]
-        adam_step(*parent, step=1, num_threads=2, **h)  # the parent's OpenMP threads start
+        adam_step(*parent, h, step=1, num_threads=2)  # the parent's OpenMP threads start
         pid = os.fork()
         if pid == 0:
-            adam_step(*child, step=1, num_threads=2, **h)
+            adam_step(*child, h, step=1, num_threads=2)
             os._exit(0 if child[0].numpy().tobytes() == parent[0].numpy().tobytes() else 3)
         _, status = os.waitpid(pid, 0)
         raise SystemExit(os.waitstatus_to_exitcode(status))

@@ -7,6 +7,7 @@ per input it moved or split; none where it keeps the input as it is).
 """
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 import infinity
 from infinity.zero import checkpointing
 from tests.distributed import run_distributed
-from tests.zero.checkpointed import engine_run, oracle_run, stage3_nvme_config
+from tests.zero.checkpointed import build, engine_run, oracle_run, stage3_nvme_config, train_step
 
 FUNCTIONS = {"checkpoint": infinity.checkpointing.checkpoint,
              "non_reentrant_checkpoint": infinity.checkpointing.non_reentrant_checkpoint}
@@ -107,16 +108,41 @@ def test_configure_follows_deepspeed(caplog):
         infinity.checkpointing.configure(object())
 
 
-def test_initialize_configures_checkpointing_from_the_config(nvme_dir):
+class SettingsProbe(nn.Module):
+    """Records the checkpoint settings in force while its forward runs (as a model calling
+    infinity.checkpointing.checkpoint inside its forward would get them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.seen: list[checkpointing.CheckpointSettings] = []
+
+    def forward(self, x):
+        self.seen.append(infinity.checkpointing.settings())
+        return self.lin(x)
+
+
+def test_an_engine_keeps_its_section_without_configuring_the_process(nvme_dir):
     torch.manual_seed(0)
     cfg = stage3_nvme_config(nvme_dir)
-    engine = infinity.initialize(nn.Linear(32, 32), cfg)
-    engine.close()
-    assert not infinity.checkpointing.is_configured()  # no section: left as it was
+    plain = infinity.initialize(SettingsProbe(), cfg)
     cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
-    engine = infinity.initialize(nn.Linear(32, 32), cfg)
-    engine.close()
-    assert infinity.checkpointing.is_configured() and infinity.checkpointing.settings().cpu_checkpointing
+    own = infinity.initialize(SettingsProbe(), cfg)
+    try:
+        assert not infinity.checkpointing.is_configured()  # building an engine changes nothing process-wide
+        assert infinity.checkpointing.settings() == checkpointing.CheckpointSettings()
+        assert own.activation_checkpointing.settings().cpu_checkpointing
+        for engine in (own, plain, own):
+            engine.backward(engine(torch.randn(2, 32)).sum())
+        assert [s.cpu_checkpointing for s in own.module.seen] == [True, True]
+        # no section: the process-wide settings, whatever configure() sets them to
+        infinity.checkpointing.configure(checkpoint_in_cpu=True)
+        plain(torch.randn(2, 32))
+        assert [s.cpu_checkpointing for s in plain.module.seen] == [False, True]
+        assert infinity.checkpointing.settings().cpu_checkpointing  # outside both engines
+    finally:
+        own.close()
+        plain.close()
 
 
 def _recording(made: list):
@@ -174,7 +200,7 @@ def _partitioned_rank(rank, mode, nvme_dir, steps):
     cfg = stage3_nvme_config(nvme_dir)
     cfg["activation_checkpointing"] = {"partition_activations": True, "cpu_checkpointing": True}
     losses, _, _ = engine_run("gpt", mode, cfg, steps=steps, rank=0)
-    return losses, [(k.part.numel(), k.numel) for k in made], infinity.checkpointing.settings().partitions
+    return losses, [(k.part.numel(), k.numel) for k in made]
 
 
 @pytest.mark.distributed
@@ -183,9 +209,53 @@ def test_partition_activations_splits_inputs_across_the_model_parallel_group(mod
     steps = 3
     per_rank = run_distributed(_partitioned_rank, mode, str(nvme_dir), steps, world_size=2)
     ref_losses, _ = oracle_run("gpt", mode, steps=steps)
-    for losses, parts, partitions in per_rank:
-        assert partitions == 2
+    for losses, parts in per_rank:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         # one input per checkpointed block per step (the blocks' input: micro-batch x seq x d_model)
         assert len(parts) == 2 * steps
         assert all(part * 2 == numel == 2 * 15 * 32 for part, numel in parts)
+
+
+def _teacher_and_student_rank(rank, nvme_dir, steps):
+    """A teacher whose config partitions checkpoint inputs and a student whose config does not, trained
+    in turns in one process (the model-parallel group is the whole world, as above)."""
+    made = []
+    checkpointing._KeptInput = _recording(made)
+    infinity.checkpointing.configure(mpu_=WorldMpu())
+    sections = {"teacher": {"partition_activations": True}, "student": {"partition_activations": False}}
+    engines = {}
+    for name, section in sections.items():
+        (Path(nvme_dir) / name).mkdir(exist_ok=True)
+        cfg = stage3_nvme_config(Path(nvme_dir) / name)
+        cfg["activation_checkpointing"] = section
+        engines[name] = infinity.initialize(build("gpt", "deepspeed"), cfg)
+    losses = {name: {} for name in engines}
+    kept = {name: [] for name in engines}
+    try:
+        for step in range(steps):
+            for name, engine in engines.items():
+                made.clear()
+                loss = train_step(engine, step)
+                engine.backward(loss)
+                engine.step()
+                losses[name][(step, 0)] = loss.item()
+                kept[name] += [(k.part.numel(), k.numel) for k in made]
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return losses, kept
+
+
+@pytest.mark.distributed
+def test_a_teacher_and_a_student_keep_their_own_checkpoint_settings(nvme_dir):
+    """Built one after the other in one process, each engine acts on its own section: the teacher's
+    checkpoints keep half of each input on each rank, the student's keep inputs whole."""
+    steps = 2
+    per_rank = run_distributed(_teacher_and_student_rank, str(nvme_dir), steps, world_size=2)
+    ref_losses, _ = oracle_run("gpt", "deepspeed", steps=steps)
+    for losses, kept in per_rank:
+        for name in ("teacher", "student"):
+            assert losses[name] == pytest.approx(ref_losses, rel=1e-5)
+        # one input per checkpointed block per step, split in two: micro-batch x seq x d_model
+        assert kept["teacher"] == [(15 * 32, 2 * 15 * 32)] * (2 * steps)
+        assert kept["student"] == []
