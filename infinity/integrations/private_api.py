@@ -1,18 +1,26 @@
-"""The private framework APIs the adapters rely on, with the versions they were checked against.
+"""The private framework APIs infinity relies on, with the versions they were checked against.
 
-The adapters use the frameworks' public API where one exists; where none does (the transformers
+infinity uses the frameworks' public API where one exists; where none does (the transformers
 Trainer has no public hook between its setup and its loop, Lightning's strategies keep their
-precision plugin in a private field, ...) they use a private name, and each such name is listed
-here: the framework, the dotted name, what kind of use it is, why, and the parameters we rely on.
-``tests/integrations/test_private_api.py`` imports each one from the installed framework and
-fails naming the entry and the pinned version when it is gone or its parameters changed, and
-reads the adapters' source to require every private name they touch on a framework object to be
-in this table (so the list cannot drift from the code).
+precision plugin in a private field, transformers' from_pretrained has no hook between building the
+model and loading its weights, ...) a module uses a private name, and each such name is listed
+here, whichever module of infinity uses it (the adapters in integrations/, zero/hf_init.py,
+engine/saving.py, ...): the framework, the dotted name, what kind of use it is, why, and the
+parameters we rely on. ``tests/integrations/test_private_api.py`` imports each one from the
+installed framework and fails naming the entry and the pinned version when it is gone or its
+parameters changed, and reads the source of the modules the table covers to require every private
+name they touch on a framework object to be in this table (so the list cannot drift from the code),
+and of every module that imports a framework, so that none escapes the check.
 
-Kinds: ``override`` (an adapter class defines a private method of its framework base class, which
-the framework calls), ``call`` (an adapter calls it), ``attribute`` (an adapter reads or writes a
-private field the framework's own code sets; ``params`` is None), ``import`` (a private name
+Kinds: ``override`` (a class of ours defines a private method of its framework base class, which
+the framework calls), ``patch`` (a module of ours replaces a private method on the framework's class
+while a context of ours is open, and calls the original for what is not ours), ``call`` (we call
+it), ``attribute`` (we read or write a private field the framework's own code sets or reads; the
+owner is the class, or the module whose code uses it; ``params`` is None), ``import`` (a name
 imported from the framework).
+
+A public-looking name is listed when it is part of a private API's interface (the type it returns,
+a field of a parameter it is given): ``through`` names that entry.
 
 Nothing here imports a framework: the table is data, read by the test and by a person.
 """
@@ -28,17 +36,19 @@ PINNED = {"transformers": "5.23.0", "lightning": "2.6.6", "accelerate": "1.15.0"
 @dataclass(frozen=True)
 class PrivateApi:
     framework: str  # a key of PINNED
-    name: (
-        str  # importable dotted name: module path, then attributes (the owner class for attributes)
-    )
-    kind: str  # "override", "call", "attribute" or "import"
+    # importable dotted name: module path, then attributes (the owner, for attributes)
+    name: str
+    kind: str  # "override", "patch", "call", "attribute" or "import"
     why: str
     params: tuple[str, ...] | None  # the parameter names we rely on (None: not a callable)
-    used_in: tuple[str, ...]  # the adapter modules (infinity/integrations/<name>.py)
+    # the modules that use it, as paths in the infinity package ("zero.hf_init" is
+    # infinity/zero/hf_init.py)
+    used_in: tuple[str, ...]
+    through: str = ""  # for a public-looking name: the private entry whose interface it is part of
 
     @property
     def attribute(self) -> str:
-        """The private name itself (the last component)."""
+        """The name itself (the last component)."""
         return self.name.rsplit(".", 1)[-1]
 
 
@@ -53,7 +63,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the one place between the Trainer's setup and its loop where the model and optimizer are "
         "prepared: InfinityTrainer builds the engine there instead",
         ("self", "max_steps", "train_dataloader", "resume_from_checkpoint"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -61,7 +71,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine places the model's state; the Trainer must not move it first",
         ("self", "model", "device"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -69,7 +79,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "evaluation after training runs through the engine (under stage 3 only it has the weights)",
         ("self", "model", "training", "dataloader"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -77,7 +87,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "call",
         "training_step moves the batch to the device as the Trainer's own step does",
         ("self", "inputs"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -85,7 +95,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine clips at its update; the Trainer's clipping would see empty gradients",
         ("self", "model"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -93,7 +103,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the norm the Trainer logs is the engine's",
         ("self", "model", "grad_norm"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -111,7 +121,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             "start_time",
             "learning_rate",
         ),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -119,7 +129,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the lr the engine's last update used",
         ("self",),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -127,7 +137,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "checkpoint-N/ holds the engine checkpoint in place of optimizer.pt / scheduler.pt",
         ("self", "output_dir"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -135,7 +145,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine's loss scaler is in its checkpoint",
         ("self", "output_dir"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -143,7 +153,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "a resume restores the engine, not the module's state_dict",
         ("self", "resume_from_checkpoint", "model"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -151,7 +161,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine restored them",
         ("self", "checkpoint"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -159,7 +169,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine restored its loss scaler",
         ("self", "checkpoint"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     PrivateApi(
         "transformers",
@@ -168,7 +178,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "save_model and every checkpoint-N/ write the model through it: a model without save_pretrained "
         "gets engine.save_pretrained's streamed model.safetensors instead of a gathered state dict",
         ("self", "output_dir", "state_dict"),
-        ("transformers",),
+        ("integrations.transformers",),
     ),
     # -- torch --------------------------------------------------------------------------------
     PrivateApi(
@@ -178,7 +188,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the engine steps in the torch optimizer's place: set on the optimizer so the scheduler does not "
         "warn that optimizer.step() never ran ([Note: the engine steps in the optimizer's place])",
         None,
-        ("_shared", "transformers"),
+        ("integrations._shared", "integrations.transformers"),
     ),
     PrivateApi(
         "torch",
@@ -195,7 +205,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
             "unexpected_keys",
             "error_msgs",
         ),
-        ("_lightning_shared",),
+        ("integrations._lightning_shared",),
     ),
     # -- Lightning's Trainer ---------------------------------------------------------------------
     PrivateApi(
@@ -205,7 +215,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "InfinityPrecision.optimizer_step runs the closure itself and then Lightning's after-closure hook, "
         "as Precision.optimizer_step does",
         ("self", "model", "optimizer"),
-        ("lightning",),
+        ("integrations.lightning",),
     ),
     PrivateApi(
         "lightning",
@@ -214,7 +224,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the field behind the precision_plugin property, which InfinityStrategy redefines to turn "
         "Lightning's stock plugins into InfinityPrecision",
         None,
-        ("lightning",),
+        ("integrations.lightning",),
     ),
     PrivateApi(
         "lightning",
@@ -222,7 +232,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "attribute",
         "Trainer(sync_batchnorm=True) sets it; refused (the engine partitions the module as it is)",
         None,
-        ("lightning",),
+        ("integrations.lightning",),
     ),
     PrivateApi(
         "lightning",
@@ -230,7 +240,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the engine wraps the module, not DistributedDataParallel",
         ("self", "model"),
-        ("lightning",),
+        ("integrations.lightning",),
     ),
     PrivateApi(
         "lightning",
@@ -239,7 +249,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         'the train loader\'s batch size for train_micro_batch_size_per_gpu "auto", as DeepSpeedStrategy '
         "reads it (is_defined(), dataloader())",
         None,
-        ("lightning",),
+        ("integrations.lightning",),
     ),
     # -- Fabric ----------------------------------------------------------------------------------
     PrivateApi(
@@ -248,7 +258,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "attribute",
         "the field behind the precision property, which InfinityFabricStrategy redefines",
         None,
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -256,7 +266,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "attribute",
         "fabric.no_backward_sync asks it; the engine accumulates itself",
         None,
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -264,7 +274,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "override",
         "the config is completed once the process group exists, as Fabric's DeepSpeedStrategy does",
         ("self",),
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -272,7 +282,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "call",
         "fabric.save's state, stateful objects as their state_dict, as Fabric's strategies save it",
         ("self", "state", "filter"),
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -280,7 +290,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "import",
         "the interface of fabric.no_backward_sync (no_backward_sync(module, enabled))",
         None,
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -288,7 +298,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "import",
         "marks a strategy whose module_sharded_context fabric.init_module() enters (zero.Init)",
         None,
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     PrivateApi(
         "lightning",
@@ -296,7 +306,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "import",
         "fabric.load moves the checkpoint's entries into the user's state as Fabric's strategies do",
         ("source", "destination", "keys"),
-        ("fabric",),
+        ("integrations.fabric",),
     ),
     # -- Accelerate ------------------------------------------------------------------------------
     PrivateApi(
@@ -306,6 +316,117 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "the models accelerator.prepare wrapped: prepare() refuses one of them (it owns model and "
         "optimizer)",
         None,
-        ("accelerate",),
+        ("integrations.accelerate",),
+    ),
+    # -- transformers' from_pretrained under zero.Init ([Note: from_pretrained under zero.Init]) ------
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.PreTrainedModel._load_pretrained_model",
+        "patch",
+        "from_pretrained has no public hook between building the model on the meta device and loading "
+        "its weights: while a zero.Init context is open this staticmethod is replaced, and for a model "
+        "built under it the safetensors files are streamed into the shards instead of loaded whole "
+        "(anything else goes to the original); it returns (LoadStateDictInfo, disk_offload_index)",
+        ("model", "state_dict", "checkpoint_files", "load_config", "expected_keys"),
+        ("zero.hf_init",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.utils.loading_report.LoadStateDictInfo",
+        "import",
+        "what the replaced _load_pretrained_model returns (its fields are the parameters): the keys "
+        "the checkpoint lacked and those the model lacks, so that from_pretrained initialises the "
+        "missing weights and reports as it does after its own load",
+        (
+            "missing_keys",
+            "unexpected_keys",
+            "mismatched_keys",
+            "error_msgs",
+            "conversion_errors",
+            "skipped_pp_keys",
+        ),
+        ("zero.hf_init",),
+        through="transformers.modeling_utils.PreTrainedModel._load_pretrained_model",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.LoadStateDictConfig.is_quantized",
+        "attribute",
+        "the load_config _load_pretrained_model is given says whether the model is quantised: such a "
+        "load goes to transformers' own code (its quantizer converts the weights as they load)",
+        None,
+        ("zero.hf_init",),
+        through="transformers.modeling_utils.PreTrainedModel._load_pretrained_model",
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.PreTrainedModel._move_missing_keys_from_meta_to_device",
+        "patch",
+        "wrapped while a zero.Init context is open: it is given only the missing keys that are not "
+        "partitioned stand-ins (it would replace those with new, empty parameters)",
+        ("self", "missing_keys", "device_map", "device_mesh", "hf_quantizer"),
+        ("zero.hf_init",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.initialization._is_hf_initialized",
+        "attribute",
+        "the flag transformers sets on each tensor its load filled and its init functions "
+        "(transformers.initialization) skip: set on what the checkpoint streamed into the shards, so "
+        "that only the missing weights are initialised",
+        None,
+        ("zero.hf_init",),
+    ),
+    PrivateApi(
+        "torch",
+        "torch.nn.Module._buffers",
+        "attribute",
+        "a persistent buffer still on the meta device is replaced in place by CPU memory the checkpoint "
+        "is read into, staying registered as it was",
+        None,
+        ("zero.hf_init",),
+    ),
+    # -- transformers' save_pretrained and the Hugging Face layout (weights/hf_layout.py) ----------
+    PrivateApi(
+        "transformers",
+        "transformers.integrations.peft.PeftAdapterMixin._hf_peft_config_loaded",
+        "attribute",
+        "a transformers model with adapters loaded through transformers' own PEFT integration "
+        "(load_adapter) saves only the adapters' part: its save_pretrained is left to transformers",
+        None,
+        ("engine.saving",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.PreTrainedModel._keys_to_ignore_on_save",
+        "attribute",
+        "the state_dict names save_pretrained leaves out; the streamed save leaves them out too",
+        None,
+        ("weights.hf_layout",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.PreTrainedModel._keys_to_ignore_on_load_missing",
+        "attribute",
+        "patterns of keys from_pretrained does not report missing; load_pretrained does not either",
+        None,
+        ("weights.hf_layout",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.modeling_utils.PreTrainedModel._keys_to_ignore_on_load_unexpected",
+        "attribute",
+        "patterns of keys from_pretrained does not report unexpected; load_pretrained does not either",
+        None,
+        ("weights.hf_layout",),
+    ),
+    PrivateApi(
+        "transformers",
+        "transformers.core_model_loading._weight_conversions",
+        "attribute",
+        "the weight conversions from_pretrained applied to a model it built (set on the model), "
+        "reversed for saving as transformers' revert_weight_conversion does",
+        None,
+        ("weights.hf_layout",),
     ),
 )
