@@ -217,6 +217,7 @@ class CPUAdam(torch.optim.Optimizer):
             buckets.setdefault(done, []).append(i)
         beta1, beta2 = group["betas"]
         for done, idx in buckets.items():
+            sel: tuple[list[torch.Tensor], ...]
             if len(buckets) == 1:
                 sel = (params, grads, exp_avgs, exp_avg_sqs)
             else:
