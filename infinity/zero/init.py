@@ -51,7 +51,7 @@ from infinity.aio import DIRECT_ALIGNMENT, AioConfig
 from infinity.config import ConfigError
 from infinity.config.zero import NvmePath
 from infinity.memory import BufferPool, FreedMemory
-from infinity.store import TieredStore
+from infinity.store import Home, TieredStore
 from infinity.store.errors import NvmePathError
 from infinity.store.nvme_path import rank_dirs
 from infinity.zero.collectives import DataParallelGroup
@@ -110,7 +110,9 @@ class _InitHold:
 class InitStore:
     """Where parameters built under zero.Init wait for ``initialize``: this rank's slice of each."""
 
-    def __init__(self, *, home: str, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup):
+    def __init__(
+        self, *, home: Home, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup
+    ):
         self.home = home
         self.group = group
         self.building = True  # the Init context is still open
@@ -481,7 +483,7 @@ class Init:
         offload = zero.offload_param
         # "auto": the placement planner has not run yet (it needs the model); the model as built waits
         # on NVMe, which holds any model, and goes home from there.
-        home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
+        home: Home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
         self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
                                aio=cfg.aio, group=group)
         self._mode = _InitMode(self.store)
