@@ -6,6 +6,8 @@ argument lists, flags and the isa/num_threads options are keyword-only (after
 ``*``), as bindings.cc declares them.
 """
 
+from collections.abc import Sequence
+
 FLOAT32: int
 BFLOAT16: int
 FLOAT16: int
@@ -71,7 +73,9 @@ def has_overflow(
     data: list[int], numels: list[int], dtypes: list[int], *, isa: int, num_threads: int
 ) -> bool: ...
 def sum_squares(data: list[int], numels: list[int], *, isa: int, num_threads: int) -> float: ...
-def bump_step_counts(ptrs: list[int], *, is_double: list[int], increment: float) -> list[float]: ...
+def bump_step_counts(
+    ptrs: list[int], *, is_double: Sequence[int], increment: float
+) -> list[float]: ...
 def stream_bound(
     *,
     params: list[int],

@@ -32,6 +32,15 @@ def test_ruff_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_mypy_clean():
+    # The packages and settings are pyproject.toml's [tool.mypy]; its cache (.mypy_cache, ignored)
+    # makes reruns quick.
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert r.returncode == 0, "mypy found type errors:\n" + r.stdout + r.stderr
+
+
 def test_readme_has_exactly_two_setup_commands():
     sys.path.insert(0, str(ROOT / ".ci"))
     try:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infinity._aio import RequestErrorInfo
 
 
 class AioError(OSError):
@@ -32,7 +36,7 @@ class AioEOFError(AioError, EOFError):
     """A read asked for bytes past the end of the file (never filled with zeros)."""
 
 
-def request_error(info: dict, total_nbytes: int) -> AioError:
+def request_error(info: RequestErrorInfo, total_nbytes: int) -> AioError:
     """Builds the exception for a failed request from the engine's error record."""
     op = "pwrite" if info["write"] else "pread"
     prep = "to" if info["write"] else "from"

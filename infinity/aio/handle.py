@@ -319,7 +319,9 @@ class AioHandle:
     def _resolve(self, file: FileArg, write: bool) -> _aio.File:
         if isinstance(file, AioFile):
             return file._live("pwrite" if write else "pread")
-        if isinstance(file, int) and not isinstance(file, bool):
+        if isinstance(file, bool):  # an int, but never meant as a file descriptor
+            raise TypeError(f"file must be an AioFile, a path or a file descriptor, got {file!r}")
+        if isinstance(file, int):
             try:
                 return _aio.file_from_fd(file)
             except OSError as e:
@@ -331,7 +333,7 @@ class AioHandle:
         # file replaced on disk is never served from a stale descriptor.
         return open_file(
             file, "rw" if write else "r", create=write, o_direct=self.config.o_direct
-        )._raw
+        )._live("pwrite" if write else "pread")
 
     # -- requests ------------------------------------------------------------
 
@@ -506,19 +508,22 @@ def _with_file(items: Iterable[tuple], file: FileArg | None) -> list[tuple[Any, 
 SUBMIT_BATCH = 2
 
 
-def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
-    kw = dict(
-        block_size=cfg.block_size,
-        queue_depth=cfg.queue_depth,
-        thread_count=cfg.thread_count,
-        submit_batch=1 if cfg.single_submit else SUBMIT_BATCH,
-        overlap_events=cfg.overlap_events,
-    )
+def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, Literal["io_uring", "threads"]]:
+    def engine(backend: Literal["io_uring", "threads"]) -> _aio.Engine:
+        return _aio.Engine(
+            backend=backend,
+            block_size=cfg.block_size,
+            queue_depth=cfg.queue_depth,
+            thread_count=cfg.thread_count,
+            submit_batch=1 if cfg.single_submit else SUBMIT_BATCH,
+            overlap_events=cfg.overlap_events,
+        )
+
     if cfg.engine in ("auto", "io_uring"):
         reason = _aio.probe_io_uring()
         if not reason:
             try:
-                return _aio.Engine(backend="io_uring", **kw), "io_uring"
+                return engine("io_uring"), "io_uring"
             except OSError as e:
                 reason = f"io_uring_queue_init: {os.strerror(e.errno or errno.EIO)}"
         if cfg.engine == "io_uring":
@@ -532,7 +537,7 @@ def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, str]:
             f"io_uring is not available ({reason}); using the threads I/O engine. In Docker, "
             "io_uring is blocked by the default seccomp profile (see the README).",
         )
-    return _aio.Engine(backend="threads", **kw), "threads"
+    return engine("threads"), "threads"
 
 
 atexit.register(AioHandle.live.close_all)

@@ -16,8 +16,8 @@ def format_table(samples: Sequence[Sample]) -> str:
     """One row per setting (and target, where several paths were measured): read and write GB/s
     (median, with min-max when repeated), fio and ratio."""
     rows: dict[tuple[str, Setting], dict[str, Sample]] = {}
-    for sm in samples:
-        rows.setdefault((sm.target, sm.setting), {})[sm.op] = sm
+    for sample in samples:
+        rows.setdefault((sample.target, sample.setting), {})[sample.op] = sample
     ops = [op for op in ("read", "write") if any(op in r for r in rows.values())]
     with_fio = any(sm.fio for sm in samples)
     width = max(len(t) for t, _ in rows)

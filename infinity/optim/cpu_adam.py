@@ -227,9 +227,9 @@ class CPUAdam(torch.optim.Optimizer):
         )
         for done, idx in buckets.items():
             if len(buckets) == 1:
-                sel = (params, grads, exp_avgs, exp_avg_sqs)
+                ps, gs, ms, vs = params, grads, exp_avgs, exp_avg_sqs
             else:
-                sel = tuple([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs))
-            foreach_adam_step(*sel, hyper, step=done + 1, num_threads=self.num_threads)
+                ps, gs, ms, vs = ([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs))
+            foreach_adam_step(ps, gs, ms, vs, hyper, step=done + 1, num_threads=self.num_threads)
         _adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=1.0)
         _bump_versions(params)

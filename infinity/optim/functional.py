@@ -25,7 +25,7 @@ version counters (``CPUAdam`` does, for its parameters).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -89,12 +89,26 @@ def _check_one(
         ):
             raise _explain(name + suffix, t, (_F32,), n)
     g_code = _GRAD_CODES.get(g.dtype) if isinstance(g, torch.Tensor) else None
-    if not (g_code is not None and g.is_cpu and g.layout is torch.strided and g.is_contiguous() and g.numel() == n):
+    if not (
+        isinstance(g, torch.Tensor)
+        and g_code is not None
+        and g.is_cpu
+        and g.layout is torch.strided
+        and g.is_contiguous()
+        and g.numel() == n
+    ):
         raise _explain("grad" + suffix, g, tuple(_GRAD_CODES), n)
     if h is None:
         return n, g_code, -1
     h_code = _HALF_CODES.get(h.dtype) if isinstance(h, torch.Tensor) else None
-    if not (h_code is not None and h.is_cpu and h.layout is torch.strided and h.is_contiguous() and h.numel() == n):
+    if not (
+        isinstance(h, torch.Tensor)
+        and h_code is not None
+        and h.is_cpu
+        and h.layout is torch.strided
+        and h.is_contiguous()
+        and h.numel() == n
+    ):
         raise _explain("out_half" + suffix, h, tuple(_HALF_CODES), n)
     return n, g_code, h_code
 
@@ -305,8 +319,12 @@ def stream_bound_step(
     bench/adam.py reports the Adam step's speed as a fraction of it.
     """
     single = isinstance(param, torch.Tensor)
-    seqs = [(t,) if single else t for t in (param, grad, exp_avg, exp_avg_sq)]
-    ptrs = _gather(*seqs, None, single)
+    # Wrapped as given: _gather checks every element and names any that is not a tensor.
+    seqs = [
+        cast("Sequence[torch.Tensor]", (t,) if single else t)
+        for t in (param, grad, exp_avg, exp_avg_sq)
+    ]
+    ptrs = _gather(seqs[0], seqs[1], seqs[2], seqs[3], None, single)
     for i, code in enumerate(ptrs.grad_dtypes):
         if code != _adam.FLOAT32:
             raise _explain("grad" if single else f"grad[{i}]", seqs[1][i], (_F32,), ptrs.numels[i])

@@ -119,7 +119,7 @@ class _Warmup(LRScheduler):
     def get_lr(self) -> list[float]:  # type: ignore[override]
         return self.lrs_at(self.last_epoch - 1)
 
-    def step(self, last_batch_iteration: int | None = None) -> None:  # type: ignore[override]
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """Advances one optimizer step, or jumps to ``last_batch_iteration`` (DeepSpeed's signature)."""
         if last_batch_iteration is None:
             super().step()

@@ -36,7 +36,7 @@ import torch
 
 from infinity.aio.waits import result_of
 from infinity.optim.functional import AdamHyper, adam_step, sum_squares
-from infinity.store import TieredStore
+from infinity.store import Home, TieredStore
 
 log = logging.getLogger("infinity.optim")
 
@@ -66,7 +66,7 @@ class ShardSpec:
     state_keys: tuple[str, ...] = dataclasses.field(kw_only=True)
     """The fp32 arrays kept for it in the state store, as the plan says (infinity.estimate.runtime_plan):
     "m", "v", "g" and "master", which only an fp32 shard in the parameter store (its own master) lacks."""
-    state_homes: tuple[str, ...] = dataclasses.field(kw_only=True)
+    state_homes: tuple[Home, ...] = dataclasses.field(kw_only=True)
     """Where each of ``state_keys`` rests in the state store ("cpu" or "nvme"), in the same order."""
 
     def __post_init__(self) -> None:
@@ -99,6 +99,12 @@ class PartitionedAdam(torch.optim.Optimizer):
         self.params = list(params)
         self.shards = list(shards)
         self._shard_of = {s.index: s for s in self.shards}  # by unit index (frozen units have none)
+        in_params = [s.index for s in self.shards if s.param_key is not None]
+        if in_params and param_store is None:
+            raise ValueError(
+                f"shards {in_params[:5]} have a param_key but param_store is None: pass the store "
+                "holding the parameter shards, or shards without param_key"
+            )
         self.state_store = state_store
         self.param_store = param_store
         self.adamw = adamw
@@ -122,11 +128,17 @@ class PartitionedAdam(torch.optim.Optimizer):
                 where[id(p)] = gi
         return [where.get(id(p)) for p in self.params]
 
+    def _params_of(self, s: ShardSpec) -> tuple[TieredStore, Hashable]:
+        """The parameter store and key of a shard with a param_key (__init__ refuses such a shard
+        without a param_store)."""
+        assert self.param_store is not None and s.param_key is not None, s
+        return self.param_store, s.param_key
+
     def _keys(self, s: ShardSpec) -> list[tuple[int, str]]:
         return [(s.index, n) for n in s.state_keys]
 
     def _register(self) -> None:
-        by_home: dict[str, list] = {"nvme": [], "cpu": []}
+        by_home: dict[Home, list] = {"nvme": [], "cpu": []}
         for s in self.shards:
             for key, home in zip(self._keys(s), s.state_homes, strict=True):
                 by_home[home].append((key, (s.numel,), torch.float32))
@@ -229,7 +241,8 @@ class PartitionedAdam(torch.optim.Optimizer):
         return out
 
     @torch.no_grad()
-    def step(
+    # The engine's step: it needs has_grad, so it cannot be called as Optimizer.step().
+    def step(  # type: ignore[override]
         self,
         closure: Any = None,
         *,
@@ -260,6 +273,7 @@ class PartitionedAdam(torch.optim.Optimizer):
         issuer = self._issuer()
         pending = issuer.submit(self._fetch, groups[0]) if groups else None
         for i, group in enumerate(groups):
+            assert pending is not None  # submitted for every group before its turn
             current = result_of(pending, what=f"the reads of optimizer sub-group {i} of {len(groups)} "
                                 "(issued from thread infinity-optim-reads)", log=log)
             pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
@@ -293,7 +307,8 @@ class PartitionedAdam(torch.optim.Optimizer):
                 # fp32: the parameter shard is the master copy (read, update in
                 # place); 16-bit: it receives the new values (nothing to read).
                 overwrite = not self._master_in_param_store[s.index]
-                futures[(s.index, "param")] = self.param_store.fetch(s.param_key, overwrite=overwrite)
+                store, param_key = self._params_of(s)
+                futures[(s.index, "param")] = store.fetch(param_key, overwrite=overwrite)
         return futures
 
     def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor,
@@ -331,9 +346,10 @@ class PartitionedAdam(torch.optim.Optimizer):
             # The new parameter values are written home now but stay cached (clean): the
             # next forward reads them first, and the pool can drop them without waiting
             # for a write when it needs the room.
-            self.param_store.mark_dirty(s.param_key)
-            self.param_store.release(s.param_key)
-            _flush_unheld(self.param_store, s.param_key)
+            store, param_key = self._params_of(s)
+            store.mark_dirty(param_key)
+            store.release(param_key)
+            _flush_unheld(store, param_key)
 
 
 def _evict_unheld(store: TieredStore, key: Hashable) -> None:

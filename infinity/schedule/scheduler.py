@@ -483,7 +483,10 @@ class PrefetchScheduler:
         """The trace the lookahead follows and the position it starts from: the step's and its cursor;
         between steps, while reading ahead for the next one, the next trace from its start."""
         if self._step is not None:
-            return (self._cursor.trace, self._cursor.pos) if self._cursor.replaying else None
+            trace = self._cursor.trace  # set whenever the cursor replays (StepCursor.begin)
+            if not self._cursor.replaying or trace is None:
+                return None
+            return trace, self._cursor.pos
         if self._bridging and self._cursor.library:
             return self._cursor.library[0], 0
         return None

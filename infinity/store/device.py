@@ -122,6 +122,8 @@ def serve_waiters(st: StoreState, rec: KeyRecord, res: list[Settlement]) -> None
 
 def start_copy_in(st: StoreState, rec: KeyRecord) -> None:
     rec.to_copying()
+    # Copies start from a resident key or a home "cpu" key: both have a host view.
+    assert rec.host is not None, f"{rec!r} has no host view to copy in"
     dev, req = st.device.copy_in(rec.host)
     rec.device = dev
     op = IoOp("h2d", req, [rec], rec.nbytes)
@@ -148,6 +150,8 @@ def complete_copy_in(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlem
 def drop_device(st: StoreState, rec: KeyRecord) -> None:
     """Drops the device copy (copying it back first if a holder changed it): ON_DEVICE → host."""
     if rec.device_dirty:
+        # A holder changed the device copy of a key ON_DEVICE: both copies exist.
+        assert rec.device is not None and rec.host is not None, rec
         st.d2h.start()
         st.device.copy_out(rec.device, rec.host)
         st.d2h.end(rec.nbytes)

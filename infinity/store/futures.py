@@ -425,8 +425,13 @@ class Reaper:
             self._cv.notify()
         thread = self._thread
         if thread is not threading.current_thread():
+
+            def stopped(slice_s: float) -> bool:
+                thread.join(slice_s)
+                return not thread.is_alive()
+
             wait_until(
-                lambda s: not (thread.join(s) or thread.is_alive()),
+                stopped,
                 what=f"thread {thread.name} to stop (it is completing an op)",
                 log=log,
             )
@@ -444,7 +449,8 @@ class Reaper:
             oldest.wait_io(REAPER_SLICE_S)
             with self._cv:
                 # One pass: an op that ends between two passes would be dropped unnoticed.
-                ended, pending = [], []
+                ended: list[IoOp] = []
+                pending: list[IoOp] = []
                 for op in self._ops:
                     (ended if op.claimed or op.io_done() else pending).append(op)
                 self._ops = pending

@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from infinity.aio import AioConfig, AioFile, AioHandle
-from infinity.aio.handle import FileArg
+from infinity.aio.handle import FileArg, PathLike
 
 log = logging.getLogger("infinity.store")
 
@@ -45,7 +45,9 @@ class AioHandleLike(Protocol):
     @property
     def engine(self) -> str: ...
 
-    def open(self, path: str, mode: str = "rw", *, create: bool = True) -> AioFile: ...
+    def open(
+        self, path: PathLike, mode: Literal["r", "w", "rw"] = "rw", *, create: bool = True
+    ) -> AioFile: ...
 
     def pread_many(self, items: Iterable[tuple], file: FileArg | None = None) -> IoRequest: ...
 

@@ -56,7 +56,7 @@ def verify(st: StoreState, rec: KeyRecord, crc: int) -> IntegrityError | None:
     st.counts["integrity_checks"] += 1
     if crc == rec.crc:
         return None
-    where = st.swap.describe(rec.extent.offset, rec.nbytes)
+    where = st.swap_space().describe(rec.disk_extent().offset, rec.nbytes)
     return IntegrityError(
         f"checksum mismatch for key {rec.key!r} in store '{st.name}': read "
         f"{format_nbytes(rec.nbytes)} from {where} with CRC32C {crc:#010x}, but {rec.crc:#010x} "

@@ -128,11 +128,13 @@ def check_fetchable(st: StoreState, recs: list[KeyRecord], overwrite: bool) -> N
                 "first, or fetch it with overwrite=True to fill it"
             )
         if rec.home_tensor is None:
-            new += rec.extent.nbytes
-            if largest is None or rec.extent.nbytes > largest.extent.nbytes:
+            new += rec.disk_extent().nbytes
+            if largest is None or rec.disk_extent().nbytes > largest.disk_extent().nbytes:
                 largest = rec
     if largest is not None:
-        st.pool.check_servable(largest.extent.nbytes, f"key {largest.key!r} of store '{st.name}'")
+        st.pool.check_servable(
+            largest.disk_extent().nbytes, f"key {largest.key!r} of store '{st.name}'"
+        )
     if new > st.pool.capacity:
         st.pool.check_servable(
             new, f"fetch_many of {len(recs)} keys of store '{st.name}' (held at once)"
@@ -145,7 +147,7 @@ def _load_now(
     """The fast way to pool room (under the lock): when one region serves every key and the pool
     has it free now, take it here. Returns the read to submit, True when nothing needs reading,
     or None to go the slow way (_load, outside the lock)."""
-    total = sum(r.extent.nbytes for r in recs)
+    total = sum(r.disk_extent().nbytes for r in recs)
     if len(recs) > 1 and total > st.pool.buffer_size:
         return None
     name = f"store '{st.name}': fetch of {key_label(recs)}"
@@ -169,15 +171,15 @@ def _load(st: StoreState, recs: list[KeyRecord], overwrite: bool) -> None:
     groups: list[list[KeyRecord]] = []
     size = 0
     for rec in recs:
-        if not groups or size + rec.extent.nbytes > st.pool.buffer_size:
+        if not groups or size + rec.disk_extent().nbytes > st.pool.buffer_size:
             groups.append([])
             size = 0
         groups[-1].append(rec)
-        size += rec.extent.nbytes
+        size += rec.disk_extent().nbytes
     for i, group in enumerate(groups):
         label = f"store '{st.name}': fetch of {key_label(group)}"
         try:
-            region = st.acquire(sum(r.extent.nbytes for r in group), label)
+            region = st.acquire(sum(r.disk_extent().nbytes for r in group), label)
         except BaseException as e:
             _abort_loads(st, [r for g in groups[i:] for r in g], e)
             if isinstance(e, Exception):
@@ -234,7 +236,7 @@ def _abort_loads(st: StoreState, recs: list[KeyRecord], exc: BaseException) -> N
 
 def prepare_read(st: StoreState, recs: list[KeyRecord], slot: Slot) -> Prepared:
     """Registers the read of ``recs`` into ``slot`` (under the lock); submit it after unlocking."""
-    op = IoOp("read", None, recs, sum(r.extent.nbytes for r in recs))
+    op = IoOp("read", None, recs, sum(r.disk_extent().nbytes for r in recs))
     st.track(op, st.read)
     return op, st.io_items(recs, slot)
 

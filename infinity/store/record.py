@@ -27,7 +27,7 @@ Threading: records are only touched under their store's lock.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -110,6 +110,7 @@ class KeyRecord(TrackedRecord):
     """Everything the store knows about one key (see [Note: residency])."""
 
     transition_error = StoreStateError
+    state: Residency  # narrows TrackedRecord.state: only Residency moves reach it
 
     __slots__ = (
         "shape",
@@ -156,7 +157,7 @@ class KeyRecord(TrackedRecord):
         self.device: torch.Tensor | None = None  # device copy (CUDA)
         self.device_dirty = False
         # (future, "host" | "device") of fetches resolved when the current transition ends
-        self.waiters: list[tuple[StoreFuture, str]] = []
+        self.waiters: list[tuple[StoreFuture, Literal["host", "device"]]] = []
         self.pending_dirty = False  # a fetch(overwrite=True) waits: become DIRTY when resident
         self.evict_after_write = False
         self.write_future: StoreFuture | None = None  # the future of the write in flight (WRITING)
@@ -178,6 +179,17 @@ class KeyRecord(TrackedRecord):
 
     def name(self) -> str:
         return repr(self.key)
+
+    def write_in_flight(self) -> StoreFuture:
+        """``write_future``, for a WRITING key: every move to WRITING sets it (write_path.py)."""
+        assert self.write_future is not None, f"{self!r} has no write in flight"
+        return self.write_future
+
+    def disk_extent(self) -> Extent:
+        """``extent``, for a key that rests in the swap files: register gives every key with
+        home "nvme" and nbytes > 0 one, and only those keys are read, written or packed in slots."""
+        assert self.extent is not None, f"key {self.key!r} (home {self.home!r}) has no swap extent"
+        return self.extent
 
     def spec(self) -> KeySpec:
         return KeySpec(
@@ -219,7 +231,7 @@ class KeyRecord(TrackedRecord):
 
     def to_at_rest(self, *, discard: bool = False) -> None:
         """Back to home only. ``discard``: also from DIRTY, dropping the newer data (unregister)."""
-        allowed = (Residency.READING, Residency.IN_HOST, Residency.WRITING)
+        allowed: tuple[Residency, ...] = (Residency.READING, Residency.IN_HOST, Residency.WRITING)
         if discard:
             allowed += (Residency.DIRTY,)
         if self.home == "cpu":

@@ -111,6 +111,12 @@ class StoreState:
         if self.closed or self.closing:
             raise self.closed_error()
 
+    def swap_space(self) -> SwapSpace:
+        """``swap``, for work on keys that rest in it: only a store with an nvme_path has such
+        keys (register refuses home "nvme" without one), and ``swap`` never changes."""
+        assert self.swap is not None, f"store '{self.name}' has no swap space (no nvme_path)"
+        return self.swap
+
     def closed_error(self) -> StoreStateError:
         return StoreStateError(f"store '{self.name}' is closed")
 
@@ -187,23 +193,24 @@ class StoreState:
             off = 0
             for rec in recs:
                 self.join_slot(rec, slot, off)
-                off += rec.extent.nbytes
+                off += rec.disk_extent().nbytes
             return
         itemsize = torch.empty((), dtype=dtype).element_size()
-        total = sum(r.extent.nbytes for r in recs)
+        total = sum(r.disk_extent().nbytes for r in recs)
         typed = slot.region.bytes_at(0, total).view(dtype)
-        parts = typed.split([r.extent.nbytes // itemsize for r in recs])
+        parts = typed.split([r.disk_extent().nbytes // itemsize for r in recs])
         off = 0
         for rec, part in zip(recs, parts, strict=True):
             rec.slot = slot
             rec.slot_offset = off
-            off += rec.extent.nbytes
+            off += rec.disk_extent().nbytes
             numel = rec.nbytes // itemsize
             rec.host = (part if part.numel() == numel else part[:numel]).view(rec.shape)
         slot.members += len(recs)
 
     def leave_slot(self, rec: KeyRecord) -> None:
         slot = rec.slot
+        assert slot is not None, f"{rec!r} is not resident in a slot"
         rec.slot = None
         rec.host = None
         slot.members -= 1
@@ -247,7 +254,7 @@ class StoreState:
         """(buffer, file, offset) items for the keys, merging keys adjacent both on disk and in the slot."""
         ranges: list[list[int]] = []  # [logical offset, nbytes, slot offset]
         for rec in sorted(recs, key=lambda r: r.slot_offset):
-            ext = rec.extent
+            ext = rec.disk_extent()
             if (
                 ranges
                 and ranges[-1][0] + ranges[-1][1] == ext.offset
@@ -259,7 +266,7 @@ class StoreState:
         items = []
         region = slot.region
         for off, n, slot_off in ranges:
-            for run in self.swap.runs(off, n):
+            for run in self.swap_space().runs(off, n):
                 items.append(
                     (region.bytes_at(slot_off + run.rel, run.nbytes), run.file, run.file_offset)
                 )
@@ -267,7 +274,7 @@ class StoreState:
 
     def io_error(self, rec: KeyRecord, verb: str, err: BaseException) -> StoreIOError:
         """A failed read or write of ``rec``, naming the key, its size, the file and the offset."""
-        where = self.swap.describe(rec.extent.offset, rec.extent.nbytes)
+        where = self.swap_space().describe(rec.disk_extent().offset, rec.disk_extent().nbytes)
         exc = StoreIOError(
             getattr(err, "errno", None) or errno.EIO,
             f"{verb} of key {rec.key!r} ({format_nbytes(rec.nbytes)}, at {where}) in store "

@@ -215,7 +215,7 @@ class TieredStore:
             on_disk = [r for r in recs if r.home_tensor is None]
             if on_disk:
                 total = sum(round_up(r.nbytes, DIRECT_ALIGNMENT) for r in on_disk)
-                pos = st.swap.alloc(total, f"register of {key_label(on_disk)}").offset
+                pos = st.swap_space().alloc(total, f"register of {key_label(on_disk)}").offset
                 for r in on_disk:
                     r.extent = Extent(pos, round_up(r.nbytes, DIRECT_ALIGNMENT))
                     pos += r.extent.nbytes
@@ -235,7 +235,7 @@ class TieredStore:
                 rec.to_at_rest(discard=True)
                 st.leave_slot(rec)
             if rec.extent is not None:
-                st.swap.free(rec.extent)
+                st.swap_space().free(rec.extent)
             del st.records[key]
             st.settle_fault()  # its failed write-back, if it had one, is moot now
 
@@ -251,7 +251,7 @@ class TieredStore:
             rec = st.record(key)
             if rec.extent is None:
                 return []
-            runs = st.swap.runs(rec.extent.offset, rec.extent.nbytes)
+            runs = st.swap_space().runs(rec.extent.offset, rec.extent.nbytes)
             return [(r.file.path, r.file_offset, r.nbytes) for r in runs]
 
     def keys(self) -> list[Hashable]:

@@ -140,7 +140,7 @@ def _stale_reason(d: Path, fd: int) -> str | None:
 
 def reclaim_stale(root: Path) -> list[Path]:
     """Removes the directories of dead stores under ``root`` (see [Note: stale swap directories])."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(root.iterdir())
     except OSError:

@@ -90,9 +90,13 @@ def write(st: StoreState, key: Hashable, tensor: torch.Tensor) -> StoreFuture:
     region: PoolRegion | None = None
     try:
         if need_region:
-            region = st.acquire(rec.extent.nbytes, label)
+            region = st.acquire(rec.disk_extent().nbytes, label)
         with torch.no_grad():
-            target = rec.host if region is None else _typed(region, rec)
+            if region is None:  # the key was resident: write into its host view
+                assert rec.host is not None
+                target = rec.host
+            else:
+                target = _typed(region, rec)
             target.copy_(tensor.reshape(rec.shape))
     except BaseException as e:
         _abandon_write(st, rec, need_region, region, e)
@@ -205,7 +209,7 @@ def submit_write(
     by_slot: dict[int, list[KeyRecord]] = {}
     for rec in recs:
         by_slot.setdefault(id(rec.slot), []).append(rec)
-    futs = []
+    futs: list[StoreFuture] = []
     for group in by_slot.values():
         for rec in group:
             if rec.state is not Residency.WRITING:
@@ -213,12 +217,17 @@ def submit_write(
                 rec.write_future = st.new_future(None, f"write of key {rec.key!r}")
             rec.evict_after_write = evict
             st.lru.pop(rec, None)
-        req = st.io.write.pwrite_many(st.io_items(group, group[0].slot))
-        op = IoOp("write", req, group, sum(r.extent.nbytes for r in group), background=background)
+        slot = group[0].slot
+        assert slot is not None  # the keys are resident: their host views lie in this slot
+        req = st.io.write.pwrite_many(st.io_items(group, slot))
+        op = IoOp(
+            "write", req, group, sum(r.disk_extent().nbytes for r in group), background=background
+        )
         st.track(op, st.write)
         for rec in group:
-            rec.write_future.follow(op)
-            futs.append(rec.write_future)
+            wf = rec.write_in_flight()
+            wf.follow(op)
+            futs.append(wf)
         st.reaper.add(op)
     return futs
 
@@ -233,7 +242,7 @@ def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlemen
         wf, rec.write_future = rec.write_future, None
         evict, rec.evict_after_write = rec.evict_after_write, False
         if op.background and evict:
-            st.evicting_nbytes -= rec.extent.nbytes
+            st.evicting_nbytes -= rec.disk_extent().nbytes
         st.counts["writebacks"] += 1
         if ended.error is not None:
             exc = st.io_error(rec, "write", ended.error)
@@ -291,7 +300,7 @@ def evict(st: StoreState, key: Hashable) -> StoreFuture:
             return done_future(None, label)
         if rec.state is Residency.WRITING and rec.holds == 0:
             rec.evict_after_write = True
-            return rec.write_future
+            return rec.write_in_flight()
         st.refuse_if_busy(rec, "evict")
         if rec.state is Residency.IN_HOST:
             _drop(st, rec)
@@ -326,7 +335,7 @@ def evict_until(st: StoreState, nbytes: int) -> None:
             _drop(st, rec)
         else:
             dirty.append(rec)
-            st.evicting_nbytes += rec.extent.nbytes
+            st.evicting_nbytes += rec.disk_extent().nbytes
     if dirty:
         submit_write(st, dirty, background=True, evict=True)
 
@@ -354,7 +363,7 @@ def flush(st: StoreState, key: Hashable) -> StoreFuture:
         st.check_open()
         rec = st.record(key)
         if rec.state is Residency.WRITING and rec.holds == 0:
-            return rec.write_future
+            return rec.write_in_flight()
         if rec.state is not Residency.DIRTY:
             if rec.holds and rec.dirty:
                 st.refuse_if_busy(rec, "flush")
@@ -377,7 +386,7 @@ def flush_all(st: StoreState) -> StoreFuture:
                 "release them first"
             )
         dirty = [r for r in records if r.state is Residency.DIRTY]
-        writing = [r.write_future for r in records if r.state is Residency.WRITING]
+        writing = [r.write_in_flight() for r in records if r.state is Residency.WRITING]
         for r in dirty:
             r.error = None
         futs = submit_write(st, dirty, background=False) if dirty else []

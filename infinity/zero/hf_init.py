@@ -106,7 +106,8 @@ def _store_of(model: nn.Module) -> InitStore | None:
     return None
 
 
-def _partitioned(model: nn.Module, key: str, store: InitStore) -> bool:
+def _partitioned(model: Any, key: str, store: InitStore) -> bool:
+    # model: a transformers PreTrainedModel (get_parameter_or_buffer is its method)
     try:
         t = model.get_parameter_or_buffer(key)
     except AttributeError:

@@ -50,7 +50,7 @@ from infinity.aio import DIRECT_ALIGNMENT, AioConfig, crc32c
 from infinity.config import ConfigError
 from infinity.config.zero import NvmePath
 from infinity.memory import BufferPool, FreedMemory
-from infinity.store import TieredStore
+from infinity.store import Home, TieredStore
 from infinity.store.errors import NvmePathError
 from infinity.store.nvme_path import rank_dirs
 from infinity.zero.collectives import DataParallelGroup
@@ -111,7 +111,9 @@ class _InitHold:
 class InitStore:
     """Where parameters built under zero.Init wait for ``initialize``: this rank's slice of each."""
 
-    def __init__(self, *, home: str, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup):
+    def __init__(
+        self, *, home: Home, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup
+    ):
         self.home = home
         self.group = group
         self.building = True  # the Init context is still open

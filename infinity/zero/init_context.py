@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.nn.modules import module as module_hooks
 
+from infinity.store import Home
 from infinity.zero import hf_init
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.init import InitMode, InitStore
@@ -66,7 +67,7 @@ class Init:
         offload = zero.offload_param
         # "auto": the placement planner has not run yet (it needs the model); the model as built waits
         # on NVMe, which holds any model, and goes home from there.
-        home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
+        home: Home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
         self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
                                aio=cfg.aio, group=group)
         self._mode = InitMode(self.store)

@@ -353,7 +353,7 @@ class Stage3Partitioner:
         """Rank ``src``'s gathered values become every rank's shard; ``snapshots`` (taken when the
         units were gathered) tell which elements changed, and those reach the fp32 masters."""
         for unit in units:
-            full = unit.full
+            full = unit.gathered()
             self.group.broadcast(full, src=src)
             shard = self.shards.acquire(unit.key)
             try:
@@ -370,7 +370,7 @@ class Stage3Partitioner:
     def _own_slice(self, unit: ParamUnit) -> torch.Tensor:
         """This rank's shard of a gathered unit, as a view of its full buffer."""
         lo, hi = unit.layout.shard_range(self.group.rank)
-        return unit.full[lo:hi]
+        return unit.gathered()[lo:hi]
 
     def gathered_units(self) -> list[ParamUnit]:
         return [u for u in self.units if u.state is UnitState.GATHERED and not u.persistent]
@@ -439,7 +439,8 @@ class Stage3Partitioner:
             return packed
         unit = packed.unit
         self._hold_for_backward(unit)
-        base = unit.full if packed.dtype == unit.layout.dtype else unit.full.view(packed.dtype)
+        full = unit.gathered()  # _hold_for_backward gathered it
+        base = full if packed.dtype == unit.layout.dtype else full.view(packed.dtype)
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 
     def _hold_for_backward(self, unit: ParamUnit) -> None:

@@ -30,6 +30,7 @@ Threading: the training thread; every rank calls it with the same files.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from typing import Protocol, runtime_checkable
@@ -102,11 +103,14 @@ def _plan(module: nn.Module, tensors: dict[str, FileTensor], names: HfNames) -> 
     buffers: list[tuple[torch.Tensor, FileTensor]] = []
     done: set[int] = set()  # by id: a tied parameter is written once, under the first of its names in the file
     for name, target in targets.items():
-        t = loaded.get(name)
-        if t is None or id(target) in done:
+        found = loaded.get(name)
+        if found is None or id(target) in done:
             continue
         done.add(id(target))
-        (params if isinstance(target, nn.Parameter) else buffers).append((target, t))  # type: ignore[arg-type]
+        if isinstance(target, nn.Parameter):
+            params.append((target, found))
+        else:
+            buffers.append((target, found))
     missing = [n for n, target in targets.items()
                if id(target) not in done and not names.is_ignored_missing(n)]
     return _Plan(params, buffers, missing, unexpected)
@@ -154,7 +158,7 @@ def _load_params(module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]
         else:
             gathered.append((p, t))
     for p, t, store in at_rest:
-        store.fill(p, lambda lo, hi, out, t=t: files.read(t, lo, hi, out), source=t)
+        store.fill(p, functools.partial(files.read, t), source=t)
     rank = DataParallelGroup().rank
     for group in _by_module(module, gathered):
         owned = [(p, t) for p, t in group if PARAM_OWNERS.owner_of(p) is not None]

@@ -85,6 +85,14 @@ class ParamUnit:
         self.full = full
         self.state = UnitState.GATHERED
 
+    def gathered(self) -> torch.Tensor:
+        """The gathered buffer the parameters view; the unit must be GATHERED."""
+        if self.state is not UnitState.GATHERED or self.full is None:
+            raise RuntimeError(
+                f"unit {self.module_name!r} used as gathered while {self.state.name}"
+            )
+        return self.full
+
     def to_released(self) -> torch.Tensor:
         """Points the parameters back at the placeholder; returns the buffer they viewed."""
         if self.state is not UnitState.GATHERED or self.full is None:

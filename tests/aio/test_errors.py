@@ -183,6 +183,14 @@ def test_bad_file_descriptors(handle, nvme_dir):
     )
 
 
+def test_a_bool_is_not_a_file_descriptor(handle):
+    # bool is an int, but True is never meant as descriptor 1 (nor as a path): named, not fspath'd.
+    with pytest.raises(
+        TypeError, match="file must be an AioFile, a path or a file descriptor, got True"
+    ):
+        handle.pread(bytearray(10), True)
+
+
 def test_a_directory_is_not_a_file(handle, nvme_dir):
     with pytest.raises(AioError) as ei:
         handle.pwrite(bytearray(10), nvme_dir)

@@ -210,3 +210,20 @@ def test_state_keys_that_do_not_fit_the_shard_are_refused(dtype, param_key, keys
                             {}, [p], [spec], state_store=store, param_store=store, adamw=True,
                             sub_group_numel=1024)
         assert store.keys() == []
+
+
+def test_shards_in_a_parameter_store_need_one():
+    """A shard with a param_key and no param_store is refused when built, not at the first step."""
+    from infinity.memory import BufferPool
+    from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
+    from infinity.store import TieredStore
+
+    p = torch.nn.Parameter(torch.zeros(8))
+    spec = ShardSpec(0, 1024, torch.bfloat16, (ShardSegment(0, 0, 0, 8),), param_key="p0",
+                     state_keys=("master", "m", "v", "g"), state_homes=("cpu",) * 4)
+    group = {"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    with TieredStore(None, pool=BufferPool(1, 4096), name="state") as store:
+        with pytest.raises(ValueError, match=r"shards \[0\] have a param_key but param_store"):
+            PartitionedAdam([group], {}, [p], [spec], state_store=store, param_store=None,
+                            adamw=True, sub_group_numel=1024)
+        assert store.keys() == []
