@@ -13,8 +13,13 @@ from infinity import host
 def single_process_env() -> None:
     """The torch.distributed rendezvous of a one-process run, as a launcher would set it: without it,
     deepspeed.initialize falls back to MPI discovery (mpi4py)."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
-                       ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+    for key, value in (
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(29500 + os.getpid() % 1000)),
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+    ):
         os.environ.setdefault(key, value)
 
 

@@ -171,7 +171,9 @@ def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed
             "ms": {"median": med * 1e3, "min": min(ts) * 1e3, "max": max(ts) * 1e3},
             "params_per_s": numel / med,
             "GBps_at_28_bytes_per_param": BYTES_PER_PARAM * numel / med / 1e9,
-            "fraction_of_bound": _ratio_stats([b / t for b, t in zip(times[bound], ts, strict=True)]),
+            "fraction_of_bound": _ratio_stats(
+                [b / t for b, t in zip(times[bound], ts, strict=True)]
+            ),
         }
 
     def speedup(slow: str, fast: str) -> dict[str, float]:
@@ -183,12 +185,18 @@ def run_case(numel: int, tensors: int, threads: int, rounds: int, with_deepspeed
         "ours bf16+copy vs torch fused + copy_ (speedup)": speedup(
             "torch fused + copy_ to bf16", "ours bf16 grad + bf16 copy"
         ),
-        "ours bf16+copy vs torch fused + .to (speedup)": speedup("torch fused + .to(bf16)", "ours bf16 grad + bf16 copy"),
-        "ours bf16+copy vs torch fused (speedup)": speedup("torch fused", "ours bf16 grad + bf16 copy"),
+        "ours bf16+copy vs torch fused + .to (speedup)": speedup(
+            "torch fused + .to(bf16)", "ours bf16 grad + bf16 copy"
+        ),
+        "ours bf16+copy vs torch fused (speedup)": speedup(
+            "torch fused", "ours bf16 grad + bf16 copy"
+        ),
     }
     ratios = {"ours fp32 / bound (speed)": speedup(bound, "ours fp32 (CPUAdam)"), **ratios}
     if "DeepSpeedCPUAdam" in times:
-        ratios["ours fp32 vs DeepSpeedCPUAdam (speedup)"] = speedup("DeepSpeedCPUAdam", "ours fp32 (CPUAdam)")
+        ratios["ours fp32 vs DeepSpeedCPUAdam (speedup)"] = speedup(
+            "DeepSpeedCPUAdam", "ours fp32 (CPUAdam)"
+        )
     del case, fns
     gc.collect()
     return {
@@ -221,7 +229,11 @@ def run_pieces(threads: int, rounds: int, piece: int) -> dict:
     def call_overhead() -> None:
         adam_step(*tiny, ADAM_HYPER, step=1, num_threads=threads)
 
-    fns = {"ours adam_step": ours, "torch fused": fused.step, "adam_step call, 16 elements": call_overhead}
+    fns = {
+        "ours adam_step": ours,
+        "torch fused": fused.step,
+        "adam_step call, 16 elements": call_overhead,
+    }
     for fn in fns.values():
         fn()
     reps = 20
@@ -235,7 +247,14 @@ def run_pieces(threads: int, rounds: int, piece: int) -> dict:
     return {
         "numel": piece,
         "threads": threads,
-        "us": {name: {"median": statistics.median(ts) * 1e6, "min": min(ts) * 1e6, "max": max(ts) * 1e6} for name, ts in times.items()},
+        "us": {
+            name: {
+                "median": statistics.median(ts) * 1e6,
+                "min": min(ts) * 1e6,
+                "max": max(ts) * 1e6,
+            }
+            for name, ts in times.items()
+        },
         "ours vs torch fused (speedup)": _ratio_stats(
             [f / o for f, o in zip(times["torch fused"], times["ours adam_step"], strict=True)]
         ),
@@ -259,9 +278,16 @@ def run_overflow(numel: int, threads: int, rounds: int) -> dict:
             times[name].append(time.perf_counter() - t0)
     out = {"numel": numel, "threads": threads, "ms": {}, "speedup": {}}
     for name, ts in times.items():
-        out["ms"][name] = {"median": statistics.median(ts) * 1e3, "min": min(ts) * 1e3, "max": max(ts) * 1e3}
+        out["ms"][name] = {
+            "median": statistics.median(ts) * 1e3,
+            "min": min(ts) * 1e3,
+            "max": max(ts) * 1e3,
+        }
     for name in grads:
-        ours, theirs = times[f"ours has_overflow {name}"], times[f"torch not isfinite().all() {name}"]
+        ours, theirs = (
+            times[f"ours has_overflow {name}"],
+            times[f"torch not isfinite().all() {name}"],
+        )
         out["speedup"][name] = _ratio_stats([t / o for t, o in zip(theirs, ours, strict=True)])
     return out
 
@@ -269,7 +295,9 @@ def run_overflow(numel: int, threads: int, rounds: int) -> dict:
 def machine() -> dict:
     cpu = cpu_model() or platform.processor()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = ""
     return {
@@ -333,17 +361,43 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, 3 rounds: seconds (CI)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)")
-    ap.add_argument("--sizes", type=float, nargs="+", default=None, help="params per case in millions (default 50 200)")
-    ap.add_argument("--tensors", type=int, nargs="+", default=[1, 200], help="tensor counts per size (default 1 200)")
-    ap.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if importable")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/adam.json; --quick bench/out/)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="interleaved rounds (default 5; --quick 3)"
+    )
+    ap.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=None,
+        help="params per case in millions (default 50 200)",
+    )
+    ap.add_argument(
+        "--tensors",
+        type=int,
+        nargs="+",
+        default=[1, 200],
+        help="tensor counts per size (default 1 200)",
+    )
+    ap.add_argument(
+        "--no-deepspeed", action="store_true", help="leave DeepSpeedCPUAdam out even if importable"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default bench/results/adam.json; --quick bench/out/)",
+    )
     args = ap.parse_args(argv)
     sizes = args.sizes or ([0.5, 2] if args.quick else [50, 200])
     rounds = args.rounds or (3 if args.quick else 5)
-    results = os.environ.get("INFINITY_BENCH_RESULTS")  # tests/test_benchmarks.py: smoke runs write there
-    out = args.out or (Path(results) / f"adam{'-quick' if args.quick else ''}.json" if results else
-                       ROOT / "bench" / ("out/adam-quick.json" if args.quick else "results/adam.json"))
+    results = os.environ.get(
+        "INFINITY_BENCH_RESULTS"
+    )  # tests/test_benchmarks.py: smoke runs write there
+    out = args.out or (
+        Path(results) / f"adam{'-quick' if args.quick else ''}.json"
+        if results
+        else ROOT / "bench" / ("out/adam-quick.json" if args.quick else "results/adam.json")
+    )
     torch.set_num_threads(args.threads)
 
     result = {
@@ -353,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
         "hyper": HYPER,
         "cases": [],
     }
-    print(f"machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, kernels: {result['machine']['isa']}")
+    print(
+        f"machine: {result['machine']['cpu']}, {result['machine']['cores']} cores, kernels: {result['machine']['isa']}"
+    )
     for size in sizes:
         for tensors in args.tensors:
             r = run_case(int(size * 1e6), tensors, args.threads, rounds, not args.no_deepspeed)
@@ -366,13 +422,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:30s} {us['median']:9.1f} us ({us['min']:.1f}-{us['max']:.1f})")
     s = pieces["ours vs torch fused (speedup)"]
     print(f"  ours vs torch fused (speedup)  {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})")
-    overflow = run_overflow(int(max(sizes) * 1e6) if args.quick else 50_000_000, args.threads, rounds)
+    overflow = run_overflow(
+        int(max(sizes) * 1e6) if args.quick else 50_000_000, args.threads, rounds
+    )
     result["overflow"] = overflow
-    print(f"\nOverflow check over {overflow['numel'] / 1e6:g}M finite gradients, {args.threads} threads:")
+    print(
+        f"\nOverflow check over {overflow['numel'] / 1e6:g}M finite gradients, {args.threads} threads:"
+    )
     for name, ms in overflow["ms"].items():
         print(f"  {name:36s} {ms['median']:8.2f} ms ({ms['min']:.2f}-{ms['max']:.2f})")
     for name, sp in overflow["speedup"].items():
-        print(f"  ours vs torch, {name} (speedup)     {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})")
+        print(
+            f"  ours vs torch, {name} (speedup)     {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f})"
+        )
     print("\n" + markdown(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

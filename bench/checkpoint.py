@@ -89,14 +89,27 @@ def dir_nbytes(path: Path) -> int:
 
 def fio_copy(src: Path, dst: Path, nbytes: int) -> float:
     """GB/s of fio reading ``src`` while writing ``dst`` (two jobs at once): nbytes over the longer job."""
-    argv = [fio_path(), "--ioengine=io_uring", "--direct=1", f"--bs={BLOCK}", f"--iodepth={DEPTH}",
-            f"--iomem={'shmhuge' if shmhuge_fits(BLOCK, DEPTH, 2) else 'malloc'}", "--output-format=json",
-            "--name=read", f"--filename={src}", "--rw=read", f"--size={nbytes}",
-            "--name=write", f"--filename={dst}", "--rw=write", f"--size={nbytes}"]
+    argv = [
+        fio_path(),
+        "--ioengine=io_uring",
+        "--direct=1",
+        f"--bs={BLOCK}",
+        f"--iodepth={DEPTH}",
+        f"--iomem={'shmhuge' if shmhuge_fits(BLOCK, DEPTH, 2) else 'malloc'}",
+        "--output-format=json",
+        "--name=read",
+        f"--filename={src}",
+        "--rw=read",
+        f"--size={nbytes}",
+        "--name=write",
+        f"--filename={dst}",
+        "--rw=write",
+        f"--size={nbytes}",
+    ]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise FioError(f"fio copy failed: {(r.stderr or r.stdout).strip()[-300:]}")
-    jobs = json.loads(r.stdout[r.stdout.index("{"):])["jobs"]
+    jobs = json.loads(r.stdout[r.stdout.index("{") :])["jobs"]
     return nbytes / max(j["job_runtime"] for j in jobs) * 1e3 / 1e9
 
 
@@ -120,20 +133,27 @@ class Contenders:
         fn()
         dt = time.perf_counter() - t0
         # Pool memory from the hugetlb pool is not in VmRSS/VmHWM: it is counted beside them.
-        self.peak[name] = {"rss_before_gib": before / 2**30, "peak_rss_gib": peak_rss_nbytes() / 2**30,
-                           "hugetlb_gib": hugetlb_nbytes() / 2**30}
+        self.peak[name] = {
+            "rss_before_gib": before / 2**30,
+            "peak_rss_gib": peak_rss_nbytes() / 2**30,
+            "hugetlb_gib": hugetlb_nbytes() / 2**30,
+        }
         return dt
 
     def save(self) -> float:
         shutil.rmtree(self.ckpt, ignore_errors=True)
         self.rep += 1
-        dt = self._timed("save", lambda: self.engine.save_checkpoint(self.ckpt, tag="bench", progress=False))
+        dt = self._timed(
+            "save", lambda: self.engine.save_checkpoint(self.ckpt, tag="bench", progress=False)
+        )
         self.nbytes = dir_nbytes(self.ckpt / "bench")
         return self.nbytes / dt / 1e9
 
     def load(self, verify: bool) -> float:
         name = "load" if verify else "load (verify=False)"
-        dt = self._timed(name, lambda: self.engine.load_checkpoint(self.ckpt, verify=verify, progress=False))
+        dt = self._timed(
+            name, lambda: self.engine.load_checkpoint(self.ckpt, verify=verify, progress=False)
+        )
         return self.nbytes / dt / 1e9
 
     def export(self) -> float:
@@ -144,8 +164,14 @@ class Contenders:
         return n / dt / 1e9
 
     def fio(self, op: str, iomem: str = "shmhuge") -> float:
-        job = FioJob(self.work / "fio.dat", self.nbytes, op, BLOCK, DEPTH,  # type: ignore[arg-type]
-                     iomem=iomem if iomem == "malloc" or shmhuge_fits(BLOCK, DEPTH, 1) else "malloc")
+        job = FioJob(
+            self.work / "fio.dat",
+            self.nbytes,
+            op,
+            BLOCK,
+            DEPTH,  # type: ignore[arg-type]
+            iomem=iomem if iomem == "malloc" or shmhuge_fits(BLOCK, DEPTH, 1) else "malloc",
+        )
         return job.run()
 
     def runs(self, with_fio: bool) -> dict:
@@ -158,12 +184,17 @@ class Contenders:
             out["fio write"] = lambda: self.fio("write")
             out["fio write, default buffers"] = lambda: self.fio("write", "malloc")
             out["fio read"] = lambda: self.fio("read")
-            out["fio copy"] = lambda: fio_copy(self.work / "fio.dat", self.work / "fio-copy.dat", self.nbytes)
+            out["fio copy"] = lambda: fio_copy(
+                self.work / "fio.dat", self.work / "fio-copy.dat", self.nbytes
+            )
         return out
 
 
-REFS = {"save": ("fio write", "fio copy", "fio write, default buffers"),
-        "load": ("fio read", "fio copy"), "load (verify=False)": ("fio read", "fio copy")}
+REFS = {
+    "save": ("fio write", "fio copy", "fio write, default buffers"),
+    "load": ("fio read", "fio copy"),
+    "load (verify=False)": ("fio read", "fio copy"),
+}
 
 
 def measure(c: Contenders, repeat: int, with_fio: bool) -> list[dict]:
@@ -174,7 +205,7 @@ def measure(c: Contenders, repeat: int, with_fio: bool) -> list[dict]:
     if with_fio:
         runs["fio write"]()
     for rep in range(repeat):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = names[rep % len(names) :] + names[: rep % len(names)]
         # A load needs the checkpoint of this repetition: saves go first among the engine's runs.
         order = sorted(order, key=lambda n: 0 if n == "save" else 1) if rep == 0 else order
         for name in order:
@@ -192,8 +223,12 @@ def measure(c: Contenders, repeat: int, with_fio: bool) -> list[dict]:
 
 
 def _stats(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
-            "runs": [round(x, 3) for x in xs]}
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+        "runs": [round(x, 3) for x in xs],
+    }
 
 
 def fmt(s: dict | None) -> str:
@@ -204,35 +239,65 @@ def format_rows(rows: list[dict]) -> str:
     cols = ["vs fio write", "vs fio read", "vs fio copy", "vs fio write, default buffers"]
     lines = [f"{'placement':<9} {'op':<28} {'GB/s':>18}  " + "  ".join(f"{c:>20}" for c in cols)]
     for r in rows:
-        lines.append(f"{r['placement']:<9} {r['op']:<28} {fmt(r['gbps']):>18}  "
-                     + "  ".join(f"{fmt(r.get(c)):>20}" for c in cols))
+        lines.append(
+            f"{r['placement']:<9} {r['op']:<28} {fmt(r['gbps']):>18}  "
+            + "  ".join(f"{fmt(r.get(c)):>20}" for c in cols)
+        )
     return "\n".join(lines)
 
 
 def format_markdown(rows: list[dict]) -> str:
-    lines = ["| state in | operation | GB/s | ÷ fio write | ÷ fio read | ÷ fio copy |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| state in | operation | GB/s | ÷ fio write | ÷ fio read | ÷ fio copy |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["op"].startswith("fio"):
             continue
-        lines.append(f"| {r['placement']} | {r['op']} | {fmt(r['gbps'])} | {fmt(r.get('vs fio write'))} | "
-                     f"{fmt(r.get('vs fio read'))} | {fmt(r.get('vs fio copy'))} |")
+        lines.append(
+            f"| {r['placement']} | {r['op']} | {fmt(r['gbps'])} | {fmt(r.get('vs fio write'))} | "
+            f"{fmt(r.get('vs fio read'))} | {fmt(r.get('vs fio copy'))} |"
+        )
     fio = {r["op"]: r for r in rows if r["op"].startswith("fio") and r["placement"] == "nvme"}
     if fio:
         lines.append("")
-        lines.append("fio on the same disk (nvme run): " + ", ".join(f"{k} {fmt(v['gbps'])}" for k, v in fio.items()))
+        lines.append(
+            "fio on the same disk (nvme run): "
+            + ", ".join(f"{k} {fmt(v['gbps'])}" for k, v in fio.items())
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--path", type=Path, default=Path("infinity_nvme"),
-                   help="directory on the drive for swap files, checkpoints and fio files (default ./infinity_nvme)")
-    p.add_argument("--params", type=float, default=None, help="model parameters (default 2e8; 4e6 with --quick)")
-    p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
-    p.add_argument("--placements", default="nvme,cpu", help="where the state lives: nvme, cpu or both (default)")
+    p.add_argument(
+        "--path",
+        type=Path,
+        default=Path("infinity_nvme"),
+        help="directory on the drive for swap files, checkpoints and fio files (default ./infinity_nvme)",
+    )
+    p.add_argument(
+        "--params",
+        type=float,
+        default=None,
+        help="model parameters (default 2e8; 4e6 with --quick)",
+    )
+    p.add_argument(
+        "--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)"
+    )
+    p.add_argument(
+        "--placements",
+        default="nvme,cpu",
+        help="where the state lives: nvme, cpu or both (default)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
     p.add_argument("--markdown", action="store_true", help="also print the README's table")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results)",
+    )
     args = p.parse_args(argv)
     n_params = args.params or (4e6 if args.quick else 2e8)
     repeat = args.repeat or (1 if args.quick else 3)
@@ -245,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fio is not installed: no ratios (apt-get install fio)")
     work = args.path / f"bench-checkpoint-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    print(f"checkpoint bench: GPT {gpt.num_params / 1e6:.0f}M params, {repeat} repetition(s), under {work}")
+    print(
+        f"checkpoint bench: GPT {gpt.num_params / 1e6:.0f}M params, {repeat} repetition(s), under {work}"
+    )
     rows: list[dict] = []
     memory: dict = {}
     try:
@@ -264,9 +331,14 @@ def main(argv: list[str] | None = None) -> int:
                     memory = {
                         "state_on_nvme_gib": dir_nbytes(swap) / 2**30,
                         "checkpoint_gib": c.nbytes / 2**30,
-                        "pool_budget_gib": (rt.param_store.pool.capacity + rt.state_store.pool.capacity) / 2**30,
+                        "pool_budget_gib": (
+                            rt.param_store.pool.capacity + rt.state_store.pool.capacity
+                        )
+                        / 2**30,
                         "export_gbps": round(export_gbps, 3),
-                        **{k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in c.peak.items()},
+                        **{
+                            k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in c.peak.items()
+                        },
                     }
             finally:
                 engine.close()
@@ -275,17 +347,25 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(format_rows(rows))
     if memory:
-        print(f"nvme: {memory['state_on_nvme_gib']:.2f} GiB of training state on NVMe, a "
-              f"{memory['checkpoint_gib']:.2f} GiB checkpoint, engine pools {memory['pool_budget_gib']:.2f} GiB; "
-              + "; ".join(f"{k}: peak RSS {v['peak_rss_gib']:.2f} GiB (before {v['rss_before_gib']:.2f}) "
-                          f"+ {v['hugetlb_gib']:.2f} GiB hugetlb" for k, v in memory.items() if isinstance(v, dict))
-              + f"; export {memory['export_gbps']:.2f} GB/s")
+        print(
+            f"nvme: {memory['state_on_nvme_gib']:.2f} GiB of training state on NVMe, a "
+            f"{memory['checkpoint_gib']:.2f} GiB checkpoint, engine pools {memory['pool_budget_gib']:.2f} GiB; "
+            + "; ".join(
+                f"{k}: peak RSS {v['peak_rss_gib']:.2f} GiB (before {v['rss_before_gib']:.2f}) "
+                f"+ {v['hugetlb_gib']:.2f} GiB hugetlb"
+                for k, v in memory.items()
+                if isinstance(v, dict)
+            )
+            + f"; export {memory['export_gbps']:.2f} GB/s"
+        )
     if args.markdown:
         print(format_markdown(rows))
     record = {
         "bench": "checkpoint",
         "mode": "quick" if args.quick else "full",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
         "machine": machine_info(args.path),
         "params": gpt.num_params,
         "gpt": gpt.__dict__,

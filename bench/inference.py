@@ -104,16 +104,33 @@ def child(a: dict) -> dict:
     read0 = block_io_nbytes()[0]
     start = time.perf_counter()
     with torch.no_grad():
-        out = (engine or model).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=a["new"],
-                                         min_new_tokens=a["new"], do_sample=False, pad_token_id=0,
-                                         logits_processor=LogitsProcessorList([clock]))
+        out = (engine or model).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=a["new"],
+            min_new_tokens=a["new"],
+            do_sample=False,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([clock]),
+        )
     read_nbytes = block_io_nbytes()[0] - read0
     prefill_s = clock.stamps[0] - start
     decode_s = clock.stamps[-1] - clock.stamps[0]
-    res = {"kind": a["kind"], "batch": a["batch"], "load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s,
-           "steps": len(clock.stamps), "tokens": out[:, ids.shape[1]:].tolist(), "read_nbytes": read_nbytes,
-           "hwm": peak_resident_host_nbytes(), "hwm_load": hwm_load, "cgroup_peak": _cgroup.peak(a.get("cgroup")),
-           "cgroup_peak_load": cgroup_load, "cgroup_limit": limit}
+    res = {
+        "kind": a["kind"],
+        "batch": a["batch"],
+        "load_s": load_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "steps": len(clock.stamps),
+        "tokens": out[:, ids.shape[1] :].tolist(),
+        "read_nbytes": read_nbytes,
+        "hwm": peak_resident_host_nbytes(),
+        "hwm_load": hwm_load,
+        "cgroup_peak": _cgroup.peak(a.get("cgroup")),
+        "cgroup_peak_load": cgroup_load,
+        "cgroup_limit": limit,
+    }
     if engine is not None:
         res["engine"] = engine.last_generation.as_dict()
     close()
@@ -130,10 +147,16 @@ def _limit_after_load(cgroup: str | None, limit_nbytes: int | None) -> int | Non
     except OSError as e:  # EBUSY: the kernel could not reclaim enough to get under it
         from infinity.host import resident_host_nbytes
 
-        raise SystemExit(f"could not limit the cgroup to {limit_nbytes / 2**30:.2f} GiB after loading ({e}): "
-                         f"the contender holds {resident_host_nbytes() / 2**30:.2f} GiB resident, its cgroup "
-                         f"{_cgroup.usage(cgroup) / 2**30:.2f} GiB") from None
-    for path in (Path("/proc/self/clear_refs"), Path(cgroup) / "memory.max_usage_in_bytes", Path(cgroup) / "memory.peak"):
+        raise SystemExit(
+            f"could not limit the cgroup to {limit_nbytes / 2**30:.2f} GiB after loading ({e}): "
+            f"the contender holds {resident_host_nbytes() / 2**30:.2f} GiB resident, its cgroup "
+            f"{_cgroup.usage(cgroup) / 2**30:.2f} GiB"
+        ) from None
+    for path in (
+        Path("/proc/self/clear_refs"),
+        Path(cgroup) / "memory.max_usage_in_bytes",
+        Path(cgroup) / "memory.peak",
+    ):
         try:
             path.write_text("5\n" if path.name == "clear_refs" else "0\n")
         except OSError:
@@ -148,8 +171,12 @@ def _load(a: dict):
 
     kind, model_dir = a["kind"], a["model_dir"]
     if kind == "ram":
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).eval()
-        for p in model.parameters():  # from_pretrained may leave tensors mmapped: make them resident, unshared
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, local_files_only=True
+        ).eval()
+        for p in (
+            model.parameters()
+        ):  # from_pretrained may leave tensors mmapped: make them resident, unshared
             p.data = p.data.clone()
         return model, None, lambda: None
     if kind == "infinity":
@@ -188,13 +215,21 @@ def _load_deepspeed(a: dict):
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},
         "zero_optimization": {
-            "stage": 3, "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": a["buffer_count"],
-                              "buffer_size": a["buffer_size"], "max_in_cpu": 0},
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": a["nvme"],
+                "buffer_count": a["buffer_count"],
+                "buffer_size": a["buffer_size"],
+                "max_in_cpu": 0,
+            },
         },
     }
     keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 -- must outlive from_pretrained: it routes it through zero.Init
-    model = AutoModelForCausalLM.from_pretrained(a["model_dir"], dtype=torch.bfloat16, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        a["model_dir"], dtype=torch.bfloat16, local_files_only=True
+    )
     engine = deepspeed.initialize(model=model, config=ds_cfg)[0]
     engine.module.eval()
     return engine.module, None, lambda: None
@@ -208,18 +243,31 @@ def make_model(base: Path, shape: str) -> tuple[Path, Path, int, int]:
     their parameter count and weight bytes."""
     model_dir, offload_dir = base / f"llama-{shape}", base / f"llama-{shape}-offload"
     if not (model_dir / "config.json").exists() or not (offload_dir / "index.json").exists():
-        code = ("import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM;"
-                "from accelerate.utils import offload_state_dict;"
-                "h, i, n, q, kv, v = map(int, sys.argv[3:9]); torch.manual_seed(0);"
-                "cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=q,"
-                " num_key_value_heads=kv, vocab_size=v, max_position_embeddings=2048, bos_token_id=1,"
-                " eos_token_id=2, pad_token_id=0);"
-                "m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval();"
-                "m.save_pretrained(sys.argv[1]); offload_state_dict(sys.argv[2], m.state_dict())")
+        code = (
+            "import sys, torch; from transformers import LlamaConfig, LlamaForCausalLM;"
+            "from accelerate.utils import offload_state_dict;"
+            "h, i, n, q, kv, v = map(int, sys.argv[3:9]); torch.manual_seed(0);"
+            "cfg = LlamaConfig(hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=q,"
+            " num_key_value_heads=kv, vocab_size=v, max_position_embeddings=2048, bos_token_id=1,"
+            " eos_token_id=2, pad_token_id=0);"
+            "m = LlamaForCausalLM(cfg).to(torch.bfloat16).eval();"
+            "m.save_pretrained(sys.argv[1]); offload_state_dict(sys.argv[2], m.state_dict())"
+        )
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code, str(model_dir), str(offload_dir), *map(str, SHAPES[shape])],
-                       check=True)
-        print(f"made {model_dir} and {offload_dir.name} ({time.perf_counter() - t:.0f} s)", flush=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(model_dir),
+                str(offload_dir),
+                *map(str, SHAPES[shape]),
+            ],
+            check=True,
+        )
+        print(
+            f"made {model_dir} and {offload_dir.name} ({time.perf_counter() - t:.0f} s)", flush=True
+        )
     from infinity.weights import checkpoint_tensors
 
     tensors = checkpoint_tensors(model_dir).values()
@@ -241,15 +289,26 @@ def fio_read_gbps(base: Path, nbytes: int) -> tuple[float, str] | None:
     f.prepare()
     # fio's shmhuge segment: block x depth, plus room for its alignment
     with _cgroup.huge_pages(FIO_BLOCK * FIO_DEPTH + (4 << 20)):
-        job = measure.fio_job(measure.Setting(FIO_BLOCK, FIO_DEPTH), f, "read", "shmhuge", direct=True)
+        job = measure.fio_job(
+            measure.Setting(FIO_BLOCK, FIO_DEPTH), f, "read", "shmhuge", direct=True
+        )
         return job.run(), job.iomem
 
 
 def infinity_config(nvme: str, buffer_count: int, buffer_size: int) -> dict:
     """The streaming config infinity runs (and is estimated) with: weights on NVMe, none kept in host memory."""
-    return {"zero_optimization": {"stage": 3, "offload_param": {
-        "device": "nvme", "nvme_path": nvme, "max_in_cpu": 0, "buffer_count": buffer_count,
-        "buffer_size": buffer_size}}}
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "max_in_cpu": 0,
+                "buffer_count": buffer_count,
+                "buffer_size": buffer_size,
+            },
+        }
+    }
 
 
 def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) -> tuple[int, dict]:
@@ -268,12 +327,22 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(hf, dtype=torch.bfloat16)
     cfg = infinity_config(common["base"], common["buffer_count"], common["buffer_size"])
-    baseline = runtime_baseline_nbytes()  # once: measured per estimate, it would move the bisection's target
+    baseline = (
+        runtime_baseline_nbytes()
+    )  # once: measured per estimate, it would move the bisection's target
 
     @functools.cache  # each is a whole estimate; the bisection and the report ask for some twice
     def generation_nbytes(b: int) -> int:
-        plan = estimate_inference(meta, config=cfg, batch=b, prompt=common["prompt"], gen=common["new"],
-                                  zero_init=True, machine=False, baseline_nbytes=baseline).plan
+        plan = estimate_inference(
+            meta,
+            config=cfg,
+            batch=b,
+            prompt=common["prompt"],
+            gen=common["new"],
+            zero_init=True,
+            machine=False,
+            baseline_nbytes=baseline,
+        ).plan
         return plan.tier_nbytes("host", "train") + plan.tier_nbytes("device", "train")
 
     lo, hi = 0, cap + 1  # generation_nbytes grows with the batch: bisect for the last b that fits
@@ -281,30 +350,58 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if generation_nbytes(mid) <= limit_nbytes else (lo, mid)
     if lo == 0:
-        raise SystemExit(f"--batches max: not even batch 1 fits the {limit_nbytes / 2**30:.2f} GiB limit by the "
-                         f"estimate ({generation_nbytes(1) / 2**30:.2f} GiB); raise --limit-gib or shrink the pool")
-    return lo, {"batch": lo, "generation_nbytes": generation_nbytes(lo), "limit_nbytes": limit_nbytes,
-                "next_batch_nbytes": generation_nbytes(lo + 1), "capped": lo == cap}
+        raise SystemExit(
+            f"--batches max: not even batch 1 fits the {limit_nbytes / 2**30:.2f} GiB limit by the "
+            f"estimate ({generation_nbytes(1) / 2**30:.2f} GiB); raise --limit-gib or shrink the pool"
+        )
+    return lo, {
+        "batch": lo,
+        "generation_nbytes": generation_nbytes(lo),
+        "limit_nbytes": limit_nbytes,
+        "next_batch_nbytes": generation_nbytes(lo + 1),
+        "capped": lo == cap,
+    }
 
 
 def run_child(a: dict, limit_nbytes: int | None, timeout_s: float | None = None) -> dict:
-    cgroup = _cgroup.make(f"infinity-bench-inference-{os.getpid()}-{a['kind']}-{time.monotonic_ns()}")
+    cgroup = _cgroup.make(
+        f"infinity-bench-inference-{os.getpid()}-{a['kind']}-{time.monotonic_ns()}"
+    )
     a = {**a, "cgroup": cgroup, "limit": limit_nbytes if cgroup else None}
     try:
         with tempfile.TemporaryDirectory(dir=a["base"]) as nvme:
             try:
-                r = subprocess.run([sys.executable, __file__, "--child", json.dumps({**a, "nvme": nvme})],
-                                   capture_output=True, text=True, cwd=ROOT, timeout=timeout_s)
+                r = subprocess.run(
+                    [sys.executable, __file__, "--child", json.dumps({**a, "nvme": nvme})],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                    timeout=timeout_s,
+                )
             except subprocess.TimeoutExpired:
                 # a contender whose working set exceeds the limit faults its own pages back in forever
                 faults = _cgroup.major_faults(cgroup)
-                return {"kind": a["kind"], "batch": a["batch"], "failed": (
-                    f"timed out after {timeout_s:.0f} s" + (f" with {faults:,} major page faults in its cgroup "
-                                                           "(thrashing under the limit)" if faults else ""))}
+                return {
+                    "kind": a["kind"],
+                    "batch": a["batch"],
+                    "failed": (
+                        f"timed out after {timeout_s:.0f} s"
+                        + (
+                            f" with {faults:,} major page faults in its cgroup "
+                            "(thrashing under the limit)"
+                            if faults
+                            else ""
+                        )
+                    ),
+                }
     finally:
         _cgroup.remove(cgroup)
     if r.returncode != 0:
-        return {"kind": a["kind"], "batch": a["batch"], "failed": f"exit {r.returncode}: {r.stderr[-1500:]}"}
+        return {
+            "kind": a["kind"],
+            "batch": a["batch"],
+            "failed": f"exit {r.returncode}: {r.stderr[-1500:]}",
+        }
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -323,7 +420,10 @@ def interleaved(args, kinds: list[str], common: dict, weight_nbytes: int, notes:
             g, iomem = measured
             fio.append(g)
             fio_iomem.add(iomem)
-            print(f"repeat {rep + 1}/{args.repeat}: fio seq read {g:.2f} GB/s ({iomem} buffers)", flush=True)
+            print(
+                f"repeat {rep + 1}/{args.repeat}: fio seq read {g:.2f} GB/s ({iomem} buffers)",
+                flush=True,
+            )
         for batch in args.batches:
             shift = rep % len(kinds)
             for kind in kinds[shift:] + kinds[:shift]:
@@ -336,16 +436,23 @@ def interleaved(args, kinds: list[str], common: dict, weight_nbytes: int, notes:
                 if "failed" in r:
                     print(f"  {kind:10s} b{batch}: FAILED {r['failed'][-300:]}", flush=True)
                     continue
-                print(f"  {kind:10s} b{batch}: prefill {batch * args.prompt / r['prefill_s']:7.1f} tok/s, decode "
-                      f"{batch * (r['steps'] - 1) / r['decode_s']:6.2f} tok/s, read {r['read_nbytes'] / 1e9:5.2f} GB, "
-                      f"peak RSS {r['hwm'] / 2**30:.2f} GiB (load {r['hwm_load'] / 2**30:.2f}), cgroup peak "
-                      f"{(r['cgroup_peak'] or 0) / 2**30:.2f} GiB ({time.perf_counter() - t:.0f} s; "
-                      f"load {r['load1']:.1f})", flush=True)
+                print(
+                    f"  {kind:10s} b{batch}: prefill {batch * args.prompt / r['prefill_s']:7.1f} tok/s, decode "
+                    f"{batch * (r['steps'] - 1) / r['decode_s']:6.2f} tok/s, read {r['read_nbytes'] / 1e9:5.2f} GB, "
+                    f"peak RSS {r['hwm'] / 2**30:.2f} GiB (load {r['hwm_load'] / 2**30:.2f}), cgroup peak "
+                    f"{(r['cgroup_peak'] or 0) / 2**30:.2f} GiB ({time.perf_counter() - t:.0f} s; "
+                    f"load {r['load1']:.1f})",
+                    flush=True,
+                )
     if not dropped:
-        notes.append("drop_caches was not permitted (not root): caches were not dropped between runs")
+        notes.append(
+            "drop_caches was not permitted (not root): caches were not dropped between runs"
+        )
     if "malloc" in fio_iomem:
-        notes.append("fio read into malloc'd buffers in some repeats (no 2 MiB pages could be reserved): "
-                     "its disk bound is below what the disk gives huge-page buffers")
+        notes.append(
+            "fio read into malloc'd buffers in some repeats (no 2 MiB pages could be reserved): "
+            "its disk bound is below what the disk gives huge-page buffers"
+        )
     return {"runs": runs, "fio_read_gbps": fio, "fio_iomem": sorted(fio_iomem)}
 
 
@@ -357,31 +464,50 @@ def summarise(args, kinds: list[str], raw: dict, weight_nbytes: int) -> dict:
         ref = [r for r in raw["runs"].get(f"ram/{batch}", []) if "failed" not in r]
         for kind in kinds:
             rs = [r for r in raw["runs"][f"{kind}/{batch}"] if "failed" not in r]
-            row: dict = {"failed": [r["failed"] for r in raw["runs"][f"{kind}/{batch}"] if "failed" in r]}
+            row: dict = {
+                "failed": [r["failed"] for r in raw["runs"][f"{kind}/{batch}"] if "failed" in r]
+            }
             if rs:
-                row.update({
-                    "prefill_tok_s": _stats([batch * args.prompt / r["prefill_s"] for r in rs]),
-                    "decode_tok_s": _stats([batch * (r["steps"] - 1) / r["decode_s"] for r in rs]),
-                    "decode_step_s": _stats([r["decode_s"] / (r["steps"] - 1) for r in rs]),
-                    "peak_rss": max(r["hwm"] for r in rs),
-                    "peak_rss_load": max(r["hwm_load"] for r in rs),
-                    "cgroup_peak": max((r["cgroup_peak"] or 0) for r in rs) or None,
-                    "cgroup_limit": rs[0]["cgroup_limit"],
-                    "read_nbytes": statistics.median(r["read_nbytes"] for r in rs),
-                    "read_nbytes_per_forward": statistics.median(r["read_nbytes"] / r["steps"] for r in rs),
-                    "load_s": statistics.median(r["load_s"] for r in rs),
-                })
+                row.update(
+                    {
+                        "prefill_tok_s": _stats([batch * args.prompt / r["prefill_s"] for r in rs]),
+                        "decode_tok_s": _stats(
+                            [batch * (r["steps"] - 1) / r["decode_s"] for r in rs]
+                        ),
+                        "decode_step_s": _stats([r["decode_s"] / (r["steps"] - 1) for r in rs]),
+                        "peak_rss": max(r["hwm"] for r in rs),
+                        "peak_rss_load": max(r["hwm_load"] for r in rs),
+                        "cgroup_peak": max((r["cgroup_peak"] or 0) for r in rs) or None,
+                        "cgroup_limit": rs[0]["cgroup_limit"],
+                        "read_nbytes": statistics.median(r["read_nbytes"] for r in rs),
+                        "read_nbytes_per_forward": statistics.median(
+                            r["read_nbytes"] / r["steps"] for r in rs
+                        ),
+                        "load_s": statistics.median(r["load_s"] for r in rs),
+                    }
+                )
                 if ref:
-                    same = [sum(x == y for x, y in zip(r["tokens"][i], ref[0]["tokens"][i], strict=True))
-                            for r in rs for i in range(batch)]
+                    same = [
+                        sum(
+                            x == y for x, y in zip(r["tokens"][i], ref[0]["tokens"][i], strict=True)
+                        )
+                        for r in rs
+                        for i in range(batch)
+                    ]
                     total = len(rs) * batch * len(ref[0]["tokens"][0])
                     row["tokens_equal_ram"] = sum(same) / total
-                    row["sequences_equal_ram"] = sum(r["tokens"] == ref[0]["tokens"] for r in rs) / len(rs)
+                    row["sequences_equal_ram"] = sum(
+                        r["tokens"] == ref[0]["tokens"] for r in rs
+                    ) / len(rs)
                 if "engine" in rs[0]:
                     row["engine"] = rs[0]["engine"]
             table[f"{kind}/{batch}"] = row
-        bound = {"disk_decode_tok_s": batch / (weight_nbytes / (fio_med * 1e9)) if fio_med else None,
-                 "compute_decode_tok_s": table.get(f"ram/{batch}", {}).get("decode_tok_s", {}).get("median")}
+        bound = {
+            "disk_decode_tok_s": batch / (weight_nbytes / (fio_med * 1e9)) if fio_med else None,
+            "compute_decode_tok_s": table.get(f"ram/{batch}", {})
+            .get("decode_tok_s", {})
+            .get("median"),
+        }
         known = [x for x in bound.values() if x]
         bound["min"] = min(known) if known else None
         table[f"bounds/{batch}"] = bound
@@ -402,14 +528,21 @@ def summarise(args, kinds: list[str], raw: dict, weight_nbytes: int) -> dict:
             bound["infinity_over_min_bound_per_repeat"] = per
             if "decode_tok_s" in acc:
                 bound["infinity_over_accelerate_decode"] = d / acc["decode_tok_s"]["median"]
-                bound["infinity_over_accelerate_prefill"] = (inf["prefill_tok_s"]["median"]
-                                                             / acc["prefill_tok_s"]["median"])
-    return {"fio_read_gbps": _stats(fio) if fio else None, "fio_iomem": raw["fio_iomem"], "table": table}
+                bound["infinity_over_accelerate_prefill"] = (
+                    inf["prefill_tok_s"]["median"] / acc["prefill_tok_s"]["median"]
+                )
+    return {
+        "fio_read_gbps": _stats(fio) if fio else None,
+        "fio_iomem": raw["fio_iomem"],
+        "table": table,
+    }
 
 
 def print_table(args, kinds, s: dict, weight_nbytes: int) -> None:
-    print(f"\n{'contender':<11}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>22}{'peak RSS':>10}"
-          f"{'cgroup peak/limit':>20}{'GB read/step':>14}{'tokens = ram':>14}")
+    print(
+        f"\n{'contender':<11}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>22}{'peak RSS':>10}"
+        f"{'cgroup peak/limit':>20}{'GB read/step':>14}{'tokens = ram':>14}"
+    )
     for batch in args.batches:
         for kind in kinds:
             r = s["table"][f"{kind}/{batch}"]
@@ -417,18 +550,25 @@ def print_table(args, kinds, s: dict, weight_nbytes: int) -> None:
                 print(f"{kind:<11}{batch:>6}  failed")
                 continue
             d = r["decode_tok_s"]
-            lim = f"{(r['cgroup_peak'] or 0) / 2**30:.2f}/{r['cgroup_limit'] / 2**30:.2f}" if r["cgroup_limit"] else (
-                f"{(r['cgroup_peak'] or 0) / 2**30:.2f}/-")
-            print(f"{kind:<11}{batch:>6}{r['prefill_tok_s']['median']:>15.1f}"
-                  f"{d['median']:>9.2f} ({d['min']:.2f}-{d['max']:.2f})"
-                  f"{r['peak_rss'] / 2**30:>9.2f}G{lim:>20}{r['read_nbytes_per_forward'] / 1e9:>14.2f}"
-                  f"{r.get('tokens_equal_ram', float('nan')) * 100:>13.0f}%")
+            lim = (
+                f"{(r['cgroup_peak'] or 0) / 2**30:.2f}/{r['cgroup_limit'] / 2**30:.2f}"
+                if r["cgroup_limit"]
+                else (f"{(r['cgroup_peak'] or 0) / 2**30:.2f}/-")
+            )
+            print(
+                f"{kind:<11}{batch:>6}{r['prefill_tok_s']['median']:>15.1f}"
+                f"{d['median']:>9.2f} ({d['min']:.2f}-{d['max']:.2f})"
+                f"{r['peak_rss'] / 2**30:>9.2f}G{lim:>20}{r['read_nbytes_per_forward'] / 1e9:>14.2f}"
+                f"{r.get('tokens_equal_ram', float('nan')) * 100:>13.0f}%"
+            )
         b = s["table"][f"bounds/{batch}"]
-        print(f"{'bounds':<11}{batch:>6}  disk {b['disk_decode_tok_s'] or 0:.2f} tok/s "
-              f"({weight_nbytes / 1e9:.2f} GB per pass), compute {b['compute_decode_tok_s'] or 0:.2f} tok/s; "
-              f"infinity / min bound {b.get('infinity_over_min_bound') or 0:.2f} (per repeat "
-              f"{', '.join(f'{x:.2f}' for x in b.get('infinity_over_min_bound_per_repeat', [])) or '-'}; "
-              f"target >= 0.9), / accelerate {b.get('infinity_over_accelerate_decode') or 0:.2f} (decode)")
+        print(
+            f"{'bounds':<11}{batch:>6}  disk {b['disk_decode_tok_s'] or 0:.2f} tok/s "
+            f"({weight_nbytes / 1e9:.2f} GB per pass), compute {b['compute_decode_tok_s'] or 0:.2f} tok/s; "
+            f"infinity / min bound {b.get('infinity_over_min_bound') or 0:.2f} (per repeat "
+            f"{', '.join(f'{x:.2f}' for x in b.get('infinity_over_min_bound_per_repeat', [])) or '-'}; "
+            f"target >= 0.9), / accelerate {b.get('infinity_over_accelerate_decode') or 0:.2f} (decode)"
+        )
 
 
 def plot(args, kinds, s: dict, path: Path, title: str) -> str | None:
@@ -449,17 +589,35 @@ def plot(args, kinds, s: dict, path: Path, title: str) -> str | None:
             for j, b in enumerate(args.batches):
                 d = s["table"][f"bounds/{b}"]["disk_decode_tok_s"]
                 if d:
-                    ax.hlines(d, j - width / 2, j + width * (len(kinds) - 0.5), colors="k", linestyles="dashed",
-                              label="disk bound (fio)" if j == 0 else None)
-        ax.set_xticks([j + width * (len(kinds) - 1) / 2 for j in range(len(args.batches))],
-                      [f"batch {b}" for b in args.batches])
+                    ax.hlines(
+                        d,
+                        j - width / 2,
+                        j + width * (len(kinds) - 0.5),
+                        colors="k",
+                        linestyles="dashed",
+                        label="disk bound (fio)" if j == 0 else None,
+                    )
+        ax.set_xticks(
+            [j + width * (len(kinds) - 1) / 2 for j in range(len(args.batches))],
+            [f"batch {b}" for b in args.batches],
+        )
         ax.set_yscale("log")
         low = ax.get_ylim()[0]
-        for i, kind in enumerate(kinds):  # a contender with no run that finished: say so where its bar would be
+        for i, kind in enumerate(
+            kinds
+        ):  # a contender with no run that finished: say so where its bar would be
             for j, b in enumerate(args.batches):
                 if metric not in s["table"][f"{kind}/{b}"]:
-                    ax.text(j + i * width, low * 1.05, "failed", rotation=90, ha="center", va="bottom", fontsize=7,
-                            color=f"C{i}")
+                    ax.text(
+                        j + i * width,
+                        low * 1.05,
+                        "failed",
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color=f"C{i}",
+                    )
         ax.set_ylabel(metric.replace("_tok_s", " tokens/s"))
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -471,46 +629,107 @@ def plot(args, kinds, s: dict, path: Path, title: str) -> str | None:
 def capacity(args, base: Path, common: dict) -> dict:
     """A model whose bf16 weights are >= 3x the cgroup limit: infinity in the cgroup vs plain in RAM."""
     model_dir, offload_dir, numel, nbytes = make_model(base, args.capacity_shape)
-    c = {**common, "model_dir": str(model_dir), "offload_dir": str(offload_dir), "vocab": SHAPES[args.capacity_shape][5]}
-    out = {"params": numel, "weight_nbytes": nbytes, "cgroup_limit": args.limit_nbytes,
-           "weights_over_limit": nbytes / args.limit_nbytes, "batch": 1, "prompt": args.prompt, "new": args.new}
+    c = {
+        **common,
+        "model_dir": str(model_dir),
+        "offload_dir": str(offload_dir),
+        "vocab": SHAPES[args.capacity_shape][5],
+    }
+    out = {
+        "params": numel,
+        "weight_nbytes": nbytes,
+        "cgroup_limit": args.limit_nbytes,
+        "weights_over_limit": nbytes / args.limit_nbytes,
+        "batch": 1,
+        "prompt": args.prompt,
+        "new": args.new,
+    }
     for kind in ("ram", "infinity"):
         _cgroup.drop_caches()
-        r = run_child({**c, "kind": kind, "batch": 1}, args.limit_nbytes if kind == "infinity" else None)
+        r = run_child(
+            {**c, "kind": kind, "batch": 1}, args.limit_nbytes if kind == "infinity" else None
+        )
         if "failed" in r:
             raise SystemExit(f"capacity {kind}: {r['failed']}")
-        out[kind] = {k: r[k] for k in ("prefill_s", "decode_s", "steps", "hwm", "hwm_load", "cgroup_peak",
-                                       "cgroup_peak_load", "cgroup_limit", "read_nbytes", "tokens", "load_s")}
-        print(f"capacity {kind}: {numel / 1e9:.2f}B, decode {(r['steps'] - 1) / r['decode_s']:.2f} tok/s, peak RSS "
-              f"{r['hwm'] / 2**30:.2f} GiB, cgroup peak {(r['cgroup_peak'] or 0) / 2**30:.2f} GiB", flush=True)
+        out[kind] = {
+            k: r[k]
+            for k in (
+                "prefill_s",
+                "decode_s",
+                "steps",
+                "hwm",
+                "hwm_load",
+                "cgroup_peak",
+                "cgroup_peak_load",
+                "cgroup_limit",
+                "read_nbytes",
+                "tokens",
+                "load_s",
+            )
+        }
+        print(
+            f"capacity {kind}: {numel / 1e9:.2f}B, decode {(r['steps'] - 1) / r['decode_s']:.2f} tok/s, peak RSS "
+            f"{r['hwm'] / 2**30:.2f} GiB, cgroup peak {(r['cgroup_peak'] or 0) / 2**30:.2f} GiB",
+            flush=True,
+        )
     out["tokens_equal"] = out["ram"]["tokens"] == out["infinity"]["tokens"]
-    print(f"capacity: {nbytes / 2**30:.2f} GiB of bf16 weights, {out['weights_over_limit']:.1f}x the cgroup limit; "
-          f"greedy tokens equal plain's: {out['tokens_equal']}")
+    print(
+        f"capacity: {nbytes / 2**30:.2f} GiB of bf16 weights, {out['weights_over_limit']:.1f}x the cgroup limit; "
+        f"greedy tokens equal plain's: {out['tokens_equal']}"
+    )
     return out
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=16, help="new tokens per sequence")
-    ap.add_argument("--batches", default="1,8",
-                    help="comma-separated; 'max' is the largest batch whose generation fits --limit-gib by the estimate")
+    ap.add_argument(
+        "--batches",
+        default="1,8",
+        help="comma-separated; 'max' is the largest batch whose generation fits --limit-gib by the estimate",
+    )
     ap.add_argument("--max-batch", type=int, default=256, help="the most 'max' may resolve to")
-    ap.add_argument("--timeout", type=float, default=1800,
-                    help="seconds one contender's run may take before it is killed and reported as failed")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds one contender's run may take before it is killed and reported as failed",
+    )
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kinds", default=",".join(KINDS))
-    ap.add_argument("--limit-gib", type=float, default=1.5,
-                    help="memory limit of the streaming contenders' cgroup once loaded (page cache included)")
-    ap.add_argument("--buffer-count", type=int, default=4, help="infinity's offload_param.buffer_count")
-    ap.add_argument("--buffer-size", type=float, default=7e7,
-                    help="infinity's offload_param.buffer_size in elements (>= the largest parameter)")
-    ap.add_argument("--base", default=os.path.join(Path.home(), ".cache", "infinity-bench-inference"),
-                    help="model files, offload folder, swap files and fio's test file (one file system)")
-    ap.add_argument("--capacity", action="store_true", help="instead: weights >= 3x the cgroup limit")
+    ap.add_argument(
+        "--limit-gib",
+        type=float,
+        default=1.5,
+        help="memory limit of the streaming contenders' cgroup once loaded (page cache included)",
+    )
+    ap.add_argument(
+        "--buffer-count", type=int, default=4, help="infinity's offload_param.buffer_count"
+    )
+    ap.add_argument(
+        "--buffer-size",
+        type=float,
+        default=7e7,
+        help="infinity's offload_param.buffer_size in elements (>= the largest parameter)",
+    )
+    ap.add_argument(
+        "--base",
+        default=os.path.join(Path.home(), ".cache", "infinity-bench-inference"),
+        help="model files, offload folder, swap files and fio's test file (one file system)",
+    )
+    ap.add_argument(
+        "--capacity", action="store_true", help="instead: weights >= 3x the cgroup limit"
+    )
     ap.add_argument("--capacity-shape", choices=sorted(SHAPES), default="2b")
-    ap.add_argument("--quick", action="store_true", help="a tiny model, batches 1 and 2, 4 new tokens: proves it runs")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a tiny model, batches 1 and 2, 4 new tokens: proves it runs",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON path (the PNG beside it)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -528,60 +747,108 @@ def main() -> int:
     kinds = args.kinds.split(",")
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
-        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
-                     "bench/deepspeed_venv.sh makes an environment where it is)")
+        notes.append(
+            "deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
+            "bench/deepspeed_venv.sh makes an environment where it is)"
+        )
     if _cgroup.root() is None:
-        notes.append("no memory cgroup could be made (needs root and a memory controller): nothing bounded the "
-                     "page cache, and no cgroup peak is reported")
-    common = {"prompt": args.prompt, "new": args.new, "base": str(base), "buffer_count": args.buffer_count,
-              "buffer_size": int(args.buffer_size)}
-    machine = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-               "loadavg_start": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
+        notes.append(
+            "no memory cgroup could be made (needs root and a memory controller): nothing bounded the "
+            "page cache, and no cgroup peak is reported"
+        )
+    common = {
+        "prompt": args.prompt,
+        "new": args.new,
+        "base": str(base),
+        "buffer_count": args.buffer_count,
+        "buffer_size": int(args.buffer_size),
+    }
+    machine = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
     results.mkdir(parents=True, exist_ok=True)
     if args.capacity:
-        out = {"bench": "inference-capacity", **capacity(args, base, common), "notes": notes, "machine": machine}
+        out = {
+            "bench": "inference-capacity",
+            **capacity(args, base, common),
+            "notes": notes,
+            "machine": machine,
+        }
         out["machine"]["loadavg_end"] = os.getloadavg()
         path = results / f"inference-capacity{'-quick' if args.quick else ''}.json"
         path.write_text(json.dumps(out, indent=2))
         print(f"wrote {path}")
         return 0
     model_dir, offload_dir, numel, weight_nbytes = make_model(base, args.shape)
-    common.update(model_dir=str(model_dir), offload_dir=str(offload_dir), vocab=SHAPES[args.shape][5])
+    common.update(
+        model_dir=str(model_dir), offload_dir=str(offload_dir), vocab=SHAPES[args.shape][5]
+    )
     largest = None
     batches = []
     for b in args.batches.split(","):
         if b == "max":
             n, largest = largest_batch(model_dir, common, args.limit_nbytes, args.max_batch)
-            print(f"largest batch that fits {args.limit_gib} GiB by the estimate: {n} (generation "
-                  f"{largest['generation_nbytes'] / 2**30:.2f} GiB; batch {n + 1}: "
-                  f"{largest['next_batch_nbytes'] / 2**30:.2f} GiB{'; capped by --max-batch' if largest['capped'] else ''})",
-                  flush=True)
+            print(
+                f"largest batch that fits {args.limit_gib} GiB by the estimate: {n} (generation "
+                f"{largest['generation_nbytes'] / 2**30:.2f} GiB; batch {n + 1}: "
+                f"{largest['next_batch_nbytes'] / 2**30:.2f} GiB{'; capped by --max-batch' if largest['capped'] else ''})",
+                flush=True,
+            )
             b = n
         batches.append(int(b))
     args.batches = list(dict.fromkeys(batches))
     if weight_nbytes <= args.limit_nbytes:
-        notes.append(f"the weights ({weight_nbytes / 2**30:.3f} GiB) fit under the cgroup limit "
-                     f"({args.limit_gib} GiB): the page cache may serve repeated passes (a smoke run)")
+        notes.append(
+            f"the weights ({weight_nbytes / 2**30:.3f} GiB) fit under the cgroup limit "
+            f"({args.limit_gib} GiB): the page cache may serve repeated passes (a smoke run)"
+        )
     for n in notes:
         print("note:", n)
-    print(f"Llama {numel / 1e9:.2f}B ({weight_nbytes / 1e9:.2f} GB bf16), prompt {args.prompt}, {args.new} new, "
-          f"batches {args.batches}, {args.repeat} repeat(s), streaming contenders limited to {args.limit_gib} GiB; "
-          f"load {machine['loadavg_start'][0]:.1f}", flush=True)
+    print(
+        f"Llama {numel / 1e9:.2f}B ({weight_nbytes / 1e9:.2f} GB bf16), prompt {args.prompt}, {args.new} new, "
+        f"batches {args.batches}, {args.repeat} repeat(s), streaming contenders limited to {args.limit_gib} GiB; "
+        f"load {machine['loadavg_start'][0]:.1f}",
+        flush=True,
+    )
     raw = interleaved(args, kinds, common, weight_nbytes, notes)
     s = summarise(args, kinds, raw, weight_nbytes)
     print_table(args, kinds, s, weight_nbytes)
     machine["loadavg_end"] = os.getloadavg()
     path = args.out or results / f"inference{'-quick' if args.quick else ''}.json"
-    note = plot(args, kinds, s, path.with_suffix(".png"),
-                f"Llama {numel / 1e6:.0f}M bf16, prompt {args.prompt}, {args.new} new, {platform.node()} "
-                f"({os.cpu_count()} CPUs), caches dropped, streaming in a {args.limit_gib} GiB cgroup")
+    note = plot(
+        args,
+        kinds,
+        s,
+        path.with_suffix(".png"),
+        f"Llama {numel / 1e6:.0f}M bf16, prompt {args.prompt}, {args.new} new, {platform.node()} "
+        f"({os.cpu_count()} CPUs), caches dropped, streaming in a {args.limit_gib} GiB cgroup",
+    )
     if note:
         notes.append(note)
-    out = {"bench": "inference", "params": numel, "weight_nbytes": weight_nbytes, "prompt": args.prompt,
-           "new": args.new, "batches": args.batches, "repeat": args.repeat, "kinds": kinds,
-           "cgroup_limit": args.limit_nbytes, "largest_batch": largest, "notes": notes, "machine": machine, **s,
-           "runs": {k: [{x: y for x, y in r.items() if x != "tokens"} for r in v] for k, v in raw["runs"].items()}}
+    out = {
+        "bench": "inference",
+        "params": numel,
+        "weight_nbytes": weight_nbytes,
+        "prompt": args.prompt,
+        "new": args.new,
+        "batches": args.batches,
+        "repeat": args.repeat,
+        "kinds": kinds,
+        "cgroup_limit": args.limit_nbytes,
+        "largest_batch": largest,
+        "notes": notes,
+        "machine": machine,
+        **s,
+        "runs": {
+            k: [{x: y for x, y in r.items() if x != "tokens"} for r in v]
+            for k, v in raw["runs"].items()
+        },
+    }
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
     return 0

@@ -78,8 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=1 << 20)
     p.add_argument("--queue-depth", type=int, default=32)
     p.add_argument("--engine", default="auto", choices=["auto", "io_uring", "threads"])
-    p.add_argument("--no-integrity", dest="integrity", action="store_false",
-                   help="no CRC32C per key (the store's default checks every read)")
+    p.add_argument(
+        "--no-integrity",
+        dest="integrity",
+        action="store_false",
+        help="no CRC32C per key (the store's default checks every read)",
+    )
     a = p.parse_args(argv)
     a.rounds = a.rounds or (2 if a.quick else 5)
     a.large_mib = a.large_mib or (64 if a.quick else 1024)

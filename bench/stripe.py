@@ -57,8 +57,12 @@ from infinity.measure import FioError, fio_path
 
 ROOT = Path(__file__).resolve().parent
 SINGLE = ("path0", "path1")
-REFERENCE = {"infinity path0": "fio path0", "infinity path1": "fio path1", "infinity stripe": "fio both at once",
-             "infinity stripe 2x qd": "fio both at once"}
+REFERENCE = {
+    "infinity path0": "fio path0",
+    "infinity path1": "fio path1",
+    "infinity stripe": "fio both at once",
+    "infinity stripe 2x qd": "fio both at once",
+}
 STRIPES = ("infinity stripe", "infinity stripe 2x qd")
 FIO_BUFFERS: set[str] = set()
 """The buffers fio's jobs were given: shmhuge (2 MiB pages of the hugetlb pool) or malloc."""
@@ -105,14 +109,21 @@ def loop_drives(work: Path, image_nbytes: int) -> Iterator[tuple[list[Path], str
             image.unlink(missing_ok=True)
 
 
-def contenders(setting: measure.Setting, files: list[measure.TestFile], stripe: measure.Stripe,
-               backing: measure.TestFile | None, op: measure.Op) -> dict[str, Callable[[], float]]:
+def contenders(
+    setting: measure.Setting,
+    files: list[measure.TestFile],
+    stripe: measure.Stripe,
+    backing: measure.TestFile | None,
+    op: measure.Op,
+) -> dict[str, Callable[[], float]]:
     def ours(target: measure.Target, depth: int = 1) -> Callable[[], float]:
         s = dataclasses.replace(setting, queue_depth=setting.queue_depth * depth)
         return lambda: measure.measure_once(s, target, op)[0]
 
     def fio(target: measure.Target) -> Callable[[], float]:
-        job = measure.fio_job(setting, target, op, "shmhuge", direct=True)  # malloc where the pool is short
+        job = measure.fio_job(
+            setting, target, op, "shmhuge", direct=True
+        )  # malloc where the pool is short
         FIO_BUFFERS.add(job.iomem)
         return functools.partial(_fio_run, job)
 
@@ -139,15 +150,21 @@ def _fio_run(job, tries: int = 5) -> float:
         except FioError as e:
             if "no huge pages available" not in str(e):
                 raise
-            print(f"note: {job.op} on {len(job.paths)} file(s): the hugetlb pool was empty; fio tries again",
-                  file=sys.stderr)
+            print(
+                f"note: {job.op} on {len(job.paths)} file(s): the hugetlb pool was empty; fio tries again",
+                file=sys.stderr,
+            )
             time.sleep(2)
     return job.run()
 
 
 def _stats(xs: list[float]) -> dict:
-    return {"median": round(statistics.median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3),
-            "runs": [round(x, 3) for x in xs]}
+    return {
+        "median": round(statistics.median(xs), 3),
+        "min": round(min(xs), 3),
+        "max": round(max(xs), 3),
+        "runs": [round(x, 3) for x in xs],
+    }
 
 
 def measure_op(setting, files, stripe, backing, op, repeat: int) -> tuple[list[dict], dict]:
@@ -157,7 +174,7 @@ def measure_op(setting, files, stripe, backing, op, repeat: int) -> tuple[list[d
         fn()
     names = list(runs)
     for rep in range(repeat):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             try:
                 results[name].append(runs[name]())
             except (FioError, RuntimeError, OSError) as e:
@@ -171,23 +188,51 @@ def measure_op(setting, files, stripe, backing, op, repeat: int) -> tuple[list[d
             row["ratio_to_fio"] = _stats([a / b for a, b in zip(xs, ref, strict=True)])
             row["fio_reference"] = REFERENCE[name]
         rows.append(row)
-    gains = {name: _stats([s / max(a, b) for s, a, b in zip(
-        results[name], results["infinity path0"], results["infinity path1"], strict=True)]) for name in STRIPES}
+    gains = {
+        name: _stats(
+            [
+                s / max(a, b)
+                for s, a, b in zip(
+                    results[name], results["infinity path0"], results["infinity path1"], strict=True
+                )
+            ]
+        )
+        for name in STRIPES
+    }
     if "fio both at once" in results:
-        gains["fio"] = _stats([s / max(a, b) for s, a, b in zip(
-            results["fio both at once"], results["fio path0"], results["fio path1"], strict=True)])
+        gains["fio"] = _stats(
+            [
+                s / max(a, b)
+                for s, a, b in zip(
+                    results["fio both at once"],
+                    results["fio path0"],
+                    results["fio path1"],
+                    strict=True,
+                )
+            ]
+        )
     return rows, gains
 
 
 def format_rows(rows: list[dict], gains: dict) -> str:
-    lines = [f"{'op':<5} {'contender':<22} {'GB/s median (min-max)':>22}  {'/ fio (median, min-max)':>24}"]
+    lines = [
+        f"{'op':<5} {'contender':<22} {'GB/s median (min-max)':>22}  {'/ fio (median, min-max)':>24}"
+    ]
     for r in rows:
         g = r["gbps"]
         q = r.get("ratio_to_fio")
-        ratio = f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f}) of {r['fio_reference']}" if q else ""
-        lines.append(f"{r['op']:<5} {r['contender']:<22} {g['median']:>6.2f} ({g['min']:.2f}-{g['max']:.2f}){'':>8}  {ratio}")
+        ratio = (
+            f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f}) of {r['fio_reference']}"
+            if q
+            else ""
+        )
+        lines.append(
+            f"{r['op']:<5} {r['contender']:<22} {g['median']:>6.2f} ({g['min']:.2f}-{g['max']:.2f}){'':>8}  {ratio}"
+        )
     for op, g in gains.items():
-        text = "; ".join(f"{who} {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" for who, s in g.items())
+        text = "; ".join(
+            f"{who} {s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" for who, s in g.items()
+        )
         lines.append(f"{op}: stripe over 2 drives / faster single drive: {text}")
     return "\n".join(lines)
 
@@ -195,33 +240,62 @@ def format_rows(rows: list[dict], gains: dict) -> str:
 def format_markdown(rows: list[dict], gains: dict) -> str:
     """The README's table: per direction, GB/s median (min–max) and, for ours, the ratio to fio."""
     names = list(dict.fromkeys(r["contender"] for r in rows))
-    lines = ["| | " + " | ".join(names) + " | stripe / faster single path: infinity, 2x qd, fio |",
-             "|---" * (len(names) + 2) + "|"]
+    lines = [
+        "| | " + " | ".join(names) + " | stripe / faster single path: infinity, 2x qd, fio |",
+        "|---" * (len(names) + 2) + "|",
+    ]
     for op in dict.fromkeys(r["op"] for r in rows):
         cells = []
         for name in names:
             r = next(r for r in rows if r["op"] == op and r["contender"] == name)
             g, q = r["gbps"], r.get("ratio_to_fio")
-            cells.append(f"{g['median']:.2f} ({g['min']:.2f}–{g['max']:.2f})"
-                         + (f": {q['median']:.2f}×" if q else ""))
+            cells.append(
+                f"{g['median']:.2f} ({g['min']:.2f}–{g['max']:.2f})"
+                + (f": {q['median']:.2f}×" if q else "")
+            )
         gain = gains[op]
-        cells.append(" / ".join(f"{gain[w]['median']:.2f}×" for w in (*STRIPES, "fio") if w in gain))
+        cells.append(
+            " / ".join(f"{gain[w]['median']:.2f}×" for w in (*STRIPES, "fio") if w in gain)
+        )
         lines.append(f"| {op} {rows[0]['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--paths", type=Path, nargs=2, metavar=("PATH0", "PATH1"),
-                   help="directories on two drives (default: two loop-mounted ext4 images under --work)")
-    p.add_argument("--work", type=Path, default=Path("infinity_nvme"),
-                   help="where the images (and the backing-disk file) go (default ./infinity_nvme)")
-    p.add_argument("--size", type=measure.parse_size, default=None, help="test file per drive (default 1G; 64M with --quick)")
-    p.add_argument("--setting", default=None, help="BS,QD,THREADS (default 1M,32,1; 1M,8,1 with --quick)")
-    p.add_argument("--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
+    p.add_argument(
+        "--paths",
+        type=Path,
+        nargs=2,
+        metavar=("PATH0", "PATH1"),
+        help="directories on two drives (default: two loop-mounted ext4 images under --work)",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("infinity_nvme"),
+        help="where the images (and the backing-disk file) go (default ./infinity_nvme)",
+    )
+    p.add_argument(
+        "--size",
+        type=measure.parse_size,
+        default=None,
+        help="test file per drive (default 1G; 64M with --quick)",
+    )
+    p.add_argument(
+        "--setting", default=None, help="BS,QD,THREADS (default 1M,32,1; 1M,8,1 with --quick)"
+    )
+    p.add_argument(
+        "--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
     p.add_argument("--markdown", action="store_true", help="also print the README's table")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON output (default $INFINITY_BENCH_RESULTS or bench/results)",
+    )
     args = p.parse_args(argv)
     size = args.size or measure.parse_size("64M" if args.quick else "1G")
     repeat = args.repeat or (1 if args.quick else 3)
@@ -239,21 +313,33 @@ def main(argv: list[str] | None = None) -> int:
             if args.paths:
                 paths, drives = list(args.paths), "given with --paths"
             else:
-                paths, drives = stack.enter_context(loop_drives(work, max(4 * size, 2 * size + (128 << 20))))
+                paths, drives = stack.enter_context(
+                    loop_drives(work, max(4 * size, 2 * size + (128 << 20)))
+                )
             shared = measure.shared_file_systems(paths)
             files = [measure.TestFile(d, size, name="infinity-stripe.dat") for d in paths]
             stripe = measure.Stripe(files)
-            backing = measure.TestFile(work, size, name="infinity-backing.dat") if "loop-mounted" in drives else None
+            backing = (
+                measure.TestFile(work, size, name="infinity-backing.dat")
+                if "loop-mounted" in drives
+                else None
+            )
             targets = [*files, *([backing] if backing else [])]
             try:
                 for t in targets:
                     t.prepare()
                 if not all(t.direct_io_works() for t in targets):
-                    raise SystemExit(f"{', '.join(map(str, paths))}: O_DIRECT is refused; this bench needs drives")
-                print(f"stripe bench: {drives}: {', '.join(map(str, paths))}; {measure.format_size(size)} per drive, "
-                      f"{setting.label}, {repeat} repetition(s), O_DIRECT")
+                    raise SystemExit(
+                        f"{', '.join(map(str, paths))}: O_DIRECT is refused; this bench needs drives"
+                    )
+                print(
+                    f"stripe bench: {drives}: {', '.join(map(str, paths))}; {measure.format_size(size)} per drive, "
+                    f"{setting.label}, {repeat} repetition(s), O_DIRECT"
+                )
                 if shared:
-                    print("note: both paths are on one file system: the stripe cannot add bandwidth there")
+                    print(
+                        "note: both paths are on one file system: the stripe cannot add bandwidth there"
+                    )
                 rows, gains = [], {}
                 for op in ("read", "write"):
                     r, g = measure_op(setting, files, stripe, backing, op, repeat)
@@ -269,12 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(format_markdown(rows, gains))
     if "malloc" in FIO_BUFFERS:
-        print("note: fio ran with malloc buffers (the hugetlb pool had no room): its figures are below the disk's "
-              "limit; set vm.nr_hugepages (root) for the reference figures")
+        print(
+            "note: fio ran with malloc buffers (the hugetlb pool had no room): its figures are below the disk's "
+            "limit; set vm.nr_hugepages (root) for the reference figures"
+        )
     record = {
         "bench": "stripe",
         "mode": "quick" if args.quick else "full",
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
         "drives": drives,
         "paths_share_a_file_system": bool(shared),
         "machine": machine,

@@ -57,8 +57,18 @@ import _deepspeed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KINDS = ["plain", "infinity", "grads-in-host", "no-integrity", "planner-100", "planner-50", "planner-10", "plain-bf16", "bf16",
-         "deepspeed"]
+KINDS = [
+    "plain",
+    "infinity",
+    "grads-in-host",
+    "no-integrity",
+    "planner-100",
+    "planner-50",
+    "planner-10",
+    "plain-bf16",
+    "bf16",
+    "deepspeed",
+]
 QUICK_KINDS = ["plain", "infinity", "planner-10"]
 BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
 """Share of the training state the planner may keep in host memory, on top of what the run needs with
@@ -110,11 +120,23 @@ def child(a: dict) -> dict:
         engine.synchronize()
         pf = engine.prefetch_stats()
         if pf is not None and pf.last is not None:
-            out["prefetch_last_step"] = {k: getattr(pf.last, k) for k in (
-                "prefetch_hits", "late_prefetches", "reuse_hits", "on_demand", "reads", "read_nbytes",
-                "duplicate_reads", "stall_s")}
+            out["prefetch_last_step"] = {
+                k: getattr(pf.last, k)
+                for k in (
+                    "prefetch_hits",
+                    "late_prefetches",
+                    "reuse_hits",
+                    "on_demand",
+                    "reads",
+                    "read_nbytes",
+                    "duplicate_reads",
+                    "stall_s",
+                )
+            }
         engine.close()
-    out.update(times=times, cpus=cpus, io=io, hwm=peak_resident_host_nbytes(), losses=losses)  # VmHWM + hugetlb pages
+    out.update(
+        times=times, cpus=cpus, io=io, hwm=peak_resident_host_nbytes(), losses=losses
+    )  # VmHWM + hugetlb pages
     out["cgroup_peak"] = _cgroup.peak(a.get("cgroup"))
     return out
 
@@ -153,7 +175,13 @@ def _plain(gpt, corpus, a, *, bf16: bool):
                     p.copy_(m)
         return loss.item()
 
-    return step, lambda: {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
+    return step, lambda: {
+        "read_nbytes": 0,
+        "write_nbytes": 0,
+        "wait_s": 0.0,
+        "checksum_s": 0.0,
+        "checksum_caller_s": 0.0,
+    }
 
 
 def _infinity(gpt, corpus, a, out):
@@ -164,8 +192,14 @@ def _infinity(gpt, corpus, a, out):
 
     kind = a["kind"]
     largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
-    cfg = demo_config(a["nvme"], lr=3e-4, steps=a["steps"] + a["warmup"], micro_batch=a["micro_batch"],
-                      bf16=kind == "bf16", largest_unit=largest)
+    cfg = demo_config(
+        a["nvme"],
+        lr=3e-4,
+        steps=a["steps"] + a["warmup"],
+        micro_batch=a["micro_batch"],
+        bf16=kind == "bf16",
+        largest_unit=largest,
+    )
     del cfg["scheduler"]
     zero = cfg["zero_optimization"]
     zero["offload_optimizer"]["grads_in_host"] = kind == "grads-in-host"
@@ -182,8 +216,12 @@ def _infinity(gpt, corpus, a, out):
     if kind in BUDGETS:
         budget, floor, state = _planner_budget(model, cfg, BUDGETS[kind])
         cfg["host_memory_budget"] = budget
-        out.update(budget_nbytes=budget, floor_nbytes=floor, state_nbytes=state,
-                   cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)))
+        out.update(
+            budget_nbytes=budget,
+            floor_nbytes=floor,
+            state_nbytes=state,
+            cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)),
+        )
     engine = infinity.initialize(model, cfg)
     out.update(_plan_record(engine.runtime.plan))
 
@@ -208,7 +246,9 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
     cfg = load_config(raw)
     ctx = run_context(model, cfg, device="cpu", world_size=1)
     low = place_in_budget(model, cfg, ctx, budget_nbytes=0, budget_source="bench")
-    state = sum(low.state_nbytes(c) for c in STATE_CLASSES if c == "param" or c in low.optimizer.state_keys)
+    state = sum(
+        low.state_nbytes(c) for c in STATE_CLASSES if c == "param" or c in low.optimizer.state_keys
+    )
     floor = low.chosen.need_nbytes
     return floor + int(share * state), floor, state
 
@@ -220,11 +260,20 @@ def _plan_record(plan) -> dict:
     from infinity.estimate.traffic import expected_traffic, worst_case_traffic
 
     t, w = expected_traffic(plan), worst_case_traffic(plan)
-    classes = [c for c in STATE_CLASSES if (c == "param" and plan.stage == 3) or c in plan.optimizer.state_keys]
+    classes = [
+        c
+        for c in STATE_CLASSES
+        if (c == "param" and plan.stage == 3) or c in plan.optimizer.state_keys
+    ]
     return {
-        "expected_read_nbytes": t.read_nbytes, "expected_write_nbytes": t.write_nbytes,
-        "worst_read_nbytes": w.read_nbytes, "worst_write_nbytes": w.write_nbytes,
-        "homes": {c: {"host": plan.state_nbytes(c, "cpu"), "nvme": plan.state_nbytes(c, "nvme")} for c in classes},
+        "expected_read_nbytes": t.read_nbytes,
+        "expected_write_nbytes": t.write_nbytes,
+        "worst_read_nbytes": w.read_nbytes,
+        "worst_write_nbytes": w.write_nbytes,
+        "homes": {
+            c: {"host": plan.state_nbytes(c, "cpu"), "nvme": plan.state_nbytes(c, "nvme")}
+            for c in classes
+        },
         "plan": describe_placement(plan),
     }
 
@@ -240,14 +289,25 @@ def _deepspeed(gpt, corpus, a):
     largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
     buffer = max(largest, 1 << 20)
     ds_cfg = {
-        "train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": a["micro_batch"],
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        },
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 2 * buffer, "stage3_param_persistence_threshold": 1e5,
+            "stage": 3,
+            "sub_group_size": 2 * buffer,
+            "stage3_param_persistence_threshold": 1e5,
             "stage3_max_reuse_distance": 0,  # needed: its trace otherwise runs out of swap buffers
-            "offload_param": {"device": "nvme", "nvme_path": a["nvme"], "buffer_count": 16, "buffer_size": buffer,
-                              "max_in_cpu": 0},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": a["nvme"],
+                "buffer_count": 16,
+                "buffer_size": buffer,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": a["nvme"]},
         },
     }
@@ -258,7 +318,9 @@ def _deepspeed(gpt, corpus, a):
     for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             p.data.copy_(initial[name])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_cfg
+    )
 
     def step(i):
         x, y = corpus.batch(i, a["micro_batch"], a["seq"])
@@ -268,20 +330,40 @@ def _deepspeed(gpt, corpus, a):
         return loss.item()
 
     # DeepSpeed counts none of its I/O: the block layer's bytes for this process (its aio threads included)
-    return step, lambda: {**_deepspeed_env.block_io_nbytes(), "checksum_s": 0.0, "checksum_caller_s": 0.0}
+    return step, lambda: {
+        **_deepspeed_env.block_io_nbytes(),
+        "checksum_s": 0.0,
+        "checksum_caller_s": 0.0,
+    }
 
 
 # -- the parent: interleaved runs ------------------------------------------------------------
 
 
 def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
-    cgroup = _cgroup.make(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}") if kind in BUDGETS else None
-    a = {"kind": kind, "params": args.params, "seq": args.seq, "micro_batch": args.micro_batch,
-         "steps": args.steps, "warmup": args.warmup, "nvme": nvme, "cgroup": cgroup,
-         "checkpointing": args.checkpointing}
+    cgroup = (
+        _cgroup.make(f"infinity-bench-{os.getpid()}-{kind}-{time.monotonic_ns()}")
+        if kind in BUDGETS
+        else None
+    )
+    a = {
+        "kind": kind,
+        "params": args.params,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "nvme": nvme,
+        "cgroup": cgroup,
+        "checkpointing": args.checkpointing,
+    }
     try:
-        r = subprocess.run([sys.executable, __file__, "--child", json.dumps(a)], capture_output=True, text=True,
-                           cwd=ROOT)
+        r = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(a)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
     finally:
         _cgroup.remove(cgroup)
     if r.returncode != 0:
@@ -290,23 +372,39 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--params", type=float, default=150e6)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--kinds", default=None, help=f"comma-separated, of {', '.join(KINDS)} (default: all)")
-    ap.add_argument("--nvme-path", default=None, help="swap directory (default: a temporary one under ~/.cache)")
-    ap.add_argument("--quick", action="store_true", help="a tiny model, one repeat, three kinds: proves it runs")
-    ap.add_argument("--capacity", type=float, default=None, metavar="PARAMS",
-                    help="instead: train a model of PARAMS parameters for 3 steps with everything the planner "
-                         "can spill on NVMe, report training-state bytes / peak RSS, and check the losses "
-                         "against plain PyTorch at --capacity-check parameters")
+    ap.add_argument(
+        "--kinds", default=None, help=f"comma-separated, of {', '.join(KINDS)} (default: all)"
+    )
+    ap.add_argument(
+        "--nvme-path", default=None, help="swap directory (default: a temporary one under ~/.cache)"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a tiny model, one repeat, three kinds: proves it runs"
+    )
+    ap.add_argument(
+        "--capacity",
+        type=float,
+        default=None,
+        metavar="PARAMS",
+        help="instead: train a model of PARAMS parameters for 3 steps with everything the planner "
+        "can spill on NVMe, report training-state bytes / peak RSS, and check the losses "
+        "against plain PyTorch at --capacity-check parameters",
+    )
     ap.add_argument("--capacity-check", type=float, default=300e6, metavar="PARAMS")
-    ap.add_argument("--checkpointing", action="store_true",
-                    help="every block checkpointed (GPT.gradient_checkpointing_enable); --capacity sets it")
+    ap.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="every block checkpointed (GPT.gradient_checkpointing_enable); --capacity sets it",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -318,7 +416,11 @@ def main() -> int:
         kinds = args.kinds.split(",") if args.kinds else QUICK_KINDS
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or "plain" not in kinds:
-        ap.error(f"--kinds: unknown {unknown}" if unknown else "--kinds must include plain (the reference)")
+        ap.error(
+            f"--kinds: unknown {unknown}"
+            if unknown
+            else "--kinds must include plain (the reference)"
+        )
     base = args.nvme_path or os.path.join(Path.home(), ".cache", "infinity-bench")
     os.makedirs(base, exist_ok=True)
     if args.capacity:
@@ -326,13 +428,17 @@ def main() -> int:
     notes = []
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
-        notes.append("deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
-                     "bench/deepspeed_venv.sh makes an environment where it is); there, this row runs DeepSpeed "
-                     "ZeRO-3 with params and optimizer on NVMe, "
-                     "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init")
+        notes.append(
+            "deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
+            "bench/deepspeed_venv.sh makes an environment where it is); there, this row runs DeepSpeed "
+            "ZeRO-3 with params and optimizer on NVMe, "
+            "stage3_max_reuse_distance 0 and the initial weights copied in after its zero.Init"
+        )
     if any(k in BUDGETS for k in kinds) and _cgroup.root() is None:
-        notes.append("no memory cgroup could be made (needs root and a memory controller): the planner's "
-                     "budgets are planned for but not enforced")
+        notes.append(
+            "no memory cgroup could be made (needs root and a memory controller): the planner's "
+            "budgets are planned for but not enforced"
+        )
     for n in notes:
         print("note: " + n)
     runs = _interleaved(kinds, args, base)
@@ -351,30 +457,42 @@ def _integrity_summary(runs: dict[str, list[dict]], med: dict[str, list[float]])
     ratios = [on / off for on, off in zip(med["infinity"], med["no-integrity"], strict=True)]
     cpu = {k: [statistics.median(r["cpus"]) for r in runs[k]] for k in ("infinity", "no-integrity")}
     cpu_ratios = [on / off for on, off in zip(cpu["infinity"], cpu["no-integrity"], strict=True)]
-    r = {"ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-         "cpu_ratio": {"median": statistics.median(cpu_ratios), "min": min(cpu_ratios), "max": max(cpu_ratios)},
-         "step_s_on": statistics.median(med["infinity"]), "step_s_off": statistics.median(med["no-integrity"]),
-         "cpu_s_on": statistics.median(cpu["infinity"]), "cpu_s_off": statistics.median(cpu["no-integrity"]),
-         "same_losses": runs["infinity"][0]["losses"] == runs["no-integrity"][0]["losses"]}
+    r = {
+        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "cpu_ratio": {
+            "median": statistics.median(cpu_ratios),
+            "min": min(cpu_ratios),
+            "max": max(cpu_ratios),
+        },
+        "step_s_on": statistics.median(med["infinity"]),
+        "step_s_off": statistics.median(med["no-integrity"]),
+        "cpu_s_on": statistics.median(cpu["infinity"]),
+        "cpu_s_off": statistics.median(cpu["no-integrity"]),
+        "same_losses": runs["infinity"][0]["losses"] == runs["no-integrity"][0]["losses"],
+    }
     io = [s for run in runs["infinity"] for s in run["io"]]
     # Bounds that load on the machine hardly moves: the CRC32C CPU time per step, all of it and the
     # part in threads that waited for it (the rest ran in the store's reaper), over the step time
     # without integrity.
     r["checksum_s_per_step"] = statistics.median(s["checksum_s"] for s in io)
     r["checksum_caller_s_per_step"] = statistics.median(s["checksum_caller_s"] for s in io)
-    r["checksum_nbytes_per_step"] = statistics.median(s["read_nbytes"] + s["write_nbytes"] for s in io)
+    r["checksum_nbytes_per_step"] = statistics.median(
+        s["read_nbytes"] + s["write_nbytes"] for s in io
+    )
     r["checksum_share_of_step"] = r["checksum_s_per_step"] / r["step_s_off"]
     r["checksum_caller_share_of_step"] = r["checksum_caller_s_per_step"] / r["step_s_off"]
     pct = lambda xs: ", ".join(f"{(x - 1) * 100:+.1f}%" for x in xs)  # noqa: E731
-    print(f"integrity: {r['step_s_on']:.3f} s/step on vs {r['step_s_off']:.3f} off -> overhead "
-          f"{(r['ratio']['median'] - 1) * 100:+.1f}% of the step (per repeat {pct(ratios)}); CPU time "
-          f"{r['cpu_s_on']:.3f} vs {r['cpu_s_off']:.3f} s/step -> {(r['cpu_ratio']['median'] - 1) * 100:+.1f}% "
-          f"(per repeat {pct(cpu_ratios)}); same losses: {r['same_losses']}\n"
-          f"  CRC32C per step: {r['checksum_s_per_step'] * 1e3:.0f} ms of CPU for "
-          f"{r['checksum_nbytes_per_step'] / 1e9:.2f} GB ({r['checksum_nbytes_per_step'] / 1e9 / max(r['checksum_s_per_step'], 1e-9):.1f} GB/s) = "
-          f"{r['checksum_share_of_step'] * 100:.1f}% of this run's step without integrity, of which "
-          f"{r['checksum_caller_s_per_step'] * 1e3:.0f} ms ({r['checksum_caller_share_of_step'] * 100:.1f}%) in threads "
-          "that waited for it; the rest ran in the stores' reaper threads, beside the I/O")
+    print(
+        f"integrity: {r['step_s_on']:.3f} s/step on vs {r['step_s_off']:.3f} off -> overhead "
+        f"{(r['ratio']['median'] - 1) * 100:+.1f}% of the step (per repeat {pct(ratios)}); CPU time "
+        f"{r['cpu_s_on']:.3f} vs {r['cpu_s_off']:.3f} s/step -> {(r['cpu_ratio']['median'] - 1) * 100:+.1f}% "
+        f"(per repeat {pct(cpu_ratios)}); same losses: {r['same_losses']}\n"
+        f"  CRC32C per step: {r['checksum_s_per_step'] * 1e3:.0f} ms of CPU for "
+        f"{r['checksum_nbytes_per_step'] / 1e9:.2f} GB ({r['checksum_nbytes_per_step'] / 1e9 / max(r['checksum_s_per_step'], 1e-9):.1f} GB/s) = "
+        f"{r['checksum_share_of_step'] * 100:.1f}% of this run's step without integrity, of which "
+        f"{r['checksum_caller_s_per_step'] * 1e3:.0f} ms ({r['checksum_caller_share_of_step'] * 100:.1f}%) in threads "
+        "that waited for it; the rest ran in the stores' reaper threads, beside the I/O"
+    )
     return r
 
 
@@ -386,26 +504,44 @@ def _interleaved(kinds: list[str], args: argparse.Namespace, base: str) -> dict[
             with tempfile.TemporaryDirectory(dir=base) as nvme:
                 t = time.perf_counter()
                 res = run_child(kind, args, nvme)
-                print(f"  repeat {rep + 1}/{args.repeat} {kind:13s}: median step "
-                      f"{statistics.median(res['times']):.2f} s, peak RSS {res['hwm'] / 2**30:.2f} GiB "
-                      f"({time.perf_counter() - t:.0f} s; load {os.getloadavg()[0]:.1f})", flush=True)
+                print(
+                    f"  repeat {rep + 1}/{args.repeat} {kind:13s}: median step "
+                    f"{statistics.median(res['times']):.2f} s, peak RSS {res['hwm'] / 2**30:.2f} GiB "
+                    f"({time.perf_counter() - t:.0f} s; load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
                 runs[kind].append(res)
     return runs
 
 
-def _summary(runs: dict[str, list[dict]], kinds: list[str], args: argparse.Namespace, notes: list[str]) -> dict:
+def _summary(
+    runs: dict[str, list[dict]], kinds: list[str], args: argparse.Namespace, notes: list[str]
+) -> dict:
     med = {k: [statistics.median(r["times"]) for r in v] for k, v in runs.items()}
     n = runs["plain"][0]["params"]
     result = {
-        "params": n, "seq": args.seq, "micro_batch": args.micro_batch, "steps": args.steps,
-        "warmup": args.warmup, "repeat": args.repeat, "kinds": kinds, "notes": notes,
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")},
+        "params": n,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "kinds": kinds,
+        "notes": notes,
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_end": os.getloadavg(),
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        },
         "step_s": {k: statistics.median(v) for k, v in med.items()},
         "peak_rss": {k: max(r["hwm"] for r in v) for k, v in runs.items()},
     }
-    print(f"\nGPT {n / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}: plain PyTorch "
-          f"{result['step_s']['plain']:.2f} s/step, peak RSS {result['peak_rss']['plain'] / 2**30:.2f} GiB")
+    print(
+        f"\nGPT {n / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}: plain PyTorch "
+        f"{result['step_s']['plain']:.2f} s/step, peak RSS {result['peak_rss']['plain'] / 2**30:.2f} GiB"
+    )
     for kind in kinds:
         if kind != "plain":
             result[kind] = _kind_summary(kind, runs, med, n)
@@ -414,7 +550,9 @@ def _summary(runs: dict[str, list[dict]], kinds: list[str], args: argparse.Names
     return result
 
 
-def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[float]], n: int) -> dict:
+def _kind_summary(
+    kind: str, runs: dict[str, list[dict]], med: dict[str, list[float]], n: int
+) -> dict:
     """One kind against plain PyTorch: step-time ratio per repeat, NVMe bytes per step and per
     parameter against the plan's least, GB/s, I/O waits, memory, losses."""
     ratios = [i / p for i, p in zip(med[kind], med["plain"], strict=True)]
@@ -428,33 +566,55 @@ def _kind_summary(kind: str, runs: dict[str, list[dict]], med: dict[str, list[fl
     rtol = LOSS_RTOL.get(kind, 1e-4)
     r = {
         "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
-        "read_nbytes_per_step": read, "write_nbytes_per_step": write,
-        "read_per_param": read / n, "write_per_param": write / n,
-        "read_gbps": read / step_s / 1e9, "write_gbps": write / step_s / 1e9,
+        "read_nbytes_per_step": read,
+        "write_nbytes_per_step": write,
+        "read_per_param": read / n,
+        "write_per_param": write / n,
+        "read_gbps": read / step_s / 1e9,
+        "write_gbps": write / step_s / 1e9,
         "io_wait_s_per_step": wait,
         "peak_rss": max(x["hwm"] for x in runs[kind]),
     }
     if ref in runs:
-        r["losses_equal_" + ref] = all(abs(x - y) <= rtol * abs(y) for x, y in
-                                       zip(first["losses"], runs[ref][0]["losses"], strict=True))
-    for key in ("expected_read_nbytes", "expected_write_nbytes", "worst_read_nbytes", "worst_write_nbytes",
-                "homes", "plan", "budget_nbytes", "floor_nbytes", "state_nbytes", "cgroup_limit", "cgroup_peak",
-                "prefetch_last_step"):
+        r["losses_equal_" + ref] = all(
+            abs(x - y) <= rtol * abs(y)
+            for x, y in zip(first["losses"], runs[ref][0]["losses"], strict=True)
+        )
+    for key in (
+        "expected_read_nbytes",
+        "expected_write_nbytes",
+        "worst_read_nbytes",
+        "worst_write_nbytes",
+        "homes",
+        "plan",
+        "budget_nbytes",
+        "floor_nbytes",
+        "state_nbytes",
+        "cgroup_limit",
+        "cgroup_peak",
+        "prefetch_last_step",
+    ):
         if key in first:
             r[key] = first[key]
-    line = (f"{kind:13s}: {step_s:.2f} s/step -> ratio {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}-"
-            f"{r['ratio']['max']:.2f}); per step read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB "
-            f"({r['read_gbps']:.2f} / {r['write_gbps']:.2f} GB/s), {read / n:.1f} / {write / n:.1f} B per param")
+    line = (
+        f"{kind:13s}: {step_s:.2f} s/step -> ratio {r['ratio']['median']:.2f} ({r['ratio']['min']:.2f}-"
+        f"{r['ratio']['max']:.2f}); per step read {read / 1e9:.2f} GB, wrote {write / 1e9:.2f} GB "
+        f"({r['read_gbps']:.2f} / {r['write_gbps']:.2f} GB/s), {read / n:.1f} / {write / n:.1f} B per param"
+    )
     if "expected_read_nbytes" in r:
         er, ew = r["expected_read_nbytes"], r["expected_write_nbytes"]
         r["read_over_least"] = read / er if er else None
         r["write_over_least"] = write / ew if ew else None
         line += f" (least {er / n:.1f} / {ew / n:.1f})"
-    line += (f"; waited {wait:.2f} s for I/O" if wait is not None else "; I/O waits not measured")
+    line += f"; waited {wait:.2f} s for I/O" if wait is not None else "; I/O waits not measured"
     line += f"; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
     if "budget_nbytes" in r:
         line += f" (budget {r['budget_nbytes'] / 2**30:.2f} GiB over {r['floor_nbytes'] / 2**30:.2f} needed anyway"
-        line += f", cgroup limit {r['cgroup_limit'] / 2**30:.2f} GiB)" if r.get("cgroup_limit") else ", not enforced)"
+        line += (
+            f", cgroup limit {r['cgroup_limit'] / 2**30:.2f} GiB)"
+            if r.get("cgroup_limit")
+            else ", not enforced)"
+        )
     if ("losses_equal_" + ref) in r:
         line += f"; losses equal {ref}'s: {r['losses_equal_' + ref]}"
     print(line)
@@ -476,23 +636,42 @@ def capacity(args: argparse.Namespace, base: str) -> int:
                 res = run_child(kind, args, nvme)
                 res["wall_s"] = time.perf_counter() - t
             out[f"{label}/{kind}"] = res
-            print(f"  {label} {kind}: {res['params'] / 1e9:.2f}B, steps {', '.join(f'{x:.0f} s' for x in res['times'])}"
-                  f", losses {', '.join(f'{x:.3f}' for x in res['losses'])}, peak RSS {res['hwm'] / 2**30:.2f} GiB",
-                  flush=True)
+            print(
+                f"  {label} {kind}: {res['params'] / 1e9:.2f}B, steps {', '.join(f'{x:.0f} s' for x in res['times'])}"
+                f", losses {', '.join(f'{x:.3f}' for x in res['losses'])}, peak RSS {res['hwm'] / 2**30:.2f} GiB",
+                flush=True,
+            )
     big = out["capacity/planner-0"]
     state = big["state_nbytes"]
-    same = all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(out["check/planner-0"]["losses"],
-                                                           out["check/plain"]["losses"], strict=True))
-    result = {"params": big["params"], "seq": args.seq, "training_state_nbytes": state, "peak_rss": big["hwm"],
-              "state_over_rss": state / big["hwm"], "step_s": big["times"], "losses": big["losses"],
-              "losses_finite": all(x == x and abs(x) != float("inf") for x in big["losses"]),
-              "cgroup_limit": big.get("cgroup_limit"), "plan": big.get("plan"), "wall_s": big["wall_s"],
-              "check": {"params": out["check/plain"]["params"], "plain_losses": out["check/plain"]["losses"],
-                        "infinity_losses": out["check/planner-0"]["losses"], "losses_equal": same}}
-    print(f"capacity: GPT {big['params'] / 1e9:.2f}B trained {len(big['times'])} steps; training state "
-          f"{state / 2**30:.1f} GiB, peak RSS {big['hwm'] / 2**30:.2f} GiB -> {state / big['hwm']:.1f}x; "
-          f"losses finite: {result['losses_finite']}; at {result['check']['params'] / 1e6:.0f}M the losses equal "
-          f"plain PyTorch's: {same}")
+    same = all(
+        abs(x - y) <= 1e-4 * abs(y)
+        for x, y in zip(out["check/planner-0"]["losses"], out["check/plain"]["losses"], strict=True)
+    )
+    result = {
+        "params": big["params"],
+        "seq": args.seq,
+        "training_state_nbytes": state,
+        "peak_rss": big["hwm"],
+        "state_over_rss": state / big["hwm"],
+        "step_s": big["times"],
+        "losses": big["losses"],
+        "losses_finite": all(x == x and abs(x) != float("inf") for x in big["losses"]),
+        "cgroup_limit": big.get("cgroup_limit"),
+        "plan": big.get("plan"),
+        "wall_s": big["wall_s"],
+        "check": {
+            "params": out["check/plain"]["params"],
+            "plain_losses": out["check/plain"]["losses"],
+            "infinity_losses": out["check/planner-0"]["losses"],
+            "losses_equal": same,
+        },
+    }
+    print(
+        f"capacity: GPT {big['params'] / 1e9:.2f}B trained {len(big['times'])} steps; training state "
+        f"{state / 2**30:.1f} GiB, peak RSS {big['hwm'] / 2**30:.2f} GiB -> {state / big['hwm']:.1f}x; "
+        f"losses finite: {result['losses_finite']}; at {result['check']['params'] / 1e6:.0f}M the losses equal "
+        f"plain PyTorch's: {same}"
+    )
     results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
     results.mkdir(parents=True, exist_ok=True)
     path = args.out or results / "train_capacity.json"

@@ -46,8 +46,13 @@ def teacher_config(nvme_path: str, largest_layer: int) -> dict:
             "stage3_param_persistence_threshold": 0,
             "stage3_max_live_parameters": "auto",
             "stage3_max_reuse_distance": "auto",
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4,
-                              "buffer_size": largest_layer, "max_in_cpu": 0},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": 4,
+                "buffer_size": largest_layer,
+                "max_in_cpu": 0,
+            },
         },
         "train_micro_batch_size_per_gpu": 1,
     }
@@ -57,7 +62,10 @@ def student_config() -> dict:
     """The guide's zero2_config.json, with the optimizer and schedule passed in as torch objects."""
     return {
         "bf16": {"enabled": "auto"},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": {
+            "stage": 2,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "train_batch_size": "auto",
@@ -76,34 +84,52 @@ class Windows(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         start = (i * 997) % (len(self.corpus.tokens) - self.seq_len)
-        return self.corpus.tokens[start:start + self.seq_len]
+        return self.corpus.tokens[start : start + self.seq_len]
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
     target = F.log_softmax(teacher_logits.float() / TEMPERATURE, dim=-1)
     log_student = F.log_softmax(student_logits.float(), dim=-1)
-    return F.kl_div(log_student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean")
+    return F.kl_div(
+        log_student.flatten(0, 1), target.flatten(0, 1), log_target=True, reduction="batchmean"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nvme-path", default="./infinity_nvme", help="swap folder (default ./infinity_nvme, created)")
+    p.add_argument(
+        "--nvme-path",
+        default="./infinity_nvme",
+        help="swap folder (default ./infinity_nvme, created)",
+    )
     p.add_argument("--out", default="distill_accelerate", help="accelerator.save_state folder")
     p.add_argument("--steps", type=int, help="optimizer steps in all (default 40; 6 with --quick)")
-    p.add_argument("--resume", action="store_true", help="accelerator.load_state(<out>) first and continue")
+    p.add_argument(
+        "--resume", action="store_true", help="accelerator.load_state(<out>) first and continue"
+    )
     p.add_argument("--quick", action="store_true", help="tiny models, 6 steps")
     args = p.parse_args(argv)
 
     if args.quick:
-        t_cfg, s_cfg, steps, micro = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64), \
-            GPTConfig(seq_len=32, n_layer=1, n_head=2, d_model=32), args.steps or 6, 4
+        t_cfg, s_cfg, steps, micro = (
+            GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=64),
+            GPTConfig(seq_len=32, n_layer=1, n_head=2, d_model=32),
+            args.steps or 6,
+            4,
+        )
     else:
-        t_cfg, s_cfg, steps, micro = GPTConfig(seq_len=64, n_layer=6, n_head=4, d_model=256), \
-            GPTConfig(seq_len=64, n_layer=2, n_head=2, d_model=128), args.steps or 40, 8
+        t_cfg, s_cfg, steps, micro = (
+            GPTConfig(seq_len=64, n_layer=6, n_head=4, d_model=256),
+            GPTConfig(seq_len=64, n_layer=2, n_head=2, d_model=128),
+            args.steps or 40,
+            8,
+        )
     largest_layer = 4 * t_cfg.d_model * t_cfg.d_model + 4 * t_cfg.d_model
     os.makedirs(args.nvme_path, exist_ok=True)
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=ACCUMULATE)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), gradient_accumulation_steps=ACCUMULATE
+    )
 
     # The teacher: built into stage-3 shards on NVMe, then served frozen.
     teacher_cfg = teacher_config(args.nvme_path, largest_layer)
@@ -115,12 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     # The student: ZeRO-2, Adam state in host memory.
     torch.manual_seed(0)
     student = GPT(s_cfg)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        student.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
-    data = DataLoader(Windows(TextCorpus(), s_cfg.seq_len, steps * ACCUMULATE * micro * accelerator.num_processes),
-                      batch_size=micro, shuffle=False)
-    student, optimizer, data, scheduler = prepare(accelerator, student, optimizer, data, scheduler,
-                                                  config=student_config())
+    data = DataLoader(
+        Windows(
+            TextCorpus(), s_cfg.seq_len, steps * ACCUMULATE * micro * accelerator.num_processes
+        ),
+        batch_size=micro,
+        shuffle=False,
+    )
+    student, optimizer, data, scheduler = prepare(
+        accelerator, student, optimizer, data, scheduler, config=student_config()
+    )
     start = 0
     if args.resume:
         accelerator.load_state(args.out)
@@ -135,18 +169,25 @@ def main(argv: list[str] | None = None) -> int:
             teacher_logits = teacher(tokens)
         loss = distill_loss(student(tokens), teacher_logits)
         accelerator.backward(loss)  # the engine's backward
-        optimizer.step()            # the engine's step: one update per ACCUMULATE micro-batches
-        scheduler.step()            # nothing: the engine steps the schedule
-        optimizer.zero_grad()       # nothing: the engine's window starts empty
+        optimizer.step()  # the engine's step: one update per ACCUMULATE micro-batches
+        scheduler.step()  # nothing: the engine steps the schedule
+        optimizer.zero_grad()  # nothing: the engine's window starts empty
         losses.append(loss.item())
     accelerator.save_state(args.out)
     if accelerator.is_main_process:
-        print(json.dumps({
-            "teacher_params": t_cfg.num_params, "student_params": s_cfg.num_params,
-            "steps": student.engine.global_steps, "first_loss": losses[0] if losses else None,
-            "last_loss": losses[-1] if losses else None,
-            "teacher_nvme_read_nbytes": teacher.io_stats()["read_nbytes"], "checkpoint": args.out,
-        }))
+        print(
+            json.dumps(
+                {
+                    "teacher_params": t_cfg.num_params,
+                    "student_params": s_cfg.num_params,
+                    "steps": student.engine.global_steps,
+                    "first_loss": losses[0] if losses else None,
+                    "last_loss": losses[-1] if losses else None,
+                    "teacher_nvme_read_nbytes": teacher.io_stats()["read_nbytes"],
+                    "checkpoint": args.out,
+                }
+            )
+        )
     teacher.close()
     student.engine.close()
     return 0

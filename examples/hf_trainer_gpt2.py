@@ -61,14 +61,27 @@ def ds_config(nvme_path: str, largest_layer: int) -> dict:
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW",
-                      "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupDecayLR",
-                      "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-                                 "total_num_steps": "auto"}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {**offload, "buffer_count": 4, "buffer_size": largest_layer, "max_in_cpu": 0},
+            "offload_param": {
+                **offload,
+                "buffer_count": 4,
+                "buffer_size": largest_layer,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": offload,
             "sub_group_size": largest_layer,
         },
@@ -77,10 +90,18 @@ def ds_config(nvme_path: str, largest_layer: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nvme-path", default="./infinity_nvme", help="swap folder (default ./infinity_nvme, created)")
-    p.add_argument("--out", default="hf_trainer_gpt2", help="output folder (default ./hf_trainer_gpt2)")
+    p.add_argument(
+        "--nvme-path",
+        default="./infinity_nvme",
+        help="swap folder (default ./infinity_nvme, created)",
+    )
+    p.add_argument(
+        "--out", default="hf_trainer_gpt2", help="output folder (default ./hf_trainer_gpt2)"
+    )
     p.add_argument("--steps", type=int, help="optimizer steps in all (default 12; 6 with --quick)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint-N in --out")
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint-N in --out"
+    )
     p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps")
     args = p.parse_args(argv)
 
@@ -95,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     config_path = os.path.join(args.out, "ds_config.json")
     os.makedirs(args.out, exist_ok=True)
     with open(config_path, "w") as f:
-        json.dump(ds_config(args.nvme_path, 4 * gpt2.n_embd * gpt2.n_embd + 4 * gpt2.n_embd), f, indent=2)
+        json.dump(
+            ds_config(args.nvme_path, 4 * gpt2.n_embd * gpt2.n_embd + 4 * gpt2.n_embd), f, indent=2
+        )
 
     training_args = TrainingArguments(
         output_dir=args.out,
@@ -118,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(gpt2)
     losses = Losses()
-    trainer = InfinityTrainer(model=model, args=training_args, train_dataset=CorpusWindows(256 * batch_size, seq_len),
-                              callbacks=[losses], infinity_config=config_path)
+    trainer = InfinityTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=CorpusWindows(256 * batch_size, seq_len),
+        callbacks=[losses],
+        infinity_config=config_path,
+    )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     io = trainer.engine.io_stats()
     final = os.path.join(args.out, "final")
@@ -130,11 +158,20 @@ def main(argv: list[str] | None = None) -> int:
     sample = CorpusWindows(4, seq_len)[0]["input_ids"][None]
     with torch.no_grad():
         reloaded_loss = reloaded(input_ids=sample, labels=sample).loss.item()
-    print(json.dumps({"params": trainer.engine.num_parameters, "steps": trainer.state.global_step,
-                      "first_loss": losses.losses[0] if losses.losses else None,
-                      "last_loss": losses.losses[-1] if losses.losses else None,
-                      "nvme_read_nbytes": io["read_nbytes"], "nvme_write_nbytes": io["write_nbytes"],
-                      "reloaded_loss": reloaded_loss, "saved_model": final}))
+    print(
+        json.dumps(
+            {
+                "params": trainer.engine.num_parameters,
+                "steps": trainer.state.global_step,
+                "first_loss": losses.losses[0] if losses.losses else None,
+                "last_loss": losses.losses[-1] if losses.losses else None,
+                "nvme_read_nbytes": io["read_nbytes"],
+                "nvme_write_nbytes": io["write_nbytes"],
+                "reloaded_loss": reloaded_loss,
+                "saved_model": final,
+            }
+        )
+    )
     trainer.engine.close()
     return 0
 

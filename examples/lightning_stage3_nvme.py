@@ -72,26 +72,45 @@ class FineTune(L.LightningModule):
         def schedule(step: int) -> float:  # linear warm-up, cosine decay to 10%
             if step < warmup:
                 return (step + 1) / warmup
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, self.steps - warmup))))
+            return 0.1 + 0.9 * 0.5 * (
+                1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, self.steps - warmup)))
+            )
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        n = self.steps * self.trainer.accumulate_grad_batches * self.batch_size * self.trainer.world_size
+        n = (
+            self.steps
+            * self.trainer.accumulate_grad_batches
+            * self.batch_size
+            * self.trainer.world_size
+        )
         return DataLoader(CorpusWindows(n, self.gpt.seq_len, seed=0), batch_size=self.batch_size)
 
     def val_dataloader(self):
-        return DataLoader(CorpusWindows(4 * self.batch_size, self.gpt.seq_len, seed=1), batch_size=self.batch_size)
+        return DataLoader(
+            CorpusWindows(4 * self.batch_size, self.gpt.seq_len, seed=1), batch_size=self.batch_size
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nvme-path", default="./infinity_nvme", help="swap folder (default ./infinity_nvme, created)")
-    p.add_argument("--out", default="lightning_stage3_nvme", help="checkpoint folder (default ./lightning_stage3_nvme)")
+    p.add_argument(
+        "--nvme-path",
+        default="./infinity_nvme",
+        help="swap folder (default ./infinity_nvme, created)",
+    )
+    p.add_argument(
+        "--out",
+        default="lightning_stage3_nvme",
+        help="checkpoint folder (default ./lightning_stage3_nvme)",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps in all (default 30; 6 with --quick)")
     p.add_argument("--devices", type=int, default=1, help="processes (CPU: gloo; default 1)")
-    p.add_argument("--precision", default="32-true", help="32-true (default), bf16-true, bf16-mixed, ...")
+    p.add_argument(
+        "--precision", default="32-true", help="32-true (default), bf16-true, bf16-mixed, ..."
+    )
     p.add_argument("--resume", action="store_true", help="continue from <out>/last.ckpt")
     p.add_argument("--quick", action="store_true", help="a tiny model, 6 steps")
     args = p.parse_args(argv)
@@ -102,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         gpt = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)
         steps, batch_size = args.steps or 30, 4
-    largest_layer = 4 * gpt.d_model * gpt.d_model + 4 * gpt.d_model  # the MLP's Linear, with its bias
+    largest_layer = (
+        4 * gpt.d_model * gpt.d_model + 4 * gpt.d_model
+    )  # the MLP's Linear, with its bias
     strategy = InfinityStrategy(
         stage=3,
         offload_optimizer=True,
@@ -125,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         accumulate_grad_batches=2,
         gradient_clip_val=1.0,
         val_check_interval=max(1, steps // 2) * 2,  # in batches: twice per run
-        callbacks=[ModelCheckpoint(dirpath=args.out, save_last=True, every_n_train_steps=max(1, steps // 2))],
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=args.out, save_last=True, every_n_train_steps=max(1, steps // 2)
+            )
+        ],
         logger=False,
         enable_progress_bar=not args.quick,
         enable_model_summary=False,
@@ -136,11 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     metrics = trainer.validate(module, verbose=False)[0]
     if trainer.is_global_zero:
         io = trainer.strategy.engine.io_stats()
-        print(json.dumps({"params": gpt.num_params, "steps": trainer.global_step, "world_size": trainer.world_size,
-                          "first_loss": module.losses[0] if module.losses else None,
-                          "last_loss": module.losses[-1] if module.losses else None, "val_loss": metrics["val_loss"],
-                          "nvme_read_nbytes": io["read_nbytes"], "nvme_write_nbytes": io["write_nbytes"],
-                          "checkpoint": os.path.join(args.out, "last.ckpt")}))
+        print(
+            json.dumps(
+                {
+                    "params": gpt.num_params,
+                    "steps": trainer.global_step,
+                    "world_size": trainer.world_size,
+                    "first_loss": module.losses[0] if module.losses else None,
+                    "last_loss": module.losses[-1] if module.losses else None,
+                    "val_loss": metrics["val_loss"],
+                    "nvme_read_nbytes": io["read_nbytes"],
+                    "nvme_write_nbytes": io["write_nbytes"],
+                    "checkpoint": os.path.join(args.out, "last.ckpt"),
+                }
+            )
+        )
     return 0
 
 

@@ -43,6 +43,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         spec = getattr(item, "callspec", None)
         if spec is not None and any(
-            v == "io_uring" or (isinstance(v, tuple) and "io_uring" in v) for v in spec.params.values()
+            v == "io_uring" or (isinstance(v, tuple) and "io_uring" in v)
+            for v in spec.params.values()
         ):
             item.add_marker(skip)

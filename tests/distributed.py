@@ -17,8 +17,13 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, *args)
@@ -49,7 +54,10 @@ def run_distributed(fn, *args, world_size: int = 2, timeout: float = 600.0) -> l
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}

@@ -31,7 +31,11 @@ def python_calls_while(drop: Callable[[], None]) -> list[str]:
             path = frame.f_code.co_filename
             if path.startswith(PACKAGE) or path.endswith(WEAKREF_FILES):
                 back = frame.f_back
-                via = f" (from {Path(back.f_code.co_filename).name}:{back.f_code.co_name})" if back else ""
+                via = (
+                    f" (from {Path(back.f_code.co_filename).name}:{back.f_code.co_name})"
+                    if back
+                    else ""
+                )
                 calls.append(f"{Path(path).name}:{frame.f_code.co_name}{via}")
 
     # The objects go by reference counting alone; with the collector off, garbage left by earlier

@@ -50,24 +50,51 @@ def tiny_llama_dir(tmp_path_factory):
     from transformers import LlamaConfig
 
     d = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=512).save_pretrained(d)
+    LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ).save_pretrained(d)
     return d
 
 
 def test_inference_bench_largest_batch_is_the_last_that_fits(tiny_llama_dir, tmp_path):
     bench = _bench_module("inference")
-    common = {"base": str(tmp_path), "buffer_count": 4, "buffer_size": 1 << 17, "prompt": 64, "new": 8}
+    common = {
+        "base": str(tmp_path),
+        "buffer_count": 4,
+        "buffer_size": 1 << 17,
+        "prompt": 64,
+        "new": 8,
+    }
     _, small = bench.largest_batch(tiny_llama_dir, common, 1 << 40, 1)
     assert small["capped"] and small["generation_nbytes"] < small["next_batch_nbytes"]
-    limit = small["generation_nbytes"] + 3 * (small["next_batch_nbytes"] - small["generation_nbytes"]) + 1
+    limit = (
+        small["generation_nbytes"]
+        + 3 * (small["next_batch_nbytes"] - small["generation_nbytes"])
+        + 1
+    )
     n, info = bench.largest_batch(tiny_llama_dir, common, limit, 256)
     assert 1 <= n < 256 and not info["capped"]
-    assert info["generation_nbytes"] <= limit < info["next_batch_nbytes"]  # fits, and one more would not
+    assert (
+        info["generation_nbytes"] <= limit < info["next_batch_nbytes"]
+    )  # fits, and one more would not
 
 
 def test_inference_bench_refuses_a_limit_nothing_fits(tiny_llama_dir, tmp_path):
     bench = _bench_module("inference")
-    common = {"base": str(tmp_path), "buffer_count": 4, "buffer_size": 1 << 17, "prompt": 64, "new": 8}
-    with pytest.raises(SystemExit, match=r"--batches max: not even batch 1 fits the 0\.00 GiB limit by the estimate"):
+    common = {
+        "base": str(tmp_path),
+        "buffer_count": 4,
+        "buffer_size": 1 << 17,
+        "prompt": 64,
+        "new": 8,
+    }
+    with pytest.raises(
+        SystemExit,
+        match=r"--batches max: not even batch 1 fits the 0\.00 GiB limit by the estimate",
+    ):
         bench.largest_batch(tiny_llama_dir, common, 1 << 20, 8)

@@ -62,11 +62,23 @@ def test_the_dockerfile_starts_from_debian_python_311_and_runs_in_a_copy_of_the_
 
 
 def test_the_build_context_leaves_host_builds_out_and_keeps_what_setup_needs():
-    ignore = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-              if ln.strip() and not ln.startswith("#")]
+    ignore = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
     for built in (".venv/", "build/", "**/*.so"):
         assert built in ignore
-    for needed in ("setup.sh", "pyproject.toml", "CMakeLists.txt", "csrc", "infinity", "tests", ".ci", "README.md"):
+    for needed in (
+        "setup.sh",
+        "pyproject.toml",
+        "CMakeLists.txt",
+        "csrc",
+        "infinity",
+        "tests",
+        ".ci",
+        "README.md",
+    ):
         assert (ROOT / needed).exists()
         assert not any(needed == p.rstrip("/") for p in ignore), f"{needed} must reach the image"
 
@@ -87,7 +99,14 @@ def test_the_fallback_line_the_readme_quotes_is_what_the_runtime_logs_once(nvme_
         "print(a.engine, b.engine)\n"
     )
     env = dict(os.environ, INFINITY_AIO_IO_URING_REFUSE="EPERM")
-    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["threads", "threads"]
     lines = [ln for ln in r.stderr.splitlines() if "io_uring" in ln]
@@ -115,8 +134,13 @@ def test_the_readme_estimate_example_runs(capsys):
         if ln.startswith("stage "):
             label = re.split(r"\s{2,}", ln)[0]
             assert label in out, f"README row {label!r} is not in today's output"
-    json_out = subprocess.run([sys.executable, "-m", "infinity.cli.main", *argv, "--json"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)
+    json_out = subprocess.run(
+        [sys.executable, "-m", "infinity.cli.main", *argv, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert json.loads(json_out.stdout)["num_params"] > 0
 
 

@@ -178,7 +178,9 @@ def test_adam_bindings_refuse_positional_arguments():
     hyper = _adam.AdamHyper(lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
     with pytest.raises(TypeError):
         _adam.adam_step(*lists, hyper, 1.0, _adam.SCALAR, 1)
-    with pytest.raises(TypeError):  # the hyper-parameters cross as one AdamHyper, not a row of numbers
+    with pytest.raises(
+        TypeError
+    ):  # the hyper-parameters cross as one AdamHyper, not a row of numbers
         _adam.adam_step(*lists, 0.1, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, _adam.SCALAR, 1)
     names = (
         "params",

@@ -32,6 +32,17 @@ def test_ruff_clean():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def test_ruff_format_clean():
+    # One layout for every file, so that a diff shows what changed and not how it was typed.
+    paths = [p for p in ("infinity", "tests", "bench", "examples") if (ROOT / p).exists()]
+    r = subprocess.run(
+        [_tool("ruff"), "format", "--check", *paths], cwd=ROOT, capture_output=True, text=True
+    )
+    assert r.returncode == 0, (
+        "run `ruff format infinity tests bench examples`:\n" + r.stdout + r.stderr
+    )
+
+
 def test_mypy_clean():
     # The packages and settings are pyproject.toml's [tool.mypy]; its cache (.mypy_cache, ignored)
     # makes reruns quick.
@@ -66,10 +77,27 @@ def test_a_hung_test_fails_with_every_threads_stack(tmp_path):
         "    time.sleep(60)\n"
     )
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
-         "-o", "timeout=3", "-o", "faulthandler_timeout=2", str(tmp_path)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            "-o",
+            "timeout=3",
+            "-o",
+            "faulthandler_timeout=2",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     out = r.stdout + r.stderr
     assert r.returncode == 1, out

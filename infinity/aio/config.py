@@ -29,7 +29,11 @@ DEFAULT_QUEUE_DEPTH = 32
 
 # Inclusive ranges. A block_size below 4 KiB cannot be O_DIRECT; above 1 GiB a
 # piece gains nothing (and io_uring caps a fixed buffer there).
-_LIMITS = {"block_size": (DIRECT_ALIGNMENT, 1 << 30), "queue_depth": (1, 4096), "thread_count": (1, 256)}
+_LIMITS = {
+    "block_size": (DIRECT_ALIGNMENT, 1 << 30),
+    "queue_depth": (1, 4096),
+    "thread_count": (1, 256),
+}
 
 
 def _as_int(key: str, value: Any, lo: int, hi: int) -> int:
@@ -83,7 +87,9 @@ class AioConfig:
     use_gds: bool = False
     """GPUDirect Storage (DeepSpeed key). Not supported: reads bounce through host memory."""
 
-    ALIASES: ClassVar[Mapping[str, str]] = MappingProxyType({"intra_op_parallelism": "thread_count"})
+    ALIASES: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"intra_op_parallelism": "thread_count"}
+    )
     """DeepSpeed's other names for fields: alias -> field."""
     KEYS: ClassVar[tuple[str, ...]]
     """Every key an ``aio`` section may hold: the fields, each alias after its field."""
@@ -101,7 +107,9 @@ class AioConfig:
             raise ValueError(f"aio.engine must be one of {', '.join(ENGINES)}; got {self.engine!r}")
 
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None, *, base: AioConfig | None = None) -> AioConfig:
+    def from_dict(
+        cls, section: Mapping[str, Any] | None, *, base: AioConfig | None = None
+    ) -> AioConfig:
         """Parses a DeepSpeed ``aio`` section; keys it does not hold keep ``base``'s values (the defaults).
 
         The one place DeepSpeed's key names (``ALIASES``) map onto the fields.

@@ -45,6 +45,7 @@ log = logging.getLogger("infinity.aio")
 PathLike = Union[str, "os.PathLike[str]"]
 FileArg = Union["AioFile", PathLike, int]
 
+
 class Notices:
     """Fallback notices, each logged once per process by whichever handle or file meets it first.
     ``AioHandle.notices`` is the process's; a test swaps in a fresh one to see them again."""

@@ -108,7 +108,9 @@ def run(args: argparse.Namespace) -> int:
         f"infinity bench aio: {what}, {len(settings)} settings x {', '.join(ops)}, {repeat} run(s) each"
     )
     for group in measure.shared_file_systems(args.path) if len(targets) > 1 else ():
-        print(f"note: {' and '.join(map(str, group))} are on one file system: the stripe shares its bandwidth")
+        print(
+            f"note: {' and '.join(map(str, group))} are on one file system: the stripe shares its bandwidth"
+        )
     print(f"page cache: {measure.page_cache_note(direct)}")
     print(
         "buffers: a ring of queue_depth x block_size x threads bytes per setting (the memory fio cycles through)"

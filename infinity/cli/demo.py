@@ -28,22 +28,38 @@ def parse_count(text: str) -> int:
     try:
         return int(float(t[:-1] if scale != 1 else t) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 150M, 1.3B or 27e6)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a count: {text!r} (try 150M, 1.3B or 27e6)"
+        ) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nvme-path", default=DEFAULT_NVME, help=f"swap directory (default {DEFAULT_NVME}, created)")
-    p.add_argument("--params", type=parse_count, default=parse_count("150M"), help="model size (default 150M)")
+    p.add_argument(
+        "--nvme-path",
+        default=DEFAULT_NVME,
+        help=f"swap directory (default {DEFAULT_NVME}, created)",
+    )
+    p.add_argument(
+        "--params", type=parse_count, default=parse_count("150M"), help="model size (default 150M)"
+    )
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--seq", type=int, default=256, help="sequence length (default 256)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument(
+        "--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)"
+    )
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate (default 6e-4)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (fp32 master weights)")
-    p.add_argument("--out", default="infinity_demo", help="prefix of the PNG and JSON written (default infinity_demo)")
+    p.add_argument(
+        "--out",
+        default="infinity_demo",
+        help="prefix of the PNG and JSON written (default infinity_demo)",
+    )
     p.add_argument("--config", help="a DeepSpeed-style config to use instead of the demo's own")
 
 
-def demo_config(nvme_path: str, *, lr: float, steps: int, micro_batch: int, bf16: bool, largest_unit: int) -> dict:
+def demo_config(
+    nvme_path: str, *, lr: float, steps: int, micro_batch: int, bf16: bool, largest_unit: int
+) -> dict:
     """The demo's config: DeepSpeed's schema, everything on NVMe, buffers sized to the model."""
     buffer = max(largest_unit, 1 << 20)
     return {
@@ -51,13 +67,23 @@ def demo_config(nvme_path: str, *, lr: float, steps: int, micro_batch: int, bf16
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": bf16},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps,
-                                                           "warmup_num_steps": max(1, steps // 10)}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"total_num_steps": steps, "warmup_num_steps": max(1, steps // 10)},
+        },
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 16,
-                              "buffer_size": buffer, "max_in_cpu": 0},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme_path,
+                "buffer_count": 16,
+                "buffer_size": buffer,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},
             "sub_group_size": 2 * buffer,
             "stage3_param_persistence_threshold": 1e5,
@@ -84,10 +110,18 @@ def run(args: argparse.Namespace) -> int:
     if args.config:
         config = read_config_file(args.config)
     else:
-        config = demo_config(args.nvme_path, lr=args.lr, steps=args.steps, micro_batch=args.micro_batch,
-                             bf16=args.bf16, largest_unit=largest_unit)
-    print(f"infinity demo: GPT with {gpt.num_params / 1e6:.1f}M parameters ({gpt.n_layer} layers, "
-          f"d_model {gpt.d_model}), seq {args.seq}, {args.steps} steps, swap files under {args.nvme_path}")
+        config = demo_config(
+            args.nvme_path,
+            lr=args.lr,
+            steps=args.steps,
+            micro_batch=args.micro_batch,
+            bf16=args.bf16,
+            largest_unit=largest_unit,
+        )
+    print(
+        f"infinity demo: GPT with {gpt.num_params / 1e6:.1f}M parameters ({gpt.n_layer} layers, "
+        f"d_model {gpt.d_model}), seq {args.seq}, {args.steps} steps, swap files under {args.nvme_path}"
+    )
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with infinity.zero.Init(config):
@@ -108,12 +142,17 @@ def run(args: argparse.Namespace) -> int:
             engine.step()
             dt = time.perf_counter() - t
             io = engine.io_stats()
-            rd, wr = io["read_nbytes"] - last["read_nbytes"], io["write_nbytes"] - last["write_nbytes"]
+            rd, wr = (
+                io["read_nbytes"] - last["read_nbytes"],
+                io["write_nbytes"] - last["write_nbytes"],
+            )
             last = io
             losses.append(loss.item())
             times.append(dt)
-            bar.set_postfix_str(f"loss {losses[-1]:.3f} | {dt:.2f} s/step | read {rd / dt / 1e9:.2f} GB/s "
-                                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(peak_resident_host_nbytes())}")
+            bar.set_postfix_str(
+                f"loss {losses[-1]:.3f} | {dt:.2f} s/step | read {rd / dt / 1e9:.2f} GB/s "
+                f"| write {wr / dt / 1e9:.2f} GB/s | peak RSS {_gib(peak_resident_host_nbytes())}"
+            )
     finally:
         bar.close()
         engine.synchronize()
@@ -140,16 +179,24 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_nbytes": rss,
         "losses": losses,
     }
-    print(f"\nloss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} in {len(losses)} steps; "
-          f"median {median:.2f} s/step (setup {setup_s:.1f} s)")
-    print(f"read {io['read_nbytes'] / 1e9:.1f} GB, wrote {io['write_nbytes'] / 1e9:.1f} GB "
-          f"({io['read_nbytes'] / max(1, len(losses)) / 1e9:.2f} / {io['write_nbytes'] / max(1, len(losses)) / 1e9:.2f} GB per step)")
+    print(
+        f"\nloss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f} in {len(losses)} steps; "
+        f"median {median:.2f} s/step (setup {setup_s:.1f} s)"
+    )
+    print(
+        f"read {io['read_nbytes'] / 1e9:.1f} GB, wrote {io['write_nbytes'] / 1e9:.1f} GB "
+        f"({io['read_nbytes'] / max(1, len(losses)) / 1e9:.2f} / {io['write_nbytes'] / max(1, len(losses)) / 1e9:.2f} GB per step)"
+    )
     if prefetch:
         t = prefetch.total
-        print(f"prefetch: {t.prefetch_hits} fetches served ahead, {t.on_demand} on demand, {t.stall_s:.1f} s "
-              f"waiting for parameters, {t.duplicate_reads} duplicate reads")
-    print(f"training state {_gib(state_nbytes)} on NVMe, peak RSS {_gib(rss)} "
-          f"(the state is {state_nbytes / max(rss, 1):.1f}x the memory used)")
+        print(
+            f"prefetch: {t.prefetch_hits} fetches served ahead, {t.on_demand} on demand, {t.stall_s:.1f} s "
+            f"waiting for parameters, {t.duplicate_reads} duplicate reads"
+        )
+    print(
+        f"training state {_gib(state_nbytes)} on NVMe, peak RSS {_gib(rss)} "
+        f"(the state is {state_nbytes / max(rss, 1):.1f}x the memory used)"
+    )
     png = Path(f"{args.out}_loss.png")
     _plot(losses, png, title=f"GPT {gpt.num_params / 1e6:.0f}M, params + optimizer on NVMe")
     Path(f"{args.out}.json").write_text(json.dumps(summary, indent=2))

@@ -224,7 +224,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"{ok if good_huge else no}huge pages: {huge}"
         + ("" if good_huge else " (I/O buffers fall back to 4 KiB pages: slower reads)")
     )
-    lock = "unlimited" if m["memlock_limit_bytes"] is None else format_nbytes(m["memlock_limit_bytes"])
+    lock = (
+        "unlimited" if m["memlock_limit_bytes"] is None else format_nbytes(m["memlock_limit_bytes"])
+    )
     if os.geteuid() == 0:
         lock += " (root: not enforced)"
     lines.append(
@@ -244,7 +246,9 @@ def format_report(r: dict[str, Any]) -> str:
     )
     from infinity.estimate.machine import describe_machine
 
-    lines.append("what a run can use here (as `infinity estimate` and the pre-flight check see it):")
+    lines.append(
+        "what a run can use here (as `infinity estimate` and the pre-flight check see it):"
+    )
     lines += ["      " + ln for ln in describe_machine(_view_from(r["machine_view"]))]
     return "\n".join(lines)
 
@@ -252,8 +256,13 @@ def format_report(r: dict[str, Any]) -> str:
 def _view_from(d: dict[str, Any]):
     from infinity.estimate.machine import DiskInfo, GPUInfo, MachineView
 
-    return MachineView(**{**d, "gpus": tuple(GPUInfo(**g) for g in d["gpus"]),
-                          "disks": tuple(DiskInfo(**x) for x in d["disks"])})
+    return MachineView(
+        **{
+            **d,
+            "gpus": tuple(GPUInfo(**g) for g in d["gpus"]),
+            "disks": tuple(DiskInfo(**x) for x in d["disks"]),
+        }
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,11 +31,14 @@ from infinity.models import GPTConfig
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
+
 def parse_count(text: str) -> float:
     """'13e9', '13B', '150M', '1.5e9' -> a parameter count."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", text)
     if m is None:
-        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (examples: 13e9, 13B, 150M)")
+        raise argparse.ArgumentTypeError(
+            f"not a parameter count: {text!r} (examples: 13e9, 13B, 150M)"
+        )
     n = float(m.group(1)) * _SUFFIX.get(m.group(2).lower(), 1)
     if n < 1:
         raise argparse.ArgumentTypeError(f"a parameter count must be at least 1; got {text!r}")
@@ -61,7 +64,7 @@ def read_model_config(path: str) -> nn.Module | GPTConfig:
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ValueError(
-            f"--model-config {path!r} is neither a Hugging Face config.json (it has no \"model_type\") nor "
+            f'--model-config {path!r} is neither a Hugging Face config.json (it has no "model_type") nor '
             f"infinity GPT's shape: unknown keys {', '.join(unknown)} (GPTConfig fields: {', '.join(sorted(fields))})"
         )
     missing = {"n_layer", "d_model", "n_head"} - set(data)
@@ -83,8 +86,10 @@ def _transformers_model(path: str) -> nn.Module:
         import transformers
         from transformers.models.auto import modeling_auto as auto
     except ImportError:
-        raise ValueError(f"--model-config {path!r} is a Hugging Face config.json: building it needs transformers "
-                         "(pip install transformers)") from None
+        raise ValueError(
+            f"--model-config {path!r} is a Hugging Face config.json: building it needs transformers "
+            "(pip install transformers)"
+        ) from None
     try:
         config = transformers.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError) as e:
@@ -94,10 +99,18 @@ def _transformers_model(path: str) -> nn.Module:
         (transformers.AutoModelForSeq2SeqLM, auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING),
         (transformers.AutoModel, auto.MODEL_MAPPING),
     )
-    fitting = [(auto_class, mapping[type(config)]) for auto_class, mapping in kinds if type(config) in mapping]
+    fitting = [
+        (auto_class, mapping[type(config)])
+        for auto_class, mapping in kinds
+        if type(config) in mapping
+    ]
     if not fitting:
-        raise ValueError(f"--model-config {path!r}: transformers has no model for {type(config).__name__}")
-    named = [auto_class for auto_class, cls in fitting if cls.__name__ in (config.architectures or ())]
+        raise ValueError(
+            f"--model-config {path!r}: transformers has no model for {type(config).__name__}"
+        )
+    named = [
+        auto_class for auto_class, cls in fitting if cls.__name__ in (config.architectures or ())
+    ]
     auto_class = (named or [auto_class for auto_class, _ in fitting])[0]
     with torch.device("meta"):
         return auto_class.from_config(config)
@@ -108,30 +121,59 @@ HELP = "memory and NVMe each ZeRO stage × offload setting needs, and the fastes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=parse_count, help="parameter count (13e9, 13B, 150M): a GPT-shaped model")
-    p.add_argument("--model-config", metavar="JSON",
-                   help="a Hugging Face config.json (any architecture transformers knows: the real model, built on "
-                   "the meta device) or GPTConfig's fields")
+    p.add_argument(
+        "--params", type=parse_count, help="parameter count (13e9, 13B, 150M): a GPT-shaped model"
+    )
+    p.add_argument(
+        "--model-config",
+        metavar="JSON",
+        help="a Hugging Face config.json (any architecture transformers knows: the real model, built on "
+        "the meta device) or GPTConfig's fields",
+    )
     p.add_argument("--nodes", type=int, default=1, help="machines (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="ranks per machine (default 1)")
-    p.add_argument("--config", metavar="JSON", help="DeepSpeed-style config: its sizes and precision are kept")
-    p.add_argument("--micro-batch", type=int, help="samples per rank per step (activations; default: the config's)")
+    p.add_argument(
+        "--config", metavar="JSON", help="DeepSpeed-style config: its sizes and precision are kept"
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        help="samples per rank per step (activations; default: the config's)",
+    )
     p.add_argument("--seq", type=int, help="sequence length (activations)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: the config's, else bf16")
-    p.add_argument("--nvme-path", nargs="+", metavar="PATH",
-                   help="where NVMe settings swap when the config names no nvme_path (default ./infinity_nvme); "
-                   "several folders, one per drive, are striped over")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="compute device the plan is for (default: cuda when available)")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="count activations as with every transformer block checkpointed")
+    p.add_argument(
+        "--precision", choices=("fp32", "bf16", "fp16"), help="default: the config's, else bf16"
+    )
+    p.add_argument(
+        "--nvme-path",
+        nargs="+",
+        metavar="PATH",
+        help="where NVMe settings swap when the config names no nvme_path (default ./infinity_nvme); "
+        "several folders, one per drive, are striped over",
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="compute device the plan is for (default: cuda when available)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="count activations as with every transformer block checkpointed",
+    )
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
     g = p.add_argument_group("inference (--inference)")
-    g.add_argument("--inference", action="store_true",
-                   help="estimate generation with the weights streamed from NVMe (stage 3, no optimizer) and "
-                   "the largest batch that fits, instead of training")
+    g.add_argument(
+        "--inference",
+        action="store_true",
+        help="estimate generation with the weights streamed from NVMe (stage 3, no optimizer) and "
+        "the largest batch that fits, instead of training",
+    )
     g.add_argument("--batch", type=int, default=1, help="sequences generated at once (default 1)")
-    g.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    g.add_argument(
+        "--prompt", type=int, default=128, help="prompt tokens per sequence (default 128)"
+    )
     g.add_argument("--gen", type=int, default=16, help="new tokens per sequence (default 16)")
 
 
@@ -150,9 +192,15 @@ def run(args: argparse.Namespace) -> int:
         if args.inference:
             if args.nodes * args.gpus_per_node != 1:
                 raise ValueError("--inference estimates one rank (--nodes 1 --gpus-per-node 1)")
-            if args.micro_batch is not None or args.seq is not None or args.activation_checkpointing:
-                raise ValueError("--micro-batch, --seq and --activation-checkpointing are training's; "
-                                 "--inference takes --batch, --prompt and --gen")
+            if (
+                args.micro_batch is not None
+                or args.seq is not None
+                or args.activation_checkpointing
+            ):
+                raise ValueError(
+                    "--micro-batch, --seq and --activation-checkpointing are training's; "
+                    "--inference takes --batch, --prompt and --gen"
+                )
             est = estimate_inference(
                 subject,
                 model_config=model_config,
@@ -184,11 +232,15 @@ def run(args: argparse.Namespace) -> int:
     return _print(est, args, notes, model)
 
 
-def _print(est: Any, args: argparse.Namespace, notes: list[str], model: nn.Module | GPTConfig | None) -> int:
+def _print(
+    est: Any, args: argparse.Namespace, notes: list[str], model: nn.Module | GPTConfig | None
+) -> int:
     if args.params is not None and model is not None:
         rel = abs(est.num_params - args.params) / args.params
         if rel > 0.05:
-            notes.append(f"--model-config has {est.num_params:,} parameters, {rel:.0%} off --params; it was used")
+            notes.append(
+                f"--model-config has {est.num_params:,} parameters, {rel:.0%} off --params; it was used"
+            )
     if args.json:
         out = est.to_dict()
         out["notes"] = notes

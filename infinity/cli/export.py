@@ -22,35 +22,66 @@ from infinity.engine.checkpoint import CheckpointError, export_checkpoint
 from infinity.engine.checkpoint.format import DTYPE_NAMES
 
 NAME = "export"
-HELP = ("export: write a checkpoint's full weights to one .safetensors file or a Hugging Face directory "
-        "(streaming, any model size)")
+HELP = (
+    "export: write a checkpoint's full weights to one .safetensors file or a Hugging Face directory "
+    "(streaming, any model size)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", type=Path,
-                        help="a checkpoint directory, or the directory holding 'latest' (then --tag or latest)")
-    parser.add_argument("out", type=Path,
-                        help="a .safetensors file (replaced atomically), or a directory (a path without a suffix) "
-                             "for the Hugging Face layout: model.safetensors or its shards, index, config.json")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="fp32",
-                        help="dtype of the weights written (default fp32, from the fp32 masters)")
-    parser.add_argument("--tag", default=None, help="which checkpoint under CHECKPOINT (default: what 'latest' names)")
-    parser.add_argument("--max-shard-size", default=None, metavar="SIZE",
-                        help="Hugging Face layout: shards of at most SIZE of tensor data, as save_pretrained's "
-                             "max_shard_size ('5GB', '500MB', bytes; default 50GB)")
-    parser.add_argument("--config", type=Path, default=None, metavar="PATH",
-                        help="Hugging Face layout: the model's config.json (or its directory), refused where its "
-                             "shapes differ from the weights'; default: the one saved in the checkpoint (else "
-                             "beside it, then in CHECKPOINT)")
+    parser.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a checkpoint directory, or the directory holding 'latest' (then --tag or latest)",
+    )
+    parser.add_argument(
+        "out",
+        type=Path,
+        help="a .safetensors file (replaced atomically), or a directory (a path without a suffix) "
+        "for the Hugging Face layout: model.safetensors or its shards, index, config.json",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPE_NAMES),
+        default="fp32",
+        help="dtype of the weights written (default fp32, from the fp32 masters)",
+    )
+    parser.add_argument(
+        "--tag",
+        default=None,
+        help="which checkpoint under CHECKPOINT (default: what 'latest' names)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="Hugging Face layout: shards of at most SIZE of tensor data, as save_pretrained's "
+        "max_shard_size ('5GB', '500MB', bytes; default 50GB)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="Hugging Face layout: the model's config.json (or its directory), refused where its "
+        "shapes differ from the weights'; default: the one saved in the checkpoint (else "
+        "beside it, then in CHECKPOINT)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
-        out = export_checkpoint(args.checkpoint, args.out, tag=args.tag, dtype=DTYPE_NAMES[args.dtype],
-                                progress=False if args.no_progress else None, max_shard_size=args.max_shard_size,
-                                config=args.config)
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            tag=args.tag,
+            dtype=DTYPE_NAMES[args.dtype],
+            progress=False if args.no_progress else None,
+            max_shard_size=args.max_shard_size,
+            config=args.config,
+        )
     except (CheckpointError, OSError, ValueError) as e:
         print(f"infinity export: {e}", file=sys.stderr)
         return 1
@@ -58,5 +89,7 @@ def run(args: argparse.Namespace) -> int:
     files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
     size = sum(f.stat().st_size for f in files)
     what = f"{len(files)} file(s) in {out}" if out.is_dir() else str(out)
-    print(f"wrote {what} ({size / 1e9:.3f} GB, {args.dtype}) in {dt:.1f} s ({size / 1e9 / max(dt, 1e-9):.2f} GB/s)")
+    print(
+        f"wrote {what} ({size / 1e9:.3f} GB, {args.dtype}) in {dt:.1f} s ({size / 1e9 / max(dt, 1e-9):.2f} GB/s)"
+    )
     return 0

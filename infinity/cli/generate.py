@@ -42,26 +42,69 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-dir", required=True, metavar="DIR",
-                   help="a save_pretrained directory: config.json, model.safetensors (or shards), a tokenizer")
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        metavar="DIR",
+        help="a save_pretrained directory: config.json, model.safetensors (or shards), a tokenizer",
+    )
     p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--batch", type=int, default=1, help="copies of the prompt generated at once (default 1)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per sequence (default 32)")
-    p.add_argument("--nvme-path", default="infinity_nvme", metavar="PATH",
-                   help="where the weights' swap files go when --config names none (default ./infinity_nvme)")
-    p.add_argument("--config", metavar="JSON", help="DeepSpeed-style config (stage 3, no optimizer); "
-                   "default: the weights on NVMe at --nvme-path, none kept in host memory")
-    p.add_argument("--bits", type=int, choices=(8, 4),
-                   help="store the weights group-quantised (weight_quantization, groups of 64)")
-    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
-                   help="the weights' dtype (default: config.json's, else fp32)")
-    p.add_argument("--do-sample", action="store_true",
-                   help="sample the next token (transformers' do_sample=True) instead of greedy decoding")
-    p.add_argument("--temperature", type=float, metavar="T", help="with --do-sample: divides the logits (default 1.0)")
-    p.add_argument("--top-k", type=int, metavar="K", help="with --do-sample: keep the K likeliest tokens (default 50)")
-    p.add_argument("--top-p", type=float, metavar="P",
-                   help="with --do-sample: keep the smallest set of tokens whose probability reaches P (default 1.0)")
-    p.add_argument("--seed", type=int, help="seed torch's generator before generating (reproducible sampling)")
+    p.add_argument(
+        "--batch", type=int, default=1, help="copies of the prompt generated at once (default 1)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=32, help="new tokens per sequence (default 32)"
+    )
+    p.add_argument(
+        "--nvme-path",
+        default="infinity_nvme",
+        metavar="PATH",
+        help="where the weights' swap files go when --config names none (default ./infinity_nvme)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="JSON",
+        help="DeepSpeed-style config (stage 3, no optimizer); "
+        "default: the weights on NVMe at --nvme-path, none kept in host memory",
+    )
+    p.add_argument(
+        "--bits",
+        type=int,
+        choices=(8, 4),
+        help="store the weights group-quantised (weight_quantization, groups of 64)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("auto", *DTYPES),
+        default="auto",
+        help="the weights' dtype (default: config.json's, else fp32)",
+    )
+    p.add_argument(
+        "--do-sample",
+        action="store_true",
+        help="sample the next token (transformers' do_sample=True) instead of greedy decoding",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        help="with --do-sample: divides the logits (default 1.0)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        help="with --do-sample: keep the K likeliest tokens (default 50)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        help="with --do-sample: keep the smallest set of tokens whose probability reaches P (default 1.0)",
+    )
+    p.add_argument(
+        "--seed", type=int, help="seed torch's generator before generating (reproducible sampling)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
 
 
@@ -75,8 +118,10 @@ def sampling_arguments(args: argparse.Namespace) -> dict[str, Any]:
     if not args.do_sample:
         if given:
             flag = "--" + next(iter(given)).replace("_", "-")
-            raise ValueError(f"{flag} applies only with --do-sample (without it decoding is greedy); add "
-                             "--do-sample or drop it")
+            raise ValueError(
+                f"{flag} applies only with --do-sample (without it decoding is greedy); add "
+                "--do-sample or drop it"
+            )
         return {"do_sample": False}
     if given.get("temperature", 1.0) <= 0:
         raise ValueError("--temperature must be above 0 (for greedy decoding, drop --do-sample)")
@@ -94,10 +139,16 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read --config {args.config!r}: {e}") from None
     else:
-        cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": args.nvme_path,
-                                                                   "max_in_cpu": 0}}}
+        cfg = {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0},
+            }
+        }
     if args.bits:
-        cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": args.bits, "group_size": 64}}
+        cfg["weight_quantization"] = {
+            "quantized_initialization": {"num_bits": args.bits, "group_size": 64}
+        }
     if not args.config:
         Path(args.nvme_path).mkdir(parents=True, exist_ok=True)
     return cfg
@@ -110,8 +161,17 @@ class Stream:
     The text is written up to the last whitespace of what the tokens so far decode to (as transformers'
     TextStreamer does: a word may still change as tokens join it), the rest at the end."""
 
-    def __init__(self, engine: Any, tokenizer: Any, total: int, *, batch: int, progress: bool,
-                 out: Any = None, err: Any = None):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        total: int,
+        *,
+        batch: int,
+        progress: bool,
+        out: Any = None,
+        err: Any = None,
+    ):
         self.engine, self.tokenizer, self.total, self.batch = engine, tokenizer, total, batch
         self.out, self.err = out or sys.stdout, err or sys.stderr
         self.progress = progress
@@ -130,13 +190,13 @@ class Stream:
         self.tokens.append(int(value.reshape(self.batch, -1)[0, -1]))
         text = self.text()
         cut = max(text.rfind(" "), text.rfind("\n")) + 1
-        self._write(text[self.written:cut])
+        self._write(text[self.written : cut])
         if self.live:
             self.err.write("\r" + self.line())
             self.err.flush()
 
     def end(self) -> None:
-        self._write(self.text()[self.written:] + "\n")
+        self._write(self.text()[self.written :] + "\n")
         if self.progress:
             self.err.write(("\r" + self.line() if not self.live or self.steps <= 0 else "") + "\n")
             self.err.flush()
@@ -155,8 +215,10 @@ class Stream:
         read = self.engine.io_stats()["read_nbytes"] - self.read0
         done = min(max(self.steps, 0), self.total)
         bar = "#" * (20 * done // max(1, self.total))
-        return (f"[{bar:<20}] {done}/{self.total} tokens, {done * self.batch / dt:.1f} tok/s, "
-                f"{read / dt / 1e9:.2f} GB/s read, peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB")
+        return (
+            f"[{bar:<20}] {done}/{self.total} tokens, {done * self.batch / dt:.1f} tok/s, "
+            f"{read / dt / 1e9:.2f} GB/s read, peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB"
+        )
 
 
 def _isatty(stream: Any) -> bool:
@@ -183,16 +245,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # AutoTokenizer makes an empty tokenizer from a config alone: ask for its files first
     if not any((Path(args.model_dir) / f).is_file() for f in TOKENIZER_FILES):
-        print(f"infinity generate: cannot read a tokenizer from {args.model_dir}: it has none of "
-              f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with save_pretrained beside the model)",
-              file=sys.stderr)
+        print(
+            f"infinity generate: cannot read a tokenizer from {args.model_dir}: it has none of "
+            f"{', '.join(TOKENIZER_FILES)} (save the tokenizer with save_pretrained beside the model)",
+            file=sys.stderr,
+        )
         return 2
     try:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
-        print(f"infinity generate: cannot read a tokenizer from {args.model_dir}: {e}", file=sys.stderr)
+        print(
+            f"infinity generate: cannot read a tokenizer from {args.model_dir}: {e}",
+            file=sys.stderr,
+        )
         return 2
     enc = tokenizer([args.prompt] * args.batch, return_tensors="pt")
     if enc["input_ids"].shape[1] == 0:
@@ -207,21 +274,39 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if not isinstance(engine, infinity.InferenceEngine):
-            print("infinity generate: the config makes an optimizer (a training engine); drop its optimizer "
-                  "section", file=sys.stderr)
+            print(
+                "infinity generate: the config makes an optimizer (a training engine); drop its optimizer "
+                "section",
+                file=sys.stderr,
+            )
             return 2
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        stream = Stream(engine, tokenizer, args.max_new_tokens, batch=args.batch, progress=not args.no_progress)
+        pad = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+        stream = Stream(
+            engine, tokenizer, args.max_new_tokens, batch=args.batch, progress=not args.no_progress
+        )
         if args.seed is not None:
             torch.manual_seed(args.seed)  # generate samples from torch's default generator
-        out = engine.generate(enc["input_ids"], attention_mask=enc["attention_mask"], **decoding,
-                              max_new_tokens=args.max_new_tokens, pad_token_id=pad, streamer=stream)
+        out = engine.generate(
+            enc["input_ids"],
+            attention_mask=enc["attention_mask"],
+            **decoding,
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=pad,
+            streamer=stream,
+        )
         stats = engine.last_generation
     finally:
         engine.close()
     prompt_len = enc["input_ids"].shape[1]
     texts = tokenizer.batch_decode(out[:, prompt_len:], skip_special_tokens=True)
-    for text in list(dict.fromkeys(texts))[1:]:  # the first streamed; greedy copies agree, sampled may not
+    for text in list(dict.fromkeys(texts))[
+        1:
+    ]:  # the first streamed; greedy copies agree, sampled may not
         print(text)
-    print(f"{stats.summary()}; peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB", file=sys.stderr)
+    print(
+        f"{stats.summary()}; peak RSS {peak_resident_host_nbytes() / 2**30:.2f} GiB",
+        file=sys.stderr,
+    )
     return 0

@@ -130,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"infinity tune nvme: {where}, {len(settings)} settings, read and write")
     for group in measure.shared_file_systems(args.path) if label else ():
-        print(f"note: {' and '.join(map(str, group))} are on one file system: striping over them adds no bandwidth")
+        print(
+            f"note: {' and '.join(map(str, group))} are on one file system: striping over them adds no bandwidth"
+        )
     print(f"page cache: {measure.page_cache_note(all(t.direct_io_works() for _, t in targets))}")
     alone: list[measure.Sample] = []
     try:
@@ -175,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps({"aio": section}, indent=2))
     if label:
         paths = json.dumps([str(p) for p in args.path])
-        print(f'stripe over these drives with "nvme_path": {paths} in offload_param and offload_optimizer')
+        print(
+            f'stripe over these drives with "nvme_path": {paths} in offload_param and offload_optimizer'
+        )
     return 0
 
 

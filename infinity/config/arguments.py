@@ -134,7 +134,9 @@ def all_names() -> list[str]:
     return sorted(set(argument_names()) | set(HF_SYNONYMS) | set(HF_BETAS) | set(HF_EITHER))
 
 
-def training_arguments_values(args: Any, *, num_training_steps: int | None = None) -> dict[str, Any]:
+def training_arguments_values(
+    args: Any, *, num_training_steps: int | None = None
+) -> dict[str, Any]:
     """The keyword arguments HF's table reads, from a transformers ``TrainingArguments``.
 
     ``args``: a ``TrainingArguments`` (or any object with its field names).
@@ -221,7 +223,7 @@ def _unknown_message(unknown: list[str]) -> str:
         match = difflib.get_close_matches(a, known, n=1, cutoff=0.6)
         parts.append(f"{a}=" + (f" (did you mean {match[0]}=?)" if match else ""))
     return (
-        f"unexpected keyword argument(s) {', '.join(parts)}: keyword arguments fill \"auto\" "
+        f'unexpected keyword argument(s) {", ".join(parts)}: keyword arguments fill "auto" '
         "config values and are named like the key they fill (lr=, warmup_num_steps=, bf16=, ...) "
         "or as HF's TrainingArguments names them (learning_rate=, warmup_steps=, ...); the table "
         "is in infinity/config/arguments.py"

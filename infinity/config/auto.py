@@ -203,7 +203,9 @@ class _Resolver:
         if path in ("fp16", "bf16") and arg in self.args.values:
             # a whole precision section written as "auto": the argument says whether it is on
             label = self.args.label(arg)
-            node[name] = {"enabled": coerce(self.args.values[arg], bool, f"{label} (for {path})", {})}
+            node[name] = {
+                "enabled": coerce(self.args.values[arg], bool, f"{label} (for {path})", {})
+            }
             self.used.add(arg)
             self.sources[f"{path}.enabled"] = label
             return
@@ -432,7 +434,9 @@ def _nvme_fallback(tree: dict[str, Any], r: _Resolver) -> None:
             and node.get("nvme_path") is None
         ):
             path = f"zero_optimization.{section}.nvme_path"
-            node["nvme_path"] = coerce(r.args.values["nvme_path"], NvmePath, f"{label} (for {path})", {})
+            node["nvme_path"] = coerce(
+                r.args.values["nvme_path"], NvmePath, f"{label} (for {path})", {}
+            )
             r.sources[path] = label
 
 

@@ -30,8 +30,14 @@ KEY = "host_memory_budget"
 
 _UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
@@ -60,9 +66,9 @@ class HostMemoryBudget:
 
 def _refuse(value: Any) -> ConfigError:
     return ConfigError(
-        f"{KEY} must be bytes (an integer above 1, or a string with a unit such as \"12GiB\" or "
-        f"\"512MB\") or a fraction of the available host memory (a number in [0, 1], or a percentage "
-        f"such as \"50%\"); got {value!r}"
+        f'{KEY} must be bytes (an integer above 1, or a string with a unit such as "12GiB" or '
+        f'"512MB") or a fraction of the available host memory (a number in [0, 1], or a percentage '
+        f'such as "50%"); got {value!r}'
     )
 
 

@@ -75,8 +75,10 @@ def describe_config(cfg: InfinityConfig) -> str:
     lines.append(f"    optimizer  {_optimizer_offload(z.offload_optimizer)}")
     if "auto" in (z.offload_param.device, z.offload_optimizer.device):
         budget = cfg.host_budget
-        lines.append("    host memory budget  " + (budget.describe() if budget else
-                                                  "the available host memory less a safety margin"))
+        lines.append(
+            "    host memory budget  "
+            + (budget.describe() if budget else "the available host memory less a safety margin")
+        )
     if z.stage == 3:
         lines.append(
             f"    prefetch {_n(z.stage3_prefetch_bucket_size)}, persistence threshold "
@@ -89,7 +91,11 @@ def describe_config(cfg: InfinityConfig) -> str:
         lines.append(
             f"  optimizer  {o.type} ({mode}): lr {p.lr:g}, betas ({p.betas[0]:g}, {p.betas[1]:g}), "
             f"eps {p.eps:g}, weight_decay {p.weight_decay:g}"
-            + (" (HF Trainer's default: none on biases and norm weights)" if o.hf_trainer_default else "")
+            + (
+                " (HF Trainer's default: none on biases and norm weights)"
+                if o.hf_trainer_default
+                else ""
+            )
         )
     else:
         lines.append("  optimizer  none in the config (pass one to initialize())")
@@ -112,9 +118,17 @@ def describe_config(cfg: InfinityConfig) -> str:
     )
     ac = cfg.activation_checkpointing
     if ac.cpu_checkpointing or ac.partition_activations:
-        where = [w for w, on in (("in host memory", ac.cpu_checkpointing),
-                                 ("split across model-parallel ranks", ac.partition_activations)) if on]
-        lines.append(f"  checkpointing  infinity.checkpointing keeps checkpoint inputs {' and '.join(where)}")
+        where = [
+            w
+            for w, on in (
+                ("in host memory", ac.cpu_checkpointing),
+                ("split across model-parallel ranks", ac.partition_activations),
+            )
+            if on
+        ]
+        lines.append(
+            f"  checkpointing  infinity.checkpointing keeps checkpoint inputs {' and '.join(where)}"
+        )
     if cfg.auto_filled:
         lines.append('  "auto" filled:')
         lines.extend(f"    {path} <- {source}" for path, source in cfg.auto_filled)

@@ -39,8 +39,11 @@ def _check_nvme_path(section: OffloadParamConfig | OffloadOptimizerConfig) -> No
     for p in nvme_paths(section):
         norm = os.path.normpath(os.path.abspath(os.path.expanduser(p)))
         if norm in seen:
-            same = (f"'{p}' twice" if p == seen[norm]
-                    else f"the same folder twice: '{seen[norm]}' and '{p}' are both {norm}")
+            same = (
+                f"'{p}' twice"
+                if p == seen[norm]
+                else f"the same folder twice: '{seen[norm]}' and '{p}' are both {norm}"
+            )
             raise ConfigError(
                 f"{section.PATH}.nvme_path lists {same}; list each drive's folder once "
                 "(the swap space is striped over the folders listed, one per drive)"
@@ -242,8 +245,11 @@ class ZeroConfig:
             )
         for section in (p, o):
             if section.device in ("nvme", "auto") and section.nvme_path is None:
-                why = " (the placement planner spills there what host memory cannot hold)" \
-                    if section.device == "auto" else ""
+                why = (
+                    " (the placement planner spills there what host memory cannot hold)"
+                    if section.device == "auto"
+                    else ""
+                )
                 raise ConfigError(
                     f'{section.PATH}.nvme_path is required when {section.PATH}.device is "{section.device}"'
                     f"{why}: a folder on a fast local disk for the swap files; set it in the config, "

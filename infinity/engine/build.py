@@ -70,7 +70,9 @@ class Runtime:
     shard_source: PrefetchScheduler | StoreShardSource | None = None
     cache: TensorCache | None = None
     overlap: OverlappedStep = dataclasses.field(default_factory=OverlappedStep)
-    resident: ResidentParams | None = None  # stages 0-2: what GatheredParameters asks of whole parameters
+    resident: ResidentParams | None = (
+        None  # stages 0-2: what GatheredParameters asks of whole parameters
+    )
     sources: dict[int, UnitSource] = dataclasses.field(default_factory=dict)
     """Frozen units read from files and unchanged when moved home, by unit index ([Note: frozen units in a
     checkpoint] in infinity/engine/checkpoint/sources.py)."""
@@ -122,20 +124,33 @@ def build_runtime(
     # Floating-point parameters train in the precision the config asks for.
     for p in params:
         if not p.is_floating_point():
-            raise ValueError(f"parameter of dtype {p.dtype} cannot be trained; only floating-point parameters")
+            raise ValueError(
+                f"parameter of dtype {p.dtype} cannot be trained; only floating-point parameters"
+            )
     with torch.no_grad():
         if stage < 3:
             model.to(device)
-    plan = plan or plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device,
-                                trains=choice is not None)
+    plan = plan or plan_runtime(
+        model,
+        cfg,
+        world_size=group.world_size,
+        rank=group.rank,
+        device=device,
+        trains=choice is not None,
+    )
     _check_plan(plan, stage, group, device)
     if plan.optimizer is not None and choice is None:
-        raise ValueError("the runtime plan has optimizer state but no optimizer was chosen; plan it with "
-                         "trains=False for an engine without one")
+        raise ValueError(
+            "the runtime plan has optimizer state but no optimizer was chosen; plan it with "
+            "trains=False for an engine without one"
+        )
     for warning in plan.warnings:
         log.warning("%s", warning)
     zero = cfg.zero_optimization
-    if group.rank == 0 and (zero.offload_param.device, zero.offload_optimizer.device) != ("none", "none"):
+    if group.rank == 0 and (zero.offload_param.device, zero.offload_optimizer.device) != (
+        "none",
+        "none",
+    ):
         log.info("where the training state rests:\n%s", "\n".join(describe_placement(plan)))
     if group.rank == 0:
         _say_param_pool_sizing(plan, cfg)
@@ -153,7 +168,9 @@ def build_runtime(
             param_store=param_store,
             adamw=choice.adamw,
             sub_group_numel=plan.optimizer.sub_group_numel,
-            on_updated=_resident_param_writer(plan.units, group, stage, cache) if stage < 3 else None,
+            on_updated=_resident_param_writer(plan.units, group, stage, cache)
+            if stage < 3
+            else None,
         )
     init_store = zero_init.init_store_of(params)
     sources = _move_home(plan, init_store, param_store, optimizer)
@@ -170,8 +187,15 @@ def _say_param_pool_sizing(plan: RuntimePlan, cfg: InfinityConfig) -> None:
     """One line when the parameter pool's buffers are smaller than the buffer_size the user wrote (or
     the default, under a buffer_count they wrote): the plan caps them at what the run can use."""
     off = cfg.zero_optimization.offload_param
-    keys = ("zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size")
-    if plan.param_store is None or plan.param_store.nvme_path is None or not set(keys) & cfg.user_keys:
+    keys = (
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size",
+    )
+    if (
+        plan.param_store is None
+        or plan.param_store.nvme_path is None
+        or not set(keys) & cfg.user_keys
+    ):
         return
     pool = plan.param_store.pool
     written, used = int(off.buffer_size), pool.buffer_nbytes // plan.dtype.itemsize
@@ -180,12 +204,17 @@ def _say_param_pool_sizing(plan: RuntimePlan, cfg: InfinityConfig) -> None:
             "zero_optimization.offload_param.buffer_size=%s is written; %s elements (%s bytes) per buffer "
             "are used, with buffer_count=%s: the pool never needs more than every parameter shard that "
             "may rest on NVMe at once (%s bytes here)",
-            f"{written:,}", f"{used:,}", f"{pool.buffer_nbytes:,}", f"{pool.count:,}",
+            f"{written:,}",
+            f"{used:,}",
+            f"{pool.buffer_nbytes:,}",
+            f"{pool.count:,}",
             f"{pool.count * pool.buffer_nbytes:,}",
         )
 
 
-def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device: torch.device) -> None:
+def _check_plan(
+    plan: RuntimePlan, stage: int, group: DataParallelGroup, device: torch.device
+) -> None:
     """A plan made elsewhere (initialize makes it once for the pre-flight check) must be this rank's."""
     made = (plan.stage, plan.world_size, plan.rank, plan.device)
     if made != (stage, group.world_size, group.rank, device):
@@ -195,13 +224,17 @@ def _check_plan(plan: RuntimePlan, stage: int, group: DataParallelGroup, device:
         )
 
 
-def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None, TieredStore | None]:
+def _stores(
+    plan: RuntimePlan, cfg: InfinityConfig
+) -> tuple[TieredStore | None, TieredStore | None]:
     """The parameter store (stage 3), its shards registered at their homes, and the optimizer's store
     (None without an optimizer plan) — after checking that every swap file fits and that the parameter
     pool holds the largest layer."""
     # Checked before any folder is made: a refused nvme_path is left as it was.
     needs = []
-    for r in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
+    for (
+        r
+    ) in plan.swap_reserves:  # striped over the drives listed: each preallocates its whole stripes
         dirs = nvme_path.planned_rank_dirs(r.nvme_path, plan.rank)
         share = drive_nbytes(r.nbytes, ndrives=len(dirs), unit=cfg.aio.block_size)
         needs += [(d.parent, share, r.what) for d in dirs]
@@ -213,11 +246,19 @@ def _stores(plan: RuntimePlan, cfg: InfinityConfig) -> tuple[TieredStore | None,
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
             home = plan.shards[unit.index].param_home
-            if plan.formats is not None:  # packed bytes ([Note: quantised shards] in infinity/weights/quant.py)
-                param_store.register(unit.key, (plan.formats[unit.index].nbytes,), torch.uint8, home=home)
+            if (
+                plan.formats is not None
+            ):  # packed bytes ([Note: quantised shards] in infinity/weights/quant.py)
+                param_store.register(
+                    unit.key, (plan.formats[unit.index].nbytes,), torch.uint8, home=home
+                )
             else:
-                param_store.register(unit.key, (unit.layout.shard_numel,), unit.layout.dtype, home=home)
-    state_store = _open_store(plan.state_store, plan.rank, cfg) if plan.state_store is not None else None
+                param_store.register(
+                    unit.key, (unit.layout.shard_numel,), unit.layout.dtype, home=home
+                )
+    state_store = (
+        _open_store(plan.state_store, plan.rank, cfg) if plan.state_store is not None else None
+    )
     return param_store, state_store
 
 
@@ -242,15 +283,26 @@ def _shard_specs(plan: RuntimePlan, flat_params: list[nn.Parameter]) -> list[Sha
             for s in unit.layout.segments(plan.shard_rank)
         )
         sp = plan.shards[unit.index]
-        shards.append(ShardSpec(unit.index, unit.layout.shard_numel, plan.dtype, segs,
-                                param_key=unit.key if plan.stage == 3 else None,
-                                state_keys=tuple(k for k, _ in sp.state_homes),
-                                state_homes=tuple(h for _, h in sp.state_homes)))
+        shards.append(
+            ShardSpec(
+                unit.index,
+                unit.layout.shard_numel,
+                plan.dtype,
+                segs,
+                param_key=unit.key if plan.stage == 3 else None,
+                state_keys=tuple(k for k, _ in sp.state_homes),
+                state_homes=tuple(h for _, h in sp.state_homes),
+            )
+        )
     return shards
 
 
-def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
-               optimizer: PartitionedAdam | None) -> dict[int, UnitSource]:
+def _move_home(
+    plan: RuntimePlan,
+    init_store,
+    param_store: TieredStore | None,
+    optimizer: PartitionedAdam | None,
+) -> dict[int, UnitSource]:
     """Moves the starting values home, one unit at a time, through one staging buffer; only trainable
     units get optimizer state ([Note: frozen units] in runtime_plan.py). Returns the frozen units whose
     every parameter zero.Init's store had read from a file ([Note: frozen units in a checkpoint])."""
@@ -274,7 +326,9 @@ def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
                 param_store.write(unit.key, values).result()
                 if state:
                     optimizer.init_state(unit.index, None if dtype == FP32 else shard)
-                files = [init_store.source(p) for p in unit.params] if init_store is not None else []
+                files = (
+                    [init_store.source(p) for p in unit.params] if init_store is not None else []
+                )
                 if unit.index not in trained and files and all(f is not None for f in files):
                     sources[unit.index] = source_of(files, values)
             else:
@@ -286,9 +340,15 @@ def _move_home(plan: RuntimePlan, init_store, param_store: TieredStore | None,
     return sources
 
 
-def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,
-          optimizer: PartitionedAdam | None, param_store: TieredStore | None,
-          state_store: TieredStore | None) -> Runtime:
+def _wire(
+    model: nn.Module,
+    plan: RuntimePlan,
+    group: DataParallelGroup,
+    cache: TensorCache,
+    optimizer: PartitionedAdam | None,
+    param_store: TieredStore | None,
+    state_store: TieredStore | None,
+) -> Runtime:
     """The gradient path (with an optimizer), and at stage 3 the shard source and the partitioner's hooks."""
     unit_map, units, stage = plan.unit_map, plan.units, plan.stage
     if optimizer is None:
@@ -305,43 +365,80 @@ def _wire(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: 
         gated = GatedShardSource(shard_source, progress, {u.key: u.index for u in units})
         # fp32 stage-3 shards are their own masters (PartitionedAdam): nothing more to tell the optimizer.
         masters = None if plan.dtype == FP32 else GatedMasters(optimizer, overlap)
-        partitioner = Stage3Partitioner(model, unit_map, shards=gated, group=group, cache=cache, masters=masters)
+        partitioner = Stage3Partitioner(
+            model, unit_map, shards=gated, group=group, cache=cache, masters=masters
+        )
         partitioner.install()
     else:
         overlap = OverlappedStep()
         # Every parameter (frozen ones too: GatheredParameters may change them); only trainable units
         # have a master for the change to reach.
-        resident = ResidentParams(list(dict.fromkeys(model.parameters())), unit_map, group, masters=optimizer)
+        resident = ResidentParams(
+            list(dict.fromkeys(model.parameters())), unit_map, group, masters=optimizer
+        )
         resident.install()
-    grad_hooks = GradHooks(unit_map, reducer, partitioned=stage == 3,
-                           on_unit_done=partitioner.release_backward if partitioner is not None else None)
+    grad_hooks = GradHooks(
+        unit_map,
+        reducer,
+        partitioned=stage == 3,
+        on_unit_done=partitioner.release_backward if partitioner is not None else None,
+    )
     grad_hooks.install()
-    return Runtime(plan=plan, unit_map=unit_map, params=optimizer.params, optimizer=optimizer,
-                   reducer=reducer, grad_hooks=grad_hooks, partitioner=partitioner, param_store=param_store,
-                   state_store=state_store, shard_source=shard_source, cache=cache, overlap=overlap,
-                   resident=resident)
+    return Runtime(
+        plan=plan,
+        unit_map=unit_map,
+        params=optimizer.params,
+        optimizer=optimizer,
+        reducer=reducer,
+        grad_hooks=grad_hooks,
+        partitioner=partitioner,
+        param_store=param_store,
+        state_store=state_store,
+        shard_source=shard_source,
+        cache=cache,
+        overlap=overlap,
+        resident=resident,
+    )
 
 
-def _wire_frozen(model: nn.Module, plan: RuntimePlan, group: DataParallelGroup, cache: TensorCache,
-                 param_store: TieredStore | None) -> Runtime:
+def _wire_frozen(
+    model: nn.Module,
+    plan: RuntimePlan,
+    group: DataParallelGroup,
+    cache: TensorCache,
+    param_store: TieredStore | None,
+) -> Runtime:
     """Nothing trains: the partitioner over a prefetch scheduler at stage 3 (no step to wait for), the
     module's own parameters at stages 0-2; no gradient path."""
     if plan.stage == 3:
         shard_source = _prefetch_scheduler(plan, param_store, None)
         shards = shard_source
         if plan.formats is not None:
-            shards = QuantizedShards(shard_source, {u.key: plan.formats[u.index] for u in plan.units}, cache)
-        partitioner = Stage3Partitioner(model, plan.unit_map, shards=shards, group=group, cache=cache,
-                                        masters=None)
+            shards = QuantizedShards(
+                shard_source, {u.key: plan.formats[u.index] for u in plan.units}, cache
+            )
+        partitioner = Stage3Partitioner(
+            model, plan.unit_map, shards=shards, group=group, cache=cache, masters=None
+        )
         partitioner.install()
-        return Runtime(plan=plan, unit_map=plan.unit_map, partitioner=partitioner, param_store=param_store,
-                       shard_source=shard_source, cache=cache)
-    resident = ResidentParams(list(dict.fromkeys(model.parameters())), plan.unit_map, group, masters=None)
+        return Runtime(
+            plan=plan,
+            unit_map=plan.unit_map,
+            partitioner=partitioner,
+            param_store=param_store,
+            shard_source=shard_source,
+            cache=cache,
+        )
+    resident = ResidentParams(
+        list(dict.fromkeys(model.parameters())), plan.unit_map, group, masters=None
+    )
     resident.install()
     return Runtime(plan=plan, unit_map=plan.unit_map, cache=cache, resident=resident)
 
 
-def _prefetch_scheduler(plan: RuntimePlan, store: TieredStore, progress: StepProgress | None) -> PrefetchScheduler:
+def _prefetch_scheduler(
+    plan: RuntimePlan, store: TieredStore, progress: StepProgress | None
+) -> PrefetchScheduler:
     """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets (and, with an
     overlapped optimizer step, ``progress``, only what that step has updated)."""
     sched = plan.schedule
@@ -370,7 +467,9 @@ def _full_values(unit: ParamUnit, init_store, staging: torch.Tensor) -> torch.Te
     return full
 
 
-def _resident_param_writer(units: list[ParamUnit], group: DataParallelGroup, stage: int, cache: TensorCache):
+def _resident_param_writer(
+    units: list[ParamUnit], group: DataParallelGroup, stage: int, cache: TensorCache
+):
     """Stages 0-2: after a shard is updated, its new values go into the module's parameters
     (all-gathered from every rank's shard for stages 1 and 2)."""
 

@@ -96,16 +96,22 @@ class Engine:
         # ([Note: whose checkpoint settings] in infinity/zero/checkpointing.py).
         self.activation_checkpointing = ModelCheckpointing.for_config(config)
         self.loss_scaler = (
-            LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else LossScaler.static(1.0)
+            LossScaler.from_fp16_config(config.fp16)
+            if config.fp16.enabled
+            else LossScaler.static(1.0)
         )
         trains = any(p.requires_grad for p in dict.fromkeys(model.parameters()))
         choice = choose_optimizer(config, model, optimizer) if trains else None
         if not trains and (optimizer is not None or config.optimizer is not None):
-            log.info("no parameter of %s requires grad: the optimizer allocates no state and step() updates "
-                     "nothing", type(model).__name__)
+            log.info(
+                "no parameter of %s requires grad: the optimizer allocates no state and step() updates "
+                "nothing",
+                type(model).__name__,
+            )
         try:
-            self.runtime: Runtime = build_runtime(model, config, choice, group=self.group, device=self.device,
-                                                  plan=plan)
+            self.runtime: Runtime = build_runtime(
+                model, config, choice, group=self.group, device=self.device, plan=plan
+            )
         except NvmePathError as e:  # nvme_path is a key of the config: refused like the others
             raise ConfigError(str(e)) from None
         self.optimizer = self.runtime.optimizer or self.runtime.passthrough
@@ -124,7 +130,9 @@ class Engine:
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if self.optimizer is None:
             if lr_scheduler is not None or self.config.scheduler is not None:
-                log.info("no parameter requires grad: the lr schedule has nothing to schedule and is not built")
+                log.info(
+                    "no parameter requires grad: the lr schedule has nothing to schedule and is not built"
+                )
             return None
         if lr_scheduler is not None:
             if self.config.scheduler is not None:
@@ -206,10 +214,14 @@ class Engine:
             if rt.partitioner is not None:
                 rt.partitioner.abort_backward()
         except BaseException as cleanup:
-            error.add_note(f"infinity: settling the engine after this error failed too ({cleanup!r}); close "
-                           "the engine and resume from a checkpoint")
+            error.add_note(
+                f"infinity: settling the engine after this error failed too ({cleanup!r}); close "
+                "the engine and resume from a checkpoint"
+            )
             return
-        error.add_note(self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped))
+        error.add_note(
+            self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped)
+        )
 
     def zero_grad(self) -> None:
         """Drops the gradient accumulated since the last update (DeepSpeed's ``engine.zero_grad()``,
@@ -234,9 +246,12 @@ class Engine:
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
             if self._window.failed_at is not None:
-                log.warning("step %d applies a gradient that holds part of a backward() that raised (micro-step "
-                            "%d); call engine.zero_grad() after such an error to drop it instead",
-                            self.global_steps, self._window.failed_at)
+                log.warning(
+                    "step %d applies a gradient that holds part of a backward() that raised (micro-step "
+                    "%d); call engine.zero_grad() after such an error to drop it instead",
+                    self.global_steps,
+                    self._window.failed_at,
+                )
             if self.runtime.passthrough is not None:
                 outcome = self._passthrough_step()
             elif self.runtime.optimizer is not None:
@@ -251,8 +266,14 @@ class Engine:
             self.global_steps += 1
             every = self.config.steps_per_print
             if every and self.global_steps % every == 0 and self.group.rank == 0:
-                log.info("step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%g", self.global_steps,
-                         self.skipped_steps, self.get_lr(), self.last_grad_norm, self.loss_scale)
+                log.info(
+                    "step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%g",
+                    self.global_steps,
+                    self.skipped_steps,
+                    self.get_lr(),
+                    self.last_grad_norm,
+                    self.loss_scale,
+                )
         self.micro_steps += 1
 
     def _partitioned_step(self) -> Outcome:
@@ -262,7 +283,9 @@ class Engine:
         has_grad = rt.reducer.window_has_grad()  # the same on every rank
         sumsq = rt.optimizer.local_grad_sumsq(has_grad)
         if self.stage == 0 and self.group.rank != 0:
-            sumsq = 0.0  # stage 0 holds the whole gradient on every rank: rank 0's sum is everyone's
+            sumsq = (
+                0.0  # stage 0 holds the whole gradient on every rank: rank 0's sum is everyone's
+            )
         if not any(bool(f.any()) for f in has_grad):
             self._no_gradient()
             return Outcome.NO_GRADIENT
@@ -272,8 +295,12 @@ class Engine:
         if self.config.fp16.enabled and not math.isfinite(norm):
             self.skipped_steps += 1
             self.loss_scaler.update(overflow=True)
-            log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
-                        self.global_steps, scale, self.loss_scaler.scale)
+            log.warning(
+                "fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
+                self.global_steps,
+                scale,
+                self.loss_scaler.scale,
+            )
             return Outcome.SKIPPED
         if (not math.isfinite(norm) or bad_losses) and self._nonfinite(norm, bad_losses):
             return Outcome.SKIPPED
@@ -294,10 +321,17 @@ class Engine:
             hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
 
             def step_rest(done) -> None:
-                for i in sorted(rest - stepped):  # frozen units: nothing to update, readable at once
+                for i in sorted(
+                    rest - stepped
+                ):  # frozen units: nothing to update, readable at once
                     done(i)
-                rt.optimizer.step(grad_scale=coef, has_grad=has_grad, only=stepped, hyper=hyper,
-                                  on_shard_done=done)
+                rt.optimizer.step(
+                    grad_scale=coef,
+                    has_grad=has_grad,
+                    only=stepped,
+                    hyper=hyper,
+                    on_shard_done=done,
+                )
 
             rt.overlap.start(step_rest)
         else:
@@ -319,7 +353,11 @@ class Engine:
         if self.config.gradient_clipping > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(with_grad, self.config.gradient_clipping))
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad])))
+            norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(p.grad) for p in with_grad])
+                )
+            )
         self.last_grad_norm = norm  # the grads were all-reduced: every rank holds this norm
         _, bad_losses = self._window.global_norm(self.group, 0.0, 1.0)
         if (not math.isfinite(norm) or bad_losses) and self._nonfinite(norm, bad_losses):
@@ -330,7 +368,9 @@ class Engine:
     def _nonfinite(self, norm: float, bad_losses: int) -> bool:
         """Warns of a step whose gradient norm or loss is inf or NaN; True: skip it (skip_nonfinite_steps)."""
         skip = self.config.skip_nonfinite_steps
-        log.warning("%s", self._window.nonfinite_message(self.global_steps, norm, bad_losses, skipped=skip))
+        log.warning(
+            "%s", self._window.nonfinite_message(self.global_steps, norm, bad_losses, skipped=skip)
+        )
         if skip:
             self.skipped_steps += 1
         return skip
@@ -342,7 +382,12 @@ class Engine:
     # -- checkpoints (infinity.engine.checkpoint) ---------------------------------
 
     def save_checkpoint(
-        self, save_dir: Any, tag: str | None = None, client_state: Any = None, *, progress: bool | None = None
+        self,
+        save_dir: Any,
+        tag: str | None = None,
+        client_state: Any = None,
+        *,
+        progress: bool | None = None,
     ) -> Any:
         """Saves the full training state to ``save_dir/tag`` (default tag ``global_step<N>``), atomically,
         and points ``save_dir/latest`` at it. ``client_state``: JSON values and tensors (no pickle).
@@ -370,15 +415,26 @@ class Engine:
         data found mid-load). Every rank must call it."""
         self._check_open("engine.load_checkpoint()")
         client_state = checkpoint.load_checkpoint(
-            self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            verify_checksums=verify, progress=progress)
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            verify_checksums=verify,
+            progress=progress,
+        )
         self._end_window()  # a gradient taken before the load belongs to other weights
         return client_state
 
     def save_16bit_model(
-        self, save_dir: Any, save_filename: str = "model.safetensors", *, layout: str | None = None,
-        max_shard_size: int | str | None = None, progress: bool | None = None,
+        self,
+        save_dir: Any,
+        save_filename: str = "model.safetensors",
+        *,
+        layout: str | None = None,
+        max_shard_size: int | str | None = None,
+        progress: bool | None = None,
     ) -> Any:
         """Writes the full parameters (in the training dtype) and buffers. For a transformers model (or
         ``layout="hf"``, or with ``max_shard_size``): ``save_dir`` as ``from_pretrained`` reads it —
@@ -387,8 +443,14 @@ class Engine:
         ``save_dir/save_filename``, one file ``model.load_state_dict(safetensors.torch.load_file(path))``
         takes; returns its path. Every rank must call it."""
         self._check_open("engine.save_16bit_model()")
-        return checkpoint.save_16bit_model(self, save_dir, save_filename, layout=layout,
-                                           max_shard_size=max_shard_size, progress=progress)
+        return checkpoint.save_16bit_model(
+            self,
+            save_dir,
+            save_filename,
+            layout=layout,
+            max_shard_size=max_shard_size,
+            progress=progress,
+        )
 
     def gathered_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
         """The model's ``state_dict()`` entries named by ``keys`` (default: all) as full tensors on CPU,
@@ -450,7 +512,13 @@ class Engine:
         """Bytes read and written by the parameter and optimizer stores so far, the seconds
         callers spent waiting for them, and the seconds spent checksumming them (integrity: in
         all, and in callers' threads)."""
-        out = {"read_nbytes": 0, "write_nbytes": 0, "wait_s": 0.0, "checksum_s": 0.0, "checksum_caller_s": 0.0}
+        out = {
+            "read_nbytes": 0,
+            "write_nbytes": 0,
+            "wait_s": 0.0,
+            "checksum_s": 0.0,
+            "checksum_caller_s": 0.0,
+        }
         for store in (self.runtime.param_store, self.runtime.state_store):
             if store is None or store.closed:
                 continue

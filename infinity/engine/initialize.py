@@ -22,7 +22,11 @@ from infinity.zero.collectives import DataParallelGroup
 
 def _bootstrap_distributed() -> DataParallelGroup:
     """Joins the process group torchrun describes (gloo on CPU, NCCL on GPU); world size 1 needs none."""
-    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if (
+        dist.is_available()
+        and not dist.is_initialized()
+        and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return DataParallelGroup()
 
@@ -55,11 +59,14 @@ def initialize(
     section gives the engine its own checkpoint settings ([Note: whose checkpoint settings]).
     """
     group, cfg, device = start(model, config, optimizer, **auto_values)
-    return training_engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)
+    return training_engine(
+        model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device
+    )
 
 
-def start(model: nn.Module, config: Any, optimizer: torch.optim.Optimizer | None,
-          **auto_values: Any) -> tuple[DataParallelGroup, InfinityConfig, torch.device]:
+def start(
+    model: nn.Module, config: Any, optimizer: torch.optim.Optimizer | None, **auto_values: Any
+) -> tuple[DataParallelGroup, InfinityConfig, torch.device]:
     """What every engine starts from: the process group torchrun describes, the config loaded with its
     "auto" values filled, the compute device."""
     if not isinstance(model, nn.Module):
@@ -71,12 +78,21 @@ def start(model: nn.Module, config: Any, optimizer: torch.optim.Optimizer | None
             "an engine"
         )
     group = _bootstrap_distributed()
-    cfg = load_config(config, world_size=group.world_size, optimizer=optimizer, model=model, **auto_values)
+    cfg = load_config(
+        config, world_size=group.world_size, optimizer=optimizer, model=model, **auto_values
+    )
     return group, cfg, compute_device()
 
 
-def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.optim.Optimizer | None,
-                    lr_scheduler: Any, group: DataParallelGroup, device: torch.device) -> Engine:
+def training_engine(
+    model: nn.Module,
+    cfg: InfinityConfig,
+    *,
+    optimizer: torch.optim.Optimizer | None,
+    lr_scheduler: Any,
+    group: DataParallelGroup,
+    device: torch.device,
+) -> Engine:
     """The training engine for a loaded config: planned, checked before anything is allocated, built."""
     quant = cfg.weight_quantization.quantized_initialization
     if quant is not None:
@@ -90,4 +106,12 @@ def training_engine(model: nn.Module, cfg: InfinityConfig, *, optimizer: torch.o
     plan, context = plan_runtime_for_rank(model, cfg, group=group, device=device)
     # Refuses (PreflightError: plan, shortfall, fix) before anything is allocated; "preflight": false skips it.
     preflight(model, cfg, device=device, group=group, runtime=plan, context=context)
-    return Engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device, plan=plan)
+    return Engine(
+        model,
+        cfg,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        group=group,
+        device=device,
+        plan=plan,
+    )

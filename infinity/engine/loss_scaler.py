@@ -51,7 +51,9 @@ class LossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self._hysteresis_left <= 1:
-                self.scale = max(self.scale / 2, self.min_scale)  # hysteresis stays spent, as in DeepSpeed
+                self.scale = max(
+                    self.scale / 2, self.min_scale
+                )  # hysteresis stays spent, as in DeepSpeed
             else:
                 self._hysteresis_left -= 1
             self._clean_steps = 0

@@ -32,7 +32,9 @@ class OptimizerChoice:
     param_groups: list[dict[str, Any]]
     defaults: dict[str, Any]
     adamw: bool
-    passthrough: torch.optim.Optimizer | None = None  # stage 0, no offload: the user's optimizer as is
+    passthrough: torch.optim.Optimizer | None = (
+        None  # stage 0, no offload: the user's optimizer as is
+    )
 
 
 def choose_optimizer(
@@ -58,7 +60,9 @@ def choose_optimizer(
         adamw = _adam_kind(optimizer)
         if adamw is None:
             if not partitioned and not cfg.fp16.enabled and not cfg.bf16.enabled:
-                return OptimizerChoice(optimizer.param_groups, optimizer.defaults, False, passthrough=optimizer)
+                return OptimizerChoice(
+                    optimizer.param_groups, optimizer.defaults, False, passthrough=optimizer
+                )
             raise ValueError(
                 f"{type(optimizer).__name__} cannot run partitioned or offloaded: the optimizer step runs "
                 "on flat CPU shards with the CPU Adam kernel, so only torch.optim.Adam, torch.optim.AdamW "
@@ -67,7 +71,9 @@ def choose_optimizer(
         for g in optimizer.param_groups:
             for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
                 if g.get(flag):
-                    raise ValueError(f"{type(optimizer).__name__}({flag}=True) is not supported by the CPU Adam kernel")
+                    raise ValueError(
+                        f"{type(optimizer).__name__}({flag}=True) is not supported by the CPU Adam kernel"
+                    )
         return OptimizerChoice(optimizer.param_groups, optimizer.defaults, adamw)
     if cfg.optimizer is None:
         raise ValueError(
@@ -85,7 +91,9 @@ def choose_optimizer(
         "lr": float(p.lr),
         "betas": tuple(float(b) for b in p.betas),
         "eps": float(p.eps),
-        "weight_decay": float(p.weight_decay if p.weight_decay is not None else (0.01 if adamw else 0.0)),
+        "weight_decay": float(
+            p.weight_decay if p.weight_decay is not None else (0.01 if adamw else 0.0)
+        ),
     }
     if not oc.hf_trainer_default:
         group = dict(defaults)
@@ -104,7 +112,8 @@ def choose_optimizer(
 # transformers 5.23, Trainer.get_decay_parameter_names: parameter names (lower-cased) that get no
 # weight decay, besides every parameter of an nn.LayerNorm.
 NO_DECAY_PATTERNS = tuple(
-    re.compile(p) for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
+    re.compile(p)
+    for p in (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 )
 
 

@@ -78,12 +78,17 @@ class StepProgress:
             return not self._running or index in self._done
 
     def wait_unit(self, index: int) -> None:
-        self._wait(lambda: not self._running or index in self._done, f"the optimizer step to update unit {index}")
+        self._wait(
+            lambda: not self._running or index in self._done,
+            f"the optimizer step to update unit {index}",
+        )
         with self._cv:
             self._raise()
 
     def wait_all(self) -> None:
-        self._wait(lambda: not self._running, "the optimizer step running in the background to finish")
+        self._wait(
+            lambda: not self._running, "the optimizer step running in the background to finish"
+        )
         with self._cv:
             self._raise()
 
@@ -95,8 +100,13 @@ class StepProgress:
             with self._cv:
                 return self._cv.wait_for(ready, slice_s)
 
-        wait_until(wait, what=lambda: f"{what} ({len(self._done)} unit(s) updated so far)",
-                   holder=self._thread_name, cause=self._died, log=log)
+        wait_until(
+            wait,
+            what=lambda: f"{what} ({len(self._done)} unit(s) updated so far)",
+            holder=self._thread_name,
+            cause=self._died,
+            log=log,
+        )
 
     def _thread_name(self) -> str:
         t = self._thread
@@ -116,13 +126,20 @@ class StepProgress:
     def _raise(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
-            raise RuntimeError(f"the optimizer step failed in its background thread: {err}") from err
+            raise RuntimeError(
+                f"the optimizer step failed in its background thread: {err}"
+            ) from err
 
 
 class OverlappedStep:
     """Runs the optimizer step in a thread; ``on_unit_done()`` is called as each unit's update is in place."""
 
-    def __init__(self, progress: StepProgress | None = None, *, on_unit_done: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        progress: StepProgress | None = None,
+        *,
+        on_unit_done: Callable[[], None] | None = None,
+    ):
         self.progress = progress if progress is not None else StepProgress()
         self.on_unit_done = on_unit_done
         self._thread: threading.Thread | None = None
@@ -163,7 +180,9 @@ class OverlappedStep:
 class GatedShardSource:
     """A ShardSource that hands out a unit's shard only once the step in flight has updated it."""
 
-    def __init__(self, inner: ShardSource, progress: StepProgress, unit_of_key: dict[Hashable, int]):
+    def __init__(
+        self, inner: ShardSource, progress: StepProgress, unit_of_key: dict[Hashable, int]
+    ):
         self.inner = inner
         self.progress = progress
         self.unit_of_key = unit_of_key

@@ -75,6 +75,7 @@ class EngineToSave(Protocol):
     @property
     def closed(self) -> bool: ...
 
+
 log = logging.getLogger("infinity.engine")
 
 WORKING_CALLS = (

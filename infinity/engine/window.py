@@ -76,8 +76,11 @@ class UpdateWindow:
         """Records a backward() that raised; returns the note its exception carries."""
         if self.failed_at is None:
             self.failed_at = micro_step
-        own = ("the part of it already reduced across ranks (units still being reduced were dropped)" if dropped
-               else "the part of it that reached parameters before the error (as torch's .grad keeps it)")
+        own = (
+            "the part of it already reduced across ranks (units still being reduced were dropped)"
+            if dropped
+            else "the part of it that reached parameters before the error (as torch's .grad keeps it)"
+        )
         return (
             f"infinity: backward() raised at micro-step {micro_step} (after {updates} updates); the engine is "
             f"usable. The gradient since the last update keeps the {self.backwards} complete backward() call(s) "
@@ -90,12 +93,20 @@ class UpdateWindow:
         if not self.losses:
             return []
         values = torch.stack([loss.float() for _, loss in self.losses]).cpu().tolist()
-        return [(micro, v) for (micro, _), v in zip(self.losses, values, strict=True) if not math.isfinite(v)]
+        return [
+            (micro, v)
+            for (micro, _), v in zip(self.losses, values, strict=True)
+            if not math.isfinite(v)
+        ]
 
-    def global_norm(self, group: DataParallelGroup, local_sumsq: float, scale: float) -> tuple[float, int]:
+    def global_norm(
+        self, group: DataParallelGroup, local_sumsq: float, scale: float
+    ) -> tuple[float, int]:
         """The gradient norm over every rank's ``local_sumsq`` (loss scale removed) and the number of
         non-finite losses on all ranks, in one all-reduce."""
-        stats = torch.tensor([local_sumsq, float(len(self.nonfinite_losses()))], dtype=torch.float64)
+        stats = torch.tensor(
+            [local_sumsq, float(len(self.nonfinite_losses()))], dtype=torch.float64
+        )
         group.all_reduce_sum(stats)
         return math.sqrt(float(stats[0])) / scale, int(stats[1])
 
@@ -110,10 +121,16 @@ class UpdateWindow:
             loss = "every loss finite"
         head = f"step {step}: gradient norm {norm}, {loss}: "
         if skipped:
-            return head + "step skipped (skip_nonfinite_steps): parameters, optimizer state and lr schedule unchanged"
+            return (
+                head
+                + "step skipped (skip_nonfinite_steps): parameters, optimizer state and lr schedule unchanged"
+            )
         reach = "" if math.isfinite(norm) else ", so the parameters it reaches become inf or NaN"
-        return (head + f"the update applies it{reach}. Set \"skip_nonfinite_steps\": true in the config (an "
-                "infinity key) to skip such steps, as fp16 skips overflowing ones")
+        return (
+            head
+            + f'the update applies it{reach}. Set "skip_nonfinite_steps": true in the config (an '
+            "infinity key) to skip such steps, as fp16 skips overflowing ones"
+        )
 
 
 def no_backward_message(step: int) -> str:

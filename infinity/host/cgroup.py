@@ -96,14 +96,18 @@ def _level(directory: Path, version: Version) -> CgroupMemory | None:
     limit = _limit(directory, version)
     if limit is None:
         return None
-    usage = read_text(directory / ("memory.current" if version == "v2" else "memory.usage_in_bytes"))
+    usage = read_text(
+        directory / ("memory.current" if version == "v2" else "memory.usage_in_bytes")
+    )
     stat = read_text(directory / "memory.stat")
     return CgroupMemory(
         path=str(directory),
         version=version,
         limit_nbytes=limit,
         usage_nbytes=int(usage) if usage is not None and usage.strip().isdigit() else 0,
-        inactive_file_nbytes=inactive_file_nbytes(parse_memory_stat(stat), version) if stat is not None else 0,
+        inactive_file_nbytes=inactive_file_nbytes(parse_memory_stat(stat), version)
+        if stat is not None
+        else 0,
     )
 
 

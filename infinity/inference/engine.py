@@ -80,20 +80,25 @@ class InferenceEngine:
                 "to keep the weights on NVMe)"
             )
         if plan is not None and plan.optimizer is not None:
-            raise ValueError("the runtime plan has optimizer state; plan inference with trains=False")
+            raise ValueError(
+                "the runtime plan has optimizer state; plan inference with trains=False"
+            )
         self.module = model
         self.config = config
         self.group = group or DataParallelGroup()
         self.device = device or torch.device("cpu")
         self._closed = False
         try:
-            self.runtime: Runtime = build_runtime(model, config, None, group=self.group, device=self.device,
-                                                  plan=plan)
+            self.runtime: Runtime = build_runtime(
+                model, config, None, group=self.group, device=self.device, plan=plan
+            )
         except NvmePathError as e:  # nvme_path is a key of the config: refused like the others
             raise ConfigError(str(e)) from None
         source = self.runtime.shard_source
         if not isinstance(source, PrefetchScheduler):
-            raise TypeError(f"the inference engine reads ahead with a PrefetchScheduler, not {type(source).__name__}")
+            raise TypeError(
+                f"the inference engine reads ahead with a PrefetchScheduler, not {type(source).__name__}"
+            )
         self.scheduler: PrefetchScheduler = source
         if self.device.type == "cuda":
             for b in model.buffers():
@@ -105,8 +110,10 @@ class InferenceEngine:
         """What the last ``generate`` call read and how its steps replayed the trace."""
         # The root module's call is one trace step (see [Note: one decode step, one trace step]); the
         # pre-hook runs before the partitioner's, which gathers the root's own units.
-        self._hooks = [model.register_forward_pre_hook(self._begin_step, prepend=True),
-                       model.register_forward_hook(self._end_step)]
+        self._hooks = [
+            model.register_forward_pre_hook(self._begin_step, prepend=True),
+            model.register_forward_hook(self._end_step),
+        ]
         model.eval()
 
     # -- one forward, one trace step ------------------------------------------------
@@ -121,7 +128,9 @@ class InferenceEngine:
             self._kinds[snap.kind] += 1
 
     def _abort(self) -> None:
-        snap = self.scheduler.abort_step()  # with no step open: gives back what was read ahead for the next
+        snap = (
+            self.scheduler.abort_step()
+        )  # with no step open: gives back what was read ahead for the next
         if snap is not None:
             self._kinds[snap.kind] += 1
 
@@ -151,7 +160,11 @@ class InferenceEngine:
                 f"{type(self.module).__name__} has no generate(); engine.generate runs Hugging Face's "
                 "GenerationMixin.generate (use engine(...) for a forward)"
             )
-        if self.device.type == "cuda" and "past_key_values" not in kwargs and "cache_implementation" not in kwargs:
+        if (
+            self.device.type == "cuda"
+            and "past_key_values" not in kwargs
+            and "cache_implementation" not in kwargs
+        ):
             kwargs["cache_implementation"] = "offloaded"  # the KV cache in host memory
         before = self._mark()
         self._generating = True
@@ -221,15 +234,23 @@ class InferenceEngine:
             raise RuntimeError("this engine is closed")
 
     def _mark(self) -> Mark:
-        return Mark(Counter(self._kinds), self.scheduler.stats().total, self.io_stats()["read_nbytes"],
-                    time.perf_counter())
+        return Mark(
+            Counter(self._kinds),
+            self.scheduler.stats().total,
+            self.io_stats()["read_nbytes"],
+            time.perf_counter(),
+        )
 
 
 def _new_tokens(out: Any, args: tuple, kwargs: dict) -> int:
     """New tokens in a generate() result: (batch × length of the sequences) less the prompt's."""
     seqs = getattr(out, "sequences", out)
     prompt = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(seqs, torch.Tensor) or not isinstance(prompt, torch.Tensor) or seqs.dim() != 2:
+    if (
+        not isinstance(seqs, torch.Tensor)
+        or not isinstance(prompt, torch.Tensor)
+        or seqs.dim() != 2
+    ):
         return 0
     if prompt.dim() == 1:
         prompt = prompt[None]

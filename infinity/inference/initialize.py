@@ -45,9 +45,15 @@ def initialize(
                 "an lr_scheduler was passed but nothing trains: with no optimizer (none passed, none in the "
                 "config, no lr=) at stage 3 initialize builds the inference engine; pass an optimizer to train"
             )
-        log.info("no optimizer (none passed, no 'optimizer' section in the config, no lr=) at stage 3: "
-                 "building the inference engine (forward and generate; backward and step refuse)")
-        plan = plan_runtime(model, cfg, world_size=group.world_size, rank=group.rank, device=device, trains=False)
+        log.info(
+            "no optimizer (none passed, no 'optimizer' section in the config, no lr=) at stage 3: "
+            "building the inference engine (forward and generate; backward and step refuse)"
+        )
+        plan = plan_runtime(
+            model, cfg, world_size=group.world_size, rank=group.rank, device=device, trains=False
+        )
         preflight_inference(model, cfg, device=device, group=group, runtime=plan)
         return InferenceEngine(model, cfg, group=group, device=device, plan=plan)
-    return training_engine(model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device)
+    return training_engine(
+        model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device
+    )

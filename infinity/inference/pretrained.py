@@ -22,7 +22,9 @@ from torch import nn
 from infinity.zero import Init, load_pretrained
 
 
-def from_pretrained(model_dir: str | Path, config: Any, *, dtype: torch.dtype | None = None) -> nn.Module:
+def from_pretrained(
+    model_dir: str | Path, config: Any, *, dtype: torch.dtype | None = None
+) -> nn.Module:
     """The causal LM in ``model_dir`` (config.json and safetensors), built under ``infinity.zero.Init(config)``
     with the checkpoint's weights written in; ready for ``infinity.initialize(model, config)``.
     ``dtype``: the parameters' dtype (default: the config.json's ``dtype``, else fp32)."""

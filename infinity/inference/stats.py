@@ -62,14 +62,21 @@ class InferenceStats:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "replayed_steps": self.replayed_steps, "hit_rate": self.hit_rate,
-                "read_gbps": self.read_gbps, "tokens_per_s": self.tokens_per_s}
+        return {
+            **dataclasses.asdict(self),
+            "replayed_steps": self.replayed_steps,
+            "hit_rate": self.hit_rate,
+            "read_gbps": self.read_gbps,
+            "tokens_per_s": self.tokens_per_s,
+        }
 
     def summary(self) -> str:
         kinds = ", ".join(f"{n} {k}" for k, n in self.steps.items() if n)
-        return (f"{self.forwards} forwards ({kinds}); {self.prefetch_hits}/{self.uses} unit fetches read ahead "
-                f"({self.late_prefetches} late, {self.on_demand} on demand); {self.read_nbytes / 1e9:.2f} GB read "
-                f"at {self.read_gbps:.2f} GB/s; {self.stall_s:.2f} s of {self.wall_s:.2f} s waiting for weights")
+        return (
+            f"{self.forwards} forwards ({kinds}); {self.prefetch_hits}/{self.uses} unit fetches read ahead "
+            f"({self.late_prefetches} late, {self.on_demand} on demand); {self.read_nbytes / 1e9:.2f} GB read "
+            f"at {self.read_gbps:.2f} GB/s; {self.stall_s:.2f} s of {self.wall_s:.2f} s waiting for weights"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

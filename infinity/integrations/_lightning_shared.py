@@ -99,8 +99,10 @@ def strategy_config(
 ) -> dict[str, Any]:
     """The config DeepSpeedStrategy builds from its arguments (``_create_default_config``), with
     unset knobs left out (``nvme_path`` is read only under an ``nvme`` device)."""
-    for name, device in (("offload_params_device", offload_params_device),
-                         ("offload_optimizer_device", offload_optimizer_device)):
+    for name, device in (
+        ("offload_params_device", offload_params_device),
+        ("offload_optimizer_device", offload_optimizer_device),
+    ):
         if device not in ("cpu", "nvme"):
             raise ValueError(f"{name}={device!r}: offload to 'cpu' or 'nvme'")
     cfg: dict[str, Any] = {}
@@ -118,8 +120,12 @@ def strategy_config(
             zero["offload_param"] = {
                 "device": offload_params_device,
                 "nvme_path": nvme_path,
-                **_given(buffer_count=params_buffer_count, buffer_size=params_buffer_size, max_in_cpu=max_in_cpu,
-                         pin_memory=pin_memory),
+                **_given(
+                    buffer_count=params_buffer_count,
+                    buffer_size=params_buffer_size,
+                    max_in_cpu=max_in_cpu,
+                    pin_memory=pin_memory,
+                ),
             }
         cfg["zero_optimization"] = zero
         if zero_allow_untested_optimizer is not None:
@@ -140,19 +146,49 @@ def configure_strategy(strategy: Any, args: Mapping[str, Any]) -> None:
     strategy.config = read_config(a["config"])
     if strategy.config is None:
         strategy.config = strategy_config(
-            zero_optimization=a["zero_optimization"], stage=a["stage"], offload_optimizer=a["offload_optimizer"],
-            offload_parameters=a["offload_parameters"], offload_params_device=a["offload_params_device"],
-            offload_optimizer_device=a["offload_optimizer_device"], nvme_path=a["nvme_path"],
-            params_buffer_count=a["params_buffer_count"], params_buffer_size=a["params_buffer_size"],
-            max_in_cpu=a["max_in_cpu"], optimizer_buffer_count=a["optimizer_buffer_count"],
+            zero_optimization=a["zero_optimization"],
+            stage=a["stage"],
+            offload_optimizer=a["offload_optimizer"],
+            offload_parameters=a["offload_parameters"],
+            offload_params_device=a["offload_params_device"],
+            offload_optimizer_device=a["offload_optimizer_device"],
+            nvme_path=a["nvme_path"],
+            params_buffer_count=a["params_buffer_count"],
+            params_buffer_size=a["params_buffer_size"],
+            max_in_cpu=a["max_in_cpu"],
+            optimizer_buffer_count=a["optimizer_buffer_count"],
             pin_memory=a["pin_memory"],
-            aio={k: a[k] for k in ("block_size", "queue_depth", "single_submit", "overlap_events", "thread_count")},
-            zero_knobs={k: a[k] for k in ("sub_group_size", "contiguous_gradients", "overlap_comm",
-                                          "allgather_partitions", "reduce_scatter", "allgather_bucket_size",
-                                          "reduce_bucket_size")},
-            activation_checkpointing={k: a[k] for k in ("partition_activations", "cpu_checkpointing",
-                                                        "contiguous_memory_optimization",
-                                                        "synchronize_checkpoint_boundary")},
+            aio={
+                k: a[k]
+                for k in (
+                    "block_size",
+                    "queue_depth",
+                    "single_submit",
+                    "overlap_events",
+                    "thread_count",
+                )
+            },
+            zero_knobs={
+                k: a[k]
+                for k in (
+                    "sub_group_size",
+                    "contiguous_gradients",
+                    "overlap_comm",
+                    "allgather_partitions",
+                    "reduce_scatter",
+                    "allgather_bucket_size",
+                    "reduce_bucket_size",
+                )
+            },
+            activation_checkpointing={
+                k: a[k]
+                for k in (
+                    "partition_activations",
+                    "cpu_checkpointing",
+                    "contiguous_memory_optimization",
+                    "synchronize_checkpoint_boundary",
+                )
+            },
             logging_batch_size_per_gpu=a["logging_batch_size_per_gpu"] or "auto",
             zero_allow_untested_optimizer=a["zero_allow_untested_optimizer"],
         )
@@ -160,13 +196,22 @@ def configure_strategy(strategy: Any, args: Mapping[str, Any]) -> None:
     strategy.nvme_path = a["nvme_path"]
     strategy.load_full_weights = a["load_full_weights"]
     if a["exclude_frozen_parameters"]:
-        log.info("exclude_frozen_parameters=True: infinity's checkpoints hold every parameter, frozen ones too")
+        log.info(
+            "exclude_frozen_parameters=True: infinity's checkpoints hold every parameter, frozen ones too"
+        )
     strategy.exclude_frozen_parameters = a["exclude_frozen_parameters"]
-    strategy._fp16 = {k: a[k] for k in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                                        "min_loss_scale")}
+    strategy._fp16 = {
+        k: a[k]
+        for k in (
+            "loss_scale",
+            "initial_scale_power",
+            "loss_scale_window",
+            "hysteresis",
+            "min_loss_scale",
+        )
+    }
     logging.getLogger("infinity").setLevel(a["logging_level"])
     strategy._config_formatted = False
-
 
 
 def fill(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
@@ -182,7 +227,9 @@ def fill(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
         )
 
 
-def add_precision(config: dict[str, Any], precision: str, *, strategy: str, fp16: dict[str, Any]) -> None:
+def add_precision(
+    config: dict[str, Any], precision: str, *, strategy: str, fp16: dict[str, Any]
+) -> None:
     """Lightning's precision into the config's ``fp16`` / ``bf16`` sections (DeepSpeed's
     ``_format_precision_config``); a config that enables another dtype than the precision is refused."""
     _, section = check_precision(precision, strategy)
@@ -190,7 +237,11 @@ def add_precision(config: dict[str, Any], precision: str, *, strategy: str, fp16
         node = config.get(name)
         if isinstance(node, Mapping) and is_auto(node.get("enabled")):
             config[name] = {**node, "enabled": name == section}
-    enabled = [n for n in ("fp16", "bf16") if isinstance(config.get(n), Mapping) and config[n].get("enabled") is True]
+    enabled = [
+        n
+        for n in ("fp16", "bf16")
+        if isinstance(config.get(n), Mapping) and config[n].get("enabled") is True
+    ]
     if enabled and enabled != [section]:
         raise ConfigError(
             f"the config enables {enabled[0]} but the precision is {precision!r}; pass the precision that "
@@ -200,14 +251,18 @@ def add_precision(config: dict[str, Any], precision: str, *, strategy: str, fp16
         config[section] = {"enabled": True, **(fp16 if section == "fp16" else {})}
 
 
-def init_config(config: dict[str, Any], remote_device: str | None, nvme_path: str) -> dict[str, Any]:
+def init_config(
+    config: dict[str, Any], remote_device: str | None, nvme_path: str
+) -> dict[str, Any]:
     """The config zero.Init builds the model with: DeepSpeed's ``remote_device`` (where parameters
     wait between construction and ``initialize``) overrides ``offload_param`` for the build only."""
     if remote_device is None:
         return config
     if remote_device not in ("cpu", "nvme"):
-        raise ValueError(f"remote_device={remote_device!r}: build the model's parameters into 'cpu' or 'nvme' "
-                         "(or None: where offload_param puts them)")
+        raise ValueError(
+            f"remote_device={remote_device!r}: build the model's parameters into 'cpu' or 'nvme' "
+            "(or None: where offload_param puts them)"
+        )
     out = copy.deepcopy(config)
     zero = out.setdefault("zero_optimization", {})
     param = dict(zero.get("offload_param") or {})
@@ -219,7 +274,9 @@ def init_config(config: dict[str, Any], remote_device: str | None, nvme_path: st
 
 
 @contextlib.contextmanager
-def sharded_context(config: dict[str, Any], remote_device: str | None, nvme_path: str) -> Iterator[None]:
+def sharded_context(
+    config: dict[str, Any], remote_device: str | None, nvme_path: str
+) -> Iterator[None]:
     """``infinity.zero.Init`` under stage 3 (modules built inside go straight to their shards);
     nothing under the other stages, as with DeepSpeed."""
     if zero_stage(config) != 3:
@@ -231,7 +288,6 @@ def sharded_context(config: dict[str, Any], remote_device: str | None, nvme_path
         yield
 
 
-
 def evaluation_config(config: dict[str, Any]) -> dict[str, Any]:
     """An engine for validate/test/predict before any training: infinity.initialize builds a training
     engine, which needs an optimizer; the config's, or an AdamW that is never stepped (its state is
@@ -239,8 +295,6 @@ def evaluation_config(config: dict[str, Any]) -> dict[str, Any]:
     if "optimizer" in config:
         return config
     return {**config, "optimizer": {"type": "AdamW", "params": {"lr": 0.0}}}
-
-
 
 
 def cast_floating_buffers(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -280,10 +334,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-
-
-def load_gathered(module: nn.Module, state_dict: Mapping[str, Any], *, strict: bool, rank: int,
-                   broadcast: Callable[[Any], Any]) -> None:
+def load_gathered(
+    module: nn.Module,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+) -> None:
     """A whole state dict into stage-3 shards, one module's parameters gathered at a time: rank 0
     reads the file's values, GatheredParameters writes them back to every rank's shard and fp32
     master. Every rank raises if rank 0 found a mismatch."""
@@ -294,10 +352,19 @@ def load_gathered(module: nn.Module, state_dict: Mapping[str, Any], *, strict: b
     for prefix, sub in module.named_modules():
         with infinity.GatheredParameters(list(sub.parameters(recurse=False)), modifier_rank=0):
             if rank == 0:
-                sub._load_from_state_dict(state_dict, f"{prefix}." if prefix else "", {}, strict, missing,
-                                          unexpected, errors)
+                sub._load_from_state_dict(
+                    state_dict,
+                    f"{prefix}." if prefix else "",
+                    {},
+                    strict,
+                    missing,
+                    unexpected,
+                    errors,
+                )
     if strict:
-        errors += [f"missing key {k!r}" for k in missing] + [f"unexpected key {k!r}" for k in unexpected]
+        errors += [f"missing key {k!r}" for k in missing] + [
+            f"unexpected key {k!r}" for k in unexpected
+        ]
     errors = broadcast(errors)
     if errors:
         raise RuntimeError("loading the full weights into the stage-3 shards: " + "; ".join(errors))
@@ -305,18 +372,36 @@ def load_gathered(module: nn.Module, state_dict: Mapping[str, Any], *, strict: b
 
 def register_names(registry: Any, cls: type) -> None:
     """The names of Lightning's DeepSpeed strategies (Trainer's and Fabric's), "deepspeed" spelt "infinity"."""
-    nvme = {"remote_device": "nvme", "offload_params_device": "nvme", "offload_optimizer_device": "nvme"}
+    nvme = {
+        "remote_device": "nvme",
+        "offload_params_device": "nvme",
+        "offload_optimizer_device": "nvme",
+    }
     for name, description, kwargs in (
         ("infinity", "infinity: ZeRO stage 2", {}),
         ("infinity_stage_1", "infinity: ZeRO stage 1", {"stage": 1}),
-        ("infinity_stage_1_offload", "infinity: ZeRO stage 1, optimizer on CPU", {"stage": 1, "offload_optimizer": True}),
+        (
+            "infinity_stage_1_offload",
+            "infinity: ZeRO stage 1, optimizer on CPU",
+            {"stage": 1, "offload_optimizer": True},
+        ),
         ("infinity_stage_2", "infinity: ZeRO stage 2", {"stage": 2}),
-        ("infinity_stage_2_offload", "infinity: ZeRO stage 2, optimizer on CPU", {"stage": 2, "offload_optimizer": True}),
+        (
+            "infinity_stage_2_offload",
+            "infinity: ZeRO stage 2, optimizer on CPU",
+            {"stage": 2, "offload_optimizer": True},
+        ),
         ("infinity_stage_3", "infinity: ZeRO stage 3", {"stage": 3}),
-        ("infinity_stage_3_offload", "infinity: ZeRO stage 3, parameters and optimizer on CPU",
-         {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
-        ("infinity_stage_3_offload_nvme", "infinity: ZeRO stage 3, parameters and optimizer on NVMe",
-         {"stage": 3, "offload_optimizer": True, "offload_parameters": True, **nvme}),
+        (
+            "infinity_stage_3_offload",
+            "infinity: ZeRO stage 3, parameters and optimizer on CPU",
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+        ),
+        (
+            "infinity_stage_3_offload_nvme",
+            "infinity: ZeRO stage 3, parameters and optimizer on NVMe",
+            {"stage": 3, "offload_optimizer": True, "offload_parameters": True, **nvme},
+        ),
     ):
         if name not in registry:
             registry.register(name, cls, description=description, **kwargs)

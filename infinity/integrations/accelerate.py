@@ -70,7 +70,9 @@ __all__ = ["EngineOptimizer", "EngineScheduler", "prepare", "prepare_frozen"]
 
 log = logging.getLogger("infinity.integrations")
 
-CHECKPOINT_TAG = "infinity_model"  # Accelerate's DeepSpeed path saves its engine under "pytorch_model"
+CHECKPOINT_TAG = (
+    "infinity_model"  # Accelerate's DeepSpeed path saves its engine under "pytorch_model"
+)
 _REFUSED_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 _PREPARED = "_infinity_engine_modules"  # the Accelerator attribute listing what prepare() built
 
@@ -78,7 +80,9 @@ _PREPARED = "_infinity_engine_modules"  # the Accelerator attribute listing what
 def _check_accelerator(accelerator: Any) -> None:
     kind = getattr(getattr(accelerator, "distributed_type", None), "name", None)
     if kind is None or not hasattr(accelerator, "prepare"):
-        raise TypeError(f"prepare() takes an accelerate.Accelerator first, not {type(accelerator).__name__}")
+        raise TypeError(
+            f"prepare() takes an accelerate.Accelerator first, not {type(accelerator).__name__}"
+        )
     if kind in _REFUSED_TYPES:
         raise ValueError(
             f"this Accelerator runs with distributed_type {kind}: infinity's engine owns the model and "
@@ -87,12 +91,16 @@ def _check_accelerator(accelerator: Any) -> None:
             "style config to prepare(..., config=...)"
         )
     if accelerator.mixed_precision == "fp8":
-        raise ValueError("mixed_precision='fp8' is not supported by infinity's engine; use 'bf16', 'fp16' or 'no'")
+        raise ValueError(
+            "mixed_precision='fp8' is not supported by infinity's engine; use 'bf16', 'fp16' or 'no'"
+        )
 
 
 def _read(config: Any) -> dict[str, Any]:
     if config is None:
-        raise TypeError("config= is required: a DeepSpeed-style config dict or the path of its JSON file")
+        raise TypeError(
+            "config= is required: a DeepSpeed-style config dict or the path of its JSON file"
+        )
     cfg = _shared.read_config(config)
     assert cfg is not None
     return cfg
@@ -138,13 +146,13 @@ def _precision(cfg: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
 def _micro_batch(accelerator: Any, dataloader: Any) -> int:
     if dataloader is None:
         raise ValueError(
-            "train_micro_batch_size_per_gpu is \"auto\" and no dataloader was passed: pass the training "
+            'train_micro_batch_size_per_gpu is "auto" and no dataloader was passed: pass the training '
             "dataloader to prepare(), or write train_micro_batch_size_per_gpu in the config"
         )
     batch_size = getattr(dataloader, "batch_size", None)
     if not isinstance(batch_size, int):
         raise ValueError(
-            f"train_micro_batch_size_per_gpu is \"auto\" and the dataloader's batch_size is {batch_size!r} "
+            f'train_micro_batch_size_per_gpu is "auto" and the dataloader\'s batch_size is {batch_size!r} '
             "(Accelerate fills it from an integer batch_size): write train_micro_batch_size_per_gpu in the "
             "config, or give the DataLoader a batch_size"
         )
@@ -158,8 +166,12 @@ def _accumulation(cfg: dict[str, Any], accelerator: Any) -> dict[str, Any]:
         return {"gradient_accumulation_steps": accelerator.gradient_accumulation_steps}
     written = cfg["gradient_accumulation_steps"]
     if written != accelerator.gradient_accumulation_steps:
-        log.warning("gradient accumulation steps: the Accelerator has %s, the config %s; using the config's "
-                    "(as Accelerate's DeepSpeed plugin does)", accelerator.gradient_accumulation_steps, written)
+        log.warning(
+            "gradient accumulation steps: the Accelerator has %s, the config %s; using the config's "
+            "(as Accelerate's DeepSpeed plugin does)",
+            accelerator.gradient_accumulation_steps,
+            written,
+        )
         accelerator.gradient_accumulation_steps = written
     return {}
 
@@ -172,7 +184,9 @@ def auto_values(accelerator: Any, cfg: dict[str, Any], dataloader: Any = None) -
         values["train_micro_batch_size_per_gpu"] = _micro_batch(accelerator, dataloader)
     values.update(_accumulation(cfg, accelerator))
     if _shared.is_auto(cfg.get("gradient_clipping")):
-        values["gradient_clipping"] = 1.0  # Accelerate's default (DeepSpeedPlugin gradient_clipping)
+        values["gradient_clipping"] = (
+            1.0  # Accelerate's default (DeepSpeedPlugin gradient_clipping)
+        )
     return values
 
 
@@ -211,11 +225,15 @@ class EngineOptimizer:
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("the optimizer state lives in the infinity engine (partly on NVMe): save it with "
-                           "accelerator.save_state(dir) after prepare(), or engine.save_checkpoint")
+        raise RuntimeError(
+            "the optimizer state lives in the infinity engine (partly on NVMe): save it with "
+            "accelerator.save_state(dir) after prepare(), or engine.save_checkpoint"
+        )
 
     def load_state_dict(self, state_dict: Any) -> None:
-        raise RuntimeError("restore the optimizer state with accelerator.load_state(dir) (the engine's checkpoint)")
+        raise RuntimeError(
+            "restore the optimizer state with accelerator.load_state(dir) (the engine's checkpoint)"
+        )
 
 
 class EngineScheduler:
@@ -247,8 +265,10 @@ def _sort(accelerator: Any, objects: tuple[Any, ...]) -> tuple[nn.Module, Any, A
     dataloaders among ``prepare``'s objects, anything else refused naming what to pass instead."""
     models = [o for o in objects if isinstance(o, nn.Module)]
     if len(models) != 1:
-        raise TypeError(f"prepare() trains one nn.Module per call; got {len(models)} (prepare each model with its "
-                        "own call, or a frozen one with prepare_frozen)")
+        raise TypeError(
+            f"prepare() trains one nn.Module per call; got {len(models)} (prepare each model with its "
+            "own call, or a frozen one with prepare_frozen)"
+        )
     optimizers = [o for o in objects if isinstance(o, (torch.optim.Optimizer, DummyOptim))]
     schedulers = [o for o in objects if isinstance(o, (LRScheduler, DummyScheduler))]
     for found, what in ((optimizers, "optimizer"), (schedulers, "lr scheduler")):
@@ -263,47 +283,77 @@ def _sort(accelerator: Any, objects: tuple[Any, ...]) -> tuple[nn.Module, Any, A
             )
         name = type(obj).__name__
         if name.startswith("Accelerated"):
-            raise RuntimeError(f"object {i} is an {name} (accelerator.prepare wrapped it): pass the plain torch "
-                               "object to infinity's prepare()")
-        if not (isinstance(obj, (nn.Module, torch.optim.Optimizer, DummyOptim, LRScheduler, DummyScheduler))
-                or _is_dataloader(obj)):
-            raise TypeError(f"prepare()'s object {i} is a {name}: it takes the model, its optimizer, lr scheduler "
-                            "and dataloaders")
+            raise RuntimeError(
+                f"object {i} is an {name} (accelerator.prepare wrapped it): pass the plain torch "
+                "object to infinity's prepare()"
+            )
+        if not (
+            isinstance(
+                obj, (nn.Module, torch.optim.Optimizer, DummyOptim, LRScheduler, DummyScheduler)
+            )
+            or _is_dataloader(obj)
+        ):
+            raise TypeError(
+                f"prepare()'s object {i} is a {name}: it takes the model, its optimizer, lr scheduler "
+                "and dataloaders"
+            )
     model = models[0]
     if isinstance(model, _shared.EngineModule) or _shared.engine_of(model) is not None:
-        raise RuntimeError(f"this {type(model).__name__} is already trained by an infinity engine; prepare each "
-                           "model once")
-    if any(model is m or getattr(m, "module", None) is model for m in getattr(accelerator, "_models", [])):
-        raise RuntimeError(f"this {type(model).__name__} went through accelerator.prepare already: give "
-                           "infinity's prepare() the plain model (it owns model and optimizer)")
-    return (model, optimizers[0] if optimizers else None, schedulers[0] if schedulers else None,
-            [o for o in objects if _is_dataloader(o)])
+        raise RuntimeError(
+            f"this {type(model).__name__} is already trained by an infinity engine; prepare each "
+            "model once"
+        )
+    if any(
+        model is m or getattr(m, "module", None) is model
+        for m in getattr(accelerator, "_models", [])
+    ):
+        raise RuntimeError(
+            f"this {type(model).__name__} went through accelerator.prepare already: give "
+            "infinity's prepare() the plain model (it owns model and optimizer)"
+        )
+    return (
+        model,
+        optimizers[0] if optimizers else None,
+        schedulers[0] if schedulers else None,
+        [o for o in objects if _is_dataloader(o)],
+    )
 
 
-def _placeholder_values(accelerator: Any, cfg: Mapping[str, Any], optimizer: Any, scheduler: Any) -> dict[str, Any]:
+def _placeholder_values(
+    accelerator: Any, cfg: Mapping[str, Any], optimizer: Any, scheduler: Any
+) -> dict[str, Any]:
     """What Accelerate's DeepSpeed plugin fills from DummyOptim / DummyScheduler (``_prepare_deepspeed``):
     the optimizer section's lr and weight_decay, the WarmupLR family's warmup and total steps."""
     values: dict[str, Any] = {}
     if isinstance(optimizer, DummyOptim):
         if "optimizer" not in cfg:
-            raise ValueError("a DummyOptim stands for the config's optimizer section, and the config has none: "
-                             "pass a torch optimizer, or add an optimizer section")
+            raise ValueError(
+                "a DummyOptim stands for the config's optimizer section, and the config has none: "
+                "pass a torch optimizer, or add an optimizer section"
+            )
         values.update(lr=optimizer.lr, weight_decay=optimizer.weight_decay)
     elif "optimizer" in cfg and optimizer is not None:
-        raise ValueError("the config has an optimizer section and a torch optimizer was passed: keep one (pass "
-                         "accelerate.utils.DummyOptim in the optimizer's place to use the config's)")
+        raise ValueError(
+            "the config has an optimizer section and a torch optimizer was passed: keep one (pass "
+            "accelerate.utils.DummyOptim in the optimizer's place to use the config's)"
+        )
     if isinstance(scheduler, DummyScheduler):
         if "scheduler" not in cfg:
-            raise ValueError("a DummyScheduler stands for the config's scheduler section, and the config has "
-                             "none: pass a torch lr scheduler, or add a scheduler section")
+            raise ValueError(
+                "a DummyScheduler stands for the config's scheduler section, and the config has "
+                "none: pass a torch lr scheduler, or add a scheduler section"
+            )
         if scheduler.lr_scheduler_callable is not None:
-            raise ValueError("DummyScheduler(lr_scheduler_callable=...) is not supported: pass the torch lr "
-                             "scheduler itself")
+            raise ValueError(
+                "DummyScheduler(lr_scheduler_callable=...) is not supported: pass the torch lr "
+                "scheduler itself"
+            )
         values.update(warmup_min_lr=0, warmup_num_steps=max(1, scheduler.warmup_num_steps))
         if scheduler.total_num_steps is not None:
             total = scheduler.total_num_steps
-            values["total_num_steps"] = total if accelerator.split_batches else math.ceil(
-                total / accelerator.num_processes)
+            values["total_num_steps"] = (
+                total if accelerator.split_batches else math.ceil(total / accelerator.num_processes)
+            )
     return values
 
 
@@ -311,11 +361,15 @@ def _backward(accelerator: Any, loss: torch.Tensor, **kwargs: Any) -> None:
     """``accelerator.backward(loss)`` after prepare(): the engine's backward ([Note: what prepare patches])."""
     trained = getattr(accelerator, _PREPARED, [])
     if kwargs:
-        raise TypeError(f"accelerator.backward(loss) on infinity's engine takes no keyword arguments; got "
-                        f"{sorted(kwargs)}")
+        raise TypeError(
+            f"accelerator.backward(loss) on infinity's engine takes no keyword arguments; got "
+            f"{sorted(kwargs)}"
+        )
     if len(trained) != 1:
-        raise RuntimeError(f"{len(trained)} models were prepared for training with infinity on this Accelerator: "
-                           "call model.backward(loss) on the one the loss belongs to")
+        raise RuntimeError(
+            f"{len(trained)} models were prepared for training with infinity on this Accelerator: "
+            "call model.backward(loss) on the one the loss belongs to"
+        )
     trained[0].backward(loss)
 
 
@@ -330,9 +384,15 @@ def _ours(accelerator: Any, model: Any) -> _shared.EngineModule | None:
 def _patch_saving(accelerator: Any) -> None:
     """``unwrap_model``, ``get_state_dict`` and ``save_model`` answer for the engines prepare() built
     and hand everything else to Accelerate's own ([Note: what prepare patches])."""
-    unwrap, get_state_dict, save_model = accelerator.unwrap_model, accelerator.get_state_dict, accelerator.save_model
+    unwrap, get_state_dict, save_model = (
+        accelerator.unwrap_model,
+        accelerator.get_state_dict,
+        accelerator.save_model,
+    )
 
-    def unwrap_model(model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True) -> Any:
+    def unwrap_model(
+        model: Any, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> Any:
         em = _ours(accelerator, model)
         return em.module if em is not None else unwrap(model, keep_fp32_wrapper, keep_torch_compile)
 
@@ -341,19 +401,33 @@ def _patch_saving(accelerator: Any) -> None:
         if em is None:
             return get_state_dict(model, unwrap=unwrap)
         state = em.engine.gathered_state_dict()  # the engine's weights, whole, on the CPU
-        return state if unwrap else {f"module.{k}": v for k, v in state.items()}  # EngineModule's names
+        return (
+            state if unwrap else {f"module.{k}": v for k, v in state.items()}
+        )  # EngineModule's names
 
-    def streamed_save_model(model: Any, save_directory: Any, max_shard_size: int | str = "10GB",
-                            safe_serialization: bool = True) -> None:
+    def streamed_save_model(
+        model: Any,
+        save_directory: Any,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
+    ) -> None:
         em = _ours(accelerator, model)
         if em is None:
-            return save_model(model, save_directory, max_shard_size=max_shard_size,
-                              safe_serialization=safe_serialization)
+            return save_model(
+                model,
+                save_directory,
+                max_shard_size=max_shard_size,
+                safe_serialization=safe_serialization,
+            )
         if not safe_serialization:
-            raise ValueError("accelerator.save_model(..., safe_serialization=False) writes pickle, which infinity's "
-                             "engine does not stream: save with safe_serialization=True (safetensors)")
+            raise ValueError(
+                "accelerator.save_model(..., safe_serialization=False) writes pickle, which infinity's "
+                "engine does not stream: save with safe_serialization=True (safetensors)"
+            )
         if os.path.isfile(save_directory):
-            raise NotADirectoryError(f"accelerator.save_model: {str(save_directory)!r} is a file; pass a directory")
+            raise NotADirectoryError(
+                f"accelerator.save_model: {str(save_directory)!r} is a file; pass a directory"
+            )
         os.makedirs(save_directory, exist_ok=True)
         # What Accelerate writes (model.safetensors, or shards of max_shard_size and their index; tied
         # weights once), streamed from the engine's units; a transformers model gets its config.json too.
@@ -379,8 +453,10 @@ def _register(accelerator: Any, model: _shared.EngineModule) -> None:
 
     def load(models: Any, input_dir: str) -> None:
         if not os.path.isdir(os.path.join(input_dir, tag)):
-            raise FileNotFoundError(f"{input_dir!r} holds no {tag}/: it was not saved by accelerator.save_state "
-                                    "after infinity's prepare() (with as many models prepared)")
+            raise FileNotFoundError(
+                f"{input_dir!r} holds no {tag}/: it was not saved by accelerator.save_state "
+                "after infinity's prepare() (with as many models prepared)"
+            )
         model.engine.load_checkpoint(input_dir, tag=tag)
 
     accelerator.register_save_state_pre_hook(save)
@@ -401,15 +477,24 @@ def prepare(accelerator: Any, *objects: Any, config: Any, **auto: Any) -> Any:
     _check_accelerator(accelerator)
     model, optimizer, scheduler, dataloaders = _sort(accelerator, objects)
     cfg = _read(config)
-    values = {**auto_values(accelerator, cfg, dataloaders[0] if dataloaders else None),
-              **_placeholder_values(accelerator, cfg, optimizer, scheduler), **auto}
+    values = {
+        **auto_values(accelerator, cfg, dataloaders[0] if dataloaders else None),
+        **_placeholder_values(accelerator, cfg, optimizer, scheduler),
+        **auto,
+    }
     engine = _shared.build_engine(
-        model, cfg, optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
-        lr_scheduler=scheduler if isinstance(scheduler, LRScheduler) else None, **values)
+        model,
+        cfg,
+        optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None,
+        lr_scheduler=scheduler if isinstance(scheduler, LRScheduler) else None,
+        **values,
+    )
     if not isinstance(engine, Engine):
         engine.close()
-        raise ValueError("nothing to train: the config has no optimizer and none was passed (for a frozen "
-                         "model use prepare_frozen(model, config))")
+        raise ValueError(
+            "nothing to train: the config has no optimizer and none was passed (for a frozen "
+            "model use prepare_frozen(model, config))"
+        )
     em = _shared.EngineModule(engine)
     _register(accelerator, em)
     # After the engine: a refused config leaves no dataloader registered with the Accelerator.
@@ -422,15 +507,19 @@ def prepare(accelerator: Any, *objects: Any, config: Any, **auto: Any) -> Any:
             out.append(EngineOptimizer(em))
         elif obj is scheduler:
             if engine.lr_scheduler is None:
-                raise ValueError("a scheduler was passed and the engine has none: pass a torch lr scheduler, or a "
-                                 "DummyScheduler with a scheduler section in the config")
+                raise ValueError(
+                    "a scheduler was passed and the engine has none: pass a torch lr scheduler, or a "
+                    "DummyScheduler with a scheduler section in the config"
+                )
             out.append(EngineScheduler(engine.lr_scheduler))
         else:
             out.append(prepared_loaders[id(obj)])
     return out[0] if len(out) == 1 else tuple(out)
 
 
-def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **auto: Any) -> InferenceEngine:
+def prepare_frozen(
+    model: nn.Module, config: Any, *, accelerator: Any = None, **auto: Any
+) -> InferenceEngine:
     """A model that is never trained (a distillation teacher): its parameters in stage-3 shards (on NVMe
     where the config's ``offload_param`` says so), no gradient or optimizer state, every forward under
     ``no_grad`` in eval mode: ``infinity.initialize`` without an optimizer, i.e. the inference engine.
@@ -446,8 +535,10 @@ def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **
             "to keep the parameters on NVMe)"
         )
     if "optimizer" in cfg or "scheduler" in cfg:
-        raise ValueError("prepare_frozen builds no optimizer: remove the config's optimizer and scheduler "
-                         "sections (a frozen model has no optimizer state)")
+        raise ValueError(
+            "prepare_frozen builds no optimizer: remove the config's optimizer and scheduler "
+            "sections (a frozen model has no optimizer state)"
+        )
     values: dict[str, Any] = {}
     if accelerator is not None:
         _check_accelerator(accelerator)
@@ -457,5 +548,7 @@ def prepare_frozen(model: nn.Module, config: Any, *, accelerator: Any = None, **
             values[key] = 1
     model.requires_grad_(False)
     engine = _shared.build_engine(model, copy.deepcopy(cfg), **{**values, **auto})
-    assert isinstance(engine, InferenceEngine), "stage 3 without an optimizer builds the inference engine"
+    assert isinstance(engine, InferenceEngine), (
+        "stage 3 without an optimizer builds the inference engine"
+    )
     return engine

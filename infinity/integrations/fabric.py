@@ -63,8 +63,10 @@ __all__ = ["InfinityFabricPrecision", "InfinityFabricStrategy"]
 
 log = logging.getLogger("infinity.integrations")
 
-_ACCUMULATE = ("the engine accumulates gradients itself: set gradient_accumulation_steps in the config and call "
-               "optimizer.step() after every fabric.backward() (the engine updates the weights once per window)")
+_ACCUMULATE = (
+    "the engine accumulates gradients itself: set gradient_accumulation_steps in the config and call "
+    "optimizer.step() after every fabric.backward() (the engine updates the weights once per window)"
+)
 
 
 class InfinityFabricPrecision(Precision):
@@ -86,15 +88,23 @@ class InfinityFabricPrecision(Precision):
         return lightning_shared.convert_floats(data, torch.get_default_dtype())
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return lightning_shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
+        return (
+            lightning_shared.default_dtype(self._dtype)
+            if self.precision.endswith("-true")
+            else contextlib.nullcontext()
+        )
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return self.tensor_init_context()
 
-    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
+    ) -> None:
         if not isinstance(model, _shared.EngineModule):
-            raise TypeError("InfinityFabricPrecision back-propagates through the engine of a model set up with "
-                            "InfinityFabricStrategy; pass that model: fabric.backward(loss, model=model)")
+            raise TypeError(
+                "InfinityFabricPrecision back-propagates through the engine of a model set up with "
+                "InfinityFabricStrategy; pass that model: fabric.backward(loss, model=model)"
+            )
         model.backward(tensor)
 
 
@@ -113,9 +123,13 @@ def _as_infinity_precision(plugin: Precision | None) -> InfinityFabricPrecision 
 class _EngineAccumulation(_BackwardSyncControl):
     """``fabric.no_backward_sync``: there is no synchronisation to skip, the engine accumulates."""
 
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    def no_backward_sync(
+        self, module: nn.Module, enabled: bool
+    ) -> contextlib.AbstractContextManager:
         if enabled:
-            raise RuntimeError(f"fabric.no_backward_sync(..., enabled=True) with InfinityFabricStrategy: {_ACCUMULATE}")
+            raise RuntimeError(
+                f"fabric.no_backward_sync(..., enabled=True) with InfinityFabricStrategy: {_ACCUMULATE}"
+            )
         return contextlib.nullcontext()
 
 
@@ -175,7 +189,9 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         start_method: str = "popen",
     ) -> None:
-        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
+        args = dict(
+            locals()
+        )  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -224,24 +240,34 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             return
         if _shared.is_auto(self.config.get("train_micro_batch_size_per_gpu", "auto")):
             self.config["train_micro_batch_size_per_gpu"] = 1
-        lightning_shared.add_precision(self.config, self.precision.precision, strategy="InfinityFabricStrategy",
-                             fp16=self._fp16)
+        lightning_shared.add_precision(
+            self.config,
+            self.precision.precision,
+            strategy="InfinityFabricStrategy",
+            fp16=self._fp16,
+        )
         self._config_formatted = True
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[torch.optim.Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
         if len(optimizers) != 1:
-            raise ValueError(f"InfinityFabricStrategy trains one module with one optimizer; got {len(optimizers)} "
-                             "optimizers (set up each model with its own optimizer)")
+            raise ValueError(
+                f"InfinityFabricStrategy trains one module with one optimizer; got {len(optimizers)} "
+                "optimizers (set up each model with its own optimizer)"
+            )
         self._format_config()
-        engine = _shared.build_engine(module, self.config, optimizer=optimizers[0], lr_scheduler=scheduler)
+        engine = _shared.build_engine(
+            module, self.config, optimizer=optimizers[0], lr_scheduler=scheduler
+        )
         return self._keep(engine), [engine.optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A module without an optimizer (evaluation): the engine that already trains it, or a new one."""
         self._format_config()
-        engine = _shared.engine_of(module) or _shared.build_engine(module, lightning_shared.evaluation_config(self.config))
+        engine = _shared.engine_of(module) or _shared.build_engine(
+            module, lightning_shared.evaluation_config(self.config)
+        )
         return self._keep(engine)
 
     def _keep(self, engine: Engine) -> _shared.EngineModule:
@@ -250,20 +276,26 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         return em
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        raise RuntimeError("InfinityFabricStrategy sets up the model and its optimizer together: "
-                           "model, optimizer = fabric.setup(model, optimizer)")
+        raise RuntimeError(
+            "InfinityFabricStrategy sets up the model and its optimizer together: "
+            "model, optimizer = fabric.setup(model, optimizer)"
+        )
 
     def module_to_device(self, module: nn.Module) -> None:
         """The engine places the parameters (its units, on the compute device as they are used)."""
 
-    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+    def module_init_context(
+        self, empty_init: bool | None = None
+    ) -> contextlib.AbstractContextManager:
         """``fabric.init_module()``: under stage 3, ``infinity.zero.Init`` (modules built inside go
         straight to their shards), in the "-true" precisions' dtype."""
         if not self.zero_stage_3:
             return super().module_init_context(empty_init=empty_init)
         if empty_init is False:
-            raise ValueError("empty_init=False cannot be honoured under stage 3 (zero.Init partitions the "
-                             "parameters as they are built); leave empty_init unset")
+            raise ValueError(
+                "empty_init=False cannot be honoured under stage 3 (zero.Init partitions the "
+                "parameters as they are built); leave empty_init unset"
+            )
         stack = contextlib.ExitStack()
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(self.module_sharded_context())
@@ -281,11 +313,17 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
         if module is None and len(self._engine_modules) == 1:
             return self._engine_modules[0]
         if module is None and not self._engine_modules:
-            raise RuntimeError("no model is set up: call model, optimizer = fabric.setup(model, optimizer) first")
-        raise ValueError("several models are set up with InfinityFabricStrategy: say which one, "
-                         "fabric.backward(loss, model=model)")
+            raise RuntimeError(
+                "no model is set up: call model, optimizer = fabric.setup(model, optimizer) first"
+            )
+        raise ValueError(
+            "several models are set up with InfinityFabricStrategy: say which one, "
+            "fabric.backward(loss, model=model)"
+        )
 
-    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any
+    ) -> None:
         em = self._engine_module(module)
         self.precision.pre_backward(tensor, em)
         self.precision.backward(tensor, em, *args, **kwargs)
@@ -304,17 +342,29 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
                         result = closure()
                 em.step()
                 return result
-        raise ValueError("this optimizer was not set up with InfinityFabricStrategy: use the optimizer that "
-                         "fabric.setup(model, optimizer) returned")
+        raise ValueError(
+            "this optimizer was not set up with InfinityFabricStrategy: use the optimizer that "
+            "fabric.setup(model, optimizer) returned"
+        )
 
-    def clip_gradients_norm(self, module: Any, optimizer: Any, max_norm: float | int, norm_type: float | int = 2.0,
-                            error_if_nonfinite: bool = True) -> torch.Tensor:
-        raise RuntimeError("the engine clips the gradient norm itself at each update: set gradient_clipping in the "
-                           "config instead of calling fabric.clip_gradients")
+    def clip_gradients_norm(
+        self,
+        module: Any,
+        optimizer: Any,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        raise RuntimeError(
+            "the engine clips the gradient norm itself at each update: set gradient_clipping in the "
+            "config instead of calling fabric.clip_gradients"
+        )
 
     def clip_gradients_value(self, module: Any, optimizer: Any, clip_val: float | int) -> None:
-        raise RuntimeError("the engine clips the gradient norm (the config's gradient_clipping); clipping by value "
-                           "is not supported")
+        raise RuntimeError(
+            "the engine clips the gradient norm (the config's gradient_clipping); clipping by value "
+            "is not supported"
+        )
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -328,49 +378,81 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             )
         return found[0]
 
-    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
-                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("fabric.save(..., storage_options=...) is not supported by InfinityFabricStrategy: the "
-                            "engine writes the checkpoint itself")
+            raise TypeError(
+                "fabric.save(..., storage_options=...) is not supported by InfinityFabricStrategy: the "
+                "engine writes the checkpoint itself"
+            )
         if filter is not None:
-            raise TypeError("fabric.save(..., filter=...) is not supported by InfinityFabricStrategy: the engine "
-                            "saves its whole training state")
+            raise TypeError(
+                "fabric.save(..., filter=...) is not supported by InfinityFabricStrategy: the engine "
+                "saves its whole training state"
+            )
         em = self._the_engine_module(state, "save")
         path = self.broadcast(path)
         rest = {k: v for k, v in state.items() if v is not em and v is not em.engine.optimizer}
         rest = self._convert_stateful_objects_in_state(rest, filter={})
         _shared.save_client_state(em.engine, path, rest, what="Fabric state")
 
-    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if isinstance(state, (nn.Module, torch.optim.Optimizer)) or not state:
-            raise ValueError("fabric.load(path, state) with InfinityFabricStrategy needs the state to restore "
-                             "into: state={'model': model, 'optimizer': optimizer, ...}")
+            raise ValueError(
+                "fabric.load(path, state) with InfinityFabricStrategy needs the state to restore "
+                "into: state={'model': model, 'optimizer': optimizer, ...}"
+            )
         em = self._the_engine_module(state, "load")
         if self.load_full_weights:
             return self._load_full_weights(path, state, em, strict, weights_only)
-        _shared.check_checkpoint_dir(path, single_file_hint="load it with InfinityFabricStrategy(load_full_weights=True)")
+        _shared.check_checkpoint_dir(
+            path, single_file_hint="load it with InfinityFabricStrategy(load_full_weights=True)"
+        )
         with_optimizer = any(v is em.engine.optimizer for v in state.values())
-        client_state = em.engine.load_checkpoint(path, tag=_shared.TAG, load_optimizer_states=with_optimizer,
-                                                 load_lr_scheduler_states=with_optimizer,
-                                                 load_module_only=not with_optimizer)
+        client_state = em.engine.load_checkpoint(
+            path,
+            tag=_shared.TAG,
+            load_optimizer_states=with_optimizer,
+            load_lr_scheduler_states=with_optimizer,
+            load_module_only=not with_optimizer,
+        )
         if not isinstance(client_state, dict):
-            raise ValueError(f"{str(path)!r} is an infinity checkpoint without Fabric's state; load one fabric.save wrote")
+            raise ValueError(
+                f"{str(path)!r} is an infinity checkpoint without Fabric's state; load one fabric.save wrote"
+            )
         keys = {k for k, v in state.items() if v is not em and v is not em.engine.optimizer}
         if strict and keys - set(client_state):
-            raise KeyError(f"the checkpoint has no {sorted(keys - set(client_state))}; its keys are "
-                           f"{sorted(client_state)} (or pass strict=False)")
+            raise KeyError(
+                f"the checkpoint has no {sorted(keys - set(client_state))}; its keys are "
+                f"{sorted(client_state)} (or pass strict=False)"
+            )
         _move_state_into(source=client_state, destination=state, keys=keys)
         return client_state
 
-    def _load_full_weights(self, path: Any, state: dict[str, Any], em: _shared.EngineModule, strict: bool,
-                           weights_only: bool | None) -> dict[str, Any]:
+    def _load_full_weights(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        em: _shared.EngineModule,
+        strict: bool,
+        weights_only: bool | None,
+    ) -> dict[str, Any]:
         if not self.zero_stage_3:
-            raise ValueError("load_full_weights reads a whole-model file into the stage-3 shards; under stages 0-2 "
-                             "load the weights into the module before fabric.setup(model, optimizer)")
+            raise ValueError(
+                "load_full_weights reads a whole-model file into the stage-3 shards; under stages 0-2 "
+                "load the weights into the module before fabric.setup(model, optimizer)"
+            )
         path = self.broadcast(path)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+        checkpoint = torch.load(
+            path, map_location="cpu", weights_only=True if weights_only is None else weights_only
+        )
         key = next(k for k, v in state.items() if v is em)
         if key in checkpoint:  # fabric.save's layout: {"model": state_dict, ...}
             weights = checkpoint.pop(key)
@@ -378,7 +460,9 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
             _move_state_into(source=checkpoint, destination=state, keys=others)
         else:  # a bare state_dict
             weights, checkpoint = checkpoint, {}
-        lightning_shared.load_gathered(em.module, weights, strict=strict, rank=self.global_rank, broadcast=self.broadcast)
+        lightning_shared.load_gathered(
+            em.module, weights, strict=strict, rank=self.global_rank, broadcast=self.broadcast
+        )
         return checkpoint
 
     @classmethod

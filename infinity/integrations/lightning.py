@@ -92,15 +92,28 @@ class InfinityPrecision(Precision):
         return lightning_shared.convert_floats(data, self._dtype)
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
-        return lightning_shared.default_dtype(self._dtype) if self.precision.endswith("-true") else contextlib.nullcontext()
+        return (
+            lightning_shared.default_dtype(self._dtype)
+            if self.precision.endswith("-true")
+            else contextlib.nullcontext()
+        )
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         return self.tensor_init_context()
 
-    def backward(self, tensor: torch.Tensor, model: LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self,
+        tensor: torch.Tensor,
+        model: LightningModule,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
         if is_overridden("backward", model):
-            _warnings.warn("LightningModule.backward is overridden, but InfinityStrategy runs the engine's backward "
-                           "instead (it scales, reduces and offloads the gradients)")
+            _warnings.warn(
+                "LightningModule.backward is overridden, but InfinityStrategy runs the engine's backward "
+                "instead (it scales, reduces and offloads the gradients)"
+            )
         trainer = model.trainer
         if model.automatic_optimization and trainer.accumulate_grad_batches > 1:
             # Lightning's automatic optimization hands backward loss / accumulate_grad_batches, and the
@@ -109,29 +122,40 @@ class InfinityPrecision(Precision):
             tensor = tensor * trainer.accumulate_grad_batches
         _strategy_of(model).engine_module.backward(tensor)
 
-    def optimizer_step(self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if isinstance(optimizer, LBFGS):
-            raise MisconfigurationException("LBFGS re-evaluates the loss inside its step, which the engine's "
-                                            "offloaded Adam cannot do; use Adam or AdamW with InfinityStrategy")
+            raise MisconfigurationException(
+                "LBFGS re-evaluates the loss inside its step, which the engine's "
+                "offloaded Adam cannot do; use Adam or AdamW with InfinityStrategy"
+            )
         result = closure()
         self._after_closure(model, optimizer)
         if model.automatic_optimization and result is None:
             raise MisconfigurationException(
                 "training_step returned None (skipping backward), which InfinityStrategy cannot do: the engine "
-                "counts every batch towards its accumulation window; return the loss")
+                "counts every batch towards its accumulation window; return the loss"
+            )
         _strategy_of(model).engine_module.step()
         return result
 
-    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         """The engine clips (the config's gradient_clipping, set from Trainer(gradient_clip_val=...))."""
 
 
 def _strategy_of(model: LightningModule) -> InfinityStrategy:
     strategy = model.trainer.strategy
     if not isinstance(strategy, InfinityStrategy):
-        raise TypeError(f"InfinityPrecision works with InfinityStrategy; this Trainer's strategy is a "
-                        f"{type(strategy).__name__}")
+        raise TypeError(
+            f"InfinityPrecision works with InfinityStrategy; this Trainer's strategy is a "
+            f"{type(strategy).__name__}"
+        )
     return strategy
 
 
@@ -217,7 +241,9 @@ class InfinityStrategy(DDPStrategy):
         cpu_offload_params: bool | None = None,
         cpu_offload_use_pin_memory: bool | None = None,
     ) -> None:
-        args = dict(locals())  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
+        args = dict(
+            locals()
+        )  # DeepSpeedStrategy's keyword arguments, for lightning_shared.configure_strategy
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -227,8 +253,11 @@ class InfinityStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        for name, alias in (("offload_optimizer", cpu_offload), ("offload_parameters", cpu_offload_params),
-                            ("pin_memory", cpu_offload_use_pin_memory)):  # Lightning 1.x's names
+        for name, alias in (
+            ("offload_optimizer", cpu_offload),
+            ("offload_parameters", cpu_offload_params),
+            ("pin_memory", cpu_offload_use_pin_memory),
+        ):  # Lightning 1.x's names
             if alias is not None:
                 args[name] = alias
         lightning_shared.configure_strategy(self, args)
@@ -255,8 +284,10 @@ class InfinityStrategy(DDPStrategy):
     @property
     def engine_module(self) -> _shared.EngineModule:
         if self._engine_module is None:
-            raise RuntimeError("InfinityStrategy has no engine yet: it is built when the Trainer sets up "
-                               "(trainer.fit/validate/test/predict)")
+            raise RuntimeError(
+                "InfinityStrategy has no engine yet: it is built when the Trainer sets up "
+                "(trainer.fit/validate/test/predict)"
+            )
         return self._engine_module
 
     @property
@@ -276,8 +307,10 @@ class InfinityStrategy(DDPStrategy):
     @property
     def lightning_restore_optimizer(self) -> bool:
         if self.load_full_weights and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            rank_zero_warn("load_full_weights=True: the file's weights are loaded, the optimizer starts afresh "
-                           "(a single-file checkpoint holds no offloaded optimizer state)")
+            rank_zero_warn(
+                "load_full_weights=True: the file's weights are loaded, the optimizer starts afresh "
+                "(a single-file checkpoint holds no offloaded optimizer state)"
+            )
         return False
 
     @property
@@ -286,7 +319,11 @@ class InfinityStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         devices = self.parallel_devices or []
-        if devices and devices[0].type == "cuda" and [d.index for d in devices] != list(range(len(devices))):
+        if (
+            devices
+            and devices[0].type == "cuda"
+            and [d.index for d in devices] != list(range(len(devices)))
+        ):
             raise RuntimeError(
                 f"InfinityStrategy runs rank r on cuda:r, and devices {[d.index for d in devices]} were selected; "
                 "select GPUs with CUDA_VISIBLE_DEVICES instead (e.g. CUDA_VISIBLE_DEVICES="
@@ -302,14 +339,24 @@ class InfinityStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         cfg = self.config
         if trainer is not None:
-            lightning_shared.fill(cfg, "gradient_accumulation_steps", trainer.accumulate_grad_batches,
-                        source=f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})")
+            lightning_shared.fill(
+                cfg,
+                "gradient_accumulation_steps",
+                trainer.accumulate_grad_batches,
+                source=f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})",
+            )
             if trainer.gradient_clip_val is not None:
-                lightning_shared.fill(cfg, "gradient_clipping", float(trainer.gradient_clip_val),
-                            source=f"Trainer(gradient_clip_val={trainer.gradient_clip_val})")
+                lightning_shared.fill(
+                    cfg,
+                    "gradient_clipping",
+                    float(trainer.gradient_clip_val),
+                    source=f"Trainer(gradient_clip_val={trainer.gradient_clip_val})",
+                )
             if _shared.is_auto(cfg.get("train_micro_batch_size_per_gpu", "auto")):
                 cfg["train_micro_batch_size_per_gpu"] = self._auto_select_batch_size(trainer)
-        lightning_shared.add_precision(cfg, self.precision_plugin.precision, strategy="InfinityStrategy", fp16=self._fp16)
+        lightning_shared.add_precision(
+            cfg, self.precision_plugin.precision, strategy="InfinityStrategy", fp16=self._fp16
+        )
         self._config_formatted = trainer is not None
 
     @staticmethod
@@ -326,16 +373,22 @@ class InfinityStrategy(DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         self._format_config()
         if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            raise MisconfigurationException("InfinityStrategy clips the gradient norm (the engine's "
-                                            "gradient_clipping); Trainer(gradient_clip_algorithm='value') is not "
-                                            "supported: use 'norm'")
+            raise MisconfigurationException(
+                "InfinityStrategy clips the gradient norm (the engine's "
+                "gradient_clipping); Trainer(gradient_clip_algorithm='value') is not "
+                "supported: use 'norm'"
+            )
         if self._layer_sync is not None:
-            raise MisconfigurationException("Trainer(sync_batchnorm=True) is not supported by InfinityStrategy (the "
-                                            "engine partitions the module as it is; DeepSpeedStrategy ignores the "
-                                            "flag): remove it, or convert the BatchNorm layers before fit")
+            raise MisconfigurationException(
+                "Trainer(sync_batchnorm=True) is not supported by InfinityStrategy (the "
+                "engine partitions the module as it is; DeepSpeedStrategy ignores the "
+                "flag): remove it, or convert the BatchNorm layers before fit"
+            )
         if is_overridden("configure_gradient_clipping", self.lightning_module, LightningModule):
-            rank_zero_warn("LightningModule.configure_gradient_clipping is overridden, but the engine clips by "
-                           "Trainer(gradient_clip_val=...) itself; the hook is called and clips nothing")
+            rank_zero_warn(
+                "LightningModule.configure_gradient_clipping is overridden, but the engine clips by "
+                "Trainer(gradient_clip_val=...) itself; the hook is called and clips nothing"
+            )
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.model = self.precision_plugin.convert_module(module)
@@ -352,14 +405,17 @@ class InfinityStrategy(DDPStrategy):
         if not fitting:
             return _shared.build_engine(module, lightning_shared.evaluation_config(self.config))
         if "optimizer" in self.config:
-            rank_zero_info("the config has an 'optimizer' section: it is used, and configure_optimizers is not called")
+            rank_zero_info(
+                "the config has an 'optimizer' section: it is used, and configure_optimizers is not called"
+            )
             self.optimizers, self.lr_scheduler_configs = [], []
             engine = _shared.build_engine(module, self.config)
         else:
             super().setup_optimizers(trainer)  # configure_optimizers
             if len(self.optimizers) != 1:
                 raise MisconfigurationException(
-                    f"InfinityStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}")
+                    f"InfinityStrategy trains with one optimizer; configure_optimizers returned {len(self.optimizers)}"
+                )
             engine = _shared.build_engine(module, self.config, optimizer=self.optimizers[0])
         # Lightning steps the user's lr scheduler; it moves the shared param group dicts.
         self.optimizers = [engine.optimizer]
@@ -372,7 +428,8 @@ class InfinityStrategy(DDPStrategy):
             rank_zero_warn(
                 f"an epoch has {batches} batches, not a multiple of accumulate_grad_batches={window}: the engine "
                 "carries its accumulation window over the epoch's end (as DeepSpeed does), where Lightning's other "
-                "strategies update on the epoch's last batch; make the batches a multiple of it to train as they do")
+                "strategies update on the epoch's last batch; make the batches a multiple of it to train as they do"
+            )
         super().on_train_start()
 
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -397,8 +454,10 @@ class InfinityStrategy(DDPStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         if self.zero_stage_3:
             if empty_init is False:
-                raise ValueError("empty_init=False cannot be honoured under stage 3 (zero.Init partitions the "
-                                 "parameters as they are built); leave empty_init unset")
+                raise ValueError(
+                    "empty_init=False cannot be honoured under stage 3 (zero.Init partitions the "
+                    "parameters as they are built); leave empty_init unset"
+                )
             yield
             return
         with super().tensor_init_context(empty_init=empty_init):
@@ -419,26 +478,44 @@ class InfinityStrategy(DDPStrategy):
         ([Note: saving a partitioned model] in infinity/engine/saving.py)."""
         return {}
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("Trainer.save_checkpoint(..., storage_options=...) is not supported by InfinityStrategy: "
-                            "the engine writes the checkpoint itself, without a CheckpointIO")
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported by InfinityStrategy: "
+                "the engine writes the checkpoint itself, without a CheckpointIO"
+            )
         filepath = self.broadcast(filepath)
-        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        _shared.save_client_state(self.engine_module.engine, filepath, client_state, what="Lightning checkpoint")
+        client_state = {
+            k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+        }
+        _shared.save_client_state(
+            self.engine_module.engine, filepath, client_state, what="Lightning checkpoint"
+        )
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         if self.load_full_weights:
             return super().load_checkpoint(self.broadcast(checkpoint_path), weights_only)
-        _shared.check_checkpoint_dir(checkpoint_path, single_file_hint=(
-            "load it with InfinityStrategy(load_full_weights=True)"))
+        _shared.check_checkpoint_dir(
+            checkpoint_path,
+            single_file_hint=("load it with InfinityStrategy(load_full_weights=True)"),
+        )
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         client_state = self.engine_module.engine.load_checkpoint(
-            checkpoint_path, tag=_shared.TAG, load_optimizer_states=fitting, load_lr_scheduler_states=fitting,
-            load_module_only=not fitting)
+            checkpoint_path,
+            tag=_shared.TAG,
+            load_optimizer_states=fitting,
+            load_lr_scheduler_states=fitting,
+            load_module_only=not fitting,
+        )
         if not isinstance(client_state, dict):
-            raise MisconfigurationException(f"{str(checkpoint_path)!r} is an infinity checkpoint without Lightning's "
-                                            "state; resume from a checkpoint a Trainer saved")
+            raise MisconfigurationException(
+                f"{str(checkpoint_path)!r} is an infinity checkpoint without Lightning's "
+                "state; resume from a checkpoint a Trainer saved"
+            )
         return client_state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -450,8 +527,13 @@ class InfinityStrategy(DDPStrategy):
         if not self.zero_stage_3:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
-        lightning_shared.load_gathered(self.lightning_module, checkpoint["state_dict"], strict=strict, rank=self.global_rank,
-                       broadcast=self.broadcast)
+        lightning_shared.load_gathered(
+            self.lightning_module,
+            checkpoint["state_dict"],
+            strict=strict,
+            rank=self.global_rank,
+            broadcast=self.broadcast,
+        )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """The engine restored the optimizer in ``load_checkpoint``."""

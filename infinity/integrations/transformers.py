@@ -63,9 +63,11 @@ from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine
 
 if not hasattr(Trainer, "_prepare_for_training"):
-    raise ImportError("infinity.integrations.transformers needs transformers >= 5.23 (it overrides the Trainer's "
-                      "_prepare_for_training, which older versions do not have): pip install 'infinity-offload"
-                      "[transformers]'")
+    raise ImportError(
+        "infinity.integrations.transformers needs transformers >= 5.23 (it overrides the Trainer's "
+        "_prepare_for_training, which older versions do not have): pip install 'infinity-offload"
+        "[transformers]'"
+    )
 
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
@@ -76,13 +78,17 @@ def read_infinity_config(config: Any) -> dict[str, Any]:
     """``infinity_config=`` as a dict of our own: a path read as DeepSpeed reads it, or a dict (copied)."""
     if isinstance(config, (str, os.PathLike)):
         if not Path(config).is_file():
-            raise FileNotFoundError(f"infinity_config={str(config)!r} is not a file; pass a DeepSpeed-style "
-                                    "JSON config file or a dict")
+            raise FileNotFoundError(
+                f"infinity_config={str(config)!r} is not a file; pass a DeepSpeed-style "
+                "JSON config file or a dict"
+            )
         return read_config_file(config)
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
-    raise TypeError("InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path of a "
-                    f"JSON file), not {type(config).__name__}")
+    raise TypeError(
+        "InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path of a "
+        f"JSON file), not {type(config).__name__}"
+    )
 
 
 class EngineModel(nn.Module):
@@ -140,8 +146,10 @@ class EngineOptimizer:
         """Nothing to do: the engine drops its gradient at each update."""
 
     def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("the optimizer state is the engine's: it is saved by engine.save_checkpoint (the "
-                           "Trainer's checkpoints hold it under checkpoint-N/infinity/)")
+        raise RuntimeError(
+            "the optimizer state is the engine's: it is saved by engine.save_checkpoint (the "
+            "Trainer's checkpoints hold it under checkpoint-N/infinity/)"
+        )
 
 
 class EngineSchedule:
@@ -168,8 +176,10 @@ class InfinityTrainer(Trainer):
 
     def __init__(self, *args: Any, infinity_config: Any = None, **kwargs: Any):
         if infinity_config is None:
-            raise TypeError("InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path "
-                            "of a JSON file), as TrainingArguments(deepspeed=...) takes")
+            raise TypeError(
+                "InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path "
+                "of a JSON file), as TrainingArguments(deepspeed=...) takes"
+            )
         self._infinity_config = read_infinity_config(infinity_config)
         self._engine: Engine | None = None
         self._engine_model: EngineModel | None = None
@@ -183,19 +193,29 @@ class InfinityTrainer(Trainer):
     def _refuse_unsupported(self) -> None:
         args = self.args
         if getattr(args, "deepspeed", None):
-            raise ValueError("TrainingArguments(deepspeed=...) trains through DeepSpeed; with InfinityTrainer pass "
-                             "the config as infinity_config= and leave deepspeed unset")
+            raise ValueError(
+                "TrainingArguments(deepspeed=...) trains through DeepSpeed; with InfinityTrainer pass "
+                "the config as infinity_config= and leave deepspeed unset"
+            )
         if args.fsdp:
-            raise ValueError("TrainingArguments(fsdp=...) shards with FSDP; InfinityTrainer's engine partitions "
-                             "the model itself (zero_optimization.stage in infinity_config): leave fsdp unset")
+            raise ValueError(
+                "TrainingArguments(fsdp=...) shards with FSDP; InfinityTrainer's engine partitions "
+                "the model itself (zero_optimization.stage in infinity_config): leave fsdp unset"
+            )
         if self.model_init is not None:
-            raise ValueError("model_init= rebuilds the model at every train(); InfinityTrainer builds its engine "
-                             "once, from the model passed as model=")
+            raise ValueError(
+                "model_init= rebuilds the model at every train(); InfinityTrainer builds its engine "
+                "once, from the model passed as model="
+            )
         if args.load_best_model_at_end:
-            raise ValueError("load_best_model_at_end=True is not supported by InfinityTrainer: load the best "
-                             "checkpoint-N/ with from_pretrained (its weights are in the HF layout)")
+            raise ValueError(
+                "load_best_model_at_end=True is not supported by InfinityTrainer: load the best "
+                "checkpoint-N/ with from_pretrained (its weights are in the HF layout)"
+            )
         if args.world_size > 1:
-            raise ValueError(f"InfinityTrainer runs in one process; this run has world_size={args.world_size}")
+            raise ValueError(
+                f"InfinityTrainer runs in one process; this run has world_size={args.world_size}"
+            )
 
     # -- building the engine ----------------------------------------------------------
 
@@ -207,8 +227,10 @@ class InfinityTrainer(Trainer):
         values = training_arguments_values(self.args, num_training_steps=max_steps)
         optimizer = None
         if "optimizer" in config and self.optimizer is not None:
-            raise ValueError("optimizers= passed an optimizer and infinity_config has an 'optimizer' section; keep "
-                             "one of them")
+            raise ValueError(
+                "optimizers= passed an optimizer and infinity_config has an 'optimizer' section; keep "
+                "one of them"
+            )
         if "optimizer" not in config:
             optimizer = self.create_optimizer()
             # The engine steps in the torch optimizer's place (sharing its param group dicts): torch's
@@ -219,18 +241,25 @@ class InfinityTrainer(Trainer):
             if optimizer is not None:
                 scheduler = self.create_scheduler(max_steps, optimizer=optimizer)
             else:
+
                 def scheduler(engine_optimizer: torch.optim.Optimizer) -> Any:
                     return self.create_scheduler(max_steps, optimizer=engine_optimizer)
         elif self.lr_scheduler is not None:
-            raise ValueError("optimizers= passed an lr scheduler and infinity_config has a 'scheduler' section; "
-                             "keep one of them")
+            raise ValueError(
+                "optimizers= passed an lr scheduler and infinity_config has a 'scheduler' section; "
+                "keep one of them"
+            )
         try:
-            engine = infinity.initialize(self.model, config, optimizer=optimizer, lr_scheduler=scheduler, **values)
+            engine = infinity.initialize(
+                self.model, config, optimizer=optimizer, lr_scheduler=scheduler, **values
+            )
         except ConfigError as e:
-            e.add_note("InfinityTrainer passes the TrainingArguments fields HF's DeepSpeed integration reads "
-                       "(learning_rate, gradient_accumulation_steps, bf16, ...: the table in "
-                       "infinity/config/arguments.py) to fill infinity_config; where the config writes a value, "
-                       "it must agree with the field")
+            e.add_note(
+                "InfinityTrainer passes the TrainingArguments fields HF's DeepSpeed integration reads "
+                "(learning_rate, gradient_accumulation_steps, bf16, ...: the table in "
+                "infinity/config/arguments.py) to fill infinity_config; where the config writes a value, "
+                "it must agree with the field"
+            )
             raise
         self._engine_model = EngineModel(engine)
         self.optimizer = EngineOptimizer(engine)  # type: ignore[assignment]
@@ -254,7 +283,9 @@ class InfinityTrainer(Trainer):
                 "one epoch holds"
             )
 
-    def _prepare_for_training(self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any) -> Any:
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
+    ) -> Any:
         """The Trainer's setup with the engine in place of the accelerator-prepared model and optimizer;
         a resume restores the engine from ``checkpoint-N/infinity/``."""
         if self._engine is None:
@@ -264,25 +295,36 @@ class InfinityTrainer(Trainer):
         model = self._engine_model
         self.model_wrapped = model
         if resume_from_checkpoint is not None:
-            self._engine.load_checkpoint(self._engine_checkpoint(resume_from_checkpoint), tag=ENGINE_TAG)
+            self._engine.load_checkpoint(
+                self._engine_checkpoint(resume_from_checkpoint), tag=ENGINE_TAG
+            )
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
         self.callback_handler.train_dataloader = train_dataloader
         return model, train_dataloader
 
-    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
         # Evaluation after training runs through the engine (under stage 3 only it has the weights).
-        return self._engine_model if self._engine_model is not None else super()._wrap_model(
-            model, training, dataloader)
+        return (
+            self._engine_model
+            if self._engine_model is not None
+            else super()._wrap_model(model, training, dataloader)
+        )
 
     # -- the training step ------------------------------------------------------------
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
         """The Trainer's step (compute_loss, the loss normalised for accumulation as the Trainer does)
         with ``engine.backward`` in place of ``accelerator.backward``."""
         engine = self._engine
         if engine is None:
-            raise RuntimeError("InfinityTrainer.training_step runs inside train(), which builds the engine")
+            raise RuntimeError(
+                "InfinityTrainer.training_step runs inside train(), which builds the engine"
+            )
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
@@ -292,7 +334,8 @@ class InfinityTrainer(Trainer):
             scaled_for_ga = self.loss_is_scaled_for_ga
         else:
             scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
-                self.compute_loss_func is not None)
+                self.compute_loss_func is not None
+            )
         if not scaled_for_ga:
             loss = loss / self.current_gradient_accumulation_steps
         # The loss is already the window's share (as with DeepSpeed's scale_wrt_gas=False); the engine
@@ -311,7 +354,9 @@ class InfinityTrainer(Trainer):
         """Not known before the engine's update; logged from ``engine.last_grad_norm`` after it."""
         return None
 
-    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> None:
+    def _maybe_log_save_evaluate(
+        self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any
+    ) -> None:
         # The update's gradient norm before clipping, as the Trainer logs clip_grad_norm_'s result.
         if grad_norm is None and self._engine is not None:
             grad_norm = self._engine.last_grad_norm
@@ -342,7 +387,9 @@ class InfinityTrainer(Trainer):
             )
         return checkpoint
 
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: nn.Module | None = None
+    ) -> None:
         """Checks the checkpoint; its weights are restored with the engine's state in train()."""
         self._engine_checkpoint(resume_from_checkpoint)
 

@@ -343,8 +343,10 @@ class BufferPool:
         try:
             if not wait_until(
                 ready,
-                what=lambda: f"{format_nbytes(size)} of contiguous pinned buffer space in pool "
-                f"'{self.name}' for {label} (thread {me.thread})",
+                what=lambda: (
+                    f"{format_nbytes(size)} of contiguous pinned buffer space in pool "
+                    f"'{self.name}' for {label} (thread {me.thread})"
+                ),
                 holder=self._holders,
                 cause=cause,
                 timeout=timeout,

@@ -39,7 +39,13 @@ class GPTConfig:
         """Parameter count (tied head counted once)."""
         d, L = self.d_model, self.n_layer
         b = 1 if self.bias else 0
-        per_block = 2 * 2 * d + (d * 3 * d + b * 3 * d) + (d * d + b * d) + (d * 4 * d + b * 4 * d) + (4 * d * d + b * d)
+        per_block = (
+            2 * 2 * d
+            + (d * 3 * d + b * 3 * d)
+            + (d * d + b * d)
+            + (d * 4 * d + b * 4 * d)
+            + (4 * d * d + b * d)
+        )
         return self.vocab_size * d + self.seq_len * d + L * per_block + 2 * d
 
     @classmethod
@@ -49,7 +55,13 @@ class GPTConfig:
         best_err = math.inf
         for n_layer in range(2, 97):
             d = max(64, int(round(math.sqrt(n_params / (12 * n_layer)) / 64)) * 64)
-            cfg = cls(vocab_size=vocab_size, seq_len=seq_len, n_layer=n_layer, n_head=max(1, d // 64), d_model=d)
+            cfg = cls(
+                vocab_size=vocab_size,
+                seq_len=seq_len,
+                n_layer=n_layer,
+                n_head=max(1, d // 64),
+                d_model=d,
+            )
             err = abs(cfg.num_params - n_params) / n_params + 0.1 * abs(math.log(d / n_layer / 85))
             if err < best_err:
                 best, best_err = cfg, err

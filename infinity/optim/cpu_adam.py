@@ -96,8 +96,12 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         num_threads: int | None = None,
     ) -> None:
-        if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-            raise ValueError(f"num_threads must be a positive int or None (torch's count), got {num_threads!r}")
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(
+                f"num_threads must be a positive int or None (torch's count), got {num_threads!r}"
+            )
         self.num_threads = num_threads
         defaults = {
             "lr": lr,
@@ -123,7 +127,12 @@ class CPUAdam(torch.optim.Optimizer):
     def _check_group(group: dict[str, Any], index: int) -> None:
         _check_hyper(group, f"param group {index}")
         for j, p in enumerate(group["params"]):
-            if not (p.is_cpu and p.dtype is torch.float32 and p.layout is torch.strided and p.is_contiguous()):
+            if not (
+                p.is_cpu
+                and p.dtype is torch.float32
+                and p.layout is torch.strided
+                and p.is_contiguous()
+            ):
                 raise ValueError(
                     f"CPUAdam updates contiguous fp32 CPU tensors in place; param {j} of group {index} is a "
                     f"{'contiguous' if p.is_contiguous() else 'non-contiguous'} {p.dtype} tensor on {p.device}: "
@@ -188,7 +197,9 @@ class CPUAdam(torch.optim.Optimizer):
             if grad is None:
                 continue
             if grad.is_sparse:
-                raise RuntimeError("CPUAdam does not support sparse gradients, please consider SparseAdam instead")
+                raise RuntimeError(
+                    "CPUAdam does not support sparse gradients, please consider SparseAdam instead"
+                )
             if not grad.is_contiguous():
                 grad = grad.contiguous()  # read-only: a contiguous copy gives the same update
             state = self.state[p]
@@ -197,8 +208,15 @@ class CPUAdam(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
             step = state["step"]
-            if not (type(step) is torch.Tensor and step.is_cpu and step.dtype in _STEP_DTYPES and step.dim() == 0):
-                step = state["step"] = torch.tensor(float(step), dtype=torch.float32)  # e.g. an int from an old checkpoint
+            if not (
+                type(step) is torch.Tensor
+                and step.is_cpu
+                and step.dtype in _STEP_DTYPES
+                and step.dim() == 0
+            ):
+                step = state["step"] = torch.tensor(
+                    float(step), dtype=torch.float32
+                )  # e.g. an int from an old checkpoint
             params.append(p)
             grads.append(grad)
             exp_avgs.append(state["exp_avg"])
@@ -213,7 +231,9 @@ class CPUAdam(torch.optim.Optimizer):
         # succeeded. Tensors are stepped together when they are at the same
         # count: always, unless some parameter skipped steps without a gradient.
         buckets: dict[float, list[int]] = {}
-        for i, done in enumerate(_adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=0.0)):
+        for i, done in enumerate(
+            _adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=0.0)
+        ):
             buckets.setdefault(done, []).append(i)
         beta1, beta2 = group["betas"]
         hyper = AdamHyper(
@@ -229,7 +249,9 @@ class CPUAdam(torch.optim.Optimizer):
             if len(buckets) == 1:
                 ps, gs, ms, vs = params, grads, exp_avgs, exp_avg_sqs
             else:
-                ps, gs, ms, vs = ([seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs))
+                ps, gs, ms, vs = (
+                    [seq[i] for i in idx] for seq in (params, grads, exp_avgs, exp_avg_sqs)
+                )
             foreach_adam_step(ps, gs, ms, vs, hyper, step=done + 1, num_threads=self.num_threads)
         _adam.bump_step_counts(step_ptrs, is_double=step_is_double, increment=1.0)
         _bump_versions(params)

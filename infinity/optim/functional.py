@@ -34,7 +34,11 @@ from infinity._adam import AdamHyper
 from infinity.optim import kernel
 
 _F32 = torch.float32
-_GRAD_CODES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+_GRAD_CODES = {
+    torch.float32: _adam.FLOAT32,
+    torch.bfloat16: _adam.BFLOAT16,
+    torch.float16: _adam.FLOAT16,
+}
 _HALF_CODES = {torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
 
 
@@ -48,7 +52,9 @@ def _explain(name: str, t: object, allowed: Iterable[torch.dtype], numel: int | 
             f"pass a CPU tensor (e.g. {name}.cpu(), or a pinned host buffer)"
         )
     if t.layout is not torch.strided:
-        return ValueError(f"{name} has layout {t.layout}; the CPU Adam kernel needs a dense (strided) tensor")
+        return ValueError(
+            f"{name} has layout {t.layout}; the CPU Adam kernel needs a dense (strided) tensor"
+        )
     names = " or ".join(str(d) for d in allowed)
     if t.dtype not in allowed:
         return TypeError(f"{name} has dtype {t.dtype}; the CPU Adam kernel needs {names}")
@@ -67,7 +73,9 @@ def _threads(num_threads: int | None) -> int:
     if num_threads is None:
         return torch.get_num_threads()
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int or None (torch's count), got {num_threads!r}")
+        raise ValueError(
+            f"num_threads must be a positive int or None (torch's count), got {num_threads!r}"
+        )
     return num_threads
 
 
@@ -75,7 +83,13 @@ def _check_one(
     suffix: str, p: object, g: object, m: object, v: object, h: object
 ) -> tuple[int, int, int]:
     """Checks one parameter's tensors; returns (numel, grad code, half code or -1) or raises the error."""
-    if not (isinstance(p, torch.Tensor) and p.is_cpu and p.dtype is _F32 and p.layout is torch.strided and p.is_contiguous()):
+    if not (
+        isinstance(p, torch.Tensor)
+        and p.is_cpu
+        and p.dtype is _F32
+        and p.layout is torch.strided
+        and p.is_contiguous()
+    ):
         raise _explain("param" + suffix, p, (_F32,), None)
     n = p.numel()
     for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
@@ -145,7 +159,9 @@ def _gather(
     count = len(params)
     for what, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         if len(seq) != count:
-            raise ValueError(f"{what} has {len(seq)} tensors but params has {count}; pass one per param")
+            raise ValueError(
+                f"{what} has {len(seq)} tensors but params has {count}; pass one per param"
+            )
     if out_halves is not None and len(out_halves) != count:
         raise ValueError(
             f"out_halves has {len(out_halves)} entries but params has {count}; pass one per param (None to skip one)"
@@ -172,7 +188,12 @@ def _gather(
                 and m.numel() == n
                 and v.numel() == n
                 and g.numel() == n
-                and (h is None or (h.dtype in _HALF_CODES and h.is_cpu and h.is_contiguous() and h.numel() == n))
+                and (
+                    h is None
+                    or (
+                        h.dtype in _HALF_CODES and h.is_cpu and h.is_contiguous() and h.numel() == n
+                    )
+                )
             )
             g_code = codes.get(g.dtype)
         except (AttributeError, TypeError, RuntimeError):
@@ -221,7 +242,14 @@ def adam_step(
     is not an AdamHyper; ValueError for a step below 1 or buffers that overlap
     in memory.
     """
-    ptrs = _gather((param,), (grad,), (exp_avg,), (exp_avg_sq,), None if out_half is None else (out_half,), True)
+    ptrs = _gather(
+        (param,),
+        (grad,),
+        (exp_avg,),
+        (exp_avg_sq,),
+        None if out_half is None else (out_half,),
+        True,
+    )
     _run(ptrs, hyper, step, num_threads)
 
 
@@ -262,7 +290,9 @@ def foreach_adam_step(
     _run(ptrs, hyper, step, num_threads)
 
 
-def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> bool:
+def has_overflow(
+    tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None
+) -> bool:
     """True when any element of ``tensors`` (contiguous CPU fp32/bf16/fp16) is inf or NaN.
 
     One read-only pass, no temporaries, stopping early once found: the check
@@ -278,10 +308,14 @@ def has_overflow(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads:
         ptrs.append(t.data_ptr())
         numels.append(t.numel())
         codes.append(code)
-    return _adam.has_overflow(ptrs, numels, codes, isa=kernel.isa_code, num_threads=_threads(num_threads))
+    return _adam.has_overflow(
+        ptrs, numels, codes, isa=kernel.isa_code, num_threads=_threads(num_threads)
+    )
 
 
-def sum_squares(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None) -> float:
+def sum_squares(
+    tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: int | None = None
+) -> float:
     """The sum of the squares of every element of ``tensors`` (contiguous CPU fp32), in double.
 
     The engine's gradient norm. Every square is exact in double and the sums
@@ -293,7 +327,12 @@ def sum_squares(tensors: torch.Tensor | Iterable[torch.Tensor], *, num_threads: 
         tensors = (tensors,)
     ptrs, numels = [], []
     for i, t in enumerate(tensors):
-        ok = isinstance(t, torch.Tensor) and t.dtype == _F32 and t.is_cpu and t.layout is torch.strided
+        ok = (
+            isinstance(t, torch.Tensor)
+            and t.dtype == _F32
+            and t.is_cpu
+            and t.layout is torch.strided
+        )
         if not (ok and t.is_contiguous()):
             raise _explain(f"tensors[{i}]", t, (_F32,), None)
         ptrs.append(t.data_ptr())
@@ -329,6 +368,11 @@ def stream_bound_step(
         if code != _adam.FLOAT32:
             raise _explain("grad" if single else f"grad[{i}]", seqs[1][i], (_F32,), ptrs.numels[i])
     _adam.stream_bound(
-        params=ptrs.params, grads=ptrs.grads, exp_avgs=ptrs.exp_avgs, exp_avg_sqs=ptrs.exp_avg_sqs,
-        numels=ptrs.numels, isa=kernel.isa_code, num_threads=_threads(num_threads),
+        params=ptrs.params,
+        grads=ptrs.grads,
+        exp_avgs=ptrs.exp_avgs,
+        exp_avg_sqs=ptrs.exp_avg_sqs,
+        numels=ptrs.numels,
+        isa=kernel.isa_code,
+        num_threads=_threads(num_threads),
     )

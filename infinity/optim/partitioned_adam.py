@@ -70,9 +70,12 @@ class ShardSpec:
     """Where each of ``state_keys`` rests in the state store ("cpu" or "nvme"), in the same order."""
 
     def __post_init__(self) -> None:
-        if len(self.state_homes) != len(self.state_keys) or not set(self.state_homes) <= {"cpu", "nvme"}:
+        if len(self.state_homes) != len(self.state_keys) or not set(self.state_homes) <= {
+            "cpu",
+            "nvme",
+        }:
             raise ValueError(
-                f"shard {self.index}: state_homes {self.state_homes} must give \"cpu\" or \"nvme\" for each of "
+                f'shard {self.index}: state_homes {self.state_homes} must give "cpu" or "nvme" for each of '
                 f"state_keys {self.state_keys}"
             )
 
@@ -263,8 +266,11 @@ class PartitionedAdam(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("PartitionedAdam.step does not take a closure")
         hyper = hyper if hyper is not None else self.hyperparameters()
-        groups = self.sub_groups if only is None else _split([s for s in self.shards if s.index in only],
-                                                              self.sub_group_numel)
+        groups = (
+            self.sub_groups
+            if only is None
+            else _split([s for s in self.shards if s.index in only], self.sub_group_numel)
+        )
         # [Note: issuing reads from a helper thread] A fetch blocks its caller until the
         # pool has a contiguous run for it. Issued from this thread while sub-group i is
         # held, the read of i+1 could wait for room that only releasing i would make
@@ -274,12 +280,21 @@ class PartitionedAdam(torch.optim.Optimizer):
         pending = issuer.submit(self._fetch, groups[0]) if groups else None
         for i, group in enumerate(groups):
             assert pending is not None  # submitted for every group before its turn
-            current = result_of(pending, what=f"the reads of optimizer sub-group {i} of {len(groups)} "
-                                "(issued from thread infinity-optim-reads)", log=log)
+            current = result_of(
+                pending,
+                what=f"the reads of optimizer sub-group {i} of {len(groups)} "
+                "(issued from thread infinity-optim-reads)",
+                log=log,
+            )
             pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
             for s in group:
-                self._update_shard(s, {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
-                                   grad_scale, has_grad[s.index], hyper)
+                self._update_shard(
+                    s,
+                    {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
+                    grad_scale,
+                    has_grad[s.index],
+                    hyper,
+                )
                 for seg in s.segments:
                     if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
                         self.param_steps[seg.param] += 1
@@ -288,7 +303,9 @@ class PartitionedAdam(torch.optim.Optimizer):
 
     def _issuer(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._issue_pool is None:
-            self._issue_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="infinity-optim-reads")
+            self._issue_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="infinity-optim-reads"
+            )
         return self._issue_pool
 
     def shutdown(self) -> None:
@@ -311,8 +328,14 @@ class PartitionedAdam(torch.optim.Optimizer):
                 futures[(s.index, "param")] = store.fetch(param_key, overwrite=overwrite)
         return futures
 
-    def _update_shard(self, s: ShardSpec, t: dict[str, torch.Tensor], grad_scale: float, flags: torch.Tensor,
-                      hyper: list[AdamHyper]) -> None:
+    def _update_shard(
+        self,
+        s: ShardSpec,
+        t: dict[str, torch.Tensor],
+        grad_scale: float,
+        flags: torch.Tensor,
+        hyper: list[AdamHyper],
+    ) -> None:
         in_param_store = self._master_in_param_store[s.index]
         master = t["param"] if in_param_store else t["master"]
         half = t["param"] if s.param_key is not None and not in_param_store else None

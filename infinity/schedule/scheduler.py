@@ -179,7 +179,9 @@ class PrefetchScheduler:
         self._copies_to_device = tier == "device" and store.device.type != "cpu"
         self._lock = threading.Condition(threading.Lock())
         self._fetch_lock = threading.Lock()
-        self._fetch_holder: threading.Thread | None = None  # the thread in _fetch_lock, for messages
+        self._fetch_holder: threading.Thread | None = (
+            None  # the thread in _fetch_lock, for messages
+        )
         self._records: dict[Hashable, UnitRecord] = {}
         self._held: dict[Hashable, UnitRecord] = {}  # records not IDLE
         self._cached: dict[Hashable, UnitRecord] = {}  # IDLE records the store may still cache
@@ -188,7 +190,9 @@ class PrefetchScheduler:
         self._ahead = 0
         self._in_use = 0
         self._frontier = 0  # first trace position the lookahead has not examined in this step
-        self._bridging = False  # between steps, reading ahead for the next ([Note: across the step boundary])
+        self._bridging = (
+            False  # between steps, reading ahead for the next ([Note: across the step boundary])
+        )
         self._replan = False
         self._step: StepCounters | None = None
         self._steps = 0
@@ -458,7 +462,11 @@ class PrefetchScheduler:
     def _end(self, *, completed: bool, keep_for_next: bool = False) -> StepStats:
         assert self._step is not None
         kind = self._cursor.end(completed=completed)
-        nxt = self._cursor.library[0] if completed and keep_for_next and self._cursor.library else None
+        nxt = (
+            self._cursor.library[0]
+            if completed and keep_for_next and self._cursor.library
+            else None
+        )
         for rec in list(self._held.values()):
             if rec.state in DISCRETIONARY and not (nxt is not None and self._soon_in(nxt, rec.key)):
                 self._drop(rec, "end")

@@ -144,7 +144,9 @@ class IoOp:
         self._fail_if_orphaned()
         return wait_until(
             lambda s: _wait_for(lambda: self.req is not None, s),
-            what=lambda: f"the {self.describe()} to be submitted (its thread is still preparing it)",
+            what=lambda: (
+                f"the {self.describe()} to be submitted (its thread is still preparing it)"
+            ),
             log=log,
             timeout=timeout,
         )
@@ -154,10 +156,17 @@ class IoOp:
         is the preparer itself (an exception, KeyboardInterrupt above all, landed between registering
         and submitting, and the thread went on to close the store), or the preparer is gone."""
         t = self.preparer
-        if self.req is None and t is not None and (t is threading.current_thread() or not t.is_alive()):
-            self.fail_submit(RuntimeError(
-                f"the {self.describe()} was never submitted: thread {t.name}, which registered it, was "
-                "interrupted before it could (the read failed; fetch the keys again)"))
+        if (
+            self.req is None
+            and t is not None
+            and (t is threading.current_thread() or not t.is_alive())
+        ):
+            self.fail_submit(
+                RuntimeError(
+                    f"the {self.describe()} was never submitted: thread {t.name}, which registered it, was "
+                    "interrupted before it could (the read failed; fetch the keys again)"
+                )
+            )
 
     def describe(self) -> str:
         """What the op is, for messages: "read of 3 keys (1.0 MiB), started 2.0 s ago"."""
@@ -322,7 +331,9 @@ class StoreFuture:
         store = f" in store '{self._store.name}'" if self._store is not None else ""
         op = self._op
         if op is None or op.finished:
-            return f"{self.label}{store} (settled by another thread: finding pool memory or copying)"
+            return (
+                f"{self.label}{store} (settled by another thread: finding pool memory or copying)"
+            )
         return f"{self.label}{store}: its {op.describe()}"
 
     @property

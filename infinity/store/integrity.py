@@ -32,7 +32,9 @@ DEFAULT = True
 """Whether a TieredStore checksums its keys when ``integrity`` is not given."""
 
 
-def checksums(st: StoreState, op: IoOp, err: BaseException | None, *, caller: bool) -> list[int] | None:
+def checksums(
+    st: StoreState, op: IoOp, err: BaseException | None, *, caller: bool
+) -> list[int] | None:
     """The CRC32C of each key of a read or write that succeeded, in ``op.recs`` order; None
     when integrity is off, the op failed, or it is not a read or write. ``caller``: the thread
     is a caller waiting on the op (not the reaper), for ``stats().checksum_caller_s``."""

@@ -55,7 +55,9 @@ def fetch(st: StoreState, keys: list[Hashable], tier: Tier, overwrite: bool) -> 
     with st.lock:
         st.check_open()
         if st.fault is not None:  # [Note: failed write-backs] in write_path.py
-            raise st.fault_error(f"fetch of key {keys[0]!r}" if len(keys) == 1 else f"fetch of {len(keys)} keys")
+            raise st.fault_error(
+                f"fetch of key {keys[0]!r}" if len(keys) == 1 else f"fetch of {len(keys)} keys"
+            )
         recs = [st.record(k) for k in keys]
         check_fetchable(st, recs, overwrite)
         st.counts["fetches"] += len(recs)

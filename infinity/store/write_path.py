@@ -268,7 +268,9 @@ def complete_write(st: StoreState, op: IoOp, ended: Outcome, res: list[Settlemen
     if failed is not None:
         _fault(st, failed, len(op.recs))
     elif st.settle_fault():
-        log.warning("store '%s': the failed write-backs were retried successfully; carrying on", st.name)
+        log.warning(
+            "store '%s': the failed write-backs were retried successfully; carrying on", st.name
+        )
 
 
 def _fault(st: StoreState, exc: StoreIOError, nkeys: int) -> None:

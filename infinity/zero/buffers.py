@@ -17,7 +17,9 @@ class TensorCache:
     def __init__(self, device: torch.device, *, cap_nbytes: int):
         self.device = device
         self.cap_nbytes = cap_nbytes
-        self._free: collections.OrderedDict[tuple[int, torch.dtype], list[torch.Tensor]] = collections.OrderedDict()
+        self._free: collections.OrderedDict[tuple[int, torch.dtype], list[torch.Tensor]] = (
+            collections.OrderedDict()
+        )
         self._free_nbytes = 0
 
     def get(self, numel: int, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:

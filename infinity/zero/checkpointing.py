@@ -155,16 +155,28 @@ def configure(
     global _settings, _configured
     section = ActivationCheckpointingConfig()
     if deepspeed_config is not None:
-        cfg = deepspeed_config if isinstance(deepspeed_config, InfinityConfig) else _load(deepspeed_config)
+        cfg = (
+            deepspeed_config
+            if isinstance(deepspeed_config, InfinityConfig)
+            else _load(deepspeed_config)
+        )
         section = cfg.activation_checkpointing
-    given = {"contiguous_checkpointing": contiguous_checkpointing, "num_checkpoints": num_checkpoints,
-             "synchronize": synchronize, "profile": profile}
+    given = {
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
     report_not_acted_on(_NO_EFFECT[k] for k, v in given.items() if v)
     model_parallel = _model_parallel_group(mpu_) if mpu_ is not None else _settings.model_parallel
     _settings = CheckpointSettings(
-        cpu_checkpointing=section.cpu_checkpointing if checkpoint_in_cpu is None else bool(checkpoint_in_cpu),
+        cpu_checkpointing=section.cpu_checkpointing
+        if checkpoint_in_cpu is None
+        else bool(checkpoint_in_cpu),
         partition_activations=(
-            section.partition_activations if partition_activations is None else bool(partition_activations)
+            section.partition_activations
+            if partition_activations is None
+            else bool(partition_activations)
         ),
         model_parallel=model_parallel,
     )
@@ -194,8 +206,10 @@ class ModelCheckpointing:
 
     @classmethod
     def for_config(cls, cfg: InfinityConfig) -> ModelCheckpointing:
-        written = any(k == "activation_checkpointing" or k.startswith("activation_checkpointing.")
-                      for k in cfg.user_keys)
+        written = any(
+            k == "activation_checkpointing" or k.startswith("activation_checkpointing.")
+            for k in cfg.user_keys
+        )
         return cls(cfg.activation_checkpointing if written else None)
 
     def settings(self) -> CheckpointSettings:
@@ -226,7 +240,9 @@ class ModelCheckpointing:
         with self.in_force():
             return checkpoint(function, *args, **kwargs)
 
-    def non_reentrant_checkpoint(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def non_reentrant_checkpoint(
+        self, function: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """``non_reentrant_checkpoint`` with this engine's settings, wherever it is called from."""
         with self.in_force():
             return non_reentrant_checkpoint(function, *args, **kwargs)
@@ -267,7 +283,9 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False)
 
 
-def _keywords_as_positions(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+def _keywords_as_positions(
+    function: Callable[..., Any], args: tuple, kwargs: dict
+) -> tuple[Callable, tuple]:
     """DeepSpeed's rule: keyword arguments are passed on as trailing positions, so their tensors take part
     in autograd (torch's reentrant checkpoint takes no keywords)."""
     if not kwargs:

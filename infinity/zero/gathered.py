@@ -71,7 +71,9 @@ class ParamOwner(Protocol):
 
     def __contains__(self, p: object) -> bool: ...
 
-    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> UserGather:
+    def gather_for_user(
+        self, params: Sequence[nn.Parameter], *, modifier_rank: int | None
+    ) -> UserGather:
         """Makes ``params`` (all this owner's) whole on this rank until the returned gather is released;
         with ``modifier_rank``, keeps what it needs to tell a change made meanwhile. Every rank calls it,
         with the same parameters in the same order."""
@@ -90,7 +92,9 @@ class ModelHolder(Protocol):
 PARAM_OWNERS: LiveOwners[ParamOwner] = LiveOwners()
 
 
-def _as_params(params: nn.Parameter | nn.Module | ModelHolder | Iterable[nn.Parameter | None]) -> list[nn.Parameter]:
+def _as_params(
+    params: nn.Parameter | nn.Module | ModelHolder | Iterable[nn.Parameter | None],
+) -> list[nn.Parameter]:
     if isinstance(params, nn.Parameter):
         return [params]
     if isinstance(params, nn.Module):
@@ -110,12 +114,16 @@ class GatheredParameters:
         self.params = _as_params(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._held: list[tuple[UserGather, list[tuple[nn.Parameter, torch.Size]]]] = []  # with the shapes gathered
+        self._held: list[
+            tuple[UserGather, list[tuple[nn.Parameter, torch.Size]]]
+        ] = []  # with the shapes gathered
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        by_owner: list[tuple[ParamOwner, list[nn.Parameter]]] = []  # in first-use order: the same on every rank
+        by_owner: list[
+            tuple[ParamOwner, list[nn.Parameter]]
+        ] = []  # in first-use order: the same on every rank
         for p in self.params:
             owner = PARAM_OWNERS.owner_of(p)
             if owner is None:
@@ -155,7 +163,9 @@ class GatheredParameters:
         if error is not None:
             raise error
 
-    def _reshape_error(self, gather: UserGather, reshaped: list[tuple[torch.Size, torch.Size]]) -> Exception | None:
+    def _reshape_error(
+        self, gather: UserGather, reshaped: list[tuple[torch.Size, torch.Size]]
+    ) -> Exception | None:
         """The error for parameters given a new shape inside the context, if their owner cannot keep it."""
         (before, after), *_ = reshaped
         if isinstance(gather, ReshapingGather) and gather.repartitions():
@@ -164,12 +174,15 @@ class GatheredParameters:
             return RuntimeError(
                 f"a parameter of shape {list(before)} was given shape {list(after)} inside GatheredParameters without "
                 "modifier_rank, so the change is dropped at exit; pass modifier_rank=0 to keep it (as for "
-                "resize_token_embeddings on a model built under infinity.zero.Init)")
+                "resize_token_embeddings on a model built under infinity.zero.Init)"
+            )
         return RuntimeError(
             f"a parameter of shape {list(before)} was given shape {list(after)} inside GatheredParameters after "
             "infinity.initialize, whose units have a fixed layout; change shapes (e.g. resize_token_embeddings) "
             "before initialize, on the model built under infinity.zero.Init, inside "
-            "GatheredParameters(..., modifier_rank=0)")
+            "GatheredParameters(..., modifier_rank=0)"
+        )
+
 
 def free_memory_nbytes(device: torch.device) -> int | None:
     """Bytes that can still be allocated on ``device`` (host: MemAvailable); None where unknown."""

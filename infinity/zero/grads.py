@@ -68,12 +68,18 @@ class GradReducer:
         self.shard_world = 1 if stage == 0 else group.world_size
         self.shard_rank = 0 if stage == 0 else group.rank
         self.deferred = stage < 2  # reduce once per window, from local fp32 accumulators
-        self._local: dict[int, torch.Tensor] = {}  # unit -> full fp32 grads of the window (stages 0, 1)
-        self._flat: dict[int, torch.Tensor] = {}  # unit -> flat fp32 grads of this micro-batch (W > 1)
+        self._local: dict[
+            int, torch.Tensor
+        ] = {}  # unit -> full fp32 grads of the window (stages 0, 1)
+        self._flat: dict[
+            int, torch.Tensor
+        ] = {}  # unit -> flat fp32 grads of this micro-batch (W > 1)
         self._open: dict[int, torch.Tensor] = {}  # unit -> opened shard (W == 1)
         self._touched: set[int] = set()  # units with a contribution in this window
         self._has_grad = [torch.zeros(len(u.params), dtype=torch.bool) for u in units]
-        self._flags_before: list[torch.Tensor] | None = None  # _has_grad as this backward found it (W > 1)
+        self._flags_before: list[torch.Tensor] | None = (
+            None  # _has_grad as this backward found it (W > 1)
+        )
         self._last_micro = True
 
     # -- window bookkeeping ([Note: the accumulation window]) -----------------
@@ -134,19 +140,25 @@ class GradReducer:
         if self.deferred:
             local = self._local.get(unit.index)
             if local is None:
-                local = self._local[unit.index] = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
+                local = self._local[unit.index] = self.cache.get(
+                    unit.layout.padded_numel, torch.float32, zero=True
+                )
             local[s.offset : s.offset + s.numel].add_(grad.reshape(-1))
             return
         if self.shard_world == 1:
             view = self._open.get(unit.index)
             if view is None:
-                view = self._open[unit.index] = self.sink.open(unit.index, first=unit.index not in self._touched)
+                view = self._open[unit.index] = self.sink.open(
+                    unit.index, first=unit.index not in self._touched
+                )
                 self._touched.add(unit.index)
             view[s.offset : s.offset + s.numel].add_(_on(view, grad.reshape(-1)))
             return
         flat = self._flat.get(unit.index)
         if flat is None:
-            flat = self._flat[unit.index] = self.cache.get(unit.layout.padded_numel, torch.float32, zero=True)
+            flat = self._flat[unit.index] = self.cache.get(
+                unit.layout.padded_numel, torch.float32, zero=True
+            )
         flat[s.offset : s.offset + s.numel].copy_(grad.reshape(-1))
 
     def finish(self, unit: ParamUnit) -> None:

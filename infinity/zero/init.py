@@ -81,8 +81,12 @@ class _Record:
     numel: int
     state: InitState = InitState.AT_REST
     holds: int = 0  # GatheredParameters contexts holding the parameter whole
-    source: Any = None  # the file tensor ``fill`` read it from, while unchanged since (load_pretrained's)
-    source_crc: int = 0  # CRC32C of the shard ``fill`` wrote: a rewrite of the same bytes keeps the source
+    source: Any = (
+        None  # the file tensor ``fill`` read it from, while unchanged since (load_pretrained's)
+    )
+    source_crc: int = (
+        0  # CRC32C of the shard ``fill`` wrote: a rewrite of the same bytes keeps the source
+    )
 
 
 @dataclasses.dataclass
@@ -96,7 +100,9 @@ class _InitHold:
     def release(self, *, commit: bool) -> None:
         for p in self.params:
             if commit and self.modifier_rank is not None:
-                if p.shape != self.store.shape(p):  # e.g. resize_token_embeddings: ``.data`` = a larger tensor
+                if p.shape != self.store.shape(
+                    p
+                ):  # e.g. resize_token_embeddings: ``.data`` = a larger tensor
                     self.store.repartition(p, src=self.modifier_rank)
                 else:
                     self.store.group.broadcast(p.data, src=self.modifier_rank)
@@ -126,7 +132,9 @@ class InitStore:
         pool = BufferPool(1, _INIT_POOL_NBYTES if home == "nvme" else DIRECT_ALIGNMENT)
         self.store = TieredStore(paths, pool=pool, aio=aio, name="zero-init")
         self._freed = FreedMemory()
-        self.records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors compare elementwise: key by id
+        self.records: WeakIdKeyDictionary = (
+            WeakIdKeyDictionary()
+        )  # tensors compare elementwise: key by id
         self._next = 0
         self._attached: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._hooks: list[Any] = []
@@ -157,8 +165,11 @@ class InitStore:
     def _refuse_at_rest(self, module: nn.Module, args: Any) -> None:
         if self.building:
             return  # inside the context the TorchFunctionMode makes parameters whole on use
-        at_rest = [n for n, p in module.named_parameters(recurse=False)
-                   if p in self.records and self.records[p].state is InitState.AT_REST]
+        at_rest = [
+            n
+            for n, p in module.named_parameters(recurse=False)
+            if p in self.records and self.records[p].state is InitState.AT_REST
+        ]
         if at_rest:
             raise RuntimeError(
                 f"{type(module).__name__} was built under infinity.zero.Init and its parameters {at_rest} are "
@@ -186,7 +197,13 @@ class InitStore:
             self.store.unregister(key)
         new = self._store_slice(p.data.detach())
         rec.keys, rec.shape, rec.dtype, rec.shard_numel, rec.numel, rec.source = (
-            new.keys, new.shape, new.dtype, new.shard_numel, new.numel, None)
+            new.keys,
+            new.shape,
+            new.dtype,
+            new.shard_numel,
+            new.numel,
+            None,
+        )
 
     def _store_slice(self, data: torch.Tensor, *, shape: torch.Size | None = None) -> _Record:
         """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest).
@@ -196,7 +213,7 @@ class InitStore:
         layout = make_layout(["p"], [shape], data.dtype, self.group.world_size)
         lo, hi = layout.shard_range(self.group.rank)
         shard = torch.zeros(layout.shard_numel, dtype=data.dtype)
-        part = flat[lo:min(hi, flat.numel())]
+        part = flat[lo : min(hi, flat.numel())]
         shard[: part.numel()] = part
         keys = self._register(layout.shard_numel, data.dtype)
         self._write(keys, shard)
@@ -213,7 +230,9 @@ class InitStore:
             keys.append((key, lo, hi))
         return keys
 
-    def fill(self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None], *, source: Any = None) -> None:
+    def fill(
+        self, p: nn.Parameter, read: Callable[[int, int, torch.Tensor], None], *, source: Any = None
+    ) -> None:
         """Writes this rank's slice of ``p`` (at rest) from ``read(lo, hi, out)``, which puts the flat
         elements [lo, hi) of the whole parameter into ``out``: a stored piece at a time, straight into
         pool memory, so the parameter is never whole (infinity.zero.load_pretrained). No collective.
@@ -222,7 +241,9 @@ class InitStore:
         rec = self.records[p]
         rec.source = None
         if rec.state is not InitState.AT_REST:
-            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}")
+            raise RuntimeError(
+                f"a parameter of shape {tuple(rec.shape)} filled while {rec.state.name}"
+            )
         base = self.group.rank * rec.shard_numel
         crc = 0
         for key, lo, hi in rec.keys:
@@ -250,7 +271,9 @@ class InitStore:
         """``.data`` becomes the whole parameter (collective: every rank, the same order)."""
         rec = self.records[p]
         if rec.state is not InitState.AT_REST:
-            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} made whole twice (it is {rec.state.name})")
+            raise RuntimeError(
+                f"a parameter of shape {tuple(rec.shape)} made whole twice (it is {rec.state.name})"
+            )
         p.data = self.full(p).clone()  # compact: the gathered buffer carries the shards' padding
         rec.state = InitState.WHOLE
 
@@ -258,7 +281,9 @@ class InitStore:
         """Back to an empty placeholder, first writing this rank's slice of ``.data`` when ``rewrite``."""
         rec = self.records[p]
         if rec.state is not InitState.WHOLE:
-            raise RuntimeError(f"a parameter of shape {tuple(rec.shape)} put to rest while {rec.state.name}")
+            raise RuntimeError(
+                f"a parameter of shape {tuple(rec.shape)} put to rest while {rec.state.name}"
+            )
         full = p.data
         if rewrite:
             self.rewrite(p, full)
@@ -268,7 +293,9 @@ class InitStore:
 
     # -- GatheredParameters (ParamOwner) ----------------------------------------
 
-    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _InitHold:
+    def gather_for_user(
+        self, params: Sequence[nn.Parameter], *, modifier_rank: int | None
+    ) -> _InitHold:
         if self.building:
             raise RuntimeError(
                 "GatheredParameters over parameters of a model still being built under infinity.zero.Init: "
@@ -375,17 +402,25 @@ def init_store_of(params: Iterable[nn.Parameter]) -> InitStore | None:
 
 
 def _shares_storage(t: torch.Tensor, p: nn.Parameter) -> bool:
-    return (t.layout == torch.strided and t.device == p.device and p.data.numel() > 0
-            and t.untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr())
+    return (
+        t.layout == torch.strided
+        and t.device == p.device
+        and p.data.numel() > 0
+        and t.untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr()
+    )
 
 
 class InitMode(TorchFunctionMode):
     def __init__(self, store: InitStore):
         super().__init__()
         self.store = store
-        self.materialized: list[nn.Parameter] = []  # made whole by a torch function, in the store's WHOLE state
+        self.materialized: list[
+            nn.Parameter
+        ] = []  # made whole by a torch function, in the store's WHOLE state
         self.tracked: list[tuple[weakref.ref[nn.Module], weakref.ref[nn.Parameter]]] = []
-        self.replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a meta parameter -> its partitioned stand-in
+        self.replaced: WeakIdKeyDictionary = (
+            WeakIdKeyDictionary()
+        )  # a meta parameter -> its partitioned stand-in
         # a live view of a materialised parameter -> that parameter ([Note: views of a materialised parameter])
         self.views: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -474,7 +509,9 @@ class InitMode(TorchFunctionMode):
     def _replace_meta(self, module: nn.Module, p: nn.Parameter) -> nn.Parameter:
         q = self.replaced.get(p)
         if q is None:
-            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad)
+            q = nn.Parameter(
+                torch.empty(0, dtype=p.dtype, device="cpu"), requires_grad=p.requires_grad
+            )
             self.store.partition_meta(q, p.shape)
             self.replaced[p] = q
         for name, held in list(module._parameters.items()):

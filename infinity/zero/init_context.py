@@ -61,20 +61,29 @@ class Init:
             cfg = load_config(_init_sections(cfg), world_size=group.world_size, **self.auto_values)
         zero = cfg.zero_optimization
         if zero.stage != 3:
-            log.warning("zero.Init does nothing with zero_optimization.stage=%d (it partitions for stage 3)", zero.stage)
+            log.warning(
+                "zero.Init does nothing with zero_optimization.stage=%d (it partitions for stage 3)",
+                zero.stage,
+            )
             self.enabled = False
             return self
         offload = zero.offload_param
         # "auto": the placement planner has not run yet (it needs the model); the model as built waits
         # on NVMe, which holds any model, and goes home from there.
         home: Home = "nvme" if offload.device in ("nvme", "auto") else "cpu"
-        self.store = InitStore(home=home, nvme_path=offload.nvme_path if home == "nvme" else None,
-                               aio=cfg.aio, group=group)
+        self.store = InitStore(
+            home=home,
+            nvme_path=offload.nvme_path if home == "nvme" else None,
+            aio=cfg.aio,
+            group=group,
+        )
         self._mode = InitMode(self.store)
         self.store.settle = self._mode.finish
         self._handles = [
             module_hooks.register_module_module_registration_hook(self._mode.on_module_registered),
-            module_hooks.register_module_parameter_registration_hook(self._mode.on_param_registered),
+            module_hooks.register_module_parameter_registration_hook(
+                self._mode.on_param_registered
+            ),
         ]
         self._mode.__enter__()
         hf_init.install()  # [Note: from_pretrained under zero.Init]

@@ -70,7 +70,9 @@ class UnitLayout:
         return out
 
 
-def make_layout(names: list[str], shapes: list[torch.Size], dtype: torch.dtype, world_size: int) -> UnitLayout:
+def make_layout(
+    names: list[str], shapes: list[torch.Size], dtype: torch.dtype, world_size: int
+) -> UnitLayout:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots = []

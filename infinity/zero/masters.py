@@ -54,6 +54,8 @@ class ShardSnapshot:
     def commit(self, after: torch.Tensor, masters: MasterCopy) -> None:
         """``after``: the same slice now, on every rank the modifier rank's values."""
         int_dtype = _SAME_WIDTH_INT[after.element_size()]
-        changed = after.view(int_dtype) != self.before.view(int_dtype)  # bits: NaN and -0.0 count too
+        changed = after.view(int_dtype) != self.before.view(
+            int_dtype
+        )  # bits: NaN and -0.0 count too
         if bool(changed.any()):
             masters.overwrite_master(self.unit.index, after.to(torch.float32), changed)

@@ -135,7 +135,9 @@ class _UserHold:
     def release(self, *, commit: bool) -> None:
         try:
             if commit and self.modifier_rank is not None:
-                self.partitioner.write_back(self.units, src=self.modifier_rank, snapshots=self.snapshots)
+                self.partitioner.write_back(
+                    self.units, src=self.modifier_rank, snapshots=self.snapshots
+                )
         finally:
             self.partitioner.unhold_for_user(self.units)
 
@@ -164,9 +166,13 @@ class Stage3Partitioner:
         self._frames: list[_Frame] = []
         self._recomputing = False  # the running forward is a recomputation inside backward
         self._saved_hooks: Any = None
-        self._ranges: list[tuple[int, int, ParamUnit]] = []  # gathered, non-persistent units by address
+        self._ranges: list[
+            tuple[int, int, ParamUnit]
+        ] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
-        self._copies: set[int] = set()  # units whose gathered buffer is a user copy (gather_for_user)
+        self._copies: set[int] = (
+            set()
+        )  # units whose gathered buffer is a user copy (gather_for_user)
         self._handles: list[Any] = []
         self._end_of_backward_queued = False
         self._installed = False
@@ -184,7 +190,9 @@ class Stage3Partitioner:
             self._handles.append(mod.register_forward_pre_hook(self._pre_forward))
             self._handles.append(mod.register_forward_hook(self._post_forward, always_call=True))
             if mod._parameters and not isinstance(mod._parameters, _InterceptingParams):
-                mod._parameters = _InterceptingParams(mod._parameters, weakref.WeakMethod(self._on_param_read))
+                mod._parameters = _InterceptingParams(
+                    mod._parameters, weakref.WeakMethod(self._on_param_read)
+                )
         PARAM_OWNERS.add(self)
         self._installed = True
 
@@ -298,7 +306,9 @@ class Stage3Partitioner:
     def __contains__(self, p: object) -> bool:
         return p in self.unit_of
 
-    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _UserHold:
+    def gather_for_user(
+        self, params: Sequence[nn.Parameter], *, modifier_rank: int | None
+    ) -> _UserHold:
         units: list[ParamUnit] = []
         for p in params:
             unit = self.unit_of[p][0]
@@ -309,7 +319,9 @@ class Stage3Partitioner:
         self._check_room(units, snapshot, f"{len(params)} parameter(s)")
         self.hold_for_user(units)
         try:
-            snapshots = [ShardSnapshot(u, self._own_slice(u).clone()) for u in units] if snapshot else []
+            snapshots = (
+                [ShardSnapshot(u, self._own_slice(u).clone()) for u in units] if snapshot else []
+            )
         except BaseException:
             self.unhold_for_user(units)
             raise
@@ -318,9 +330,13 @@ class Stage3Partitioner:
     def _check_room(self, units: list[ParamUnit], snapshot: bool, what: str) -> None:
         """Refuses (MemoryError) on every rank a user gather that one rank's free memory cannot hold."""
         new = [u for u in units if not u.persistent and u.state is UnitState.RELEASED]
-        need = sum(u.full_nbytes for u in new) + (sum(u.layout.shard_nbytes for u in units) if snapshot else 0)
+        need = sum(u.full_nbytes for u in new) + (
+            sum(u.layout.shard_nbytes for u in units) if snapshot else 0
+        )
         device = units[0].device if units else torch.device("cpu")
-        refusal = room_refusal(need, device, f"{what} ({len(new)} layer(s) to gather)") if need else None
+        refusal = (
+            room_refusal(need, device, f"{what} ({len(new)} layer(s) to gather)") if need else None
+        )
         if self.group.world_size > 1:
             refused = torch.tensor([refusal is not None], dtype=torch.uint8)
             self.group.all_reduce_max(refused)
@@ -349,7 +365,9 @@ class Stage3Partitioner:
         for unit in units:
             self._unhold(unit)
 
-    def write_back(self, units: list[ParamUnit], *, src: int, snapshots: Sequence[ShardSnapshot] = ()) -> None:
+    def write_back(
+        self, units: list[ParamUnit], *, src: int, snapshots: Sequence[ShardSnapshot] = ()
+    ) -> None:
         """Rank ``src``'s gathered values become every rank's shard; ``snapshots`` (taken when the
         units were gathered) tell which elements changed, and those reach the fp32 masters."""
         for unit in units:
@@ -364,7 +382,9 @@ class Stage3Partitioner:
                 self.shards.release(unit.key)
         for snap in snapshots:
             if self.masters is None:
-                raise RuntimeError("shard snapshots were taken for a partitioner without fp32 masters")
+                raise RuntimeError(
+                    "shard snapshots were taken for a partitioner without fp32 masters"
+                )
             snap.commit(self._own_slice(snap.unit), self.masters)
 
     def _own_slice(self, unit: ParamUnit) -> torch.Tensor:
@@ -383,7 +403,9 @@ class Stage3Partitioner:
             if not self._recomputing:
                 # The outermost module entered: from here until it returns, tensors
                 # autograd saves that view gathered parameters are packed by reference.
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                    self._pack, self._unpack
+                )
                 self._saved_hooks.__enter__()
         frame = _Frame(module, [])
         self._frames.append(frame)
@@ -423,7 +445,12 @@ class Stage3Partitioner:
     # -- saved tensors ------------------------------------------------------------
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if not self._ranges or t.layout is not torch.strided or t.numel() == 0 or t.device.type == "meta":
+        if (
+            not self._ranges
+            or t.layout is not torch.strided
+            or t.numel() == 0
+            or t.device.type == "meta"
+        ):
             return t
         ptr = t.data_ptr()
         i = bisect.bisect_right(self._ranges, ptr, key=lambda r: r[0]) - 1
@@ -432,7 +459,9 @@ class Stage3Partitioner:
         start, end, unit = self._ranges[i]
         if ptr >= end:
             return t
-        return _SavedParamRef(unit, t.size(), t.stride(), (ptr - start) // t.element_size(), t.dtype)
+        return _SavedParamRef(
+            unit, t.size(), t.stride(), (ptr - start) // t.element_size(), t.dtype
+        )
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _SavedParamRef):

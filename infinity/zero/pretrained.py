@@ -89,19 +89,28 @@ def _plan(module: nn.Module, tensors: dict[str, FileTensor], names: HfNames) -> 
         target = targets[name]
         shape = _true_shape(target) if isinstance(target, nn.Parameter) else target.shape
         if tuple(shape) != t.shape:
-            mismatched.append(f"size mismatch for {name}: copying a param with shape {list(t.shape)} from "
-                              f"checkpoint ('{t.path.name}'), the shape in current model is {list(shape)}.")
+            mismatched.append(
+                f"size mismatch for {name}: copying a param with shape {list(t.shape)} from "
+                f"checkpoint ('{t.path.name}'), the shape in current model is {list(shape)}."
+            )
         elif t.dtype.is_floating_point != target.dtype.is_floating_point:
-            mismatched.append(f"dtype mismatch for {name}: the checkpoint ('{t.path.name}') holds {t.dtype}, "
-                              f"the model {target.dtype}.")
+            mismatched.append(
+                f"dtype mismatch for {name}: the checkpoint ('{t.path.name}') holds {t.dtype}, "
+                f"the model {target.dtype}."
+            )
         loaded[name] = t
     if mismatched:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(mismatched)
-                           + "\nNothing was loaded: the checkpoint is of another model or configuration; build the "
-                           "model from the config saved with the weights")
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+            + "\n\t".join(mismatched)
+            + "\nNothing was loaded: the checkpoint is of another model or configuration; build the "
+            "model from the config saved with the weights"
+        )
     params: list[tuple[nn.Parameter, FileTensor]] = []
     buffers: list[tuple[torch.Tensor, FileTensor]] = []
-    done: set[int] = set()  # by id: a tied parameter is written once, under the first of its names in the file
+    done: set[int] = (
+        set()
+    )  # by id: a tied parameter is written once, under the first of its names in the file
     for name, target in targets.items():
         found = loaded.get(name)
         if found is None or id(target) in done:
@@ -111,8 +120,11 @@ def _plan(module: nn.Module, tensors: dict[str, FileTensor], names: HfNames) -> 
             params.append((target, found))
         else:
             buffers.append((target, found))
-    missing = [n for n, target in targets.items()
-               if id(target) not in done and not names.is_ignored_missing(n)]
+    missing = [
+        n
+        for n, target in targets.items()
+        if id(target) not in done and not names.is_ignored_missing(n)
+    ]
     return _Plan(params, buffers, missing, unexpected)
 
 
@@ -127,17 +139,28 @@ def load_pretrained(
     written. Every rank must call it."""
     module = model.module if isinstance(model, ModelHolder) else model
     if not isinstance(module, nn.Module):
-        raise TypeError(f"load_pretrained needs an nn.Module or an engine, got {type(model).__name__}")
+        raise TypeError(
+            f"load_pretrained needs an nn.Module or an engine, got {type(model).__name__}"
+        )
     plan = _plan(module, checkpoint_tensors(path), HfNames.of(module))
     if strict and (plan.missing or plan.unexpected):
         lines = []
         if plan.missing:
-            lines.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + ".")
+            lines.append(
+                "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.missing) + "."
+            )
         if plan.unexpected:
-            lines.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in plan.unexpected) + ".")
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(lines)
-                           + f"\nNothing was loaded from '{path}'; pass strict=False to load the tensors that match "
-                           "and get these lists back")
+            lines.append(
+                "Unexpected key(s) in state_dict: "
+                + ", ".join(f'"{k}"' for k in plan.unexpected)
+                + "."
+            )
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+            + "\n\t".join(lines)
+            + f"\nNothing was loaded from '{path}'; pass strict=False to load the tensors that match "
+            "and get these lists back"
+        )
     with TensorFiles() as files, torch.no_grad():
         _load_params(module, plan.params, files)
         for b, t in plan.buffers:
@@ -145,15 +168,19 @@ def load_pretrained(
     return _IncompatibleKeys(plan.missing, plan.unexpected)
 
 
-def _load_params(module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]], files: TensorFiles) -> None:
+def _load_params(
+    module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]], files: TensorFiles
+) -> None:
     at_rest: list[tuple[nn.Parameter, FileTensor, InitStore]] = []
     gathered: list[tuple[nn.Parameter, FileTensor]] = []
     for p, t in params:
         owner = PARAM_OWNERS.owner_of(p)
         if isinstance(owner, InitStore):
             if owner.building:
-                raise RuntimeError("load_pretrained was called inside infinity.zero.Init; call it after the context "
-                                   "(the model is complete then), before or after infinity.initialize")
+                raise RuntimeError(
+                    "load_pretrained was called inside infinity.zero.Init; call it after the context "
+                    "(the model is complete then), before or after infinity.initialize"
+                )
             at_rest.append((p, t, owner))
         else:
             gathered.append((p, t))
@@ -163,13 +190,17 @@ def _load_params(module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]
     for group in _by_module(module, gathered):
         owned = [(p, t) for p, t in group if PARAM_OWNERS.owner_of(p) is not None]
         for p, t in group:
-            if PARAM_OWNERS.owner_of(p) is None:  # whole on every rank and no one else's: read in place
+            if (
+                PARAM_OWNERS.owner_of(p) is None
+            ):  # whole on every rank and no one else's: read in place
                 files.read_whole(t, p.data)
         if owned:
             _load_owned(owned, files, rank)
 
 
-def _load_owned(group: list[tuple[nn.Parameter, FileTensor]], files: TensorFiles, rank: int) -> None:
+def _load_owned(
+    group: list[tuple[nn.Parameter, FileTensor]], files: TensorFiles, rank: int
+) -> None:
     """One module's parameters held by an engine: under GatheredParameters(modifier_rank=0), rank 0
     reading, in two passes (see [Note: loading into an engine's masters])."""
     params = [p for p, _ in group]
@@ -212,8 +243,9 @@ def _neither(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return torch.where(one != o, one, n ^ 2).view(new.dtype)
 
 
-def _by_module(module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]]
-               ) -> Iterator[list[tuple[nn.Parameter, FileTensor]]]:
+def _by_module(
+    module: nn.Module, params: list[tuple[nn.Parameter, FileTensor]]
+) -> Iterator[list[tuple[nn.Parameter, FileTensor]]]:
     """``params`` grouped by the first module that holds each, in module order (the same on every rank)."""
     pending = {id(p): (p, t) for p, t in params}
     for _, m in module.named_modules():

@@ -68,7 +68,9 @@ class ResidentParams:
     def __contains__(self, p: object) -> bool:
         return p in self.members
 
-    def gather_for_user(self, params: Sequence[nn.Parameter], *, modifier_rank: int | None) -> _ResidentHold:
+    def gather_for_user(
+        self, params: Sequence[nn.Parameter], *, modifier_rank: int | None
+    ) -> _ResidentHold:
         snapshots = []
         if modifier_rank is not None and self.masters is not None:
             units: list[ParamUnit] = []
@@ -76,16 +78,22 @@ class ResidentParams:
                 unit = self.unit_of[p][0]
                 if all(unit is not u for u in units):
                     units.append(unit)
-            snapshots = [ShardSnapshot(u, self._own_slice(u)) for u in sorted(units, key=lambda u: u.index)]
+            snapshots = [
+                ShardSnapshot(u, self._own_slice(u)) for u in sorted(units, key=lambda u: u.index)
+            ]
         return _ResidentHold(self, list(params), modifier_rank, snapshots)
 
-    def write_back(self, params: Sequence[nn.Parameter], *, src: int, snapshots: Sequence[ShardSnapshot]) -> None:
+    def write_back(
+        self, params: Sequence[nn.Parameter], *, src: int, snapshots: Sequence[ShardSnapshot]
+    ) -> None:
         """Rank ``src``'s values of ``params`` become every rank's; what changed reaches the masters."""
         for p in params:
             self.group.broadcast(p.data, src=src)
         for snap in snapshots:
             if self.masters is None:
-                raise RuntimeError("shard snapshots were taken for resident parameters without fp32 masters")
+                raise RuntimeError(
+                    "shard snapshots were taken for resident parameters without fp32 masters"
+                )
             snap.commit(self._own_slice(snap.unit), self.masters)
 
     def _own_slice(self, unit: ParamUnit) -> torch.Tensor:
@@ -96,5 +104,7 @@ class ResidentParams:
         out = torch.zeros(layout.shard_numel, dtype=layout.dtype, device=unit.device)
         for seg in layout.segments(rank):
             n = seg.shard_hi - seg.shard_lo
-            out[seg.shard_lo : seg.shard_hi] = unit.params[seg.slot].data.reshape(-1)[seg.slot_lo : seg.slot_lo + n]
+            out[seg.shard_lo : seg.shard_hi] = unit.params[seg.slot].data.reshape(-1)[
+                seg.slot_lo : seg.slot_lo + n
+            ]
         return out

@@ -74,7 +74,9 @@ class ParamUnit:
 
     def to_gathered(self, full: torch.Tensor) -> None:
         if self.state is not UnitState.RELEASED:
-            raise RuntimeError(f"unit {self.module_name!r} gathered twice (state {self.state.name})")
+            raise RuntimeError(
+                f"unit {self.module_name!r} gathered twice (state {self.state.name})"
+            )
         if full.numel() < self.layout.numel or full.dtype != self.layout.dtype:
             raise RuntimeError(
                 f"unit {self.module_name!r}: buffer of {full.numel()} {full.dtype} cannot hold "
@@ -107,7 +109,9 @@ class ParamUnit:
         """A zero-stride NaN tensor of the slot's shape: gives AccumulateGrad the parameter's
         layout while the unit is released (see [Note: grads of released parameters])."""
         shape = self.layout.slots[slot].shape
-        one = torch.full((1,) * len(shape), float("nan"), dtype=self.layout.dtype, device=self.device)
+        one = torch.full(
+            (1,) * len(shape), float("nan"), dtype=self.layout.dtype, device=self.device
+        )
         return one.expand(shape)
 
     def __repr__(self) -> str:

@@ -59,16 +59,22 @@ def build_units(
         for name, p in new:
             pdt = dtype if dtype is not None and p.is_floating_point() else p.dtype
             numel = math.prod(shape_of(p))
-            groups.setdefault((pdt, numel < persistence_threshold, p.requires_grad), []).append((name, p))
+            groups.setdefault((pdt, numel < persistence_threshold, p.requires_grad), []).append(
+                (name, p)
+            )
         for (unit_dtype, small, trains), members in groups.items():
             names = [n for n, _ in members]
             params = [p for _, p in members]
             layout = make_layout(names, [shape_of(p) for p in params], unit_dtype, world_size)
             label = mod_name or "<root>"
             if len(groups) > 1:
-                label += (f"[{str(unit_dtype).removeprefix('torch.')}{', persistent' if small else ''}"
-                          f"{'' if trains else ', frozen'}]")
-            unit = ParamUnit(len(units), label, params, names, layout, persistent=small, device=device)
+                label += (
+                    f"[{str(unit_dtype).removeprefix('torch.')}{', persistent' if small else ''}"
+                    f"{'' if trains else ', frozen'}]"
+                )
+            unit = ParamUnit(
+                len(units), label, params, names, layout, persistent=small, device=device
+            )
             units.append(unit)
             for i, p in enumerate(params):
                 unit_of[p] = (unit, i)

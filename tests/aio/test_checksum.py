@@ -52,7 +52,18 @@ def _table_reference(data: bytes, crc: int = 0) -> int:
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 7, 8])
 @pytest.mark.parametrize(
-    "nbytes", [767, 768, 769, 3 * 256 * 2 + 13, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 771, 7 * 8192 + 5, 100_003]
+    "nbytes",
+    [
+        767,
+        768,
+        769,
+        3 * 256 * 2 + 13,
+        3 * 8192 - 1,
+        3 * 8192,
+        3 * 8192 + 771,
+        7 * 8192 + 5,
+        100_003,
+    ],
 )
 def test_the_three_stream_path_matches_byte_at_a_time(offset, nbytes):
     """Sizes around the 3 x 8 KiB and 3 x 256 B blocks of [Note: three crc32 streams], at every

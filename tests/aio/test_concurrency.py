@@ -169,7 +169,10 @@ def test_wait_with_timeout_on_a_request_in_flight(engine, nvme_dir):
             pytest.fail(
                 "4096 sequential reads finished within microseconds; the test proves nothing"
             )
-        with pytest.raises(TimeoutError, match=r"pread of 16777216 bytes from '.*/t' at offset 0 not done after 0\.0 s"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"pread of 16777216 bytes from '.*/t' at offset 0 not done after 0\.0 s",
+        ):
             req.wait(timeout=0.0)
         assert req.wait(timeout=None) == 16 << 20
         assert req.done()
@@ -177,6 +180,7 @@ def test_wait_with_timeout_on_a_request_in_flight(engine, nvme_dir):
 
 def test_no_descriptor_leaks(engine, nvme_dir):
     """Handles, files, path requests, failures and fd requests all give their descriptors back."""
+
     def cycle() -> None:
         with AioHandle(engine=engine, block_size=8192, queue_depth=4) as h:
             data = torch.from_numpy(random_bytes(50_000))
@@ -292,6 +296,10 @@ def test_kept_objects_that_run_python_when_dropped(engine, nvme_dir):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _KEPT_DROPS_RUN_PYTHON, str(nvme_dir / "f"), engine],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _KEPT_DROPS_RUN_PYTHON, str(nvme_dir / "f"), engine],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-3000:])

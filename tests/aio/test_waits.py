@@ -38,7 +38,10 @@ def test_a_long_wait_logs_what_and_who_holds_it_then_how_long_it_took(caplog):
     with caplog.at_level(logging.WARNING, logger=LOG.name):
         assert waits.wait_until(ready, what=lambda: "the thing", holder=lambda: "thread T", log=LOG)
     lines = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("still waiting after") and "for the thing; held by thread T" in m for m in lines), lines
+    assert any(
+        m.startswith("still waiting after") and "for the thing; held by thread T" in m
+        for m in lines
+    ), lines
     assert lines[-1].startswith("waited ") and lines[-1].endswith("for the thing"), lines
 
 

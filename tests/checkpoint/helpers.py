@@ -39,12 +39,17 @@ class TiedNet(nn.Module):
 MODELS = {"gpt": tiny_gpt, "tied": TiedNet}
 
 
-def config(stage: int, param: str, optim: str, nvme, *, dtype: str = "fp32", gas: int = GAS) -> dict:
+def config(
+    stage: int, param: str, optim: str, nvme, *, dtype: str = "fp32", gas: int = GAS
+) -> dict:
     cfg = engine_config(stage, param, optim, nvme, gas=gas)
     # One optimizer sub-group: with several, PartitionedAdam's prefetch of the next sub-group can wait
     # forever on a fragmented pool (an engine issue, seen without checkpoints); not what is tested here.
     cfg["zero_optimization"]["sub_group_size"] = 10**9
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 4}}
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 4},
+    }
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg

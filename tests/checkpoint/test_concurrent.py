@@ -77,7 +77,10 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture
 def base():
-    root = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests")) / f"{os.getpid()}-two"
+    root = (
+        Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+        / f"{os.getpid()}-two"
+    )
     shutil.rmtree(root, ignore_errors=True)
     for d in ("swap1", "swap2", "sync"):
         (root / d).mkdir(parents=True)
@@ -88,8 +91,13 @@ def base():
 def test_a_second_save_into_the_same_directory_is_refused_and_removes_nothing(base):
     ckpt, sync = base / "ckpt", base / "sync"
     procs = {
-        role: subprocess.Popen([sys.executable, "-c", CHILD, role, str(base / swap), str(ckpt), str(sync)],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        role: subprocess.Popen(
+            [sys.executable, "-c", CHILD, role, str(base / swap), str(ckpt), str(sync)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for role, swap in (("first", "swap1"), ("second", "swap2"))
     }
     try:
@@ -110,7 +118,9 @@ def test_a_second_save_into_the_same_directory_is_refused_and_removes_nothing(ba
     assert hidden.startswith(".two.partial-")
     assert second["steps"] == 1  # it loaded "one"
     said = [m for m in second["log"] if hidden in m]
-    assert said and all("a save in progress is writing it" in m and f"pid {first_pid}" in m for m in said), said
+    assert said and all(
+        "a save in progress is writing it" in m and f"pid {first_pid}" in m for m in said
+    ), said
     assert not [m for m in second["log"] if "can be deleted" in m], second["log"]
 
     assert procs["first"].returncode == 0, first_err[-3000:]

@@ -90,8 +90,19 @@ def killed(tmp_path_factory):
     for point in POINTS:
         (root / point / "swap").mkdir(parents=True, exist_ok=True)
         procs[point] = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(root / point / "swap"), str(root / point / "ckpt"), point],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                str(root / point / "swap"),
+                str(root / point / "ckpt"),
+                point,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     results = {p: (proc.wait(timeout=300), *proc.communicate()) for p, proc in procs.items()}
     yield root, results
     import shutil
@@ -100,15 +111,21 @@ def killed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("point", list(POINTS))
-def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(point, killed, tmp_path, caplog):
+def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(
+    point, killed, tmp_path, caplog
+):
     root, results = killed
     rc, out, err = results[point]
-    assert rc == -signal.SIGKILL, f"the child was not killed at {point!r}: rc={rc}\n{out}\n{err[-3000:]}"
+    assert rc == -signal.SIGKILL, (
+        f"the child was not killed at {point!r}: rc={rc}\n{out}\n{err[-3000:]}"
+    )
     ckpt = root / point / "ckpt"
     second_complete, left = POINTS[point]
     assert (ckpt / "second" / "manifest.json").is_file() == second_complete
     assert (ckpt / "latest").read_text().strip() == "first"
-    leftovers = sorted(p.name for p in ckpt.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME)
+    leftovers = sorted(
+        p.name for p in ckpt.iterdir() if p.name.startswith(".") and p.name != LOCK_NAME
+    )
     assert bool(leftovers) == left, leftovers
 
     engine, _ = make_engine("gpt", config(3, "nvme", "nvme", tmp_path), seed=1)

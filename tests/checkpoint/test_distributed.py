@@ -44,8 +44,11 @@ CASES = {
 
 
 def _state(engine, losses):
-    return {"losses": losses, "weights": weights(engine),
-            "buffers": {n: b.clone() for n, b in engine.module.named_buffers()}}
+    return {
+        "losses": losses,
+        "weights": weights(engine),
+        "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
+    }
 
 
 def _continue(rank, roots):
@@ -59,8 +62,11 @@ def _continue(rank, roots):
             at_save = weights(engine)
             logits = eval_logits(engine.eval())
             engine.train()
-            out[case] = {**_state(engine, train(engine, N_STEPS, M_STEPS, rank=rank)), "at_save": at_save,
-                         "logits": logits}
+            out[case] = {
+                **_state(engine, train(engine, N_STEPS, M_STEPS, rank=rank)),
+                "at_save": at_save,
+                "logits": logits,
+            }
         finally:
             engine.close()
     return out
@@ -75,12 +81,17 @@ def _resume(rank, roots, ckpt_name, corrupt_name=None):
             if corrupt_name is not None:
                 # Rank 1's shard is corrupt: both ranks refuse, and neither changes anything.
                 before = snapshot(engine)
-                with pytest.raises(CheckpointCorruptError if rank == 1 else CheckpointPeerError,
-                                   match="part-00001-of-00002" if rank == 1 else "rank.s. 1"):
+                with pytest.raises(
+                    CheckpointCorruptError if rank == 1 else CheckpointPeerError,
+                    match="part-00001-of-00002" if rank == 1 else "rank.s. 1",
+                ):
                     engine.load_checkpoint(Path(root) / corrupt_name)
                 assert_same(before, snapshot(engine), f"rank {rank} after a failed load")
             client = engine.load_checkpoint(Path(root) / ckpt_name)
-            out[case] = {**_state(engine, train(engine, N_STEPS, M_STEPS, rank=rank)), "client": client}
+            out[case] = {
+                **_state(engine, train(engine, N_STEPS, M_STEPS, rank=rank)),
+                "client": client,
+            }
         finally:
             engine.close()
     return out
@@ -117,7 +128,9 @@ def test_resume_equals_continue_world_size_2(saved):
         shutil.copytree(good, bad)
         part = bad / "part-00001-of-00002.safetensors"
         flip_byte(part, read_header(str(part)).entries["u0.exp_avg"].begin + 8)
-    resumed = run_distributed(_resume, roots, "ckpt", str(Path("corrupt") / good.name), world_size=2)
+    resumed = run_distributed(
+        _resume, roots, "ckpt", str(Path("corrupt") / good.name), world_size=2
+    )
     for case in CASES:
         for rank in range(2):
             _assert_equal_runs(cont[rank][case], resumed[rank][case])
@@ -139,7 +152,10 @@ def test_repartition_2_to_1_and_back(saved, tmp_path):
         finally:
             engine.close()
     resumed = run_distributed(_resume, roots, "ckpt-w1", world_size=2)  # 1 -> 2
-    assert resumed[0]["stage1-optimizer-on-nvme"]["losses"][0] == cont[0]["stage1-optimizer-on-nvme"]["losses"][0]
+    assert (
+        resumed[0]["stage1-optimizer-on-nvme"]["losses"][0]
+        == cont[0]["stage1-optimizer-on-nvme"]["losses"][0]
+    )
     # Without dropout the whole run matches: weights, Adam moments and step counts all survived 2 -> 1 -> 2.
     # (TiedNet's dropout on rank 1 draws from an RNG state that world size 1 never had, and its BatchNorm
     # buffers come back as rank 0's; both are exact in test_resume_equals_continue_world_size_2.)
@@ -162,6 +178,9 @@ def test_export_of_a_two_partition_checkpoint(saved, tmp_path):
 
     model = MODELS["gpt"]()
     model.load_state_dict(state, strict=True)
-    torch.testing.assert_close(eval_logits(model.eval()),
-                               torch.as_tensor(cont[0]["stage3-params-and-optimizer-on-nvme"]["logits"]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        eval_logits(model.eval()),
+        torch.as_tensor(cont[0]["stage3-params-and-optimizer-on-nvme"]["logits"]),
+        rtol=0,
+        atol=0,
+    )

@@ -114,19 +114,31 @@ def test_checkpoint_of_a_different_model(setup, tmp_path):
     engines = {}
     for name, d_model in (("wide", 64), ("narrow", 32)):
         (tmp_path / name).mkdir()
-        model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=2, d_model=d_model, bias=False))
+        model = GPT(
+            GPTConfig(
+                vocab_size=VOCAB, seq_len=16, n_layer=2, n_head=2, d_model=d_model, bias=False
+            )
+        )
         engines[name] = infinity.initialize(model, config(3, "nvme", "nvme", tmp_path / name))
         engines[name].save_checkpoint(tmp_path / f"ckpt-{name}")
     try:
         # The same architecture, another width: the first tensor whose shape differs is named.
-        refused(engines["narrow"], tmp_path / "ckpt-wide", CheckpointMismatchError,
-                r"'wte.weight' has shape \[64, 64\] in the checkpoint but \[64, 32\] in this model")
+        refused(
+            engines["narrow"],
+            tmp_path / "ckpt-wide",
+            CheckpointMismatchError,
+            r"'wte.weight' has shape \[64, 64\] in the checkpoint but \[64, 32\] in this model",
+        )
     finally:
         for e in engines.values():
             e.close()
     # Another architecture altogether: the first parameter it lacks is named.
-    refused(engine, tmp_path / "ckpt-narrow", CheckpointMismatchError,
-            r"parameter 'emb.weight' \(shape \[64, 32\]\) of this model is not in the checkpoint")
+    refused(
+        engine,
+        tmp_path / "ckpt-narrow",
+        CheckpointMismatchError,
+        r"parameter 'emb.weight' \(shape \[64, 32\]\) of this model is not in the checkpoint",
+    )
 
 
 def test_full_disk(setup, tmp_path):
@@ -135,9 +147,15 @@ def test_full_disk(setup, tmp_path):
     engine, _, _ = setup
     disk = tmp_path / "small"
     disk.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs to fill up here ({r.stderr.strip() or r.returncode}): needs root")
+        pytest.skip(
+            f"cannot mount a small tmpfs to fill up here ({r.stderr.strip() or r.returncode}): needs root"
+        )
     try:
         before = snapshot(engine)
         first = engine.save_checkpoint(disk / "ckpt", tag="first")
@@ -148,11 +166,19 @@ def test_full_disk(setup, tmp_path):
         with pytest.raises(CheckpointSpaceError, match=rf"no space left.*{disk}") as info:
             engine.save_checkpoint(disk / "ckpt", tag="second")
         assert "free space there or save the checkpoint to another directory" in str(info.value)
-        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == [".infinity-save.lock", "first", "latest"]
+        assert sorted(p.name for p in (disk / "ckpt").iterdir()) == [
+            ".infinity-save.lock",
+            "first",
+            "latest",
+        ]
         assert (disk / "ckpt" / "latest").read_text().strip() == "first"
         assert first.name == "first"
         engine.load_checkpoint(disk / "ckpt")  # "first" is the state the engine was in
-        assert_same(before, snapshot(engine), "state after loading the checkpoint saved before the full disk")
+        assert_same(
+            before,
+            snapshot(engine),
+            "state after loading the checkpoint saved before the full disk",
+        )
     finally:
         subprocess.run(["umount", str(disk)], check=False)
 
@@ -191,8 +217,19 @@ def test_which_checkpoint(setup, tmp_path):
     engine, _, ckpt = setup
     root = copy_of(ckpt, tmp_path).parent
     (root / "latest").unlink()
-    refused(engine, root, CheckpointNotFoundError, rf"no 'latest' file in '{root}'.*{ckpt.name}; pass tag=")
-    refused(engine, root, CheckpointNotFoundError, "checkpoint 'nope' asked for does not exist", tag="nope")
+    refused(
+        engine,
+        root,
+        CheckpointNotFoundError,
+        rf"no 'latest' file in '{root}'.*{ckpt.name}; pass tag=",
+    )
+    refused(
+        engine,
+        root,
+        CheckpointNotFoundError,
+        "checkpoint 'nope' asked for does not exist",
+        tag="nope",
+    )
     (root / "half").mkdir()
     refused(engine, root, CheckpointIncompleteError, "has no manifest.json", tag="half")
     refused(engine, tmp_path / "nowhere", CheckpointNotFoundError, "does not exist")
@@ -217,7 +254,9 @@ def test_latest_naming_something_else_than_a_tag_is_refused(setup, tmp_path, con
     absolute), a hidden or nested name is refused, naming the file and what it holds, although a good
     checkpoint is where it points."""
     engine, _, ckpt = setup
-    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
+    train(
+        engine, engine.global_steps, 1
+    )  # away from the checkpoint, so that a load of it would show
     good = tmp_path / "other" / "good"
     shutil.copytree(ckpt, good)
     root = tmp_path / "root"
@@ -249,7 +288,9 @@ def _client_state_and_its_checksum(bad: Path) -> None:
     from infinity.aio import crc32c
 
     rank = bad / "rank-00000.safetensors"
-    flip_bit_at(rank, b'client_state\\": {\\"epoch\\": ')  # 3 -> 2, inside the JSON string in __metadata__
+    flip_bit_at(
+        rank, b'client_state\\": {\\"epoch\\": '
+    )  # 3 -> 2, inside the JSON string in __metadata__
     m = json.loads((bad / "manifest.json").read_bytes())
     m["files"][rank.name]["crc32c"] = crc32c(rank.read_bytes())
     (bad / "manifest.json").write_text(json.dumps(m, indent=1))
@@ -257,11 +298,22 @@ def _client_state_and_its_checksum(bad: Path) -> None:
 
 # what is changed: (the file to be named, how)
 TAMPERED = {
-    "manifest-global_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"global_steps": ')),
-    "manifest-skipped_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"skipped_steps": ')),
-    "manifest-micro_steps": ("manifest.json", lambda bad: flip_bit_at(bad / "manifest.json", b'"micro_steps": ')),
-    "part-header-metadata": ("part-00000-of-00001.safetensors",
-                             lambda bad: flip_bit_at(bad / "part-00000-of-00001.safetensors", b'"partition":"')),
+    "manifest-global_steps": (
+        "manifest.json",
+        lambda bad: flip_bit_at(bad / "manifest.json", b'"global_steps": '),
+    ),
+    "manifest-skipped_steps": (
+        "manifest.json",
+        lambda bad: flip_bit_at(bad / "manifest.json", b'"skipped_steps": '),
+    ),
+    "manifest-micro_steps": (
+        "manifest.json",
+        lambda bad: flip_bit_at(bad / "manifest.json", b'"micro_steps": '),
+    ),
+    "part-header-metadata": (
+        "part-00000-of-00001.safetensors",
+        lambda bad: flip_bit_at(bad / "part-00000-of-00001.safetensors", b'"partition":"'),
+    ),
     "client-state": ("manifest.json", _client_state_and_its_checksum),
 }
 
@@ -273,7 +325,9 @@ def test_a_tampered_small_file_is_named_and_changes_nothing(setup, tmp_path, wha
     change with its checksum updated beside it, raises before anything changes, naming the file."""
     engine, _, _ = setup
     ckpt = engine.save_checkpoint(tmp_path / "saved", client_state={"epoch": 3})
-    train(engine, engine.global_steps, 1)  # away from the checkpoint, so that a load of it would show
+    train(
+        engine, engine.global_steps, 1
+    )  # away from the checkpoint, so that a load of it would show
     bad = copy_of(ckpt, tmp_path)
     name, tamper = TAMPERED[what]
     tamper(bad)
@@ -298,7 +352,9 @@ def test_a_version_1_checkpoint_loads_with_a_warning(setup, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="infinity.checkpoint"):
         engine.load_checkpoint(old.parent)
     assert engine.global_steps == steps
-    assert any("format version 1" in r.getMessage() and "trusted" in r.getMessage() for r in caplog.records)
+    assert any(
+        "format version 1" in r.getMessage() and "trusted" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_save_into_a_file_says_so(setup, tmp_path):
@@ -309,13 +365,20 @@ def test_save_into_a_file_says_so(setup, tmp_path):
     f.write_text("not a directory")
     with pytest.raises(NotADirectoryError, match=re.escape(f"'{f}' is a file, not a directory;")):
         engine.save_checkpoint(f)
-    with pytest.raises(NotADirectoryError, match=re.escape(
-            f"'{f}' is a file, not a directory, so the checkpoint directory '{f / 'sub'}' cannot be created")):
+    with pytest.raises(
+        NotADirectoryError,
+        match=re.escape(
+            f"'{f}' is a file, not a directory, so the checkpoint directory '{f / 'sub'}' cannot be created"
+        ),
+    ):
         engine.save_checkpoint(f / "sub")
     root = tmp_path / "root"
     root.mkdir()
     (root / "t").write_text("a file")
-    with pytest.raises(NotADirectoryError, match=re.escape(f"'{root / 't'}' is a file, not a directory, so checkpoint 't'")):
+    with pytest.raises(
+        NotADirectoryError,
+        match=re.escape(f"'{root / 't'}' is a file, not a directory, so checkpoint 't'"),
+    ):
         engine.save_checkpoint(root, tag="t")
     assert f.read_text() == "not a directory" and (root / "t").read_text() == "a file"
     assert not [p for p in root.iterdir() if ".partial-" in p.name]

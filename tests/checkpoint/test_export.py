@@ -61,7 +61,9 @@ def test_cli_export_fp32_gives_the_engines_outputs(trained, tmp_path, capsys):
     state = load_file(str(out))
     assert torch.equal(state["head.weight"], state["emb.weight"])
     assert state["norm.num_batches_tracked"].item() == N_STEPS * 2
-    assert all(v.dtype == torch.float32 for k, v in state.items() if k != "norm.num_batches_tracked")
+    assert all(
+        v.dtype == torch.float32 for k, v in state.items() if k != "norm.num_batches_tracked"
+    )
     torch.testing.assert_close(eval_logits(model), logits, rtol=0, atol=0)
     assert not list(tmp_path.glob(".*"))  # no temporary file left behind
 
@@ -69,8 +71,19 @@ def test_cli_export_fp32_gives_the_engines_outputs(trained, tmp_path, capsys):
 def test_export_bf16_is_the_fp32_export_rounded(trained, tmp_path):
     root, ckpt, _ = trained
     fp32 = load_file(str(export_checkpoint(ckpt, tmp_path / "a.safetensors", progress=False)))
-    assert cli_main.main(["export", str(root / "ckpt"), str(tmp_path / "b.safetensors"), "--dtype", "bf16",
-                          "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "export",
+                str(root / "ckpt"),
+                str(tmp_path / "b.safetensors"),
+                "--dtype",
+                "bf16",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     bf16 = load_file(str(tmp_path / "b.safetensors"))
     for k, v in fp32.items():
         want = v.to(torch.bfloat16) if v.is_floating_point() else v
@@ -92,7 +105,9 @@ def test_save_16bit_model_from_a_live_bf16_engine(nvme_dir, tmp_path):
     model = plain_from(path, "gpt", torch.bfloat16)
     torch.testing.assert_close(eval_logits(model), logits, rtol=0, atol=0)
     # The 16-bit parameters are the fp32 masters rounded: exporting the checkpoint in bf16 gives the same bytes.
-    exported = load_file(str(export_checkpoint(ckpt, tmp_path / "exp.safetensors", dtype=torch.bfloat16)))
+    exported = load_file(
+        str(export_checkpoint(ckpt, tmp_path / "exp.safetensors", dtype=torch.bfloat16))
+    )
     assert live.keys() == exported.keys()
     for k in live:
         assert torch.equal(live[k], exported[k]), k
@@ -105,7 +120,9 @@ def test_export_refuses_a_corrupt_checkpoint_and_leaves_no_file(trained, tmp_pat
     bad = tmp_path / "bad"
     shutil.copytree(ckpt, bad)
     part = next(bad.glob("part-*.safetensors"))
-    flip_byte(part, read_header(str(part)).entries["u1.master"].begin + 10)  # export reads the masters
+    flip_byte(
+        part, read_header(str(part)).entries["u1.master"].begin + 10
+    )  # export reads the masters
     out = tmp_path / "out.safetensors"
     with pytest.raises(CheckpointCorruptError, match=part.name):
         export_checkpoint(bad, out, progress=False)

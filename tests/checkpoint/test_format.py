@@ -29,21 +29,44 @@ def saved(nvme_dir):
 
 def test_files_manifest_and_checksums(saved):
     engine, ckpt = saved
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == [".infinity-save.lock", "global_step3", "latest"]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [
+        ".infinity-save.lock",
+        "global_step3",
+        "latest",
+    ]
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "manifest.json", "part-00000-of-00001.safetensors", "rank-00000.safetensors"]
+        "manifest.json",
+        "part-00000-of-00001.safetensors",
+        "rank-00000.safetensors",
+    ]
     raw = (ckpt / "manifest.json").read_bytes()
     m = json.loads(raw)
     assert (m["format"], m["version"], m["world_size"], m["stage"], m["partitions"]) == (
-        "infinity.checkpoint", 3, 1, 3, 1)
+        "infinity.checkpoint",
+        3,
+        1,
+        3,
+        1,
+    )
     # The last field is the CRC32C of every byte before it.
     field = raw.rindex(b',\n "manifest_crc32c": ')
     assert list(m)[-1] == "manifest_crc32c" and crc32c(raw[:field]) == m["manifest_crc32c"]
-    assert (m["global_steps"], m["micro_steps"], m["train_dtype"]) == (N_STEPS, 2 * N_STEPS, "float32")
+    assert (m["global_steps"], m["micro_steps"], m["train_dtype"]) == (
+        N_STEPS,
+        2 * N_STEPS,
+        "float32",
+    )
     assert m["config"]["zero_optimization"]["offload_param"]["device"] == "nvme"
     slots = {s["name"]: s for u in m["units"] for s in u["slots"]}
-    assert slots["emb.weight"]["shape"] == [64, 32] and slots["emb.weight"]["aliases"] == ["emb.weight", "head.weight"]
-    assert set(m["buffers"]) == {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"}
+    assert slots["emb.weight"]["shape"] == [64, 32] and slots["emb.weight"]["aliases"] == [
+        "emb.weight",
+        "head.weight",
+    ]
+    assert set(m["buffers"]) == {
+        "norm.running_mean",
+        "norm.running_var",
+        "norm.num_batches_tracked",
+    }
     for name, f in m["files"].items():
         data = (ckpt / name).read_bytes()
         assert len(data) == f["nbytes"]
@@ -61,7 +84,9 @@ def test_shards_are_aligned_safetensors_holding_the_store_contents(saved):
     with safe_open(str(ckpt / "rank-00000.safetensors"), "pt") as f:
         state = json.loads(f.metadata()["state"])
     crcs = state["part"]["crc32c"]
-    assert crc32c(part.read_bytes()[: header.data_start]) == state["part"]["header_crc32c"]  # the whole header
+    assert (
+        crc32c(part.read_bytes()[: header.data_start]) == state["part"]["header_crc32c"]
+    )  # the whole header
     shards = snapshot(engine)["shards"]
     with safe_open(str(part), "pt") as f:  # readable by the safetensors package itself
         assert f.metadata()["kind"] == "part"
@@ -91,8 +116,11 @@ def test_stage0_with_a_torch_optimizer(nvme_dir, tmp_path):
         torch.manual_seed(seed)
         model = MODELS["tied"]()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
-               "zero_optimization": {"stage": 0}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 0},
+        }
         engine = infinity.initialize(model, cfg, optimizer=opt)
         try:
             if load:
@@ -117,13 +145,23 @@ def test_client_state_round_trip_without_pickle(saved, tmp_path):
     engine, _ = saved
     import math
 
-    state = {"epoch": 3, "pos": (1, 2.5, "a"), "ids": [None, True, -7], "by_step": {10: "x", (1, 2): [3]},
-             "marker": {"__tensor__": "not a tensor"}, "inf": math.inf, "t": torch.arange(6).view(2, 3),
-             "half": torch.ones(3, dtype=torch.bfloat16), "np": __import__("numpy").arange(3)}
+    state = {
+        "epoch": 3,
+        "pos": (1, 2.5, "a"),
+        "ids": [None, True, -7],
+        "by_step": {10: "x", (1, 2): [3]},
+        "marker": {"__tensor__": "not a tensor"},
+        "inf": math.inf,
+        "t": torch.arange(6).view(2, 3),
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "np": __import__("numpy").arange(3),
+    }
     engine.save_checkpoint(tmp_path / "ckpt", client_state=state)
     back = engine.load_checkpoint(tmp_path / "ckpt")
     assert back["epoch"] == 3 and back["pos"] == (1, 2.5, "a") and back["ids"] == [None, True, -7]
-    assert back["by_step"] == {10: "x", (1, 2): [3]} and back["marker"] == {"__tensor__": "not a tensor"}
+    assert back["by_step"] == {10: "x", (1, 2): [3]} and back["marker"] == {
+        "__tensor__": "not a tensor"
+    }
     assert back["inf"] == math.inf
     assert torch.equal(back["t"], state["t"]) and torch.equal(back["half"], state["half"])
     assert torch.equal(back["np"], torch.arange(3))
@@ -147,7 +185,9 @@ def test_files_are_private_to_their_owner(saved, nvme_dir, monkeypatch):
 
     publish = atomic.publish
 
-    def spy(tmp, final, nonce):  # the hidden directory, complete, just before it is renamed into place
+    def spy(
+        tmp, final, nonce
+    ):  # the hidden directory, complete, just before it is renamed into place
         for p in [tmp, *tmp.iterdir()]:
             record(p)
         return publish(tmp, final, nonce)

@@ -68,12 +68,19 @@ def test_sigint_during_save_checkpoint_always_raises_keyboard_interrupt(nvme_dir
     for attempt in range(TRIES):
         ckpt = tmp_path / f"ckpt{attempt}"
         counter = tmp_path / f"saves{attempt}"
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(nvme_dir), str(ckpt), str(counter)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(nvme_dir), str(ckpt), str(counter)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         try:
             line = child.stdout.readline()
-            assert line.startswith("ready"), f"the child did not start saving: {line!r}\n{child.stderr.read()}"
+            assert line.startswith("ready"), (
+                f"the child did not start saving: {line!r}\n{child.stderr.read()}"
+            )
             save_s = float(line.split()[1])
             time.sleep(rng.uniform(0.0, 2 * save_s))
             child.send_signal(signal.SIGINT)
@@ -89,14 +96,22 @@ def test_sigint_during_save_checkpoint_always_raises_keyboard_interrupt(nvme_dir
                 time.sleep(2)
                 child.kill()
                 _out, err = child.communicate()
-                what = "SIGINT was swallowed, the save loop carried on" if after > before else "a save hung"
-                pytest.fail(f"try {attempt}: {what} ({before}, then {after} saves 2 s later); every thread's "
-                            f"stack:\n{err[-12000:]}")
+                what = (
+                    "SIGINT was swallowed, the save loop carried on"
+                    if after > before
+                    else "a save hung"
+                )
+                pytest.fail(
+                    f"try {attempt}: {what} ({before}, then {after} saves 2 s later); every thread's "
+                    f"stack:\n{err[-12000:]}"
+                )
         finally:
             if child.poll() is None:
                 child.kill()
                 child.communicate()
-        assert "Exception ignored" not in err, f"try {attempt}: the interrupt was lost in a finalizer:\n{err}"
+        assert "Exception ignored" not in err, (
+            f"try {attempt}: the interrupt was lost in a finalizer:\n{err}"
+        )
         last = err.strip().splitlines()[-1] if err.strip() else ""
         assert child.returncode != 0 and last == "KeyboardInterrupt", (
             f"try {attempt}: exit {child.returncode}, expected a KeyboardInterrupt traceback:\n{err[-3000:]}"

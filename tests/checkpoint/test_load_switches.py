@@ -31,7 +31,9 @@ from tests.checkpoint.helpers import (
 )
 from tests.engine.reference import LR
 
-RESEED = 77  # both runs compared draw dropout masks from here on (where the RNG state is not restored)
+RESEED = (
+    77  # both runs compared draw dropout masks from here on (where the RNG state is not restored)
+)
 
 
 def other_schedule(cfg: dict) -> dict:
@@ -66,8 +68,14 @@ def saved():
         carried_on = {"losses": losses, "weights": weights(engine)}
     finally:
         engine.close()
-    yield {"root": root, "cfg": cfg, "ckpt": ckpt, "export": export, "lr_at_save": lr_at_save,
-           "carried_on": carried_on}
+    yield {
+        "root": root,
+        "cfg": cfg,
+        "ckpt": ckpt,
+        "export": export,
+        "lr_at_save": lr_at_save,
+        "carried_on": carried_on,
+    }
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -100,17 +108,24 @@ def swap_dir(saved, name: str) -> Path:
     return d
 
 
-def test_load_optimizer_states_false_keeps_the_configs_hyperparameters_and_starts_adam_afresh(saved, caplog):
+def test_load_optimizer_states_false_keeps_the_configs_hyperparameters_and_starts_adam_afresh(
+    saved, caplog
+):
     cfg = other_hyperparameters(config(3, "nvme", "nvme", swap_dir(saved, "a1")))
     engine, _ = make_engine("tied", cfg, seed=1)
     with caplog.at_level(logging.INFO, logger="infinity.checkpoint"):
         engine.load_checkpoint(saved["ckpt"], load_optimizer_states=False)
     (g,) = engine.optimizer.param_groups
     assert (g["weight_decay"], g["eps"], tuple(g["betas"])) == (0.01, 1e-5, (0.8, 0.9))
-    assert engine.global_steps == N_STEPS and engine.get_lr() == saved["lr_at_save"]  # the schedule is loaded
+    assert (
+        engine.global_steps == N_STEPS and engine.get_lr() == saved["lr_at_save"]
+    )  # the schedule is loaded
     said = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
     assert "keeping this engine's optimizer hyperparameters" in said
-    assert "weight_decay 0.01 (the checkpoint's: 0.1)" in said and "eps 1e-05 (the checkpoint's: 1e-06)" in said
+    assert (
+        "weight_decay 0.01 (the checkpoint's: 0.1)" in said
+        and "eps 1e-05 (the checkpoint's: 1e-06)" in said
+    )
     resumed = run_on(engine, reseed=True)
     # Oracle: Adam from scratch on the checkpoint's weights, with this config's hyperparameters and the
     # schedule where the checkpoint's was (DeepSpeed's last_batch_iteration).
@@ -135,9 +150,15 @@ def test_load_lr_scheduler_states_false_keeps_the_configs_schedule(saved, caplog
 
 def test_load_module_only_loads_the_weights_alone(saved):
     engine, _ = make_engine("tied", config(3, "nvme", "nvme", swap_dir(saved, "c1")), seed=1)
-    fresh = {k: v for k, v in snapshot(engine).items() if k not in ("weights", "buffers", "shards", "rng")}
+    fresh = {
+        k: v
+        for k, v in snapshot(engine).items()
+        if k not in ("weights", "buffers", "shards", "rng")
+    }
     engine.load_checkpoint(saved["ckpt"], load_module_only=True)
-    assert_same(fresh, {k: v for k, v in snapshot(engine).items() if k in fresh}, "all but the weights")
+    assert_same(
+        fresh, {k: v for k, v in snapshot(engine).items() if k in fresh}, "all but the weights"
+    )
     exported = load_file(str(saved["export"]))
     for name, w in weights(engine).items():
         assert torch.equal(w, exported[name]), name
@@ -177,10 +198,15 @@ def test_resuming_under_other_hyperparameters_says_which_are_used(saved, caplog)
         # ...and the log says so, naming both values.
         said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         hyper = [m for m in said if "the checkpoint's optimizer hyperparameters" in m]
-        assert len(hyper) == 1 and "weight_decay 0.1 (this engine's config: 0.01) in param group 0" in hyper[0]
+        assert (
+            len(hyper) == 1
+            and "weight_decay 0.1 (this engine's config: 0.01) in param group 0" in hyper[0]
+        )
         assert "load_optimizer_states=False" in hyper[0]
         schedule = [m for m in said if "the checkpoint's lr schedule (WarmupLR)" in m]
-        assert len(schedule) == 1 and f"max_lrs [{LR}] (this engine's config: [0.001])" in schedule[0]
+        assert (
+            len(schedule) == 1 and f"max_lrs [{LR}] (this engine's config: [0.001])" in schedule[0]
+        )
         assert "load_lr_scheduler_states=False" in schedule[0]
     finally:
         engine.close()
@@ -191,7 +217,11 @@ def test_stage0_torch_optimizer_load_optimizer_states_false(tmp_path, caplog):
 
     def engine_with(model, weight_decay):
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
-        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 0}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 0},
+        }
         return infinity.initialize(model, cfg, optimizer=opt)
 
     torch.manual_seed(0)

@@ -50,7 +50,11 @@ def step_held_back(engine):
         open_gates()
         wait_unit(index)
 
-    overlap.start, overlap.synchronize, progress.wait_unit = held_start, releasing_sync, releasing_wait_unit
+    overlap.start, overlap.synchronize, progress.wait_unit = (
+        held_start,
+        releasing_sync,
+        releasing_wait_unit,
+    )
     try:
         yield
     finally:
@@ -88,7 +92,9 @@ def test_save_waits_for_the_step_in_flight_and_reads_dirty_cached_shards(model, 
         dirty = a.runtime.param_store.stats().dirty_nbytes
         assert dirty > 0  # updated shards stay cached, not yet written home
         expected = snapshot(a)
-        assert a.runtime.param_store.stats().dirty_nbytes == dirty  # the save did not write them out
+        assert (
+            a.runtime.param_store.stats().dirty_nbytes == dirty
+        )  # the save did not write them out
         b.load_checkpoint(swap / "ckpt")
         assert_same(snapshot(b), expected)
     finally:

@@ -40,9 +40,13 @@ def continue_run(case: str, root) -> dict:
         at_save = {"weights": weights(engine), "logits": eval_logits(engine.eval())}
         engine.train()
         losses = train(engine, N_STEPS, M_STEPS)
-        return {"losses": losses, "weights": {n: w.float() for n, w in weights(engine).items()},
-                "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
-                "lr": engine.get_lr(), "at_save": at_save}
+        return {
+            "losses": losses,
+            "weights": {n: w.float() for n, w in weights(engine).items()},
+            "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
+            "lr": engine.get_lr(),
+            "at_save": at_save,
+        }
     finally:
         engine.close()
 
@@ -56,9 +60,14 @@ def resume_run(case: str, root) -> dict:
         steps = engine.global_steps
         losses = train(engine, N_STEPS, M_STEPS)
         # Weights cross the process boundary as numpy arrays: fp32 (exact for bf16 values).
-        return {"losses": losses, "weights": {n: w.float() for n, w in weights(engine).items()},
-                "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
-                "lr": engine.get_lr(), "client": client, "steps": steps}
+        return {
+            "losses": losses,
+            "weights": {n: w.float() for n, w in weights(engine).items()},
+            "buffers": {n: b.clone() for n, b in engine.module.named_buffers()},
+            "lr": engine.get_lr(),
+            "client": client,
+            "steps": steps,
+        }
     finally:
         engine.close()
 
@@ -82,7 +91,9 @@ def runs(tmp_path_factory):
     try:
         cont = {case: continue_run(case, r) for case, r in roots.items()}
         # A fresh process: nothing of the first engine survives but the checkpoint.
-        (resumed,) = run_distributed(_resume_all, {c: str(r) for c, r in roots.items()}, world_size=1)
+        (resumed,) = run_distributed(
+            _resume_all, {c: str(r) for c, r in roots.items()}, world_size=1
+        )
         yield cont, resumed, roots
     finally:
         shutil.rmtree(root, ignore_errors=True)

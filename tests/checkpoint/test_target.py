@@ -41,20 +41,36 @@ class OnlyTheProtocol:
 
     def __getattr__(self, name):
         if name not in self._allowed:
-            raise AttributeError(f"checkpointing read engine.{name}, which CheckpointTarget does not name")
+            raise AttributeError(
+                f"checkpointing read engine.{name}, which CheckpointTarget does not name"
+            )
         return getattr(self._engine, name)
 
     def __setattr__(self, name, value):
         if name not in self._allowed:
-            raise AttributeError(f"checkpointing set engine.{name}, which CheckpointTarget does not name")
+            raise AttributeError(
+                f"checkpointing set engine.{name}, which CheckpointTarget does not name"
+            )
         setattr(self._engine, name, value)
 
 
 def test_protocol_names_what_checkpointing_needs():
     assert protocol_members() == {
-        "module", "config", "group", "stage", "dtype", "gradient_accumulation_steps", "global_steps",
-        "micro_steps", "skipped_steps", "optimizer", "lr_scheduler", "loss_scaler", "synchronize",
-        "checkpoint_parts"}
+        "module",
+        "config",
+        "group",
+        "stage",
+        "dtype",
+        "gradient_accumulation_steps",
+        "global_steps",
+        "micro_steps",
+        "skipped_steps",
+        "optimizer",
+        "lr_scheduler",
+        "loss_scaler",
+        "synchronize",
+        "checkpoint_parts",
+    }
 
 
 def test_save_load_and_16bit_export_through_the_protocol_alone(nvme_dir):
@@ -83,6 +99,8 @@ def test_no_checkpoint_module_reaches_into_the_runtime():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "runtime":
                 found.append(f"{path.name}:{node.lineno}")
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("infinity.engine.build"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "infinity.engine.build"
+            ):
                 found.append(f"{path.name}:{node.lineno} imports {node.module}")
     assert not found, found

@@ -97,25 +97,39 @@ def test_bench_aio_over_several_paths_measures_each_and_the_stripe(capsys, nvme_
         capsys, "bench", "aio", "--path", str(a), str(b), "--size", "8M", "--block-sizes", "1M",
         "--queue-depths", "4", "--threads", "1", "--vs-fio", "--repeat", "1", "--json", str(out_json), "--quiet",
     )  # fmt: skip
-    assert "2 paths, each alone and the stripe over all (8M per path; stripe unit = block size)" in out
+    assert (
+        "2 paths, each alone and the stripe over all (8M per path; stripe unit = block size)" in out
+    )
     assert f"note: {a} and {b} are on one file system: the stripe shares its bandwidth" in out
     for target in (str(a), str(b), "stripe"):
         assert re.search(rf"^{re.escape(target)}\s+1M qd4 t1(\s+\d+\.\d\d){{6}}$", out, re.M), out
-    assert re.search(r"^best \(stripe\): 1M qd4 t1 \(read \d+\.\d\d GB/s, write \d+\.\d\d GB/s\)$", out, re.M)
+    assert re.search(
+        r"^best \(stripe\): 1M qd4 t1 \(read \d+\.\d\d GB/s, write \d+\.\d\d GB/s\)$", out, re.M
+    )
     record = json.loads(out_json.read_text())
     assert sorted((r["target"], r["op"]) for r in record["results"]) == sorted(
-        (t, op) for t in (str(a), str(b), "stripe") for op in ("read", "write"))
+        (t, op) for t in (str(a), str(b), "stripe") for op in ("read", "write")
+    )
     assert all(r["fio_gbps"]["median"] > 0 for r in record["results"])
-    assert record["machine"]["path"] == [str(a), str(b)] and len(record["machine"]["filesystem"]) == 2
-    assert not list(a.iterdir()) and not list(b.iterdir()), "the test files are removed unless --keep"
+    assert (
+        record["machine"]["path"] == [str(a), str(b)] and len(record["machine"]["filesystem"]) == 2
+    )
+    assert not list(a.iterdir()) and not list(b.iterdir()), (
+        "the test files are removed unless --keep"
+    )
 
 
 def test_bench_aio_refuses_a_path_listed_twice(capsys, nvme_dir):
     (nvme_dir / "link").symlink_to(nvme_dir)
-    with pytest.raises(SystemExit, match=(
-        rf"^--path lists the same directory twice \({nvme_dir} and {nvme_dir / 'link'}\); list each drive once$"
-    )):
-        cli_main.main(["bench", "aio", "--path", str(nvme_dir), str(nvme_dir / "link"), "--size", "4M"])
+    with pytest.raises(
+        SystemExit,
+        match=(
+            rf"^--path lists the same directory twice \({nvme_dir} and {nvme_dir / 'link'}\); list each drive once$"
+        ),
+    ):
+        cli_main.main(
+            ["bench", "aio", "--path", str(nvme_dir), str(nvme_dir / "link"), "--size", "4M"]
+        )
     assert not list(nvme_dir.glob("*.dat")), "refused before any test file is written"
 
 
@@ -158,7 +172,9 @@ def test_tune_nvme_writes_what_the_runtime_reads(capsys, nvme_dir, tmp_path, eng
     assert f"wrote the aio section of {cfg}" in out
 
 
-def test_tune_nvme_over_several_paths_tunes_the_stripe_and_measures_each_path(capsys, nvme_dir, tmp_path):
+def test_tune_nvme_over_several_paths_tunes_the_stripe_and_measures_each_path(
+    capsys, nvme_dir, tmp_path
+):
     a, b = nvme_dir / "a", nvme_dir / "b"
     cfg = tmp_path / "ds_config.json"
     out = run_cli(
@@ -169,11 +185,17 @@ def test_tune_nvme_over_several_paths_tunes_the_stripe_and_measures_each_path(ca
     assert aio["block_size"] in (64 << 10, 1 << 20) and aio["queue_depth"] == 4
     best = next(k for k, v in (("64K", 64 << 10), ("1M", 1 << 20)) if v == aio["block_size"])
     assert "the stripe over 2 paths (8M each), then each alone" in out
-    assert len(re.findall(r"^stripe\s+(64K|1M) qd4 t1 ", out, re.M)) == 2  # the finalists, on the stripe
+    assert (
+        len(re.findall(r"^stripe\s+(64K|1M) qd4 t1 ", out, re.M)) == 2
+    )  # the finalists, on the stripe
     for path in (a, b):  # the winner, on each path alone
         assert re.search(rf"^{re.escape(str(path))}\s+{best} qd4 t1 ", out, re.M), out
     assert re.search(rf"^best: {best} qd4 t1 on \S+ \(stripe\): read ", out, re.M)
-    assert re.search(r"^stripe: read \d+\.\d\d GB/s = \d+\.\d\dx the fastest path alone, \d+% of the paths' sum", out, re.M)
+    assert re.search(
+        r"^stripe: read \d+\.\d\d GB/s = \d+\.\d\dx the fastest path alone, \d+% of the paths' sum",
+        out,
+        re.M,
+    )
     assert f'"nvme_path": ["{a}", "{b}"]' in out
     assert not list(a.iterdir()) and not list(b.iterdir())
 
@@ -219,7 +241,9 @@ def test_doctor(capsys, nvme_dir):
     missing = nvme_dir / "not" / "yet"
     assert re.search(rf"^NO  path: {missing} \(ext4 on .*\), .* free of .*$", out, re.M), out
     assert f"      fix: nvme_path '{missing}' does not exist; create it (mkdir -p {missing})" in out
-    assert re.search(r"^NO  path: .* GiB free of .* GiB$", out, re.M)  # memory and space in GiB, as everywhere
+    assert re.search(
+        r"^NO  path: .* GiB free of .* GiB$", out, re.M
+    )  # memory and space in GiB, as everywhere
     assert not re.search(r"\d GB\b", out), out
     here = run_cli(capsys, "doctor", "--path", str(nvme_dir))
     assert re.search(rf"^ok  path: {nvme_dir} .* GiB free of .* GiB$", here, re.M), here

@@ -214,7 +214,9 @@ def test_unknown_argument_is_a_type_error_naming_the_closest_name():
         r"num_training_steps=",
     ):
         load_config(_adam_auto(), lr=1e-3, max_steps=100)
-    with pytest.raises(TypeError, match=r"warmup_ratio= \(HF's table does not read it: pass warmup_steps="):
+    with pytest.raises(
+        TypeError, match=r"warmup_ratio= \(HF's table does not read it: pass warmup_steps="
+    ):
         load_config(_adam_auto(), lr=1e-3, warmup_ratio=0.1)
 
 
@@ -290,9 +292,15 @@ def test_nvme_path_argument_is_the_engines_fallback(tmp_path):
     assert load_config({}, nvme_path=tmp_path).zero_optimization.offload_param.nvme_path is None
     # a list of folders, one per drive, fills it as the config's own list would
     cfg = load_config(raw, nvme_path=[tmp_path / "d0", tmp_path / "d1"])
-    assert cfg.zero_optimization.offload_param.nvme_path == (str(tmp_path / "d0"), str(tmp_path / "d1"))
-    with pytest.raises(ConfigError, match=r"^nvme_path= \(for zero_optimization\.offload_optimizer\.nvme_path\) must be a "
-                       r"non-empty string or a list of non-empty strings or null; got \[\]$"):
+    assert cfg.zero_optimization.offload_param.nvme_path == (
+        str(tmp_path / "d0"),
+        str(tmp_path / "d1"),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^nvme_path= \(for zero_optimization\.offload_optimizer\.nvme_path\) must be a "
+        r"non-empty string or a list of non-empty strings or null; got \[\]$",
+    ):
         load_config(raw, nvme_path=[])
 
 
@@ -448,7 +456,11 @@ def _warmup(kind="WarmupLR", **params):
         (_warmup(), {"warmup_steps": 0}, 1),  # at least 1, trainer_config_finalize
         (_warmup(), {"warmup_num_steps": 0}, 1),  # one argument, two names, one rule
         # a fraction below 1 is of the training steps, rounded up: ceil(0.1 x 95)
-        (_warmup("WarmupDecayLR", total_num_steps="auto"), {"warmup_steps": 0.1, "num_training_steps": 95}, 10),
+        (
+            _warmup("WarmupDecayLR", total_num_steps="auto"),
+            {"warmup_steps": 0.1, "num_training_steps": 95},
+            10,
+        ),
         # ... or of the config's own total_num_steps
         (_warmup("WarmupDecayLR", total_num_steps=40), {"warmup_steps": 0.25}, 10),
     ],
@@ -465,7 +477,9 @@ def test_warmup_steps_that_cannot_be_read_are_refused_naming_the_fix():
         r"num_training_steps=, or a whole number of warmup steps$",
     ):
         load_config(_warmup(), warmup_steps=0.1)
-    with pytest.raises(ConfigError, match=r"^warmup_steps=-1 \(for scheduler\.params\.warmup_num_steps\) must be"):
+    with pytest.raises(
+        ConfigError, match=r"^warmup_steps=-1 \(for scheduler\.params\.warmup_num_steps\) must be"
+    ):
         load_config(_warmup(), warmup_steps=-1)
     # a written value is checked against the rule's result, and the message shows both
     raw = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1}}}
@@ -590,7 +604,9 @@ def test_no_default_optimizer_with_a_section_an_optimizer_passed_or_no_lr():
 def test_batch_arguments_enter_the_arithmetic_where_the_config_has_train_batch_size():
     # HF: train_batch_size = world x per_device_train_batch_size x accumulation, keys or not
     raw = {"train_batch_size": "auto", "gradient_accumulation_steps": "auto"}
-    cfg = load_config(raw, per_device_train_batch_size=8, gradient_accumulation_steps=4, world_size=2)
+    cfg = load_config(
+        raw, per_device_train_batch_size=8, gradient_accumulation_steps=4, world_size=2
+    )
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (64, 8)
     assert dict(cfg.auto_filled)["train_micro_batch_size_per_gpu"] == "per_device_train_batch_size="
     with pytest.raises(
@@ -598,7 +614,9 @@ def test_batch_arguments_enter_the_arithmetic_where_the_config_has_train_batch_s
         match=r"^train_batch_size \(32\) must equal train_micro_batch_size_per_gpu x "
         r"gradient_accumulation_steps x world_size = 8 x 1 x 1 = 8$",
     ):
-        load_config({"train_batch_size": 32}, per_device_train_batch_size=8, gradient_accumulation_steps=1)
+        load_config(
+            {"train_batch_size": 32}, per_device_train_batch_size=8, gradient_accumulation_steps=1
+        )
     # without train_batch_size in the config the arguments fill only the keys there are
     cfg = load_config({"gradient_accumulation_steps": 2}, per_device_train_batch_size=8)
     assert (cfg.train_micro_batch_size_per_gpu, cfg.train_batch_size) == (1, 2)

@@ -40,7 +40,6 @@ from infinity.config import TRAINING_ARGUMENTS, ConfigError, load_config, traini
 DATA = Path(__file__).parent / "data"
 
 
-
 class HfOracle(accelerate_deepspeed.HfDeepSpeedConfig):
     def __init__(self, config):
         super().__init__(config)  # accelerate's: reads the stage and offload
@@ -154,8 +153,15 @@ COSINE = {
 
 
 def gpt2():
-    cfg = GPT2Config(n_embd=40, n_layer=1, n_head=2, vocab_size=64, n_positions=16,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_embd=40,
+        n_layer=1,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -170,11 +176,25 @@ def resnet():  # hidden_sizes: the largest counts
 
 
 def llava():  # no hidden size of its own: its text_config's
-    text = dict(model_type="llama", hidden_size=24, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
-    vision = dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=16,
-                  num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4,
-                  projection_dim=16)
+    text = dict(
+        model_type="llama",
+        hidden_size=24,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=16,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
+        projection_dim=16,
+    )
     return LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision))
 
 
@@ -184,41 +204,100 @@ def plain():  # not an HF model: no config
 
 # (id, config, TrainingArguments keywords, num_training_steps, model)
 CASES = [
-    ("zero2_offload_cpu", _shared("zero2_offload_cpu.json"),
-     dict(learning_rate=3e-4, weight_decay=0.01, adam_beta2=0.98, adam_epsilon=1e-6,
-          per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5,
-          warmup_steps=50), 1000, plain),
-    ("zero3_offload_cpu", _shared("zero3_offload_cpu.json"),
-     dict(learning_rate=5e-5, fp16=True, warmup_steps=0.1, per_device_train_batch_size=2), 95, gpt2),
-    ("zero3_infinity_nvme", _shared("zero3_infinity_nvme.json"),
-     dict(learning_rate=1e-4, adam_beta2=0.95, weight_decay=0.1, per_device_train_batch_size=1,
-          bf16=True, use_cpu=True), 10, gpt2),
-    ("accelerate_teacher_t5", TEACHER, dict(bf16_full_eval=True, use_cpu=True,
-                                            per_device_train_batch_size=1), 10, t5),
+    (
+        "zero2_offload_cpu",
+        _shared("zero2_offload_cpu.json"),
+        dict(
+            learning_rate=3e-4,
+            weight_decay=0.01,
+            adam_beta2=0.98,
+            adam_epsilon=1e-6,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_grad_norm=0.5,
+            warmup_steps=50,
+        ),
+        1000,
+        plain,
+    ),
+    (
+        "zero3_offload_cpu",
+        _shared("zero3_offload_cpu.json"),
+        dict(learning_rate=5e-5, fp16=True, warmup_steps=0.1, per_device_train_batch_size=2),
+        95,
+        gpt2,
+    ),
+    (
+        "zero3_infinity_nvme",
+        _shared("zero3_infinity_nvme.json"),
+        dict(
+            learning_rate=1e-4,
+            adam_beta2=0.95,
+            weight_decay=0.1,
+            per_device_train_batch_size=1,
+            bf16=True,
+            use_cpu=True,
+        ),
+        10,
+        gpt2,
+    ),
+    (
+        "accelerate_teacher_t5",
+        TEACHER,
+        dict(bf16_full_eval=True, use_cpu=True, per_device_train_batch_size=1),
+        10,
+        t5,
+    ),
     ("accelerate_teacher_resnet", TEACHER, dict(per_device_train_batch_size=1), 10, resnet),
     ("accelerate_teacher_llava", TEACHER, dict(per_device_train_batch_size=1), 10, llava),
-    ("accelerate_student", STUDENT, dict(learning_rate=2e-5, weight_decay=0.05, warmup_steps=7,
-                                         per_device_train_batch_size=3), 100, plain),
-    ("warmup_decay_fraction_stage2", DECAY,
-     dict(learning_rate=1e-3, adam_beta1=0.8, gradient_accumulation_steps=4, fp16_full_eval=True,
-          warmup_steps=0.25), 41, gpt2),
+    (
+        "accelerate_student",
+        STUDENT,
+        dict(learning_rate=2e-5, weight_decay=0.05, warmup_steps=7, per_device_train_batch_size=3),
+        100,
+        plain,
+    ),
+    (
+        "warmup_decay_fraction_stage2",
+        DECAY,
+        dict(
+            learning_rate=1e-3,
+            adam_beta1=0.8,
+            gradient_accumulation_steps=4,
+            fp16_full_eval=True,
+            warmup_steps=0.25,
+        ),
+        41,
+        gpt2,
+    ),
     ("warmup_cosine_no_warmup", COSINE, dict(learning_rate=1e-3, max_grad_norm=2.0), 30, gpt2),
 ]
 
 MISMATCHES = [
     ("clipping", {"gradient_clipping": 1.0}, dict(max_grad_norm=0.5)),
     ("lr", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, dict(learning_rate=3e-4)),
-    ("warmup_max_lr", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}},
-     dict(learning_rate=5e-5)),
+    (
+        "warmup_max_lr",
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}},
+        dict(learning_rate=5e-5),
+    ),
     ("micro_batch", {"train_micro_batch_size_per_gpu": 2}, dict(per_device_train_batch_size=8)),
     # HF's train_batch_size is world x per_device_train_batch_size x accumulation: 8 here
     ("train_batch_size", {"train_batch_size": 32}, dict(per_device_train_batch_size=8)),
     ("fp16", {"fp16": {"enabled": True}}, dict()),
-    ("warmup", {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}},
-     dict(warmup_steps=10)),
-    ("total_and_betas",
-     {"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}},
-      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}}}, dict()),
+    (
+        "warmup",
+        {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}},
+        dict(warmup_steps=10),
+    ),
+    (
+        "total_and_betas",
+        {
+            "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.95]}},
+            "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100}},
+        },
+        dict(),
+    ),
 ]
 
 

@@ -281,7 +281,11 @@ def test_activation_checkpointing_is_read_and_names_what_has_no_effect(caplog):
     }
     cfg = load_config({"activation_checkpointing": section})
     ac = cfg.activation_checkpointing
-    assert (ac.partition_activations, ac.cpu_checkpointing, ac.number_checkpoints) == (True, True, 4)
+    assert (ac.partition_activations, ac.cpu_checkpointing, ac.number_checkpoints) == (
+        True,
+        True,
+        4,
+    )
     no_effect = [
         "activation_checkpointing.contiguous_memory_optimization",
         "activation_checkpointing.number_checkpoints",
@@ -290,13 +294,21 @@ def test_activation_checkpointing_is_read_and_names_what_has_no_effect(caplog):
     ]
     assert cfg.ignored_keys() == no_effect
     assert [r.getMessage() for r in caplog.records if r.name == "infinity.config"] == [
-        "these DeepSpeed config keys are accepted but have no effect in infinity: " + ", ".join(no_effect)
+        "these DeepSpeed config keys are accepted but have no effect in infinity: "
+        + ", ".join(no_effect)
     ]
     assert acted_on("activation_checkpointing.cpu_checkpointing")
     assert acted_on("activation_checkpointing.partition_activations")
     assert load_config(cfg.to_dict()).activation_checkpointing == ac
-    assert "checkpoint inputs in host memory and split across model-parallel ranks" in describe_config(cfg)
-    with pytest.raises(ConfigError, match=r"^activation_checkpointing\.number_checkpoints must be an integer >= 1"):
+    assert (
+        "checkpoint inputs in host memory and split across model-parallel ranks"
+        in describe_config(cfg)
+    )
+    with pytest.raises(
+        ConfigError, match=r"^activation_checkpointing\.number_checkpoints must be an integer >= 1"
+    ):
         load_config({"activation_checkpointing": {"number_checkpoints": 0}})
-    with pytest.raises(ConfigError, match=r"did you mean activation_checkpointing\.cpu_checkpointing\?"):
+    with pytest.raises(
+        ConfigError, match=r"did you mean activation_checkpointing\.cpu_checkpointing\?"
+    ):
         load_config({"activation_checkpointing": {"cpu_checkpoint": True}})

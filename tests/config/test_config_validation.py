@@ -51,12 +51,22 @@ CASES = [
         r"or null; got \[\]$",
     ),
     (
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", 3]}}},
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", 3]},
+            }
+        },
         r"^zero_optimization\.offload_optimizer\.nvme_path must be a non-empty string or a list of non-empty "
         r"strings or null; got \['/a', 3\]$",
     ),
     (
-        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b/../a"]}}},
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", "/b/../a"]},
+            }
+        },
         r"^zero_optimization\.offload_optimizer\.nvme_path lists the same folder twice: '/a' and '/b/\.\./a' are "
         r"both /a; list each drive's folder once \(the swap space is striped over the folders listed, one per drive\)$",
     ),
@@ -305,11 +315,18 @@ def test_sections_are_frozen():
 
 
 def test_nvme_path_takes_a_list_of_folders_one_per_drive():
-    raw = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ["/d0", "~/d1"]},
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": "/d2"}}}
+    raw = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": ["/d0", "~/d1"]},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/d2"},
+        }
+    }
     cfg = load_config(raw)
     p, o = cfg.zero_optimization.offload_param, cfg.zero_optimization.offload_optimizer
-    assert p.nvme_path == ("/d0", "~/d1") and o.nvme_path == "/d2"  # as written: "~" is the store's to expand
+    assert (
+        p.nvme_path == ("/d0", "~/d1") and o.nvme_path == "/d2"
+    )  # as written: "~" is the store's to expand
     assert cfg.to_dict()["zero_optimization"]["offload_param"]["nvme_path"] == ["/d0", "~/d1"]
     assert load_config(cfg.to_dict()) == cfg
     assert "params     nvme striped over 2 folders (/d0, ~/d1)" in describe_config(cfg)

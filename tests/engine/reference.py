@@ -28,7 +28,9 @@ def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, see
     """Per (step, micro, rank) losses and final weights of torch AdamW (foreach=False) with clipping."""
     torch.manual_seed(seed)
     model = MODELS[model_name]()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False
+    )
     losses = {}
     for step in range(steps):
         if hasattr(model, "step"):
@@ -48,25 +50,44 @@ def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, see
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def engine_config(stage: int, offload_param: str, offload_optimizer: str, nvme_path, *, gas: int) -> dict:
+def engine_config(
+    stage: int, offload_param: str, offload_optimizer: str, nvme_path, *, gas: int
+) -> dict:
     zero = {"stage": stage, "sub_group_size": 3000, "stage3_param_persistence_threshold": 100}
     if offload_param != "none":
-        zero["offload_param"] = {"device": offload_param, "nvme_path": str(nvme_path), "buffer_count": 4,
-                                 "buffer_size": 1 << 16, "max_in_cpu": 0}
+        zero["offload_param"] = {
+            "device": offload_param,
+            "nvme_path": str(nvme_path),
+            "buffer_count": 4,
+            "buffer_size": 1 << 16,
+            "max_in_cpu": 0,
+        }
     if offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": offload_optimizer, "nvme_path": str(nvme_path)}
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
         "zero_optimization": zero,
         "aio": {"block_size": 1 << 20, "queue_depth": 8},
     }
 
 
-def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int = 0, seed: int = 0,
-               placement=None, inspect=None):
+def engine_run(
+    model_name: str,
+    config: dict,
+    *,
+    steps: int,
+    gas: int,
+    rank: int = 0,
+    seed: int = 0,
+    placement=None,
+    inspect=None,
+):
     """The same training through infinity.initialize; returns losses and the final full weights.
     ``placement(units)``: instead, the engine built from a plan with that Placement of the "auto"
     sections' state (a placement forced, where initialize would let the planner choose).
@@ -76,7 +97,11 @@ def engine_run(model_name: str, config: dict, *, steps: int, gas: int, rank: int
 
     torch.manual_seed(seed)
     model = MODELS[model_name]()
-    engine = infinity.initialize(model, config) if placement is None else _forced(model, config, placement)
+    engine = (
+        infinity.initialize(model, config)
+        if placement is None
+        else _forced(model, config, placement)
+    )
     losses = {}
     try:
         for step in range(steps):
@@ -109,7 +134,9 @@ def _forced(model, config: dict, placement):
     cfg = load_config(config)
     device = torch.device("cpu")
     units = cut_units(model, cfg, world_size=1, device=device)
-    plan = plan_runtime(model, cfg, world_size=1, device=device, unit_map=units, placement=placement(units.units))
+    plan = plan_runtime(
+        model, cfg, world_size=1, device=device, unit_map=units, placement=placement(units.units)
+    )
     return Engine(model, cfg, plan=plan, device=device)
 
 
@@ -143,13 +170,23 @@ def clip_in_float64(params, max_norm: float) -> None:
     """torch's clip_grad_norm_ rule, max_norm / (norm + 1e-6) capped at 1, with the norm summed and
     the coefficient computed in float64 (see [Note: a 16-bit oracle that does not depend on the CPU])."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads))
+    norm = math.sqrt(
+        sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in grads)
+    )
     coef = min(1.0, max_norm / (norm + 1e-6))
     for g in grads:
         g.mul_(coef)
 
 
-def reference_mixed_run(model_name: str, dtype: torch.dtype, *, steps: int, gas: int, loss_scale: float = 1.0, seed: int = 0):
+def reference_mixed_run(
+    model_name: str,
+    dtype: torch.dtype,
+    *,
+    steps: int,
+    gas: int,
+    loss_scale: float = 1.0,
+    seed: int = 0,
+):
     """Mixed precision by hand in plain PyTorch: a 16-bit model for forward/backward, fp32 master
     weights stepped by torch AdamW, grads accumulated in fp32 — what DeepSpeed's bf16/fp16 modes do.
     The clip norm and AdamW's sqrt are made machine-independent (see the note above)."""

@@ -50,12 +50,19 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_4gib_of_training_state_in_1_5gib_of_rss(nvme_dir):
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(nvme_dir)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(nvme_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     state = out["params"] * 16  # fp32 params, grads, exp_avg, exp_avg_sq
     assert state >= 4 << 30
     assert out["swap"] >= state * 0.95, "the training state is not on NVMe"
-    assert out["hwm"] <= 1.5 * (1 << 30), f"peak RSS {out['hwm'] / 2**30:.2f} GiB for {state / 2**30:.2f} GiB of state"
+    assert out["hwm"] <= 1.5 * (1 << 30), (
+        f"peak RSS {out['hwm'] / 2**30:.2f} GiB for {state / 2**30:.2f} GiB of state"
+    )
     assert all(x == x and x < 10 for x in out["losses"])  # finite, sane

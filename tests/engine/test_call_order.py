@@ -61,19 +61,30 @@ def schedule(opt):
 # Calls: ("b", i) backward of batch i; ("B", i) the same, raising midway; "s" step; "z" zero_grad.
 SCRIPTS = {
     "two_backwards_then_step": (1, [("b", 0), ("b", 1), "s", ("b", 2), "s"]),
-    "three_backwards_with_accumulation": (2, [("b", 0), ("b", 1), "s", ("b", 2), "s", ("b", 3), "s"]),
+    "three_backwards_with_accumulation": (
+        2,
+        [("b", 0), ("b", 1), "s", ("b", 2), "s", ("b", 3), "s"],
+    ),
     "step_without_backward": (1, [("b", 0), "s", "s", "s", ("b", 1), "s"]),
-    "boundary_step_without_backward": (2, [("b", 0), "s", "s", "s", "s", ("b", 1), "s", ("b", 2), "s"]),
+    "boundary_step_without_backward": (
+        2,
+        [("b", 0), "s", "s", "s", "s", ("b", 1), "s", ("b", 2), "s"],
+    ),
     "backward_raises_then_step": (1, [("b", 0), ("B", 1), "s", ("b", 2), "s"]),
     "backward_raises_then_zero_grad": (1, [("b", 0), ("B", 1), "z", ("b", 2), "s", ("b", 3), "s"]),
-    "backward_raises_mid_accumulation": (2, [("b", 0), "s", ("B", 1), ("b", 2), "s", ("b", 3), "s", ("b", 4), "s"]),
+    "backward_raises_mid_accumulation": (
+        2,
+        [("b", 0), "s", ("B", 1), ("b", 2), "s", ("b", 3), "s", ("b", 4), "s"],
+    ),
 }
 
 
 def oracle(script, gas):
     torch.manual_seed(0)
     model = Chain()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False
+    )
     sched = schedule(opt)
     losses, micro = [], 0
     for call in script:
@@ -142,7 +153,10 @@ def test_call_order_matches_torch(name, layout, nvme_dir, caplog):
         assert err < 1e-5, f"{n}: relative difference {err:.2e}"
     logged = [r.getMessage() for r in caplog.records if r.name == "infinity.engine"]
     no_backward = [m for m in logged if "no backward() since the last update" in m]
-    assert len(no_backward) == {"step_without_backward": 2, "boundary_step_without_backward": 1}.get(name, 0)
+    assert len(no_backward) == {
+        "step_without_backward": 2,
+        "boundary_step_without_backward": 1,
+    }.get(name, 0)
     if "raises" in name:
         assert len(notes) == 1
         assert "backward() raised at micro-step" in notes[0] and "the engine is usable" in notes[0]

@@ -45,14 +45,39 @@ class Nested(nn.Module):
 
 
 def _hf_models():
-    yield GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0))
-    yield LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
-    yield BertModel(BertConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                               num_attention_heads=2, vocab_size=64))
-    yield T5ForConditionalGeneration(T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1,
-                                              num_heads=2, vocab_size=64))
+    yield GPT2LMHeadModel(
+        GPT2Config(
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+    yield LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
+    yield BertModel(
+        BertConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=64,
+        )
+    )
+    yield T5ForConditionalGeneration(
+        T5Config(d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=64)
+    )
     yield tiny_gpt()
     yield Nested()
 
@@ -91,7 +116,9 @@ def _train_plain():
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("stage,offload_param,offload_optimizer", [(0, "none", "none"), (3, "nvme", "nvme")])
+@pytest.mark.parametrize(
+    "stage,offload_param,offload_optimizer", [(0, "none", "none"), (3, "nvme", "nvme")]
+)
 def test_lr_without_optimizer_trains_as_the_hf_trainers_default_adamw(
     stage, offload_param, offload_optimizer, nvme_dir
 ):
@@ -102,8 +129,16 @@ def test_lr_without_optimizer_trains_as_the_hf_trainers_default_adamw(
     model = tiny_gpt()
     # HF's names; warmup_steps and num_training_steps fill nothing here (no scheduler): ignored
     engine = infinity.initialize(
-        model, cfg, learning_rate=LR, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=EPS,
-        weight_decay=WD, max_grad_norm=CLIP, warmup_steps=10, num_training_steps=100,
+        model,
+        cfg,
+        learning_rate=LR,
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        adam_epsilon=EPS,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        warmup_steps=10,
+        num_training_steps=100,
     )
     losses = []
     try:
@@ -127,25 +162,34 @@ def test_lr_without_optimizer_trains_as_the_hf_trainers_default_adamw(
 def test_without_lr_or_optimizer_the_refusal_names_the_ways_out(nvme_dir):
     cfg = engine_config(0, "none", "none", nvme_dir, gas=1)
     del cfg["optimizer"]
-    with pytest.raises(ValueError, match=r"or pass lr= \(and betas=, eps=, weight_decay=\) for the HF Trainer's default AdamW; "
-                       r"a model that does not train needs none .*for inference from NVMe call infinity\.initialize "
-                       r"at zero_optimization\.stage 3\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"or pass lr= \(and betas=, eps=, weight_decay=\) for the HF Trainer's default AdamW; "
+        r"a model that does not train needs none .*for inference from NVMe call infinity\.initialize "
+        r"at zero_optimization\.stage 3\)$",
+    ):
         infinity.initialize(tiny_gpt(), cfg, weight_decay=0.1)
 
 
 def test_initialize_reads_the_hidden_size_from_the_models_config(nvme_dir):
     cfg = engine_config(3, "cpu", "cpu", nvme_dir, gas=1)
     cfg["zero_optimization"].update(
-        reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto", stage3_param_persistence_threshold="auto"
+        reduce_bucket_size="auto",
+        stage3_prefetch_bucket_size="auto",
+        stage3_param_persistence_threshold="auto",
     )
     model = tiny_gpt()
     model.config = SimpleNamespace(hidden_size=32)  # what an HF model carries
     engine = infinity.initialize(model, cfg)
     try:
         z = engine.config.zero_optimization
-        assert (z.reduce_bucket_size, z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (
-            1024, 921, 320)
+        assert (
+            z.reduce_bucket_size,
+            z.stage3_prefetch_bucket_size,
+            z.stage3_param_persistence_threshold,
+        ) == (1024, 921, 320)
         assert dict(engine.config.auto_filled)["zero_optimization.reduce_bucket_size"] == (
-            "model.config.hidden_size=32")
+            "model.config.hidden_size=32"
+        )
     finally:
         engine.close()

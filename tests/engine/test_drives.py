@@ -52,8 +52,11 @@ def _config(paths, *, gas=GAS) -> dict:
 
 def _sectors_written(mnt: Path) -> int:
     """Sectors the block device under ``mnt`` has written (/sys/block/<dev>/stat, field 7)."""
-    dev = next(line.split()[0] for line in Path("/proc/mounts").read_text().splitlines()
-               if line.split()[1] == str(mnt))
+    dev = next(
+        line.split()[0]
+        for line in Path("/proc/mounts").read_text().splitlines()
+        if line.split()[1] == str(mnt)
+    )
     return int(Path(f"/sys/block/{Path(dev).name}/stat").read_text().split()[6])
 
 
@@ -93,13 +96,17 @@ def test_both_drives_carry_swap_traffic_and_training_is_unchanged(drives, nvme_d
         rt = engine.runtime
         dirs = rt.param_store.directories + rt.state_store.directories
         assert sorted({d.parent for d in dirs}) == sorted(m / "rank0" for m in drives)
-        return [_holds_data(_swap_files(m, 0)) for m in drives], [_sectors_written(m) for m in drives]
+        return [_holds_data(_swap_files(m, 0)) for m in drives], [
+            _sectors_written(m) for m in drives
+        ]
 
     losses, weights, seen = _train("gpt", _config(drives), rank=0, probe=look)
     assert all(holds == [True, True] for holds, _ in seen), "each drive's swap files hold data"
     written = [sectors for _, sectors in seen]  # after initialize, then after each step
     for before, after in itertools.pairwise(written):
-        assert all(a > b for a, b in zip(after, before, strict=True)), f"a step wrote nothing to a drive: {written}"
+        assert all(a > b for a, b in zip(after, before, strict=True)), (
+            f"a step wrote nothing to a drive: {written}"
+        )
     assert [_swap_files(m, 0) for m in drives] == [[], []], "the swap files are removed at close"
     ref_losses, ref_weights = reference_run("gpt", steps=STEPS, gas=GAS, world_size=1)
     assert_equivalent(losses, weights, ref_losses, ref_weights)
@@ -112,7 +119,9 @@ def test_both_drives_carry_swap_traffic_and_training_is_unchanged(drives, nvme_d
 def _rank(rank, paths):
     def look(engine):
         rt = engine.runtime
-        return sorted(str(d.parent) for d in rt.param_store.directories + rt.state_store.directories)
+        return sorted(
+            str(d.parent) for d in rt.param_store.directories + rt.state_store.directories
+        )
 
     losses, weights, dirs = _train("gpt", _config([Path(p) for p in paths]), rank=rank, probe=look)
     return losses, weights, dirs[-1]

@@ -14,7 +14,10 @@ def test_steps_per_print_logs_every_n_steps(nvme_dir, caplog):
     cfg = engine_config(3, "cpu", "cpu", nvme_dir, gas=1)
     cfg["steps_per_print"] = 2
     torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="infinity.engine"), infinity.initialize(tiny_gpt(), cfg) as engine:
+    with (
+        caplog.at_level(logging.INFO, logger="infinity.engine"),
+        infinity.initialize(tiny_gpt(), cfg) as engine,
+    ):
         for step in range(5):
             x, y = batch(step, 0, 0)
             engine.backward(engine(x, y))
@@ -30,7 +33,9 @@ def test_train_eval_module_and_close(nvme_dir):
     assert engine.module is model
     assert engine.eval() is engine and not model.training
     assert engine.train() is engine and model.training
-    expected = infinity.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, bias=False)
+    expected = infinity.models.GPTConfig(
+        vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, bias=False
+    )
     assert engine.num_parameters == expected.num_params
     engine.close()
     engine.close()  # idempotent
@@ -51,7 +56,9 @@ def test_updated_parameter_shards_are_written_home_and_stay_cached(nvme_dir):
             engine.step()
         engine.synchronize()
         store = engine.runtime.param_store
-        deadline = time.monotonic() + 30  # the writes are asynchronous; bounded wait, not a timing check
+        deadline = (
+            time.monotonic() + 30
+        )  # the writes are asynchronous; bounded wait, not a timing check
         while store.stats().dirty_nbytes and time.monotonic() < deadline:
             time.sleep(0.01)
         st = store.stats()

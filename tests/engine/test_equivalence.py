@@ -37,7 +37,9 @@ def references():
 
     def get(model, world_size):
         if (model, world_size) not in cache:
-            cache[(model, world_size)] = reference_run(model, steps=STEPS, gas=GAS, world_size=world_size)
+            cache[(model, world_size)] = reference_run(
+                model, steps=STEPS, gas=GAS, world_size=world_size
+            )
         return cache[(model, world_size)]
 
     return get
@@ -60,8 +62,15 @@ def _ranks(rank, model, combos, nvme_dir):
 
 
 W2 = {
-    "gpt": [(0, "none", "none"), (1, "none", "cpu"), (2, "none", "nvme"), (3, "none", "none"),
-            (3, "cpu", "nvme"), (3, "nvme", "cpu"), (3, "nvme", "nvme")],
+    "gpt": [
+        (0, "none", "none"),
+        (1, "none", "cpu"),
+        (2, "none", "nvme"),
+        (3, "none", "none"),
+        (3, "cpu", "nvme"),
+        (3, "nvme", "cpu"),
+        (3, "nvme", "nvme"),
+    ],
     "twice": [(2, "none", "cpu"), (3, "nvme", "nvme")],
     "alternating": [(1, "none", "nvme"), (3, "nvme", "nvme")],
 }
@@ -108,14 +117,20 @@ def test_gradients_in_host_memory_leave_the_swap_files(nvme_dir):
             engine.synchronize()
             store = engine.runtime.state_store
             homes = {n: {store.spec((i, n)).home for i in range(2)} for n in ("m", "g")}
-            swapped = {n: sum(nb for i in range(2) for _, _, nb in store.locate((i, n))) for n in ("m", "g")}
+            swapped = {
+                n: sum(nb for i in range(2) for _, _, nb in store.locate((i, n)))
+                for n in ("m", "g")
+            }
             return homes, swapped, engine.io_stats()
         finally:
             engine.close()
 
     homes, swapped, io = run(True)
     homes_swapped, swapped_swapped, io_swapped = run(False)
-    assert homes == {"m": {"nvme"}, "g": {"cpu"}} and homes_swapped == {"m": {"nvme"}, "g": {"nvme"}}
+    assert homes == {"m": {"nvme"}, "g": {"cpu"}} and homes_swapped == {
+        "m": {"nvme"},
+        "g": {"nvme"},
+    }
     # no gradient byte has a place in the swap files, and the moments keep theirs
     assert swapped["g"] == 0 and swapped_swapped["g"] > 0
     assert swapped["m"] == swapped_swapped["m"] > 0

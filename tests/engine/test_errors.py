@@ -48,7 +48,9 @@ def test_non_writable_nvme_path_is_named():
                 print(e); sys.exit(0)
             sys.exit("no error")
         """)
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert f"nvme_path '{d}' is not writable by this process" in r.stdout
     finally:
@@ -60,10 +62,14 @@ def test_non_writable_nvme_path_is_named():
 def small_fs():
     """A 2 MiB file system (tmpfs mounted here; needs root and mount permission)."""
     d = Path(tempfile.mkdtemp(prefix="infinity-small-"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         d.rmdir()
-        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or 'mount failed'}): needs root")
+        pytest.skip(
+            f"cannot mount a small tmpfs here ({r.stderr.strip() or 'mount failed'}): needs root"
+        )
     yield d
     subprocess.run(["umount", str(d)], check=False)
     d.rmdir()
@@ -72,12 +78,18 @@ def small_fs():
 def test_nvme_path_without_room_names_bytes_needed_and_free(small_fs):
     cfg = engine_config(3, "nvme", "nvme", small_fs, gas=1)
     torch.manual_seed(0)
-    model = infinity.models.GPT(infinity.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=128))
+    model = infinity.models.GPT(
+        infinity.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=128)
+    )
     with pytest.raises(ConfigError) as e:
         infinity.initialize(model, cfg)
     msg = str(e.value)
     assert f"not enough free space at nvme_path '{small_fs}'" in msg
-    assert "bytes of swap files (parameters" in msg and "optimizer state" in msg and "bytes are free" in msg
+    assert (
+        "bytes of swap files (parameters" in msg
+        and "optimizer state" in msg
+        and "bytes are free" in msg
+    )
     assert not (small_fs / "rank0").exists()  # nothing was written, no folder made
 
 
@@ -100,9 +112,13 @@ def test_pool_too_small_for_the_largest_layer_names_it(nvme_dir):
     assert "raise zero_optimization.offload_param.buffer_count or buffer_size" in msg
 
 
-@pytest.mark.parametrize("stage,offload_optimizer", [(0, "none"), (1, "nvme"), (2, "nvme"), (2, "cpu"), (3, "none")])
+@pytest.mark.parametrize(
+    "stage,offload_optimizer", [(0, "none"), (1, "nvme"), (2, "nvme"), (2, "cpu"), (3, "none")]
+)
 @pytest.mark.parametrize("with_optimizer", [True, False])
-def test_a_model_without_parameters_is_refused_at_initialize(stage, offload_optimizer, with_optimizer, nvme_dir):
+def test_a_model_without_parameters_is_refused_at_initialize(
+    stage, offload_optimizer, with_optimizer, nvme_dir
+):
     """A pure function has nothing to train or stream: stages 0-2 used to build an engine whose step()
     crashed ('NoneType' object has no attribute 'param_groups', through the frameworks' optimizer);
     now every stage refuses at initialize, before anything is allocated or made under nvme_path."""

@@ -57,7 +57,11 @@ def test_a_write_back_eio_stops_training_at_the_next_call_naming_the_write(nvme_
         assert not isinstance(e.value, TimeoutError) and "waited" not in msg, msg
         assert "Input/output error" in msg and "write of key" in msg, msg
         assert "/swap." in msg and "at offset" in msg, msg
-        faulted = [s for s in (engine.runtime.param_store, engine.runtime.state_store) if s.fault is not None]
+        faulted = [
+            s
+            for s in (engine.runtime.param_store, engine.runtime.state_store)
+            if s.fault is not None
+        ]
         assert faulted, "no store holds the failed write-back"
         for store in faulted:
             assert store.stats().dirty_nbytes > 0, "the data that could not be written was dropped"
@@ -92,8 +96,11 @@ def test_a_wait_for_the_overlapped_step_says_so_and_ends_if_its_thread_is_gone(m
         ov.progress.wait_unit(0)
     ov.synchronize()
     lines = [r.getMessage() for r in caplog.records]
-    assert any("the optimizer step to update unit 0 (0 unit(s) updated so far); held by thread "
-               "infinity-optimizer-step" in m for m in lines), lines
+    assert any(
+        "the optimizer step to update unit 0 (0 unit(s) updated so far); held by thread "
+        "infinity-optimizer-step" in m
+        for m in lines
+    ), lines
     # A step thread that ended without saying so (killed at interpreter exit, say) is a known
     # cause: the wait ends with it instead of blocking for good.
     gone = threading.Thread(target=lambda: None, name="infinity-optimizer-step")

@@ -37,8 +37,14 @@ def frozen_gpt(names=FROZEN, *, seed: int = 0):
 
 def reference(steps: int = STEPS):
     model = frozen_gpt()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        foreach=False,
+    )
     losses = []
     for step in range(steps):
         for micro in range(GAS):
@@ -59,17 +65,31 @@ def disk_nbytes(d: Path) -> int:
     return sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("stage,offload_param,offload_optimizer",
-                         [(0, "none", "none"), (1, "none", "nvme"), (2, "none", "cpu"), (3, "nvme", "nvme"),
-                          (3, "cpu", "cpu")])
-def test_partially_frozen_model_trains_as_plain_pytorch(stage, offload_param, offload_optimizer, nvme_dir):
+@pytest.mark.parametrize(
+    "stage,offload_param,offload_optimizer",
+    [
+        (0, "none", "none"),
+        (1, "none", "nvme"),
+        (2, "none", "cpu"),
+        (3, "nvme", "nvme"),
+        (3, "cpu", "cpu"),
+    ],
+)
+def test_partially_frozen_model_trains_as_plain_pytorch(
+    stage, offload_param, offload_optimizer, nvme_dir
+):
     ref_losses, ref_weights = reference()
     model = frozen_gpt()
     start = {n: p.detach().clone() for n, p in model.named_parameters() if n in FROZEN}
-    engine = infinity.initialize(model, engine_config(stage, offload_param, offload_optimizer, nvme_dir, gas=GAS))
+    engine = infinity.initialize(
+        model, engine_config(stage, offload_param, offload_optimizer, nvme_dir, gas=GAS)
+    )
     try:
-        assert all(not u.trainable for u in engine.runtime.unit_map.units
-                   if any(n in FROZEN for n in u.names))
+        assert all(
+            not u.trainable
+            for u in engine.runtime.unit_map.units
+            if any(n in FROZEN for n in u.names)
+        )
         losses = []
         for step in range(STEPS):
             for micro in range(GAS):
@@ -91,8 +111,11 @@ def test_partially_frozen_model_trains_as_plain_pytorch(stage, offload_param, of
 
 def _plan(model, cfg):
     z = cfg["zero_optimization"]
-    setting = ZeroSetting(z["stage"], z.get("offload_param", {}).get("device", "none"),
-                      z.get("offload_optimizer", {}).get("device", "none"))
+    setting = ZeroSetting(
+        z["stage"],
+        z.get("offload_param", {}).get("device", "none"),
+        z.get("offload_optimizer", {}).get("device", "none"),
+    )
     est = estimate_memory(model, config=cfg, device="cpu", machine=False, settings=[setting])
     return est.settings[0].breakdown
 
@@ -116,7 +139,9 @@ def test_only_trainable_units_have_optimizer_state_on_nvme(nvme_dir):
     engine = infinity.initialize(model, cfg)
     try:
         (opt_dir,) = swap_dirs(nvme_dir, "optimizer")
-        files = sum(f.stat().st_blocks * 512 for f in opt_dir.iterdir() if f.name != "infinity.lock")
+        files = sum(
+            f.stat().st_blocks * 512 for f in opt_dir.iterdir() if f.name != "infinity.lock"
+        )
         reserved = swap_nbytes(rt.state_store.reserve_nbytes, cfg["aio"]["block_size"])
         # st_blocks may count a file-system extent block besides the data (the estimate's swap directory)
         assert reserved <= files <= reserved + swap_dir_overhead_nbytes(reserved)
@@ -124,7 +149,8 @@ def test_only_trainable_units_have_optimizer_state_on_nvme(nvme_dir):
         on_disk = disk_nbytes(opt_dir) + disk_nbytes(param_dir)
         assert on_disk <= plan.nvme_nbytes <= 1.15 * on_disk
         assert sorted(engine.optimizer.state_store.keys()) == sorted(
-            (u.index, k) for u in trainable for k in ("m", "v", "g"))
+            (u.index, k) for u in trainable for k in ("m", "v", "g")
+        )
     finally:
         engine.close()
 
@@ -143,8 +169,12 @@ def test_a_frozen_model_needs_no_optimizer_and_allocates_no_state(with_optimizer
     plain = frozen_gpt(None)
     plan = _plan(teacher, cfg)
     assert plan.runtime.optimizer is None and plan.runtime.state_store is None
-    assert not [i for i in plan.items if "optimizer" in i.name or "Adam" in i.name or "master" in i.name]
-    assert plan.nvme_nbytes == sum(i.nbytes for i in plan.items if i.resource == "nvme" and i.name.startswith("parameter"))
+    assert not [
+        i for i in plan.items if "optimizer" in i.name or "Adam" in i.name or "master" in i.name
+    ]
+    assert plan.nvme_nbytes == sum(
+        i.nbytes for i in plan.items if i.resource == "nvme" and i.name.startswith("parameter")
+    )
     engine = infinity.engine.initialize(teacher, cfg)
     try:
         assert isinstance(engine, infinity.Engine)
@@ -235,8 +265,9 @@ def test_a_partially_frozen_model_checkpoints_its_frozen_units_once(nvme_dir, tm
             got = {n: p.detach().clone() for n, p in other.module.named_parameters()}
     finally:
         other.close()
-    exported = safetensors.torch.load_file(export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors"))
+    exported = safetensors.torch.load_file(
+        export_checkpoint(tmp_path / "ckpt", tmp_path / "m.safetensors")
+    )
     assert got.keys() == want.keys() and set(FROZEN) < set(want)
     for n, w in want.items():
         assert torch.equal(got[n], w) and torch.equal(exported[n], w), n
-

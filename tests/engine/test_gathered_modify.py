@@ -22,22 +22,35 @@ from tests.engine.reference import engine_config
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (stage, offload_param, offload_optimizer); "passthrough": stage 0 with a torch optimizer of the user's
-LAYOUTS = [(0, "none", "none"), (1, "none", "cpu"), (2, "none", "nvme"),
-           (3, "cpu", "cpu"), (3, "nvme", "cpu"), (3, "cpu", "nvme"), (3, "nvme", "nvme")]
-CASES = [(layout, precision) for layout in LAYOUTS for precision in DTYPES] + [("passthrough", "fp32")]
+LAYOUTS = [
+    (0, "none", "none"),
+    (1, "none", "cpu"),
+    (2, "none", "nvme"),
+    (3, "cpu", "cpu"),
+    (3, "nvme", "cpu"),
+    (3, "cpu", "nvme"),
+    (3, "nvme", "nvme"),
+]
+CASES = [(layout, precision) for layout in LAYOUTS for precision in DTYPES] + [
+    ("passthrough", "fp32")
+]
 
 # Exact in fp32, bf16 and fp16: the 16-bit parameter and its fp32 master can agree bit for bit.
 NEW = torch.tensor([0.5, -1.25, 2.0, 0.0])
 
 
 def _case_id(layout, precision: str) -> str:
-    return (layout if isinstance(layout, str) else "stage{}-param_{}-optim_{}".format(*layout)) + f"-{precision}"
+    return (
+        layout if isinstance(layout, str) else "stage{}-param_{}-optim_{}".format(*layout)
+    ) + f"-{precision}"
 
 
 def _config(layout, precision: str, nvme) -> dict:
     stage, param, optim = (0, "none", "none") if layout == "passthrough" else layout
     cfg = engine_config(stage, param, optim, nvme, gas=1)
-    cfg["zero_optimization"]["sub_group_size"] = 10**9  # one sub-group (why: tests/checkpoint/helpers.py config)
+    cfg["zero_optimization"]["sub_group_size"] = (
+        10**9
+    )  # one sub-group (why: tests/checkpoint/helpers.py config)
     if layout == "passthrough":
         del cfg["optimizer"]
     else:
@@ -60,8 +73,12 @@ def _change(model, rank: int) -> None:
     outside its module), and a LayerNorm weight small enough to stay resident under stage 3. Three
     nested contexts, given a bare parameter, a module and a list."""
     fc, wte, ln_f = model.blocks[0].mlp.fc.weight, model.wte.weight, model.ln_f.weight
-    with GatheredParameters(fc, modifier_rank=0), GatheredParameters(model.ln_f, modifier_rank=0), \
-            GatheredParameters([wte], modifier_rank=0), torch.no_grad():
+    with (
+        GatheredParameters(fc, modifier_rank=0),
+        GatheredParameters(model.ln_f, modifier_rank=0),
+        GatheredParameters([wte], modifier_rank=0),
+        torch.no_grad(),
+    ):
         if rank == 0:
             fc[0, :4] = NEW
             fc[-1, -4:] = NEW
@@ -81,7 +98,9 @@ def _expected_masters() -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _mismatches(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> list[str]:
+def _mismatches(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str
+) -> list[str]:
     return [f"{what} {n}" for n in want if not torch.equal(got[n], want[n])]
 
 
@@ -117,9 +136,12 @@ def test_change_reaches_parameters_masters_and_checkpoint(layout, precision, nvm
 def _all_cases(rank: int, nvme, root) -> dict[str, list[str]]:
     from pathlib import Path
 
-    return {_case_id(layout, precision): _change_survives(rank, layout, precision, nvme,
-                                                         Path(root) / _case_id(layout, precision))
-            for layout, precision in CASES}
+    return {
+        _case_id(layout, precision): _change_survives(
+            rank, layout, precision, nvme, Path(root) / _case_id(layout, precision)
+        )
+        for layout, precision in CASES
+    }
 
 
 @pytest.mark.distributed
@@ -147,8 +169,10 @@ def test_untouched_elements_and_moments_keep_their_state(stage, nvme_dir):
         after = snapshot(engine)["shards"]
         unit_of = engine.runtime.unit_map.unit_of
         fc_unit = unit_of[model.blocks[0].mlp.fc.weight][0].index
-        changed_units = {unit_of[p][0].index for p in (model.blocks[0].mlp.fc.weight, model.wte.weight,
-                                                        model.ln_f.weight)}
+        changed_units = {
+            unit_of[p][0].index
+            for p in (model.blocks[0].mlp.fc.weight, model.wte.weight, model.ln_f.weight)
+        }
     finally:
         engine.close()
     for (unit, role), t in before.items():
@@ -159,7 +183,9 @@ def test_untouched_elements_and_moments_keep_their_state(stage, nvme_dir):
     assert int(changed.sum()) == 8  # row 0's first four elements and the last row's last four
     assert torch.equal(master_after[changed], torch.cat([NEW, NEW]))
     assert torch.equal(master_after[~changed], master_before[~changed])
-    assert not torch.equal(master_before, master_before.bfloat16().float())  # fp32 bits worth keeping
+    assert not torch.equal(
+        master_before, master_before.bfloat16().float()
+    )  # fp32 bits worth keeping
 
 
 def test_one_context_over_an_engine_and_a_model_built_under_init(nvme_dir, monkeypatch):
@@ -185,7 +211,10 @@ def test_one_context_over_an_engine_and_a_model_built_under_init(nvme_dir, monke
             raise OSError("disk gone")
 
         monkeypatch.setattr(engine.runtime.optimizer, "overwrite_master", fail)
-        with pytest.raises(OSError, match="disk gone"), GatheredParameters([old, new.weight], modifier_rank=0):
+        with (
+            pytest.raises(OSError, match="disk gone"),
+            GatheredParameters([old, new.weight], modifier_rank=0),
+        ):
             with torch.no_grad():
                 old[0] = 1.0
         assert engine.runtime.partitioner.gathered_units() == []

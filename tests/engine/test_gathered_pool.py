@@ -27,13 +27,17 @@ WAIT_S = 120  # generous: the gathers take well under a second; a stall or deadl
 
 def model():
     torch.manual_seed(0)
-    cfg = infinity.models.GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=64, bias=False)
+    cfg = infinity.models.GPTConfig(
+        vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=64, bias=False
+    )
     return infinity.models.GPT(cfg)
 
 
 def config(nvme):
     cfg = engine_config(3, "nvme", "nvme", nvme, gas=1)
-    cfg["zero_optimization"]["offload_param"].update(buffer_count=6, buffer_size=1 << 14)  # 6 x 64 KiB
+    cfg["zero_optimization"]["offload_param"].update(
+        buffer_count=6, buffer_size=1 << 14
+    )  # 6 x 64 KiB
     return cfg
 
 
@@ -68,7 +72,9 @@ def change(m):
 
 def oracle(steps, changed_after):
     m = model()
-    opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(
+        m.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False
+    )
     for step in range(steps):
         m(*batch(step, 0, 0)).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
@@ -155,8 +161,11 @@ def test_a_gather_memory_cannot_hold_is_refused_at_once_and_training_goes_on(nvm
     whole = within(WAIT_S, lambda: gather_all(m))
     engine.close()
     assert_close(whole, oracle(3, None), "after the refusal")
-    assert_close({"blocks.0.mlp.fc.weight": fc["weight"]}, {"blocks.0.mlp.fc.weight": oracle(1, None)[
-        "blocks.0.mlp.fc.weight"]}, "one module's gather")
+    assert_close(
+        {"blocks.0.mlp.fc.weight": fc["weight"]},
+        {"blocks.0.mlp.fc.weight": oracle(1, None)["blocks.0.mlp.fc.weight"]},
+        "one module's gather",
+    )
 
 
 def _refused_on_rank_1(rank, nvme):
@@ -184,10 +193,17 @@ FREE_MEMORY = gathered.free_memory_nbytes
 
 @pytest.mark.distributed
 def test_a_refusal_on_one_rank_is_every_rank_s(nvme_dir):
-    (refused0, whole0), (refused1, whole1) = run_distributed(_refused_on_rank_1, str(nvme_dir), world_size=2,
-                                                             timeout=300)
-    assert refused0 == "GatheredParameters was refused on another rank: its free memory cannot hold the parameters"
-    assert refused1.startswith("GatheredParameters needs ") and "only 1 bytes of host memory" in refused1
+    (refused0, whole0), (refused1, whole1) = run_distributed(
+        _refused_on_rank_1, str(nvme_dir), world_size=2, timeout=300
+    )
+    assert (
+        refused0
+        == "GatheredParameters was refused on another rank: its free memory cannot hold the parameters"
+    )
+    assert (
+        refused1.startswith("GatheredParameters needs ")
+        and "only 1 bytes of host memory" in refused1
+    )
     for n, w in whole0.items():
         assert (w == whole1[n]).all(), n
 

@@ -108,11 +108,17 @@ def test_model_built_under_init_refuses_to_run_before_initialize(nvme_dir):
     with infinity.zero.Init(cfg):
         model = MODELS["gpt"]()
     x, y = batch(0, 0, 0)
-    with pytest.raises(RuntimeError, match=r"built under infinity\.zero\.Init .* pass the model to infinity\.initialize"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"built under infinity\.zero\.Init .* pass the model to infinity\.initialize",
+    ):
         model(x, y)
     with GatheredParameters(model):  # whole: it runs
         model(x, y)
-    with pytest.raises(RuntimeError, match="still being built under infinity.zero.Init"), infinity.zero.Init(cfg):
+    with (
+        pytest.raises(RuntimeError, match="still being built under infinity.zero.Init"),
+        infinity.zero.Init(cfg),
+    ):
         inner = torch.nn.Linear(4, 4)
         torch.nn.Sequential(inner)  # registers inner: its parameters are partitioned
         with GatheredParameters(inner.weight):
@@ -152,7 +158,9 @@ class _InitThroughViews(torch.nn.Module):
             torch.nn.init.zeros_(self.emb.weight[1])
             self.a.weight.data.normal_(0.0, 3.0)
             row = self.b.weight[0]
-            self.a.bias.data.uniform_(-5.0, 5.0)  # another parameter between the view's making and its use
+            self.a.bias.data.uniform_(
+                -5.0, 5.0
+            )  # another parameter between the view's making and its use
             row.fill_(2.0)
             self.b.weight.t()[1].mul_(10.0)  # a view of a view
 
@@ -194,6 +202,8 @@ def test_a_config_with_autos_init_does_not_read_needs_no_arguments(nvme_dir, tmp
             engine.step()
         finally:
             engine.close()
-    with pytest.raises(TypeError, match="learning_rat"):  # a name that is no argument is still refused
+    with pytest.raises(
+        TypeError, match="learning_rat"
+    ):  # a name that is no argument is still refused
         with infinity.zero.Init(cfg, learning_rat=1e-3):
             pass

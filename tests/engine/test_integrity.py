@@ -83,14 +83,18 @@ def test_a_swap_file_changed_between_steps_stops_training(nvme_dir, how, store_n
                 _train_step(engine, step)
             engine.synchronize()
         msg = str(e.value)
-        mismatch = "checksum mismatch for key" in msg and "with CRC32C 0x" in msg and "was written" in msg
+        mismatch = (
+            "checksum mismatch for key" in msg and "with CRC32C 0x" in msg and "was written" in msg
+        )
         if how == "truncate":
             # Every key from the cut on is gone: the first one read (or one whose write-back
             # refilled the file with a hole before it) is named, with its offset.
             assert path in msg and "at offset" in msg, msg
             assert "runs past the end of the file" in msg or mismatch, msg
         else:
-            assert f"key {key!r}" in msg and path in msg and f"at offset {offset}" in msg and mismatch, msg
+            assert (
+                f"key {key!r}" in msg and path in msg and f"at offset {offset}" in msg and mismatch
+            ), msg
     finally:
         with contextlib.suppress(RuntimeError):
             engine.synchronize()

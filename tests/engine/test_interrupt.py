@@ -73,12 +73,19 @@ def test_sigint_during_a_step_stops_training_in_that_step(nvme_dir, tmp_path):
         swap = nvme_dir / f"try{attempt}"
         swap.mkdir()
         counter = tmp_path / f"steps{attempt}"
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(swap), str(counter)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(swap), str(counter)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         try:
             line = child.stdout.readline()
-            assert line.startswith("ready"), f"the child did not start training: {line!r}\n{child.stderr.read()}"
+            assert line.startswith("ready"), (
+                f"the child did not start training: {line!r}\n{child.stderr.read()}"
+            )
             step_s = float(line.split()[1])
             time.sleep(2 * step_s + rng.uniform(0.0, 2 * step_s))
             at = _step(counter)
@@ -90,14 +97,18 @@ def test_sigint_during_a_step_stops_training_in_that_step(nvme_dir, tmp_path):
                 time.sleep(2)
                 child.kill()
                 _out, err = child.communicate()
-                pytest.fail(f"try {attempt}: the child neither stopped nor exited (step {_step(counter)}, signal at "
-                            f"step {at}); every thread's stack:\n{err[-12000:]}")
+                pytest.fail(
+                    f"try {attempt}: the child neither stopped nor exited (step {_step(counter)}, signal at "
+                    f"step {at}); every thread's stack:\n{err[-12000:]}"
+                )
         finally:
             if child.poll() is None:
                 child.kill()
                 child.communicate()
         stopped = _step(counter)
-        assert "Exception ignored" not in err, f"try {attempt}: the interrupt was lost in a finalizer:\n{err}"
+        assert "Exception ignored" not in err, (
+            f"try {attempt}: the interrupt was lost in a finalizer:\n{err}"
+        )
         # the traceback's exception line (the engine's notes may follow it)
         assert child.returncode != 0 and "KeyboardInterrupt" in err.strip().splitlines(), (
             f"try {attempt}: exit {child.returncode}, expected a KeyboardInterrupt traceback:\n{err[-3000:]}"
@@ -105,5 +116,9 @@ def test_sigint_during_a_step_stops_training_in_that_step(nvme_dir, tmp_path):
         assert at <= stopped <= at + 1, (
             f"try {attempt}: SIGINT was sent during step {at}; training went on to step {stopped}\n{err[-3000:]}"
         )
-        left = [p for p in (swap / "rank0").rglob("*") if p.is_file()] if (swap / "rank0").exists() else []
+        left = (
+            [p for p in (swap / "rank0").rglob("*") if p.is_file()]
+            if (swap / "rank0").exists()
+            else []
+        )
         assert left == [], f"try {attempt}: swap files left behind: {left}"

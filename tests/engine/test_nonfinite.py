@@ -78,8 +78,12 @@ def train(layout, nvme, *, precision="fp32", inject="nan", skip=True):
         cfg["skip_nonfinite_steps"] = True
     torch.manual_seed(0)
     model = tiny_gpt()
-    engine = infinity.initialize(model, cfg, optimizer=sgd(model.parameters()) if passthrough else None,
-                                 lr_scheduler=schedule)
+    engine = infinity.initialize(
+        model,
+        cfg,
+        optimizer=sgd(model.parameters()) if passthrough else None,
+        lr_scheduler=schedule,
+    )
     after = []
     try:
         for step in range(STEPS):
@@ -135,11 +139,15 @@ def test_opt_in_skips_the_step_in_bf16(layout, nvme_dir):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_without_opt_in_a_warning_names_the_step(layout, precision, nvme_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="infinity.engine"):
-        after, (skipped, _, _) = train(layout, nvme_dir, precision=precision, inject="nan", skip=False)
+        after, (skipped, _, _) = train(
+            layout, nvme_dir, precision=precision, inject="nan", skip=False
+        )
     warned = [r.getMessage() for r in caplog.records if "skip_nonfinite_steps" in r.getMessage()]
     # once per step: the NaN weights keep every later step's norm NaN too
     assert [w.partition(":")[0] for w in warned] == [f"step {s}" for s in range(BAD, STEPS)], warned
-    assert warned[0].startswith(f"step {BAD}: gradient norm nan, loss nan at micro-step {BAD}: the update applies it")
+    assert warned[0].startswith(
+        f"step {BAD}: gradient norm nan, loss nan at micro-step {BAD}: the update applies it"
+    )
     assert 'Set "skip_nonfinite_steps": true' in warned[0]
     assert skipped == 0
     assert any(not torch.isfinite(w).all() for w in after[BAD].values())  # as in torch: applied
@@ -152,6 +160,8 @@ def test_the_key_is_read_and_refused_when_not_a_bool():
     cfg = load_config({"skip_nonfinite_steps": True})
     assert cfg.skip_nonfinite_steps is True and cfg.to_dict()["skip_nonfinite_steps"] is True
     assert "non-finite steps skipped" in describe_config(cfg)
-    with pytest.raises(ConfigError, match="^skip_nonfinite_steps must be true or false; got 'yes'$"):
+    with pytest.raises(
+        ConfigError, match="^skip_nonfinite_steps must be true or false; got 'yes'$"
+    ):
         load_config({"skip_nonfinite_steps": "yes"})
     assert math.isfinite(LR)

@@ -21,14 +21,25 @@ def groups(model, kind):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     return kind(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3}],
-        lr=3e-3, betas=(0.9, 0.95), eps=EPS,
+        [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0, "lr": 1e-3},
+        ],
+        lr=3e-3,
+        betas=(0.9, 0.95),
+        eps=EPS,
     )
 
 
 def schedule(opt):
-    return WarmupDecayLR(opt, total_num_steps=STEPS, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=3,
-                         warmup_type="linear")
+    return WarmupDecayLR(
+        opt,
+        total_num_steps=STEPS,
+        warmup_min_lr=0.0,
+        warmup_max_lr=None,
+        warmup_num_steps=3,
+        warmup_type="linear",
+    )
 
 
 def train_plain(kind):
@@ -51,8 +62,12 @@ def train_plain(kind):
 
 
 @pytest.mark.parametrize("kind", [torch.optim.AdamW, torch.optim.Adam])
-@pytest.mark.parametrize("stage,offload_param,offload_optimizer", [(1, "none", "cpu"), (3, "nvme", "nvme")])
-def test_torch_optimizer_with_param_groups_and_scheduler(kind, stage, offload_param, offload_optimizer, nvme_dir):
+@pytest.mark.parametrize(
+    "stage,offload_param,offload_optimizer", [(1, "none", "cpu"), (3, "nvme", "nvme")]
+)
+def test_torch_optimizer_with_param_groups_and_scheduler(
+    kind, stage, offload_param, offload_optimizer, nvme_dir
+):
     ref_losses, ref_lrs, ref_weights = train_plain(kind)
     cfg = engine_config(stage, offload_param, offload_optimizer, nvme_dir, gas=1)
     del cfg["optimizer"]
@@ -62,7 +77,9 @@ def test_torch_optimizer_with_param_groups_and_scheduler(kind, stage, offload_pa
     engine = infinity.initialize(model, cfg, optimizer=opt, lr_scheduler=schedule)
     losses, lrs = [], []
     try:
-        assert engine.optimizer.param_groups is opt.param_groups  # shared: the user's view stays true
+        assert (
+            engine.optimizer.param_groups is opt.param_groups
+        )  # shared: the user's view stays true
         for step in range(STEPS):
             x, y = batch(step, 0, 0)
             loss = engine(x, y)
@@ -82,8 +99,15 @@ def test_torch_optimizer_with_param_groups_and_scheduler(kind, stage, offload_pa
 
 def test_scheduler_from_config_drives_the_lr(nvme_dir):
     cfg = engine_config(3, "cpu", "cpu", nvme_dir, gas=2)
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
-                                                      "warmup_num_steps": 4, "warmup_type": "linear"}}
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": 1e-3,
+            "warmup_num_steps": 4,
+            "warmup_type": "linear",
+        },
+    }
     torch.manual_seed(0)
     engine = infinity.initialize(tiny_gpt(), cfg)
     seen = []
@@ -101,7 +125,9 @@ def test_scheduler_from_config_drives_the_lr(nvme_dir):
     from infinity.optim.lr_schedules import WarmupLR
 
     plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = WarmupLR(plain, warmup_min_lr=0.0, warmup_max_lr=1e-3, warmup_num_steps=4, warmup_type="linear")
+    sched = WarmupLR(
+        plain, warmup_min_lr=0.0, warmup_max_lr=1e-3, warmup_num_steps=4, warmup_type="linear"
+    )
     expected = []
     for _ in range(6):
         plain.step()

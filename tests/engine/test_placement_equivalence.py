@@ -34,20 +34,37 @@ def reference():
 
 def only(*on_nvme):
     """The classes named on NVMe, every other class in host memory, for every unit."""
+
     def placement(units):
-        return Placement({(u.index, c): "nvme" if c in on_nvme else "cpu" for u in units for c in (PARAM, *STATE_KEYS)})
+        return Placement(
+            {
+                (u.index, c): "nvme" if c in on_nvme else "cpu"
+                for u in units
+                for c in (PARAM, *STATE_KEYS)
+            }
+        )
+
     return placement
 
 
 def alternate(units):
     """Every class of even units on NVMe, of odd units in host memory."""
-    return Placement({(u.index, c): "nvme" if u.index % 2 == 0 else "cpu" for u in units for c in (PARAM, *STATE_KEYS)})
+    return Placement(
+        {
+            (u.index, c): "nvme" if u.index % 2 == 0 else "cpu"
+            for u in units
+            for c in (PARAM, *STATE_KEYS)
+        }
+    )
 
 
 def scattered(seed):
     def placement(units):
         rng = random.Random(seed)
-        return Placement({(u.index, c): rng.choice(("cpu", "nvme")) for u in units for c in (PARAM, *STATE_KEYS)})
+        return Placement(
+            {(u.index, c): rng.choice(("cpu", "nvme")) for u in units for c in (PARAM, *STATE_KEYS)}
+        )
+
     return placement
 
 
@@ -121,7 +138,8 @@ def test_the_engine_registers_the_forced_homes(nvme_dir):
         chosen = scattered(3)(plan.units)
         # the forced homes, but for persistent units' parameters, which stay in host memory
         assert {k: h for k, h in got.items() if not (k[1] == PARAM and k[0] in persistent)} == {
-            k: chosen.home(*k) for k in got if not (k[1] == PARAM and k[0] in persistent)}
+            k: chosen.home(*k) for k in got if not (k[1] == PARAM and k[0] in persistent)
+        }
         assert {"cpu", "nvme"} <= set(got.values())
     finally:
         engine.close()
@@ -142,11 +160,15 @@ def test_the_planners_choices_at_several_budgets(fraction, nvme_dir, reference):
     probe = MODELS["gpt"]()
     ctx = run_context(probe, load_config(cfg), device="cpu", world_size=1)
     low = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
-    high = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=1 << 40, budget_source="probe")
+    high = place_in_budget(
+        probe, load_config(cfg), ctx, budget_nbytes=1 << 40, budget_source="probe"
+    )
     lo, hi = low.chosen.need_nbytes, high.chosen.need_nbytes
     cfg["host_memory_budget"] = int(lo + fraction * (hi - lo)) + 1
     seen = {}
-    losses, weights = engine_run("gpt", cfg, steps=STEPS, gas=GAS, inspect=lambda e: seen.update(_homes(e)))
+    losses, weights = engine_run(
+        "gpt", cfg, steps=STEPS, gas=GAS, inspect=lambda e: seen.update(_homes(e))
+    )
     assert_equivalent(losses, weights, *reference("gpt"))
     spilled = {k for k, h in seen.items() if h == "nvme"}
     if fraction >= 1:

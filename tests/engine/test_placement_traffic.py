@@ -41,7 +41,9 @@ def _train(engine, gas: int) -> list[tuple[int, int, int]]:
             rereads += last.rereads if last is not None else 0
         engine.synchronize()
         if step:
-            rows.append(((store.stats().read.nbytes if store is not None else 0) - before, reads, rereads))
+            rows.append(
+                ((store.stats().read.nbytes if store is not None else 0) - before, reads, rereads)
+            )
     return rows
 
 
@@ -66,7 +68,11 @@ def test_the_planner_keeps_every_parameter_the_budget_holds_and_reads_none(gas, 
     probe = MODELS["gpt"]()
     ctx = run_context(probe, load_config(cfg), device="cpu", world_size=1)
     low = place_in_budget(probe, load_config(cfg), ctx, budget_nbytes=0, budget_source="probe")
-    params = sum(u.layout.shard_nbytes for sp, u in zip(low.shards, low.units, strict=True) if sp.param_home == "nvme")
+    params = sum(
+        u.layout.shard_nbytes
+        for sp, u in zip(low.shards, low.units, strict=True)
+        if sp.param_home == "nvme"
+    )
     assert params, "at the least budget some parameters rest on NVMe"
     cfg["host_memory_budget"] = low.chosen.need_nbytes + params
     torch.manual_seed(0)
@@ -74,7 +80,9 @@ def test_the_planner_keeps_every_parameter_the_budget_holds_and_reads_none(gas, 
     try:
         plan = engine.runtime.plan
         assert all(sp.param_home == "cpu" for sp in plan.shards)
-        assert any(h == "nvme" for sp in plan.shards for _, h in sp.state_homes)  # the budget is not everything
+        assert any(
+            h == "nvme" for sp in plan.shards for _, h in sp.state_homes
+        )  # the budget is not everything
         assert _train(engine, gas) == [(0, 0, 0)] * (STEPS - 1)
     finally:
         engine.close()

@@ -45,11 +45,17 @@ def _train(cfg, steps=2):
 
 def test_the_default_parameter_pool_holds_the_model_not_two_gigabytes(nvme_dir):
     # DeepSpeed's defaults: buffer_count 5, buffer_size 1e8 elements.
-    losses, capacity, everything = _train(_config(nvme_dir, buffer_count=5, buffer_size=100_000_000))
-    assert everything <= capacity <= everything + 5 * DIRECT_ALIGNMENT  # every shard at once, and no more
+    losses, capacity, everything = _train(
+        _config(nvme_dir, buffer_count=5, buffer_size=100_000_000)
+    )
+    assert (
+        everything <= capacity <= everything + 5 * DIRECT_ALIGNMENT
+    )  # every shard at once, and no more
     assert capacity < 5 * 100_000_000 * 4 // 100
     # A pool the config asks for below the model's size is obeyed as written, with the same numbers.
-    small = everything * 3 // 4 // 2 // 4 // 1024 * 1024  # elements: two buffers hold 3/4 of the shards
+    small = (
+        everything * 3 // 4 // 2 // 4 // 1024 * 1024
+    )  # elements: two buffers hold 3/4 of the shards
     asked, capacity, _ = _train(_config(nvme_dir, buffer_count=2, buffer_size=small))
     assert capacity == 2 * small * 4 < everything
     assert asked == losses
@@ -57,7 +63,9 @@ def test_the_default_parameter_pool_holds_the_model_not_two_gigabytes(nvme_dir):
 
 def test_a_written_pool_size_not_followed_is_said_once(nvme_dir, caplog):
     # buffer_count=100000 or buffer_size=1e9 were replaced by what the model needs without a word
-    shards = sum(round_up(p.numel() * 4, DIRECT_ALIGNMENT) for p in tiny_gpt().parameters())  # an upper bound
+    shards = sum(
+        round_up(p.numel() * 4, DIRECT_ALIGNMENT) for p in tiny_gpt().parameters()
+    )  # an upper bound
     for written, count in (({"buffer_size": 10**9}, 4), ({"buffer_count": 100_000}, 100_000)):
         caplog.clear()
         with caplog.at_level("INFO", "infinity.engine"):
@@ -67,7 +75,9 @@ def test_a_written_pool_size_not_followed_is_said_once(nvme_dir, caplog):
         used = pool.buffer_nbytes // 4
         assert pool.count == count and used < size
         assert pool.count * pool.buffer_nbytes <= max(shards, count * DIRECT_ALIGNMENT)
-        said = [r.getMessage() for r in caplog.records if "offload_param.buffer_size" in r.getMessage()]
+        said = [
+            r.getMessage() for r in caplog.records if "offload_param.buffer_size" in r.getMessage()
+        ]
         assert said == [
             f"zero_optimization.offload_param.buffer_size={size:,} is written; {used:,} elements "
             f"({pool.buffer_nbytes:,} bytes) per buffer are used, with buffer_count={count:,}: the pool "

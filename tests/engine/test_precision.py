@@ -20,16 +20,28 @@ STEPS, GAS = 6, 2
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("stage,offload_param,offload_optimizer", [
-    (0, "none", "none"), (1, "none", "cpu"), (2, "none", "nvme"), (3, "cpu", "cpu"), (3, "nvme", "nvme")])
-def test_mixed_precision_matches_hand_written_reference(precision, stage, offload_param, offload_optimizer, nvme_dir):
+@pytest.mark.parametrize(
+    "stage,offload_param,offload_optimizer",
+    [
+        (0, "none", "none"),
+        (1, "none", "cpu"),
+        (2, "none", "nvme"),
+        (3, "cpu", "cpu"),
+        (3, "nvme", "nvme"),
+    ],
+)
+def test_mixed_precision_matches_hand_written_reference(
+    precision, stage, offload_param, offload_optimizer, nvme_dir
+):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     scale = 1024.0 if precision == "fp16" else 1.0
     cfg = engine_config(stage, offload_param, offload_optimizer, nvme_dir, gas=GAS)
     cfg[precision] = {"enabled": True}
     if precision == "fp16":
         cfg["fp16"]["loss_scale"] = scale  # static: the oracle uses the same
-    ref_losses, ref_masters = reference_mixed_run("gpt", dtype, steps=STEPS, gas=GAS, loss_scale=scale)
+    ref_losses, ref_masters = reference_mixed_run(
+        "gpt", dtype, steps=STEPS, gas=GAS, loss_scale=scale
+    )
     losses, weights = engine_run("gpt", cfg, steps=STEPS, gas=GAS)
     for k, ref in ref_losses.items():
         assert losses[k] == pytest.approx(ref, rel=1e-4), k
@@ -46,8 +58,14 @@ def test_dynamic_loss_scale_skips_overflowing_steps(nvme_dir):
     from infinity.zero.gathered import GatheredParameters
 
     cfg = engine_config(3, "nvme", "nvme", nvme_dir, gas=1)
-    cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 2,
-                   "loss_scale_window": 2, "min_loss_scale": 1}
+    cfg["fp16"] = {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 8,
+        "hysteresis": 2,
+        "loss_scale_window": 2,
+        "min_loss_scale": 1,
+    }
     torch.manual_seed(0)
     model = tiny_gpt()
     engine = infinity.initialize(model, cfg)

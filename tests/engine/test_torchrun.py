@@ -46,11 +46,25 @@ def test_torchrun_two_ranks(nvme_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-           str(script), str(nvme_dir), str(ROOT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(script),
+        str(nvme_dir),
+        str(ROOT),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line]
+    results = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in r.stdout.splitlines()
+        if "RESULT " in line
+    ]
     assert sorted(x["rank"] for x in results) == [0, 1]
     assert all(x["world"] == 2 for x in results)
     assert {d for x in results for d in x["dirs"]} >= {"rank0", "rank1"}

@@ -74,7 +74,8 @@ def build_hf(hf: dict):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": hf["checkpointing"] == "reentrant"})
+                gradient_checkpointing_kwargs={"use_reentrant": hf["checkpointing"] == "reentrant"}
+            )
     model.train()
     return model
 
@@ -139,15 +140,19 @@ def main() -> None:
     sampler.stop()
     end = status()
     engine.close()
-    print(json.dumps({
-        "baseline": baseline,
-        "peak": end["VmHWM"] + sampler.hugetlb,
-        "hugetlb": sampler.hugetlb,
-        "swap": max(swap, sampler.swap),
-        "losses": losses,
-        "phases": phases,
-        "num_params": num_params,
-    }))
+    print(
+        json.dumps(
+            {
+                "baseline": baseline,
+                "peak": end["VmHWM"] + sampler.hugetlb,
+                "hugetlb": sampler.hugetlb,
+                "swap": max(swap, sampler.swap),
+                "losses": losses,
+                "phases": phases,
+                "num_params": num_params,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

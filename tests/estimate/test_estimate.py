@@ -25,7 +25,10 @@ SMALL = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)
 def _machine(tmp_path, *, ram, disk=1 << 50, huge=0) -> MachineView:
     v = machine_view([str(tmp_path)])
     return dataclasses.replace(
-        v, mem_available_nbytes=ram, hugetlb_free_nbytes=huge, gpus=(),
+        v,
+        mem_available_nbytes=ram,
+        hugetlb_free_nbytes=huge,
+        gpus=(),
         disks=tuple(dataclasses.replace(d, free_nbytes=disk) for d in v.disks),
     )
 
@@ -42,7 +45,11 @@ def test_every_valid_setting_is_estimated_and_no_invalid_one():
     got = {e.setting for e in est.settings if not e.setting.tuned}
     assert got == set(all_settings())
     # Without a machine, NVMe settings also come tuned (their sizes derived from the model).
-    assert all("nvme" in (s.offload_param, s.offload_optimizer) for s in (e.setting for e in est.settings) if s.tuned)
+    assert all(
+        "nvme" in (s.offload_param, s.offload_optimizer)
+        for s in (e.setting for e in est.settings)
+        if s.tuned
+    )
     assert len(got) == 16  # 1 (stage 0) + 2 × 3 (stages 1, 2) + 3 × 3 (stage 3)
     assert all(s.offload_param == "none" for s in got if s.stage < 3)
     assert all(s.offload_optimizer == "none" for s in got if s.stage == 0)
@@ -69,7 +76,8 @@ def test_world_size_divides_the_partitioned_state():
     # Stage 0 does not partition: every rank holds it all.
     s0 = _est(1e9, world_size=8).setting(0).breakdown
     assert {i.name: i.nbytes for i in s0.items}["Adam moments m, v"] == pytest.approx(
-        whole["Adam moments m, v"], rel=0.01)
+        whole["Adam moments m, v"], rel=0.01
+    )
 
 
 def test_the_settings_come_fastest_first():
@@ -82,20 +90,31 @@ def test_the_settings_come_fastest_first():
 
 
 def test_fits_and_recommends_the_fastest_setting_that_fits(tmp_path):
-    big = _est(1e9, zero_init=True, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=1 << 50))
+    big = _est(
+        1e9, zero_init=True, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=1 << 50)
+    )
     assert big.recommended.setting == ZeroSetting(0, "none", "none")
     assert big.recommendation.startswith("fits with stage 0")
     # Little RAM, a big disk: only state on NVMe fits, and the sentence says what it needs where.
-    small = _est(1e9, zero_init=True, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=6 * GiB))
+    small = _est(
+        1e9, zero_init=True, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=6 * GiB)
+    )
     rec = small.recommended
     assert rec is not None and rec.setting.offload_optimizer == "nvme"
     assert all(not e.fit.ok for e in small.settings if e.breakdown.ram_nbytes > 6 * GiB)
-    assert "on NVMe" in small.recommendation and f"at nvme_path ({tmp_path})" in small.recommendation
+    assert (
+        "on NVMe" in small.recommendation and f"at nvme_path ({tmp_path})" in small.recommendation
+    )
     assert "of RAM" in small.recommendation
 
 
 def test_too_little_disk_is_reported_per_path(tmp_path):
-    est = _est(1e9, zero_init=True, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=8 * GiB, disk=GiB))
+    est = _est(
+        1e9,
+        zero_init=True,
+        nvme_path=str(tmp_path),
+        machine=_machine(tmp_path, ram=8 * GiB, disk=GiB),
+    )
     e = est.setting(3, "nvme", "nvme")
     assert not e.fit.nvme_ok
     assert any(f"NVMe space at {tmp_path}" in r for r in e.fit.reasons)
@@ -117,22 +136,34 @@ def test_several_nvme_paths_split_the_bytes_and_their_space_is_checked_per_file_
     half = by_path[str(a)]
 
     def disks(free, same_fs):
-        return dataclasses.replace(view, mem_available_nbytes=1 << 50, disks=tuple(
-            dataclasses.replace(d, free_nbytes=free, device=0 if same_fs else i) for i, d in enumerate(view.disks)))
+        return dataclasses.replace(
+            view,
+            mem_available_nbytes=1 << 50,
+            disks=tuple(
+                dataclasses.replace(d, free_nbytes=free, device=0 if same_fs else i)
+                for i, d in enumerate(view.disks)
+            ),
+        )
 
     # each folder's share fits on its own file system; on one file system the two shares add up
     assert check_fit(p, disks(half, same_fs=False), ranks_per_node=1).ok
     f = check_fit(p, disks(half, same_fs=True), ranks_per_node=1)
     assert not f.nvme_ok and f.reasons == (
-        f"NVMe space at {a}, {b}: needs {format_nbytes(2 * half)}, {format_nbytes(half)} free",)
+        f"NVMe space at {a}, {b}: needs {format_nbytes(2 * half)}, {format_nbytes(half)} free",
+    )
     assert check_fit(p, disks(2 * half, same_fs=True), ranks_per_node=1).ok
     lines = describe_machine(disks(half, same_fs=True))
     assert lines[-1].endswith(f" — the file system of {a}: free space and bandwidth shared")
 
 
 def test_huge_pages_count_for_pinned_pools_only(tmp_path):
-    cfg = {"zero_optimization": {"stage": 3, "sub_group_size": 50_000_000,
-                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+    cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 50_000_000,
+            "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+        }
+    }
     est = _est(1e9, config=cfg, zero_init=True, settings=[ZeroSetting(3, "none", "nvme")])
     p = est.settings[0].breakdown
     pool = p.pinned_pool_nbytes
@@ -149,8 +180,12 @@ def test_ranks_per_node_multiply_host_and_disk(tmp_path):
     p = est.setting(3, "nvme", "nvme").breakdown
     from infinity.estimate import check_fit
 
-    assert check_fit(p, _machine(tmp_path, ram=4 * p.ram_nbytes, disk=4 * p.nvme_nbytes), ranks_per_node=4).ok
-    f = check_fit(p, _machine(tmp_path, ram=4 * p.ram_nbytes, disk=3 * p.nvme_nbytes), ranks_per_node=4)
+    assert check_fit(
+        p, _machine(tmp_path, ram=4 * p.ram_nbytes, disk=4 * p.nvme_nbytes), ranks_per_node=4
+    ).ok
+    f = check_fit(
+        p, _machine(tmp_path, ram=4 * p.ram_nbytes, disk=3 * p.nvme_nbytes), ranks_per_node=4
+    )
     assert not f.ok and not f.nvme_ok and f.host_ok
 
 
@@ -164,8 +199,11 @@ def test_deepspeed_defaults_are_flagged_and_tuned():
     assert any("optimizer step holds" in p.message for p in default.problems)
     tuned = est.setting(3, "nvme", "nvme", tuned=True).breakdown
     keys = {k for k, _old, _new in tuned.changes}
-    assert keys == {"zero_optimization.sub_group_size", "zero_optimization.offload_param.max_in_cpu",
-                    "zero_optimization.offload_param.buffer_size"}
+    assert keys == {
+        "zero_optimization.sub_group_size",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_param.buffer_size",
+    }
     assert not tuned.problems
     assert tuned.ram_nbytes < default.ram_nbytes / 4
     assert "sub_group_size=" in tuned.keys()
@@ -203,15 +241,29 @@ def test_checkpointing_keeps_block_inputs_only():
     a = gpt_activations(cfg, micro_batch=1, seq=2048, itemsize=2)
     assert a.saved_checkpointed < a.saved / 5
     assert a.peak(checkpointing=True) < a.peak(checkpointing=False)
-    est = _est(cfg, micro_batch=1, seq=2048, activation_checkpointing=True, settings=[ZeroSetting(0, "none", "none")])
-    item = next(i for i in est.settings[0].breakdown.items if i.name == "activations saved for backward")
+    est = _est(
+        cfg,
+        micro_batch=1,
+        seq=2048,
+        activation_checkpointing=True,
+        settings=[ZeroSetting(0, "none", "none")],
+    )
+    item = next(
+        i for i in est.settings[0].breakdown.items if i.name == "activations saved for backward"
+    )
     assert item.nbytes == a.saved_checkpointed and "without checkpointing" in item.detail
 
 
 def test_a_module_and_its_config_estimate_alike():
     torch.manual_seed(0)
-    live = _est(GPT(SMALL), config={"zero_optimization": {"stage": 1}}, settings=[ZeroSetting(1, "none", "none")])
-    meta = _est(SMALL, config={"zero_optimization": {"stage": 1}}, settings=[ZeroSetting(1, "none", "none")])
+    live = _est(
+        GPT(SMALL),
+        config={"zero_optimization": {"stage": 1}},
+        settings=[ZeroSetting(1, "none", "none")],
+    )
+    meta = _est(
+        SMALL, config={"zero_optimization": {"stage": 1}}, settings=[ZeroSetting(1, "none", "none")]
+    )
     a, b = live.settings[0].breakdown, meta.settings[0].breakdown
     assert [(i.name, i.nbytes) for i in a.items] == [(i.name, i.nbytes) for i in b.items]
     assert live.num_params == meta.num_params == SMALL.num_params
@@ -227,7 +279,13 @@ def test_a_count_stands_for_a_gpt_of_that_size():
 
 
 def test_the_table_and_the_dict_carry_the_same_numbers(tmp_path):
-    est = _est(350e6, micro_batch=2, seq=512, nvme_path=str(tmp_path), machine=_machine(tmp_path, ram=8 * GiB))
+    est = _est(
+        350e6,
+        micro_batch=2,
+        seq=512,
+        nvme_path=str(tmp_path),
+        machine=_machine(tmp_path, ram=8 * GiB),
+    )
     text = est.table()
     assert "stage 3, params nvme, optimizer nvme" in text and "this machine:" in text
     assert est.recommendation in text
@@ -266,16 +324,21 @@ def test_a_cuda_plan_splits_device_and_host_and_checks_the_gpu(tmp_path):
     est = _est(1e9, device="cuda", micro_batch=1, seq=1024, zero_init=True)
     s0 = est.setting(0).breakdown
     dev = {i.name for i in s0.items if i.resource == "device"}
-    assert {"parameters in the module (bfloat16)", "gradient accumulators (fp32)",
-            "activations saved for backward"} <= dev
+    assert {
+        "parameters in the module (bfloat16)",
+        "gradient accumulators (fp32)",
+        "activations saved for backward",
+    } <= dev
     assert "Adam moments m, v" in {i.name for i in s0.items if i.resource == "host"}
     assert s0.device_nbytes >= 6 * est.num_params  # bf16 params + fp32 grad accumulators
     assert s0.host_nbytes >= 16 * est.num_params
     # Stage 3 keeps only persistent and gathered units (and activations) on the device.
     s3 = est.setting(3, "nvme", "nvme").breakdown
     assert s3.device_nbytes < s0.device_nbytes - 3 * est.num_params  # no resident params or grads
-    view = dataclasses.replace(_machine(tmp_path, ram=1 << 50),
-                               gpus=(GPUInfo(0, "test GPU", 80 * GiB, s3.device_nbytes + 1),))
+    view = dataclasses.replace(
+        _machine(tmp_path, ram=1 << 50),
+        gpus=(GPUInfo(0, "test GPU", 80 * GiB, s3.device_nbytes + 1),),
+    )
     assert check_fit(s3, view, ranks_per_node=1).device_ok
     f = check_fit(s0, view, ranks_per_node=1)
     assert not f.device_ok and any("per GPU" in r for r in f.reasons)
@@ -285,8 +348,15 @@ def test_a_cuda_plan_splits_device_and_host_and_checks_the_gpu(tmp_path):
 
 def _meta_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(cfg)
 

@@ -62,14 +62,20 @@ def test_knapsack_values_need_not_follow_weights(items, capacity):
     cands = [Candidate(w, v, ()) for w, v in items]
     kept = choose(cands, capacity)
     assert sum(cands[i].weight for i in kept) <= capacity
-    best = max(sum(c.value for c, m in zip(cands, mask, strict=True) if m)
-               for mask in itertools.product((0, 1), repeat=len(cands))
-               if sum(c.weight for c, m in zip(cands, mask, strict=True) if m) <= capacity)
+    best = max(
+        sum(c.value for c, m in zip(cands, mask, strict=True) if m)
+        for mask in itertools.product((0, 1), repeat=len(cands))
+        if sum(c.weight for c, m in zip(cands, mask, strict=True) if m) <= capacity
+    )
     assert total_value(cands, kept) == best
 
 
 def test_knapsack_ties_keep_the_lower_priority_first():
-    cands = [Candidate(4096, 8192, (1, 0)), Candidate(4096, 8192, (0, 5)), Candidate(4096, 8192, (0, 2))]
+    cands = [
+        Candidate(4096, 8192, (1, 0)),
+        Candidate(4096, 8192, (0, 5)),
+        Candidate(4096, 8192, (0, 2)),
+    ]
     assert choose(cands, 8192) == {1, 2}
 
 
@@ -103,7 +109,11 @@ def _config(stage, param, optimizer, *, dtype="fp32", gas=1, budget=None, nvme="
         zero["offload_param"] = {"device": param, "nvme_path": nvme}
     if optimizer != "none":
         zero["offload_optimizer"] = {"device": optimizer, "nvme_path": nvme}
-    raw = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "zero_optimization": zero}
+    raw = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": zero,
+    }
     if dtype != "fp32":
         raw[dtype] = {"enabled": True}
     if budget is not None:
@@ -126,8 +136,15 @@ def _traffic(plan, gas):
 
 
 def _ctx(model, world_size=1):
-    return RunContext(spec=describe_model(model), held_nbytes=0, zero_init=False, activations=None,
-                      device_type="cpu", world_size=world_size, ranks_per_node=1)
+    return RunContext(
+        spec=describe_model(model),
+        held_nbytes=0,
+        zero_init=False,
+        activations=None,
+        device_type="cpu",
+        world_size=world_size,
+        ranks_per_node=1,
+    )
 
 
 def _enumerate(model, cfg, ctx):
@@ -138,9 +155,19 @@ def _enumerate(model, cfg, ctx):
     arrays = [(c.index, c.cls) for c in candidates(base, sized)]
     out = []
     for homes in itertools.product(("cpu", "nvme"), repeat=len(arrays)):
-        plan = plan_runtime(model, sized, world_size=1, unit_map=unit_map,
-                            placement=Placement(dict(zip(arrays, homes, strict=True))))
-        out.append((ctx.host_need(ctx.itemise(sized, plan)), _traffic(plan, cfg.gradient_accumulation_steps)))
+        plan = plan_runtime(
+            model,
+            sized,
+            world_size=1,
+            unit_map=unit_map,
+            placement=Placement(dict(zip(arrays, homes, strict=True))),
+        )
+        out.append(
+            (
+                ctx.host_need(ctx.itemise(sized, plan)),
+                _traffic(plan, cfg.gradient_accumulation_steps),
+            )
+        )
     return out
 
 
@@ -149,7 +176,9 @@ class Stack(nn.Module):
 
     def __init__(self, widths):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False))
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b) for a, b in zip(widths, widths[1:], strict=False)
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -188,7 +217,9 @@ def test_planner_equals_brute_force(widths, sections, dtype, gas, where):
     plan = place_in_budget(model, cfg, ctx, budget_nbytes=budget, budget_source="test")
     assert plan.chosen.need_nbytes == ctx.host_need(ctx.itemise(cfg, plan))
     fitting = [t for n, t in every if n <= budget]
-    if not fitting:  # nothing fits: the planner's plan needs the least there is (the refusal says so)
+    if (
+        not fitting
+    ):  # nothing fits: the planner's plan needs the least there is (the refusal says so)
         assert plan.chosen.need_nbytes == min(needs) > budget
         return
     assert plan.chosen.need_nbytes <= budget
@@ -224,14 +255,23 @@ def test_planner_on_a_gpt_spends_the_budget_on_parameters_first():
 
 
 def _machine(avail):
-    return MachineView(mem_total_nbytes=2 * avail, mem_available_nbytes=avail, hugetlb_free_nbytes=0,
-                       cpu_count=2, gpus=(), disks=(), self_rss_nbytes=0)
+    return MachineView(
+        mem_total_nbytes=2 * avail,
+        mem_available_nbytes=avail,
+        hugetlb_free_nbytes=0,
+        cpu_count=2,
+        gpus=(),
+        disks=(),
+        self_rss_nbytes=0,
+    )
 
 
 def test_the_budget_from_the_config_or_the_machine():
     m = _machine(20 * GiB)
     assert default_budget(m, 1)[0] == 18 * GiB  # less 10%
-    assert default_budget(_machine(3 * GiB), 1)[0] == 3 * GiB - (512 << 20)  # at least 512 MiB kept free
+    assert default_budget(_machine(3 * GiB), 1)[0] == 3 * GiB - (
+        512 << 20
+    )  # at least 512 MiB kept free
     assert default_budget(m, 4)[0] == 5 * GiB - (512 << 20)  # per rank, the margin is per rank too
     assert resolve_budget(_config(3, "auto", "auto", budget="50%"), m, 1)[0] == 10 * GiB
     assert resolve_budget(_config(3, "auto", "auto", budget=0.25), m, 2)[0] == int(0.25 * 10 * GiB)
@@ -246,8 +286,11 @@ def test_a_budget_below_what_everything_on_nvme_needs_is_refused_naming_the_key(
     cfg = _config(3, "auto", "auto", budget="1MiB")
     ctx = _ctx(model)
     plan = place_in_budget(model, cfg, ctx, budget_nbytes=1 << 20, budget_source="test")
-    with pytest.raises(ConfigError, match=r"host_memory_budget='1MiB' gives 1\.0 MiB .* raise host_memory_budget to at "
-                                          r"least"):
+    with pytest.raises(
+        ConfigError,
+        match=r"host_memory_budget='1MiB' gives 1\.0 MiB .* raise host_memory_budget to at "
+        r"least",
+    ):
         check_budget(plan, cfg)
     # the default budget is judged by the pre-flight check instead: not refused here
     check_budget(plan, _config(3, "auto", "auto"))

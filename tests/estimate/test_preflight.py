@@ -21,14 +21,27 @@ MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=64)
 
 
 def _config(nvme=None, *, stage=3, p="nvme", o="nvme", **zero):
-    z = {"stage": stage, "stage3_param_persistence_threshold": 100, "sub_group_size": 20_000, **zero}
+    z = {
+        "stage": stage,
+        "stage3_param_persistence_threshold": 100,
+        "sub_group_size": 20_000,
+        **zero,
+    }
     if p != "none":
-        z["offload_param"] = {"device": p, "nvme_path": str(nvme), "max_in_cpu": 0, "buffer_count": 4,
-                              "buffer_size": 1 << 16}
+        z["offload_param"] = {
+            "device": p,
+            "nvme_path": str(nvme),
+            "max_in_cpu": 0,
+            "buffer_count": 4,
+            "buffer_size": 1 << 16,
+        }
     if o != "none":
         z["offload_optimizer"] = {"device": o, "nvme_path": str(nvme)}
-    return {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "zero_optimization": z}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": z,
+    }
 
 
 def _machine(paths=(), *, ram=None, disk=None) -> MachineView:
@@ -37,7 +50,9 @@ def _machine(paths=(), *, ram=None, disk=None) -> MachineView:
     if ram is not None:
         v = dataclasses.replace(v, mem_available_nbytes=ram, hugetlb_free_nbytes=0)
     if disk is not None:
-        v = dataclasses.replace(v, disks=tuple(dataclasses.replace(d, free_nbytes=disk) for d in v.disks))
+        v = dataclasses.replace(
+            v, disks=tuple(dataclasses.replace(d, free_nbytes=disk) for d in v.disks)
+        )
     return v
 
 
@@ -46,7 +61,9 @@ def small_machine(monkeypatch):
     """Makes the pre-flight check see a machine with the given RAM / free disk."""
 
     def use(**kw):
-        monkeypatch.setattr(preflight_mod, "machine_view", lambda paths=(): _machine(list(paths), **kw))
+        monkeypatch.setattr(
+            preflight_mod, "machine_view", lambda paths=(): _machine(list(paths), **kw)
+        )
 
     return use
 
@@ -82,13 +99,17 @@ def test_the_fix_names_a_setting_that_fits(nvme_dir, small_machine):
     """Optimizer state in host memory does not fit 16 MiB less than it needs; on NVMe it does."""
     cfg = _config(nvme_dir, stage=3, p="cpu", o="cpu")
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(MODEL, n_layer=4, d_model=256, n_head=4))  # 3.2M parameters: 51 MB of state
+    model = GPT(
+        dataclasses.replace(MODEL, n_layer=4, d_model=256, n_head=4)
+    )  # 3.2M parameters: 51 MB of state
     fix = _fix_when_short(model, cfg, small_machine, 16 << 20)
     assert "offload_optimizer.device=nvme" in fix or "offload_param.device=nvme" in fix
     assert "fits" in fix
 
 
-def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(nvme_dir, small_machine, monkeypatch):
+def test_ranks_sharing_a_drive_too_small_for_all_of_them_are_refused(
+    nvme_dir, small_machine, monkeypatch
+):
     """Four ranks on this node need four times this rank's swap files: a drive with room for
     two is refused, naming the path and the bytes (the engine sees only its own rank's need)."""
     cfg = load_config(_config(nvme_dir))
@@ -117,7 +138,9 @@ def test_a_refusal_over_several_drives_names_each_ones_bytes(nvme_dir, small_mac
     by_path = dict(preflight(model, cfg).breakdown.nvme_by_path)
     assert list(by_path) == [str(a), str(b)] and by_path[str(a)] == by_path[str(b)]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    small_machine(disk=2 * by_path[str(a)])  # each file system has room for two ranks' share, not four
+    small_machine(
+        disk=2 * by_path[str(a)]
+    )  # each file system has room for two ranks' share, not four
     with pytest.raises(PreflightError) as e:
         preflight(model, cfg)
     msg = str(e.value)
@@ -152,16 +175,22 @@ def test_a_parameter_pool_too_big_for_memory_names_both_of_its_keys(nvme_dir):
 
     cfg = _config(nvme_dir)
     cfg["zero_optimization"]["offload_param"].update(buffer_count=4, buffer_size=1 << 26)
-    model = GPT(dataclasses.replace(MODEL, n_layer=16, d_model=256, n_head=4))  # 13M parameters: 51 MB of shards
+    model = GPT(
+        dataclasses.replace(MODEL, n_layer=16, d_model=256, n_head=4)
+    )  # 13M parameters: 51 MB of shards
     plan = infinity.estimate_memory(model, config=cfg, device="cpu", machine=False).focus.breakdown
     pool = plan.runtime.param_store.pool
     assert pool.capacity_nbytes < 4 * (1 << 26) * 4
-    spare = rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True) - rules.mapped_nbytes(pool.need_nbytes,
-                                                                                          huge_pages=True)
+    spare = rules.mapped_nbytes(pool.capacity_nbytes, huge_pages=True) - rules.mapped_nbytes(
+        pool.need_nbytes, huge_pages=True
+    )
     assert spare > 32 << 20
     (fix,) = _pool_fixes(plan, spare // 2, ranks=1)
     assert "the parameter pool is what does not fit" in fix
-    assert "zero_optimization.offload_param.buffer_count or zero_optimization.offload_param.buffer_size" in fix
+    assert (
+        "zero_optimization.offload_param.buffer_count or zero_optimization.offload_param.buffer_size"
+        in fix
+    )
     assert _pool_fixes(plan, spare + 1, ranks=1) == []
 
 
@@ -199,8 +228,9 @@ def _rank_refuses(rank, nvme):
 
     if rank == 1:  # only rank 1's machine is too small
         real = pm.machine_view
-        pm.machine_view = lambda paths=(): dataclasses.replace(real(list(paths)), mem_available_nbytes=1 << 20,
-                                                                hugetlb_free_nbytes=0)
+        pm.machine_view = lambda paths=(): dataclasses.replace(
+            real(list(paths)), mem_available_nbytes=1 << 20, hugetlb_free_nbytes=0
+        )
     try:
         infinity.initialize(GPT(MODEL), _config(nvme))
     except PreflightError as e:
@@ -215,12 +245,15 @@ def test_every_rank_refuses_when_one_does(nvme_dir):
     assert "does not fit" in first[1]
 
 
-def test_an_auto_placement_that_cannot_fit_is_refused_with_where_the_planner_put_it(nvme_dir, small_machine,
-                                                                                    monkeypatch):
+def test_an_auto_placement_that_cannot_fit_is_refused_with_where_the_planner_put_it(
+    nvme_dir, small_machine, monkeypatch
+):
     """With no host_memory_budget the planner plans within the available memory less a margin; when
     even everything on NVMe does not fit, the pre-flight refusal shows the placement it checked."""
     placement_mod = importlib.import_module("infinity.estimate.rank_plan")
-    monkeypatch.setattr(placement_mod, "machine_view", lambda paths=(): _machine(list(paths), ram=1 << 20))
+    monkeypatch.setattr(
+        placement_mod, "machine_view", lambda paths=(): _machine(list(paths), ram=1 << 20)
+    )
     small_machine(ram=1 << 20)
     torch.manual_seed(0)
     cfg = _config(nvme_dir, p="auto", o="auto")
@@ -228,7 +261,9 @@ def test_an_auto_placement_that_cannot_fit_is_refused_with_where_the_planner_put
         infinity.initialize(GPT(MODEL), cfg)
     msg = str(e.value)
     assert "Where the placement planner put the state" in msg and "NVMe per step: read" in msg
-    assert "budget 0 B (the available host memory, 1.0 MiB, less a safety margin of 512.0 MiB)" in msg
+    assert (
+        "budget 0 B (the available host memory, 1.0 MiB, less a safety margin of 512.0 MiB)" in msg
+    )
     assert not (nvme_dir / "rank0").exists()
 
 
@@ -238,7 +273,11 @@ def test_the_engine_logs_where_the_state_rests_once(nvme_dir, caplog):
     with caplog.at_level(logging.INFO, logger="infinity.engine"):
         engine = infinity.initialize(GPT(MODEL), cfg)
     try:
-        lines = [r.getMessage() for r in caplog.records if "where the training state rests" in r.getMessage()]
+        lines = [
+            r.getMessage()
+            for r in caplog.records
+            if "where the training state rests" in r.getMessage()
+        ]
         assert len(lines) == 1
         assert "placement planner: budget" in lines[0] and "NVMe per step: read" in lines[0]
         assert "parameters (float32)" in lines[0] and "Adam m" in lines[0]
@@ -252,19 +291,32 @@ def test_the_refusal_counts_any_models_activations_as_it_checkpoints(nvme_dir, s
     transformers = pytest.importorskip("transformers")
     small_machine(ram=1 << 20)
     torch.manual_seed(0)
-    lm = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=6, n_embd=64, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0))
+    lm = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=6,
+            n_embd=64,
+            n_head=2,
+            vocab_size=64,
+            n_positions=32,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     lm.train()
     with pytest.raises(PreflightError) as e:
         infinity.initialize(lm, _config(nvme_dir))
     msg = str(e.value)
     assert "activations not included" not in msg and "activations saved for backward" in msg
-    plain = next(i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward")
+    plain = next(
+        i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward"
+    )
     with pytest.warns(FutureWarning):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with pytest.raises(PreflightError) as e:
         infinity.initialize(lm, _config(nvme_dir))
-    checkpointed = next(i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward")
+    checkpointed = next(
+        i.nbytes for i in e.value.breakdown.items if i.name == "activations saved for backward"
+    )
     assert checkpointed < plain
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
     with pytest.raises(PreflightError) as e:

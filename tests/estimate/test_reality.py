@@ -46,8 +46,11 @@ def _config(stage, p="none", o="none", *, dtype="fp32", micro_batch=1, nvme="", 
             z["offload_param"].update(max_in_cpu=0, buffer_count=4, buffer_size=2_000_000)
     if o != "none":
         z["offload_optimizer"] = {"device": o, "nvme_path": nvme}
-    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": z}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": z,
+    }
     if dtype != "fp32":
         cfg[dtype] = {"enabled": True}
     return cfg
@@ -56,9 +59,18 @@ def _config(stage, p="none", o="none", *, dtype="fp32", micro_batch=1, nvme="", 
 # name: (model size, micro-batch, seq, config arguments)
 CASES = {
     "13M-stage2-bf16-activations": ("13M", 4, 256, dict(stage=2, o="cpu", dtype="bf16")),
-    "25M-stage3-bf16-nvme-nvme": ("25M", 1, 64, dict(stage=3, p="nvme", o="nvme", dtype="bf16",
-                                                     sub_group_size=1_000_000)),
-    "25M-stage1-fp32-optimizer-nvme": ("25M", 1, 64, dict(stage=1, o="nvme", sub_group_size=2_000_000)),
+    "25M-stage3-bf16-nvme-nvme": (
+        "25M",
+        1,
+        64,
+        dict(stage=3, p="nvme", o="nvme", dtype="bf16", sub_group_size=1_000_000),
+    ),
+    "25M-stage1-fp32-optimizer-nvme": (
+        "25M",
+        1,
+        64,
+        dict(stage=1, o="nvme", sub_group_size=2_000_000),
+    ),
     "57M-stage0-fp32": ("57M", 2, 64, dict(stage=0)),
 }
 SLOW_CASES = {
@@ -68,8 +80,12 @@ SLOW_CASES = {
 # and the estimate is conservative there (1.1-1.3 × for these sizes): never below is what is
 # asserted for host memory; the swap files (zero.Init's own, during initialize) must match.
 ZERO_INIT_CASES = {
-    "25M-zero.Init-stage3-bf16-nvme-nvme": ("25M", 1, 64, dict(stage=3, p="nvme", o="nvme", dtype="bf16",
-                                                               sub_group_size=1_000_000)),
+    "25M-zero.Init-stage3-bf16-nvme-nvme": (
+        "25M",
+        1,
+        64,
+        dict(stage=3, p="nvme", o="nvme", dtype="bf16", sub_group_size=1_000_000),
+    ),
     "110M-zero.Init-stage3-fp32-cpu-cpu": ("110M", 1, 64, dict(stage=3, p="cpu", o="cpu")),
 }
 
@@ -78,12 +94,31 @@ def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dic
     size, mb, seq, kw = case
     kw = dict(kw)
     stage = kw.pop("stage")
-    cfg = _config(stage, kw.pop("p", "none"), kw.pop("o", "none"), dtype=kw.pop("dtype", "fp32"),
-                  micro_batch=mb, nvme=str(nvme), **kw)
-    spec = {"model": SIZES[size], "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3, "nvme_path": str(nvme),
-            "zero_init": zero_init}
-    r = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    cfg = _config(
+        stage,
+        kw.pop("p", "none"),
+        kw.pop("o", "none"),
+        dtype=kw.pop("dtype", "fp32"),
+        micro_batch=mb,
+        nvme=str(nvme),
+        **kw,
+    )
+    spec = {
+        "model": SIZES[size],
+        "config": cfg,
+        "micro_batch": mb,
+        "seq": seq,
+        "steps": 3,
+        "nvme_path": str(nvme),
+        "zero_init": zero_init,
+    }
+    r = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return cfg, json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -91,10 +126,22 @@ def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dic
 def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False):
     size, mb, seq, _ = case
     z = cfg["zero_optimization"]
-    setting = ZeroSetting(z["stage"], z.get("offload_param", {}).get("device", "none"),
-                      z.get("offload_optimizer", {}).get("device", "none"))
-    est = estimate_memory(GPTConfig(**SIZES[size]), config=cfg, micro_batch=mb, seq=seq, device="cpu",
-                          zero_init=zero_init, baseline_nbytes=measured["baseline"], machine=False, settings=[setting])
+    setting = ZeroSetting(
+        z["stage"],
+        z.get("offload_param", {}).get("device", "none"),
+        z.get("offload_optimizer", {}).get("device", "none"),
+    )
+    est = estimate_memory(
+        GPTConfig(**SIZES[size]),
+        config=cfg,
+        micro_batch=mb,
+        seq=seq,
+        device="cpu",
+        zero_init=zero_init,
+        baseline_nbytes=measured["baseline"],
+        machine=False,
+        settings=[setting],
+    )
     return est.settings[0].breakdown
 
 
@@ -125,14 +172,20 @@ def measured(tmp_path_factory):
 def _check(name: str, case: tuple, cfg: dict, m: dict, *, zero_init: bool = False) -> None:
     plan = _estimate(case, cfg, m, zero_init=zero_init)
     ram, peak = plan.ram_nbytes, m["peak"]
-    line = (f"{name}: {m['num_params'] / 1e6:.1f}M params, peak RSS {peak / MiB:.1f} MiB, estimate "
-            f"{ram / MiB:.1f} MiB ({ram / peak:.3f}); swap {m['swap'] / MiB:.1f} MiB, estimate "
-            f"{plan.nvme_nbytes / MiB:.1f} MiB")
+    line = (
+        f"{name}: {m['num_params'] / 1e6:.1f}M params, peak RSS {peak / MiB:.1f} MiB, estimate "
+        f"{ram / MiB:.1f} MiB ({ram / peak:.3f}); swap {m['swap'] / MiB:.1f} MiB, estimate "
+        f"{plan.nvme_nbytes / MiB:.1f} MiB"
+    )
     print(line)
     assert ram >= peak, "estimate below the measured peak RSS: " + line
-    assert zero_init or ram <= (1 + TOLERANCE) * peak, "estimate more than 15% above the measured peak RSS: " + line
+    assert zero_init or ram <= (1 + TOLERANCE) * peak, (
+        "estimate more than 15% above the measured peak RSS: " + line
+    )
     assert plan.nvme_nbytes >= m["swap"], "estimate below the swap-file bytes: " + line
-    assert plan.nvme_nbytes <= (1 + TOLERANCE) * m["swap"], "estimate more than 15% above the swap files: " + line
+    assert plan.nvme_nbytes <= (1 + TOLERANCE) * m["swap"], (
+        "estimate more than 15% above the swap files: " + line
+    )
     assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"
 
 
@@ -166,13 +219,45 @@ def test_estimate_holds_a_model_built_under_zero_init(name, nvme_dir):
 # infinity GPT's ([Note: the CPU heap's margin]): never below is asserted, and at most 40% above, as
 # the margin that covers the 8-layer GPT-2's heap leaves the 4-layer one's lowest peaks ~32% under it.
 HF_MODELS = {
-    "gpt2": ("gpt2", dict(n_layer=4, n_embd=512, n_head=8, vocab_size=256, n_positions=256, bos_token_id=0,
-                          eos_token_id=0)),
-    "gpt2-deep": ("gpt2", dict(n_layer=8, n_embd=256, n_head=4, vocab_size=1024, n_positions=512, bos_token_id=0,
-                               eos_token_id=0)),
-    "llama": ("llama", dict(num_hidden_layers=4, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
-                            num_key_value_heads=8, vocab_size=256, max_position_embeddings=512, bos_token_id=0,
-                            eos_token_id=0, pad_token_id=0)),
+    "gpt2": (
+        "gpt2",
+        dict(
+            n_layer=4,
+            n_embd=512,
+            n_head=8,
+            vocab_size=256,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "gpt2-deep": (
+        "gpt2",
+        dict(
+            n_layer=8,
+            n_embd=256,
+            n_head=4,
+            vocab_size=1024,
+            n_positions=512,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    ),
+    "llama": (
+        "llama",
+        dict(
+            num_hidden_layers=4,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            vocab_size=256,
+            max_position_embeddings=512,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        ),
+    ),
 }
 HF_TOLERANCE = 0.40
 # name: (model, checkpointing, dtype); micro-batch 4 × 256 tokens, stage 2 with the optimizer on the CPU
@@ -199,17 +284,32 @@ def test_estimate_holds_a_transformers_model(name, nvme_dir):
     mb, seq = 4, 256
     cfg = _config(2, o="cpu", dtype=dtype, micro_batch=mb, nvme=str(nvme_dir))
     spec = {"hf": hf, "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3}
-    r = subprocess.run([sys.executable, str(PROBE), json.dumps(spec)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
-    est = estimate_memory(build_hf(hf), config=cfg, micro_batch=mb, seq=seq, device="cpu",
-                          baseline_nbytes=m["baseline"], machine=False, settings=[ZeroSetting(2, "none", "cpu")])
+    est = estimate_memory(
+        build_hf(hf),
+        config=cfg,
+        micro_batch=mb,
+        seq=seq,
+        device="cpu",
+        baseline_nbytes=m["baseline"],
+        machine=False,
+        settings=[ZeroSetting(2, "none", "cpu")],
+    )
     assert est.checkpointing == (checkpointing is not None)
     assert "counted in one forward" in est.activations.source
     ram, peak = est.settings[0].breakdown.ram_nbytes, m["peak"]
     line = f"{name}: peak RSS {peak / MiB:.1f} MiB, estimate {ram / MiB:.1f} MiB ({ram / peak:.3f})"
     print(line)
     assert ram >= peak, "estimate below the measured peak RSS: " + line
-    assert ram <= (1 + HF_TOLERANCE) * peak, f"estimate more than {HF_TOLERANCE:.0%} above the measured peak RSS: " + line
+    assert ram <= (1 + HF_TOLERANCE) * peak, (
+        f"estimate more than {HF_TOLERANCE:.0%} above the measured peak RSS: " + line
+    )
     assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"

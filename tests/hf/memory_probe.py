@@ -21,8 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-MODEL = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=32, num_attention_heads=8,
-             num_key_value_heads=8, max_position_embeddings=64, tie_word_embeddings=False)
+MODEL = dict(
+    vocab_size=512,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=32,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 SHARD = "32MB"  # save_pretrained's, save_16bit_model's and export's shard limit
 
 
@@ -31,9 +39,16 @@ def _ds(nvme: str) -> dict:
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 500_000, "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": "nvme", "nvme_path": nvme, "buffer_count": 4, "buffer_size": 600_000,
-                              "max_in_cpu": 0},
+            "stage": 3,
+            "sub_group_size": 500_000,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": nvme,
+                "buffer_count": 4,
+                "buffer_size": 600_000,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
         },
     }
@@ -48,9 +63,12 @@ def write(directory: str) -> dict:
     model.save_pretrained(directory, max_shard_size=SHARD)
     files = list(Path(directory).glob("*.safetensors"))
     layer = model.model.layers[0]
-    return {"file_nbytes": sum(f.stat().st_size for f in files), "files": len(files),
-            "layer_nbytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
-            "num_params": sum(p.numel() for p in model.parameters())}
+    return {
+        "file_nbytes": sum(f.stat().st_size for f in files),
+        "files": len(files),
+        "layer_nbytes": sum(p.numel() * p.element_size() for p in layer.parameters()),
+        "num_params": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def _build(nvme: str, peaks: dict):
@@ -103,11 +121,13 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     engine = infinity.initialize(model, ds)
     peaks["initialized"] = peak_resident_host_nbytes()
     plan = engine.runtime.plan
-    pools = {"zero.Init pool": _INIT_POOL_NBYTES,
-             "parameter pool": plan.param_store.pool.capacity_nbytes,
-             "optimizer pool": plan.state_store.pool.capacity_nbytes,
-             "tensor cache": plan.tensor_cache_cap_nbytes,
-             "staging": plan.staging_numel * 4}
+    pools = {
+        "zero.Init pool": _INIT_POOL_NBYTES,
+        "parameter pool": plan.param_store.pool.capacity_nbytes,
+        "optimizer pool": plan.state_store.pool.capacity_nbytes,
+        "tensor cache": plan.tensor_cache_cap_nbytes,
+        "staging": plan.staging_numel * 4,
+    }
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(2):
@@ -125,8 +145,15 @@ def train(directory: str, nvme: str, out: str, ckpt: str) -> dict:
     peaks["save_pretrained"] = peak_resident_host_nbytes()
     engine.save_checkpoint(ckpt)
     engine.close()
-    return {"baseline": baseline, "peaks": peaks, "pools": pools, "losses": losses, "whole_after_load": whole,
-            "missing": result.missing_keys, "unexpected": result.unexpected_keys}
+    return {
+        "baseline": baseline,
+        "peaks": peaks,
+        "pools": pools,
+        "losses": losses,
+        "whole_after_load": whole,
+        "missing": result.missing_keys,
+        "unexpected": result.unexpected_keys,
+    }
 
 
 def materialise(directory: str, nvme: str) -> dict:
@@ -144,8 +171,12 @@ def materialise(directory: str, nvme: str) -> dict:
     with GatheredParameters(list(model.parameters()), modifier_rank=0):
         result = model.load_state_dict(state, strict=False)
     peaks["loaded"] = peak_resident_host_nbytes()
-    return {"baseline": baseline, "peaks": peaks, "missing": result.missing_keys,
-            "unexpected": result.unexpected_keys}
+    return {
+        "baseline": baseline,
+        "peaks": peaks,
+        "missing": result.missing_keys,
+        "unexpected": result.unexpected_keys,
+    }
 
 
 def export(ckpt: str, out: str) -> dict:
@@ -159,4 +190,10 @@ def export(ckpt: str, out: str) -> dict:
 
 if __name__ == "__main__":
     phase, *args = sys.argv[1:]
-    print(json.dumps({"write": write, "train": train, "materialise": materialise, "export": export}[phase](*args)))
+    print(
+        json.dumps(
+            {"write": write, "train": train, "materialise": materialise, "export": export}[phase](
+                *args
+            )
+        )
+    )

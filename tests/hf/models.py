@@ -16,21 +16,63 @@ SEQ = 12
 _TOKENS = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=2, pad_token_id=1)
 
 ARCHS = {
-    "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config, dict(n_embd=32, n_layer=2, n_head=2, n_positions=64)),
-    "llama": (tf.LlamaForCausalLM, tf.LlamaConfig,
-              dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, max_position_embeddings=64)),
-    "opt": (tf.OPTForCausalLM, tf.OPTConfig,
-            dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
-                 word_embed_proj_dim=32)),
-    "gpt_neox": (tf.GPTNeoXForCausalLM, tf.GPTNeoXConfig,
-                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      max_position_embeddings=64)),
-    "bert": (tf.BertForSequenceClassification, tf.BertConfig,
-             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  max_position_embeddings=64, num_labels=3)),
-    "t5": (tf.T5ForConditionalGeneration, tf.T5Config,
-           dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2, decoder_start_token_id=0)),
+    "gpt2": (
+        tf.GPT2LMHeadModel,
+        tf.GPT2Config,
+        dict(n_embd=32, n_layer=2, n_head=2, n_positions=64),
+    ),
+    "llama": (
+        tf.LlamaForCausalLM,
+        tf.LlamaConfig,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        ),
+    ),
+    "opt": (
+        tf.OPTForCausalLM,
+        tf.OPTConfig,
+        dict(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        ),
+    ),
+    "gpt_neox": (
+        tf.GPTNeoXForCausalLM,
+        tf.GPTNeoXConfig,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+        ),
+    ),
+    "bert": (
+        tf.BertForSequenceClassification,
+        tf.BertConfig,
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            num_labels=3,
+        ),
+    ),
+    "t5": (
+        tf.T5ForConditionalGeneration,
+        tf.T5Config,
+        dict(d_model=32, d_ff=64, d_kv=16, num_layers=2, num_heads=2, decoder_start_token_id=0),
+    ),
 }
 CAUSAL = ("gpt2", "llama", "opt", "gpt_neox")
 
@@ -53,7 +95,11 @@ def batch(arch: str, step: int) -> dict[str, torch.Tensor]:
     if arch == "bert":
         mask = torch.ones_like(ids)
         mask[1, -3:] = 0
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (2,), generator=g)}
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": torch.randint(0, 3, (2,), generator=g),
+        }
     if arch == "t5":
         return {"input_ids": ids, "labels": torch.randint(3, VOCAB, (2, SEQ // 2), generator=g)}
     return {"input_ids": ids, "labels": ids}
@@ -68,12 +114,21 @@ def ds_config(nvme_path, *, precision: str = "fp32", lr: float | None = None) ->
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": lr or LR, "betas": list(BETAS), "eps": EPS,
-                                                  "weight_decay": WD}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr or LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
         "zero_optimization": {
-            "stage": 3, "sub_group_size": 3000, "stage3_param_persistence_threshold": 16,
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": 4,
-                              "buffer_size": 1 << 16, "max_in_cpu": 0},
+            "stage": 3,
+            "sub_group_size": 3000,
+            "stage3_param_persistence_threshold": 16,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(nvme_path),
+                "buffer_count": 4,
+                "buffer_size": 1 << 16,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_path)},
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8},

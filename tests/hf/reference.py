@@ -26,7 +26,9 @@ def plain_run(arch: str, *, steps: int) -> dict:
     """Per-step training and eval losses of torch AdamW (foreach=False) with clipping, fp32."""
     model = build(arch)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False
+    )
     losses = {}
     for step in range(steps):
         loss = model(**batch(arch, step)).loss

@@ -27,7 +27,9 @@ def test_greedy_generate_gives_plain_pytorchs_tokens(arch, nvme_dir):
             want = plain.generate(prompt, **kw)
             got = engine.module.generate(prompt, **kw)
         assert torch.equal(got, want)
-        assert got.shape[1] == 8 + (1 if arch == "t5" else prompt.shape[1])  # T5 starts from its decoder start
+        assert got.shape[1] == 8 + (
+            1 if arch == "t5" else prompt.shape[1]
+        )  # T5 starts from its decoder start
         # an eval forward through the engine after generate(): the same logits as plain
         inputs = {"input_ids": prompt, **({"decoder_input_ids": want} if arch == "t5" else {})}
         with torch.no_grad():

@@ -31,8 +31,16 @@ def test_zero_init_gives_the_weights_of_plain_construction(arch, nvme_dir):
             assert torch.equal(state[k], v), k
         if arch in ("opt", "bert"):  # the padding row _init_weights zeroes through a view
             pad = model.config.pad_token_id
-            assert (state[next(k for k in state if k.endswith("word_embeddings.weight")
-                               or k.endswith("embed_tokens.weight"))][pad] == 0).all()
+            assert (
+                state[
+                    next(
+                        k
+                        for k in state
+                        if k.endswith("word_embeddings.weight") or k.endswith("embed_tokens.weight")
+                    )
+                ][pad]
+                == 0
+            ).all()
         torch.manual_seed(1)
         first = engine(**batch(arch, 0)).loss.item()
         torch.manual_seed(1)

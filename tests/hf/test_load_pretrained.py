@@ -44,9 +44,13 @@ def _from_pretrained(arch: str, path, **kw):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_sharded_checkpoint_before_initialize_gives_from_pretrained_logits(arch, nvme_dir, tmp_path):
+def test_sharded_checkpoint_before_initialize_gives_from_pretrained_logits(
+    arch, nvme_dir, tmp_path
+):
     path = _save(arch, tmp_path / "ckpt")
-    assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("model-*.safetensors"))) > 3
+    assert (path / "model.safetensors.index.json").exists() and len(
+        list(path.glob("model-*.safetensors"))
+    ) > 3
     cfg = ds_config(nvme_dir)
     model = build_under_init(arch, cfg)
     result = load_pretrained(model, path)
@@ -61,7 +65,9 @@ def test_sharded_checkpoint_before_initialize_gives_from_pretrained_logits(arch,
         engine.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # untied; GPT-NeoX writes lm_head as embed_out
+@pytest.mark.parametrize(
+    "arch", ["llama", "gpt_neox"]
+)  # untied; GPT-NeoX writes lm_head as embed_out
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_checkpoint_into_a_running_engine(arch, precision, nvme_dir, tmp_path):
     """After initialize: a module at a time under GatheredParameters(modifier_rank=0), into the
@@ -73,7 +79,9 @@ def test_checkpoint_into_a_running_engine(arch, precision, nvme_dir, tmp_path):
     engine = infinity.initialize(build_under_init(arch, cfg), cfg)
     try:
         engine.train()
-        loss = engine(**batch(arch, 0)).loss  # a step on the random weights first: moments, a live trace
+        loss = engine(
+            **batch(arch, 0)
+        ).loss  # a step on the random weights first: moments, a live trace
         engine.backward(loss)
         engine.step()
         assert load_pretrained(engine, path) == ([], [])
@@ -84,9 +92,13 @@ def test_checkpoint_into_a_running_engine(arch, precision, nvme_dir, tmp_path):
         ckpt = engine.save_checkpoint(tmp_path / "train")
     finally:
         engine.close()
-    masters = load_file(str(export_checkpoint(ckpt, tmp_path / "masters.safetensors", progress=False)))
+    masters = load_file(
+        str(export_checkpoint(ckpt, tmp_path / "masters.safetensors", progress=False))
+    )
     for n, p in ref.named_parameters():
-        assert torch.equal(masters[n], p.detach().float()), n  # what the next optimizer step starts from
+        assert torch.equal(masters[n], p.detach().float()), (
+            n
+        )  # what the next optimizer step starts from
 
 
 @pytest.mark.parametrize("file_dtype", [torch.bfloat16, torch.float16])
@@ -132,9 +144,13 @@ def test_base_model_prefix_is_added_and_removed_as_transformers_does(nvme_dir, t
     assert set(info["unexpected_keys"]) == {"lm_head.weight"}
 
 
-def test_strict_refuses_before_writing_and_non_strict_reports_as_load_state_dict(nvme_dir, tmp_path):
+def test_strict_refuses_before_writing_and_non_strict_reports_as_load_state_dict(
+    nvme_dir, tmp_path
+):
     plain = build("opt")
-    state = {k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"}  # tied: saved once
+    state = {
+        k: v for k, v in plain.state_dict().items() if k != "lm_head.weight"
+    }  # tied: saved once
     state.pop("model.decoder.layers.1.fc2.bias")
     state["model.decoder.extra.weight"] = torch.ones(3)
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -145,17 +161,27 @@ def test_strict_refuses_before_writing_and_non_strict_reports_as_load_state_dict
     with pytest.raises(RuntimeError) as e:
         load_pretrained(model, tmp_path)
     msg = str(e.value)
-    assert '"model.decoder.layers.1.fc2.bias"' in msg and '"model.decoder.extra.weight"' in msg and "strict=False" in msg
+    assert (
+        '"model.decoder.layers.1.fc2.bias"' in msg
+        and '"model.decoder.extra.weight"' in msg
+        and "strict=False" in msg
+    )
     with GatheredParameters(model):
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k]), f"{k} changed by a refused load"
     want = copy.deepcopy(plain).load_state_dict(state, strict=False)
-    got = load_pretrained(model, tmp_path / "model.safetensors", strict=False)  # a file path works too
+    got = load_pretrained(
+        model, tmp_path / "model.safetensors", strict=False
+    )  # a file path works too
     assert got.unexpected_keys == want.unexpected_keys
-    assert got.missing_keys == [k for k in want.missing_keys if k != "lm_head.weight"]  # loaded through its tie
+    assert got.missing_keys == [
+        k for k in want.missing_keys if k != "lm_head.weight"
+    ]  # loaded through its tie
     with GatheredParameters(model):
         assert torch.equal(model.lm_head.weight, plain.model.decoder.embed_tokens.weight)
-        assert torch.equal(model.model.decoder.layers[1].fc2.bias, before["model.decoder.layers.1.fc2.bias"])
+        assert torch.equal(
+            model.model.decoder.layers[1].fc2.bias, before["model.decoder.layers.1.fc2.bias"]
+        )
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_anything_is_written(nvme_dir, tmp_path):
@@ -166,7 +192,10 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_is_written(nvm
     model = build_under_init("gpt2", ds_config(nvme_dir))
     with GatheredParameters(model):
         before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuntimeError, match=r"size mismatch for transformer\.wte\.weight: .*\[128, 48\].*\[128, 32\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"size mismatch for transformer\.wte\.weight: .*\[128, 48\].*\[128, 32\]",
+    ):
         load_pretrained(model, tmp_path, strict=False)
     with GatheredParameters(model):
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -174,17 +203,24 @@ def test_a_checkpoint_of_another_shape_is_refused_before_anything_is_written(nvm
 
 def test_what_is_not_a_safetensors_checkpoint_is_named(tmp_path):
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"):
+    with pytest.raises(
+        FileNotFoundError, match="neither model.safetensors nor model.safetensors.index.json"
+    ):
         load_pretrained(model, tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
-    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin, a pickle checkpoint.*safe_serialization=True"):
+    with pytest.raises(
+        FileNotFoundError, match=r"pytorch_model\.bin, a pickle checkpoint.*safe_serialization=True"
+    ):
         load_pretrained(model, tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
     with pytest.raises(ValueError, match="header claims 16 bytes"):
         load_pretrained(model, tmp_path)
     _save("gpt2", tmp_path / "sharded")
     (tmp_path / "sharded" / "model-00002-of-00008.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"names the shard 'model-00002-of-00008\.safetensors', which is missing"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"names the shard 'model-00002-of-00008\.safetensors', which is missing",
+    ):
         load_pretrained(build("gpt2"), tmp_path / "sharded")
 
 

@@ -40,8 +40,13 @@ pytestmark = pytest.mark.slow
 
 
 def _probe(*args) -> dict:
-    r = subprocess.run([sys.executable, str(PROBE), *map(str, args)], capture_output=True, text=True, timeout=600,
-                       cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(PROBE), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -50,7 +55,10 @@ def _probe(*args) -> dict:
 def runs(tmp_path_factory) -> dict:
     """The four phases once for the module: the files, load_pretrained and training, the control, the export."""
     # Swap files on a disk file system, as conftest's nvme_dir places them (module-scoped here).
-    nvme = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests")) / f"hf-memory-{os.getpid()}"
+    nvme = (
+        Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+        / f"hf-memory-{os.getpid()}"
+    )
     for d in ("train", "control"):
         (nvme / d).mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_factory.mktemp("hf_memory")
@@ -64,7 +72,9 @@ def runs(tmp_path_factory) -> dict:
     out["dirs"] = {k: tmp / k for k in ("out", "out_pretrained", "exported")}
     for r in (out["train"], out["control"]):
         if not r["peaks"]["reset"]:
-            pytest.skip("/proc/self/clear_refs is refused here: the peak cannot be measured from after the build")
+            pytest.skip(
+                "/proc/self/clear_refs is refused here: the peak cannot be measured from after the build"
+            )
     return out
 
 
@@ -90,7 +100,8 @@ def test_load_pretrained_grows_the_peak_by_less_than_a_layer(runs):
     grown = _grown(t, "loaded")
     assert grown <= w["layer_nbytes"], (
         f"load_pretrained grew the peak by {grown / MiB:.1f} MiB; a layer is {w['layer_nbytes'] / MiB:.1f} MiB, "
-        f"the model {w['file_nbytes'] / MiB:.0f} MiB (materialising: {_grown(runs['control'], 'loaded') / MiB:.0f} MiB)")
+        f"the model {w['file_nbytes'] / MiB:.0f} MiB (materialising: {_grown(runs['control'], 'loaded') / MiB:.0f} MiB)"
+    )
 
 
 def test_training_from_load_pretrained_stays_within_the_pools(runs):
@@ -100,7 +111,9 @@ def test_training_from_load_pretrained_stays_within_the_pools(runs):
     assert all(x == x and x < 10 for x in t["losses"])  # finite, sane
     for step in ("loaded", "initialized", "trained"):
         used = t["peaks"][step] - t["baseline"]
-        assert used <= bound, f"{step}: {used / MiB:.0f} MiB over the baseline, pools {t['pools']} + allowance"
+        assert used <= bound, (
+            f"{step}: {used / MiB:.0f} MiB over the baseline, pools {t['pools']} + allowance"
+        )
 
 
 def test_save_16bit_model_save_pretrained_and_export_hold_a_shard_not_the_model(runs):
@@ -115,4 +128,6 @@ def test_save_16bit_model_save_pretrained_and_export_hold_a_shard_not_the_model(
         index = json.loads((d / "model.safetensors.index.json").read_text())
         shards = set(index["weight_map"].values())
         assert len(shards) > 3 and all((d / s).stat().st_size <= SHARD_NBYTES for s in shards)
-        assert sum((d / s).stat().st_size for s in shards) >= w["file_nbytes"] - MiB  # fp32 training: fp32 out
+        assert (
+            sum((d / s).stat().st_size for s in shards) >= w["file_nbytes"] - MiB
+        )  # fp32 training: fp32 out

@@ -30,7 +30,9 @@ def test_the_hugging_face_example_runs(nvme_dir, tmp_path, monkeypatch):
     build("llama").save_pretrained(tmp_path / "llama")
     monkeypatch.chdir(tmp_path)  # the example writes "out"
     cfg = ds_config(nvme_dir)
-    cfg["optimizer"]["params"]["lr"] = "auto"  # as HF's configs write it: the example's lr= fills it
+    cfg["optimizer"]["params"]["lr"] = (
+        "auto"  # as HF's configs write it: the example's lr= fills it
+    )
     scope = {
         "checkpoint_dir": str(tmp_path / "llama"),
         "ds_config": cfg,

@@ -21,14 +21,20 @@ NEW_VOCAB = VOCAB + 12
 
 
 def _embeddings(model):
-    return [m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return [
+        m.weight
+        for m in (model.get_input_embeddings(), model.get_output_embeddings())
+        if m is not None
+    ]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])  # tied, untied, tied three ways
 def test_resize_token_embeddings_under_gathered_parameters_before_initialize(arch, nvme_dir):
     cfg = ds_config(nvme_dir)
     plain = build(arch)
-    plain.resize_token_embeddings(NEW_VOCAB)  # mean resizing samples from the RNG: same state in both runs
+    plain.resize_token_embeddings(
+        NEW_VOCAB
+    )  # mean resizing samples from the RNG: same state in both runs
     torch.manual_seed(0)
     with infinity.zero.Init(cfg):
         model = ARCHS[arch][0](config(arch))
@@ -38,7 +44,10 @@ def test_resize_token_embeddings_under_gathered_parameters_before_initialize(arc
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert tied == (arch != "llama")
     with GatheredParameters(model.get_input_embeddings().weight):
-        assert model.get_input_embeddings().weight.shape == (NEW_VOCAB, model.config.get_text_config().hidden_size)
+        assert model.get_input_embeddings().weight.shape == (
+            NEW_VOCAB,
+            model.config.get_text_config().hidden_size,
+        )
     engine = infinity.initialize(model, cfg)
     try:
         with GatheredParameters(engine):
@@ -55,7 +64,9 @@ def test_resize_token_embeddings_under_gathered_parameters_before_initialize(arc
         assert loss.item() == plain(**b).loss.item()
         if tied:
             with GatheredParameters(engine):
-                assert torch.equal(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+                assert torch.equal(
+                    model.get_input_embeddings().weight, model.get_output_embeddings().weight
+                )
     finally:
         engine.close()
 
@@ -67,8 +78,10 @@ def test_resize_after_initialize_is_refused_naming_the_recipe(nvme_dir):
         model = ARCHS["gpt2"][0](config("gpt2"))
     engine = infinity.initialize(model, cfg)
     try:
-        with pytest.raises(RuntimeError, match=r"after infinity\.initialize.*before initialize"), \
-                GatheredParameters(_embeddings(model), modifier_rank=0):
+        with (
+            pytest.raises(RuntimeError, match=r"after infinity\.initialize.*before initialize"),
+            GatheredParameters(_embeddings(model), modifier_rank=0),
+        ):
             model.resize_token_embeddings(NEW_VOCAB)
         with GatheredParameters(engine):  # the units are as they were
             assert model.get_input_embeddings().weight.shape == (VOCAB, 32)

@@ -49,8 +49,9 @@ def test_save_16bit_model_is_what_from_pretrained_loads(arch, nvme_dir, tmp_path
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == {f.name for f in shards}
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for f in shards
-                                                  for t in load_file(str(f)).values())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for f in shards for t in load_file(str(f)).values()
+    )
     build(arch).save_pretrained(tmp_path / "plain")  # transformers' own names for this model
     assert _saved_names(out) == _saved_names(tmp_path / "plain")
     assert torch.equal(_logits(_from_pretrained(arch, out), arch), want)
@@ -63,11 +64,19 @@ def test_bf16_weights_and_config_dtype(nvme_dir, tmp_path):
         out = engine.save_16bit_model(tmp_path / "hf")  # under "50GB": one file
     finally:
         engine.close()
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert all(t.dtype == torch.bfloat16 for t in load_file(str(out / "model.safetensors")).values())
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert all(
+        t.dtype == torch.bfloat16 for t in load_file(str(out / "model.safetensors")).values()
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     model = _from_pretrained("llama", out)
-    assert next(model.parameters()).dtype == torch.bfloat16  # from_pretrained's "auto" dtype reads config.json
+    assert (
+        next(model.parameters()).dtype == torch.bfloat16
+    )  # from_pretrained's "auto" dtype reads config.json
     assert torch.equal(_logits(model, "llama"), want)
 
 
@@ -85,7 +94,9 @@ def test_a_second_save_replaces_the_first_whatever_its_shards(nvme_dir, tmp_path
         want = _logits(engine, "gpt2")
         (out / "README.md").write_text("kept")  # not a weight file: left alone
         engine.save_16bit_model(out, max_shard_size="20KB")
-        assert not (out / "model.safetensors").exists() and (out / "README.md").read_text() == "kept"
+        assert (
+            not (out / "model.safetensors").exists() and (out / "README.md").read_text() == "kept"
+        )
         assert not list(out.glob(".*")), "temporary files left behind"
     finally:
         engine.close()
@@ -97,7 +108,9 @@ def test_the_state_dict_layout_stays_available(nvme_dir, tmp_path):
     try:
         path = engine.save_16bit_model(tmp_path, "all.safetensors", layout="state_dict")
         with pytest.raises(ValueError, match="max_shard_size shards the Hugging Face layout"):
-            engine.save_16bit_model(tmp_path, "x.safetensors", layout="state_dict", max_shard_size="1GB")
+            engine.save_16bit_model(
+                tmp_path, "x.safetensors", layout="state_dict", max_shard_size="1GB"
+            )
         with pytest.raises(ValueError, match=r"'5 parsecs' is not a size.*'5GB'"):
             engine.save_16bit_model(tmp_path / "hf", max_shard_size="5 parsecs")
     finally:
@@ -117,24 +130,66 @@ def test_cli_export_of_a_checkpoint_to_the_hf_layout(nvme_dir, tmp_path, capsys)
     finally:
         engine.close()
     out = tmp_path / "exported"
-    assert cli_main.main(["export", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "25KB",
-                          "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "export",
+                str(tmp_path / "ckpt"),
+                str(out),
+                "--max-shard-size",
+                "25KB",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "file(s) in" in capsys.readouterr().out
     assert len(list(out.glob("model-*.safetensors"))) > 1
     build("gpt_neox").save_pretrained(tmp_path / "plain")
-    assert _saved_names(out) == _saved_names(tmp_path / "plain")  # embed_out, as transformers writes it
+    assert _saved_names(out) == _saved_names(
+        tmp_path / "plain"
+    )  # embed_out, as transformers writes it
     assert torch.equal(_logits(_from_pretrained("gpt_neox", out), "gpt_neox"), want)
 
-    assert cli_main.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "--dtype", "bf16",
-                          "--config", str(tmp_path / "ckpt" / "config.json"), "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            [
+                "export",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "bf16"),
+                "--dtype",
+                "bf16",
+                "--config",
+                str(tmp_path / "ckpt" / "config.json"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     model = _from_pretrained("gpt_neox", tmp_path / "bf16")
     assert next(model.parameters()).dtype == torch.bfloat16
     for n, p in _from_pretrained("gpt_neox", out).named_parameters():
         assert torch.equal(model.get_parameter(n), p.to(torch.bfloat16)), n
 
     (tmp_path / "ckpt" / "config.json").unlink()
-    assert cli_main.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "noconfig"), "--no-progress"]) == 0
+    assert (
+        cli_main.main(
+            ["export", str(tmp_path / "ckpt"), str(tmp_path / "noconfig"), "--no-progress"]
+        )
+        == 0
+    )
     assert not (tmp_path / "noconfig" / "config.json").exists()
-    assert cli_main.main(["export", str(tmp_path / "ckpt"), str(tmp_path / "x"), "--config",
-                          str(tmp_path / "nowhere"), "--no-progress"]) == 1
+    assert (
+        cli_main.main(
+            [
+                "export",
+                str(tmp_path / "ckpt"),
+                str(tmp_path / "x"),
+                "--config",
+                str(tmp_path / "nowhere"),
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     assert "no config.json at" in capsys.readouterr().err

@@ -23,11 +23,14 @@ STEPS = 3
 
 def engine_run(arch: str, cfg: dict, *, steps: int, checkpointing: str | None = None):
     model = build_under_init(arch, cfg)
-    if checkpointing is not None:  # as users turn it on; transformers checkpoints each layer in training only
+    if (
+        checkpointing is not None
+    ):  # as users turn it on; transformers checkpoints each layer in training only
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5's rename of the method
             model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+            )
     engine = infinity.initialize(model, cfg)
     losses = {}
     try:
@@ -59,7 +62,9 @@ def test_fp32_losses_match_plain_pytorch(arch, nvme_dir):
     assert persistent < units / 2, "most units must stream from NVMe"
     # The first training step records the trace; each eval forward is a step of its own that follows
     # it and ends early ("short"), leaving the trace to the next training step, which replays it.
-    assert [s.kind for s in stats.history] == ["recorded", "short"] + ["replayed", "short"] * (STEPS - 1)
+    assert [s.kind for s in stats.history] == ["recorded", "short"] + ["replayed", "short"] * (
+        STEPS - 1
+    )
     assert stats.total.prefetch_hits > 0  # later steps read ahead on the recorded trace
 
 
@@ -86,9 +91,13 @@ def test_activation_checkpointing_changes_no_number(arch, precision, mode, nvme_
     else:
         ref, _ = mixed_run(arch, torch.bfloat16, steps=STEPS)
         rel = 1e-4
-    losses, _, stats, _ = engine_run(arch, ds_config(nvme_dir, precision=precision), steps=STEPS, checkpointing=mode)
+    losses, _, stats, _ = engine_run(
+        arch, ds_config(nvme_dir, precision=precision), steps=STEPS, checkpointing=mode
+    )
     for k, v in ref.items():
         assert losses[k] == pytest.approx(v, rel=rel), k
     # The recomputation is part of the recorded trace: later training steps replay it, reading nothing on demand.
-    assert [s.kind for s in stats.history] == ["recorded", "short"] + ["replayed", "short"] * (STEPS - 1)
+    assert [s.kind for s in stats.history] == ["recorded", "short"] + ["replayed", "short"] * (
+        STEPS - 1
+    )
     assert all(s.on_demand == 0 for s in stats.history[2::2])

@@ -28,15 +28,25 @@ V2_STAT = "anon 8192\nfile 4096\ninactive_file 2048\nactive_file 2048\n"
 
 
 def test_proc_cgroup_lines():
-    assert cgroup.parse_proc_cgroup(HYBRID) == {"v1": "/process_api/57620c1be2d5d2bc87bdfa98639ab0a2", "v2": "/"}
+    assert cgroup.parse_proc_cgroup(HYBRID) == {
+        "v1": "/process_api/57620c1be2d5d2bc87bdfa98639ab0a2",
+        "v2": "/",
+    }
     assert cgroup.parse_proc_cgroup(UNIFIED) == {"v2": "/system.slice/job.service"}
     assert cgroup.parse_proc_cgroup(COMBINED_V1) == {"v1": "/docker/abc"}
     assert cgroup.parse_proc_cgroup("") == {}
 
 
 def test_memory_stat_inactive_file():
-    assert cgroup.parse_memory_stat(V2_STAT) == {"anon": 8192, "file": 4096, "inactive_file": 2048, "active_file": 2048}
-    assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(V1_STAT), "v1") == 300  # hierarchical if given
+    assert cgroup.parse_memory_stat(V2_STAT) == {
+        "anon": 8192,
+        "file": 4096,
+        "inactive_file": 2048,
+        "active_file": 2048,
+    }
+    assert (
+        cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(V1_STAT), "v1") == 300
+    )  # hierarchical if given
     assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat("inactive_file 100\n"), "v1") == 100
     assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(V2_STAT), "v2") == 2048
     assert cgroup.inactive_file_nbytes(cgroup.parse_memory_stat(""), "v2") == 0
@@ -61,12 +71,19 @@ def _fake_hierarchy(tmp_path, monkeypatch, version, levels):
         if version == "v2":
             (directory / "memory.max").write_text("max\n" if level is None else f"{level[0]}\n")
             (directory / "memory.current").write_text(f"{0 if level is None else level[1]}\n")
-            (directory / "memory.stat").write_text(f"inactive_file {0 if level is None else level[2]}\n")
+            (directory / "memory.stat").write_text(
+                f"inactive_file {0 if level is None else level[2]}\n"
+            )
         else:
             (directory / "memory.limit_in_bytes").write_text(
-                "9223372036854771712\n" if level is None else f"{level[0]}\n")
-            (directory / "memory.usage_in_bytes").write_text(f"{0 if level is None else level[1]}\n")
-            (directory / "memory.stat").write_text(f"total_inactive_file {0 if level is None else level[2]}\n")
+                "9223372036854771712\n" if level is None else f"{level[0]}\n"
+            )
+            (directory / "memory.usage_in_bytes").write_text(
+                f"{0 if level is None else level[1]}\n"
+            )
+            (directory / "memory.stat").write_text(
+                f"total_inactive_file {0 if level is None else level[2]}\n"
+            )
     proc = tmp_path / "cgroup"
     path = "/" + "/".join(names)
     proc.write_text(f"0::{path}\n" if version == "v2" else f"4:memory:{path}\n")
@@ -75,7 +92,9 @@ def _fake_hierarchy(tmp_path, monkeypatch, version, levels):
     monkeypatch.setattr(cgroup, "mounts", lambda: [Mount("cgroup", str(root), fs_type, options)])
 
 
-level = st.one_of(st.none(), st.tuples(st.integers(1, 1 << 40), st.integers(0, 1 << 40), st.integers(0, 1 << 38)))
+level = st.one_of(
+    st.none(), st.tuples(st.integers(1, 1 << 40), st.integers(0, 1 << 40), st.integers(0, 1 << 38))
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -106,9 +125,13 @@ def test_a_container_without_a_cgroup_namespace_finds_its_own_mount(tmp_path, mo
     proc = tmp_path / "cgroup"
     proc.write_text("4:memory:/docker/0123abcd\n")
     monkeypatch.setattr(cgroup, "PROC_SELF_CGROUP", str(proc))
-    monkeypatch.setattr(cgroup, "mounts", lambda: [Mount("cgroup", str(root), "cgroup", ("rw", "memory"))])
+    monkeypatch.setattr(
+        cgroup, "mounts", lambda: [Mount("cgroup", str(root), "cgroup", ("rw", "memory"))]
+    )
     c = cgroup.memory_cgroup()
-    assert c is not None and c.limit_nbytes == 1 << 30 and c.available_nbytes == (1 << 30) - (1 << 28)
+    assert (
+        c is not None and c.limit_nbytes == 1 << 30 and c.available_nbytes == (1 << 30) - (1 << 28)
+    )
 
 
 def test_unreadable_means_no_limit(tmp_path, monkeypatch):
@@ -150,11 +173,15 @@ def test_a_process_in_a_limited_cgroup_sees_the_limit(tmp_path):
     limit = 768 << 20
     try:
         (path / limit_file).write_text(str(limit))
-        out = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=120
+        )
     finally:
         os.rmdir(path)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["limit"] == limit and seen["path"] == str(path)
-    assert 0 < seen["available"] < limit  # torch is imported inside it: less than the whole limit is left
+    assert (
+        0 < seen["available"] < limit
+    )  # torch is imported inside it: less than the whole limit is left
     assert any(line.startswith("memory limit 768") for line in seen["described"])

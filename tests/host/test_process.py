@@ -112,7 +112,11 @@ cancelled_write_bytes: 0
 
 def test_io_counters():
     io = host.parse_io(IO)
-    assert io["read_bytes"] == 1 << 20 and io["write_bytes"] == 8192 and io["cancelled_write_bytes"] == 0
+    assert (
+        io["read_bytes"] == 1 << 20
+        and io["write_bytes"] == 8192
+        and io["cancelled_write_bytes"] == 0
+    )
     assert len(io) == 7
 
 

@@ -21,24 +21,50 @@ PAD = 0
 
 def gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1,
-                     eos_token_id=2, pad_token_id=PAD)
+    cfg = GPT2Config(
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
 def llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=1,
-                      eos_token_id=2, pad_token_id=PAD)
+    cfg = LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def opt(seed: int = 0) -> OPTForCausalLM:
     torch.manual_seed(seed)
-    cfg = OPTConfig(num_hidden_layers=4, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=VOCAB,
-                    max_position_embeddings=64, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2,
-                    pad_token_id=PAD)
+    cfg = OPTConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        ffn_dim=128,
+        num_attention_heads=4,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        word_embed_proj_dim=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=PAD,
+    )
     return OPTForCausalLM(cfg).eval()
 
 
@@ -60,8 +86,13 @@ def inference_config(nvme_path, **extra) -> dict:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": 0,
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": 4,
-                              "buffer_size": 1 << 14, "max_in_cpu": 0},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(nvme_path),
+                "buffer_count": 4,
+                "buffer_size": 1 << 14,
+                "max_in_cpu": 0,
+            },
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8},
         **extra,

@@ -36,7 +36,9 @@ def test_no_optimizer_gives_the_inference_engine_with_no_gradient_or_optimizer_s
         ids, _ = prompts(1, padded=False)
         engine(ids)
         assert all(p.grad is None for p in model.parameters())
-        assert engine.io_stats()["read_nbytes"] > 0  # the pool cannot hold the model: weights came from NVMe
+        assert (
+            engine.io_stats()["read_nbytes"] > 0
+        )  # the pool cannot hold the model: weights came from NVMe
     finally:
         engine.close()
 
@@ -76,7 +78,9 @@ def test_logits_equal_plain_pytorch(name, batch, padded, dtype, nvme_dir):
         for _ in range(2):  # the first forward records the trace, the second replays it
             got = engine(input_ids=ids, attention_mask=mask).logits
             assert got.dtype == dtype
-            real = mask.bool()  # padded positions' logits are not defined the same way by every kernel
+            real = (
+                mask.bool()
+            )  # padded positions' logits are not defined the same way by every kernel
             tol = TOLERANCE[dtype]
             g, w = got[real].float(), want[real].float()
             assert torch.allclose(g, w, rtol=tol, atol=tol * w.abs().max().item())
@@ -85,8 +89,10 @@ def test_logits_equal_plain_pytorch(name, batch, padded, dtype, nvme_dir):
 
 
 @pytest.mark.parametrize("name", MODELS)
-@pytest.mark.parametrize("batch,padded,dtype", [(1, False, torch.float32), (3, True, torch.float32),
-                                                (3, True, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "batch,padded,dtype",
+    [(1, False, torch.float32), (3, True, torch.float32), (3, True, torch.bfloat16)],
+)
 def test_greedy_generation_equals_plain_generate(name, batch, padded, dtype, nvme_dir):
     model, plain = pair(name, dtype)
     ids, mask = prompts(batch, padded=padded)
@@ -103,6 +109,8 @@ def test_greedy_generation_equals_plain_generate(name, batch, padded, dtype, nvm
         assert st.read_nbytes > 0
         again = engine.generate(ids, **kw)  # a second generation replays from its first step
         assert again.tolist() == want.tolist()
-        assert engine.last_generation.steps["replayed"] == 8 and engine.last_generation.on_demand == 0
+        assert (
+            engine.last_generation.steps["replayed"] == 8 and engine.last_generation.on_demand == 0
+        )
     finally:
         engine.close()

@@ -29,7 +29,9 @@ def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvm
     model, _ = pair("llama")
     cfg = inference_config(nvme_dir)
     if bits:
-        cfg["weight_quantization"] = {"quantized_initialization": {"num_bits": bits, "group_size": 64}}
+        cfg["weight_quantization"] = {
+            "quantized_initialization": {"num_bits": bits, "group_size": 64}
+        }
         cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216
     est = estimate_inference(model, config=cfg, batch=2, prompt=7, gen=8, machine=False)
     assert not [i for i in est.breakdown.items if any(w in i.name for w in TRAINING_WORDS)]
@@ -48,8 +50,14 @@ def test_the_kv_cache_item_holds_the_cache_generate_makes(name):
     model, _ = pair(name)
     batch, prompt, gen = 3, 7, 8
     ids, mask = prompts(batch, padded=True)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=gen, do_sample=False, pad_token_id=PAD,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=gen,
+        do_sample=False,
+        pad_token_id=PAD,
+        return_dict_in_generate=True,
+    )
     cache = out.past_key_values
     actual = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     est = estimate_inference(model, batch=batch, prompt=prompt, gen=gen, machine=False)
@@ -60,34 +68,76 @@ def test_the_kv_cache_item_holds_the_cache_generate_makes(name):
 
 def test_the_largest_batch_is_the_last_that_fits(tmp_path):
     probe = estimate_inference(150e6, batch=1, prompt=128, gen=16, nvme_path=str(tmp_path))
-    small = estimate_inference(150e6, batch=40, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
-    big = estimate_inference(150e6, batch=41, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False)
+    small = estimate_inference(
+        150e6, batch=40, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False
+    )
+    big = estimate_inference(
+        150e6, batch=41, prompt=128, gen=16, nvme_path=str(tmp_path), machine=False
+    )
     assert big.breakdown.ram_nbytes > small.breakdown.ram_nbytes
     # a machine with room for batch 40's plan and not batch 41's
     room = (small.breakdown.ram_nbytes + big.breakdown.ram_nbytes) // 2
-    view = dataclasses.replace(probe.machine, mem_total_nbytes=room, mem_available_nbytes=room, hugetlb_free_nbytes=0,
-                               self_rss_nbytes=0)
-    est = estimate_inference(150e6, batch=8, prompt=128, gen=16, nvme_path=str(tmp_path), machine=view)
+    view = dataclasses.replace(
+        probe.machine,
+        mem_total_nbytes=room,
+        mem_available_nbytes=room,
+        hugetlb_free_nbytes=0,
+        self_rss_nbytes=0,
+    )
+    est = estimate_inference(
+        150e6, batch=8, prompt=128, gen=16, nvme_path=str(tmp_path), machine=view
+    )
     assert est.fit.ok and est.largest_batch == 40
 
 
 def test_the_cli_prints_the_plan_and_the_largest_batch(capsys, tmp_path):
-    code = main(["estimate", "--inference", "--params", "150M", "--batch", "8", "--prompt", "128", "--gen", "16",
-                 "--nvme-path", str(tmp_path), "--device", "cpu"])
+    code = main(
+        [
+            "estimate",
+            "--inference",
+            "--params",
+            "150M",
+            "--batch",
+            "8",
+            "--prompt",
+            "128",
+            "--gen",
+            "16",
+            "--nvme-path",
+            str(tmp_path),
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "batch 8 × (prompt 128 + 16 new tokens)" in out and "KV cache" in out
     assert "largest batch that fits:" in out
     assert not any(w in out for w in TRAINING_WORDS)
-    code = main(["estimate", "--inference", "--params", "150M", "--nvme-path", str(tmp_path), "--json"])
+    code = main(
+        ["estimate", "--inference", "--params", "150M", "--nvme-path", str(tmp_path), "--json"]
+    )
     d = json.loads(capsys.readouterr().out)
     assert code == 0 and d["batch"] == 1 and d["prompt"] == 128 and d["gen"] == 16
     assert d["largest_batch"] >= 1
     # streamed: only the small persistent parameters stay in host memory (not DeepSpeed's max_in_cpu 1e9)
-    in_host = sum(i["nbytes"] for i in d["items"] if i["name"].startswith("parameter shards in host memory"))
+    in_host = sum(
+        i["nbytes"] for i in d["items"] if i["name"].startswith("parameter shards in host memory")
+    )
     assert in_host < 0.01 * 2 * d["num_params"]
 
 
 def test_the_cli_refuses_trainings_arguments_with_inference(capsys, tmp_path):
-    code = main(["estimate", "--inference", "--params", "150M", "--seq", "2048", "--nvme-path", str(tmp_path)])
+    code = main(
+        [
+            "estimate",
+            "--inference",
+            "--params",
+            "150M",
+            "--seq",
+            "2048",
+            "--nvme-path",
+            str(tmp_path),
+        ]
+    )
     assert code == 2 and "--inference takes --batch, --prompt and --gen" in capsys.readouterr().err

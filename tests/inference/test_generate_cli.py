@@ -23,7 +23,9 @@ WORDS = ["<pad>", "<bos>", "<eos>"] + [f"w{i}" for i in range(3, VOCAB)]
 def tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
 
 
 def save(name: str, d, dtype=torch.float32):
@@ -59,20 +61,40 @@ def test_a_directory_without_safetensors_is_refused(nvme_dir, tmp_path):
         from_pretrained(tmp_path, inference_config(nvme_dir))
 
 
-@pytest.mark.parametrize("name,batch,bits", [("gpt2", 1, None), ("llama", 2, None), ("llama", 1, 8)])
+@pytest.mark.parametrize(
+    "name,batch,bits", [("gpt2", 1, None), ("llama", 2, None), ("llama", 1, 8)]
+)
 def test_generate_prints_the_continuation(name, batch, bits, nvme_dir, tmp_path, capsys):
     d = tmp_path / "model"
     plain = save(name, d)
     prompt = "w5 w17 w99 w42 w7"
     ids = tokenizer()(prompt, return_tensors="pt")["input_ids"]
-    argv = ["generate", "--model-dir", str(d), "--prompt", prompt, "--batch", str(batch), "--max-new-tokens", "6",
-            "--nvme-path", str(nvme_dir)]
+    argv = [
+        "generate",
+        "--model-dir",
+        str(d),
+        "--prompt",
+        prompt,
+        "--batch",
+        str(batch),
+        "--max-new-tokens",
+        "6",
+        "--nvme-path",
+        str(nvme_dir),
+    ]
     code = main(argv + (["--bits", str(bits)] if bits else []))
     out = capsys.readouterr()
     assert code == 0, out.err
-    assert "6/6 tokens" in out.err and "tok/s" in out.err and "GB/s read" in out.err and "peak RSS" in out.err
+    assert (
+        "6/6 tokens" in out.err
+        and "tok/s" in out.err
+        and "GB/s read" in out.err
+        and "peak RSS" in out.err
+    )
     if bits is None:
-        want = plain.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)[0, ids.shape[1]:]
+        want = plain.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=PAD)[
+            0, ids.shape[1] :
+        ]
         assert out.out.strip() == tokenizer().decode(want, skip_special_tokens=True).strip()
     else:  # quantised: a continuation of the right length (its accuracy is test_quantized.py's)
         assert len(out.out.split()) <= 6 and out.out.strip()
@@ -80,7 +102,9 @@ def test_generate_prints_the_continuation(name, batch, bits, nvme_dir, tmp_path,
 
 def test_generate_refuses_a_directory_without_a_tokenizer(nvme_dir, tmp_path, capsys):
     pair("gpt2")[0].save_pretrained(tmp_path)
-    code = main(["generate", "--model-dir", str(tmp_path), "--prompt", "w3", "--nvme-path", str(nvme_dir)])
+    code = main(
+        ["generate", "--model-dir", str(tmp_path), "--prompt", "w3", "--nvme-path", str(nvme_dir)]
+    )
     assert code == 2 and "cannot read a tokenizer" in capsys.readouterr().err
 
 
@@ -94,10 +118,32 @@ def test_sampling_with_a_seed_equals_transformers_generate(name, batch, nvme_dir
     ids = tokenizer()([prompt] * batch, return_tensors="pt")["input_ids"]
     sampling = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
     torch.manual_seed(1234)
-    want = plain.generate(ids, max_new_tokens=8, pad_token_id=PAD, **sampling)[:, ids.shape[1]:]
-    code = main(["generate", "--model-dir", str(d), "--prompt", prompt, "--batch", str(batch),
-                 "--max-new-tokens", "8", "--nvme-path", str(nvme_dir), "--do-sample", "--temperature", "0.7",
-                 "--top-k", "20", "--top-p", "0.9", "--seed", "1234", "--no-progress"])
+    want = plain.generate(ids, max_new_tokens=8, pad_token_id=PAD, **sampling)[:, ids.shape[1] :]
+    code = main(
+        [
+            "generate",
+            "--model-dir",
+            str(d),
+            "--prompt",
+            prompt,
+            "--batch",
+            str(batch),
+            "--max-new-tokens",
+            "8",
+            "--nvme-path",
+            str(nvme_dir),
+            "--do-sample",
+            "--temperature",
+            "0.7",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "1234",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     rows = [tokenizer().decode(r, skip_special_tokens=True).strip() for r in want]
@@ -122,14 +168,29 @@ def test_tokens_stream_to_stdout_as_they_are_produced(nvme_dir, tmp_path, capsys
     monkeypatch.setattr(pretrained, "from_pretrained", counted)
     writes = []
     real_write = sys.stdout.write
-    monkeypatch.setattr(sys.stdout, "write", lambda s: (writes.append((s, len(forwards))), real_write(s))[1])
+    monkeypatch.setattr(
+        sys.stdout, "write", lambda s: (writes.append((s, len(forwards))), real_write(s))[1]
+    )
     prompt = "w5 w17 w99 w42 w7"
-    code = main(["generate", "--model-dir", str(d), "--prompt", prompt, "--max-new-tokens", "8",
-                 "--nvme-path", str(nvme_dir)])
+    code = main(
+        [
+            "generate",
+            "--model-dir",
+            str(d),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--nvme-path",
+            str(nvme_dir),
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, out.err
     ids = tokenizer()(prompt, return_tensors="pt")["input_ids"]
-    want = plain.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=PAD)[0, ids.shape[1]:]
+    want = plain.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=PAD)[
+        0, ids.shape[1] :
+    ]
     assert out.out.strip() == tokenizer().decode(want, skip_special_tokens=True).strip()
     # the first words were written while generation still ran (8 forwards in all: prefill + 7 decode steps)
     texts = [(s, n) for s, n in writes if s.strip()]
@@ -139,7 +200,9 @@ def test_tokens_stream_to_stdout_as_they_are_produced(nvme_dir, tmp_path, capsys
 
 def test_generate_names_a_missing_model_directory(nvme_dir, tmp_path, capsys):
     missing = tmp_path / "nonexistent"
-    code = main(["generate", "--model-dir", str(missing), "--prompt", "w3", "--nvme-path", str(nvme_dir)])
+    code = main(
+        ["generate", "--model-dir", str(missing), "--prompt", "w3", "--nvme-path", str(nvme_dir)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.strip() == f"infinity generate: --model-dir {missing} does not exist"
 
@@ -147,7 +210,18 @@ def test_generate_names_a_missing_model_directory(nvme_dir, tmp_path, capsys):
 def test_sampling_options_without_do_sample_are_refused(nvme_dir, tmp_path, capsys):
     d = tmp_path / "model"
     save("gpt2", d)
-    code = main(["generate", "--model-dir", str(d), "--prompt", "w3", "--nvme-path", str(nvme_dir),
-                 "--temperature", "0.5"])
+    code = main(
+        [
+            "generate",
+            "--model-dir",
+            str(d),
+            "--prompt",
+            "w3",
+            "--nvme-path",
+            str(nvme_dir),
+            "--temperature",
+            "0.5",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "--temperature applies only with --do-sample" in err

@@ -27,15 +27,21 @@ BOUNDS = {8: (0.03, 0.9), 4: (0.4, 0.5)}
 
 
 def quant_config(nvme_dir, bits: int) -> dict:
-    cfg = inference_config(nvme_dir, weight_quantization={"quantized_initialization": {"num_bits": bits,
-                                                                                        "group_size": 64}})
-    cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216  # 144 KiB: less than the packed model
+    cfg = inference_config(
+        nvme_dir,
+        weight_quantization={"quantized_initialization": {"num_bits": bits, "group_size": 64}},
+    )
+    cfg["zero_optimization"]["offload_param"]["buffer_size"] = (
+        9216  # 144 KiB: less than the packed model
+    )
     return cfg
 
 
 def _run(engine, ids, mask):
     logits = engine(input_ids=ids, attention_mask=mask).logits
-    tokens = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    tokens = engine.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD
+    )
     return logits, tokens
 
 
@@ -47,7 +53,9 @@ def test_quantised_weights_through_the_engine(name, bits, nvme_dir, record_prope
     real = mask.bool()
     with torch.no_grad():
         want = plain(input_ids=ids, attention_mask=mask).logits
-    want_tokens = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    want_tokens = plain.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD
+    )
 
     unquantised = copy.deepcopy(plain)
     base = infinity.initialize(unquantised, inference_config(nvme_dir))
@@ -73,9 +81,15 @@ def test_quantised_weights_through_the_engine(name, bits, nvme_dir, record_prope
     with torch.no_grad():
         ref = rounded(input_ids=ids, attention_mask=mask).logits
     assert torch.allclose(got[real], ref[real], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    ref_tokens = rounded.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD)
+    ref_tokens = rounded.generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD
+    )
     assert tokens.tolist() == ref_tokens.tolist()
-    changed = [n for n, p in plain.named_parameters() if p.dim() >= 2 and not torch.equal(dequantised[n], p)]
+    changed = [
+        n
+        for n, p in plain.named_parameters()
+        if p.dim() >= 2 and not torch.equal(dequantised[n], p)
+    ]
     assert changed  # the matrices were quantised; biases and norms stay as they were
     for n, p in plain.named_parameters():
         if p.dim() < 2:
@@ -89,8 +103,10 @@ def test_quantised_weights_through_the_engine(name, bits, nvme_dir, record_prope
     record_property("max_logit_diff_relative", rel_diff)
     record_property("greedy_token_agreement", agreement)
     record_property("nvme_bytes_ratio", packed_written / base_written)
-    print(f"{name} int{bits}: max |Δlogit| {max_diff:.4g} ({rel_diff:.3%} of max |logit|), greedy-token "
-          f"agreement {agreement:.0%}, NVMe bytes {packed_written / base_written:.2f}× fp32's")
+    print(
+        f"{name} int{bits}: max |Δlogit| {max_diff:.4g} ({rel_diff:.3%} of max |logit|), greedy-token "
+        f"agreement {agreement:.0%}, NVMe bytes {packed_written / base_written:.2f}× fp32's"
+    )
     rel_bound, agree_bound = BOUNDS[bits]
     assert rel_diff <= rel_bound and agreement >= agree_bound
     # fewer bytes at rest (and per pass): fp32 matrices at 4 B per element become 1 or 1/2 B plus scales

@@ -43,7 +43,9 @@ def plain_run(*, epochs: int = 2, world_size: int = 1):
     """The loop an Accelerate user writes (accumulate, backward, clip at each sync, step, zero_grad).
     The schedule is stepped once per update: ``step_scheduler_with_optimizer=False`` and a step at each
     sync (by default Accelerate would step it once per process at each update)."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, step_scheduler_with_optimizer=False)
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=GAS, step_scheduler_with_optimizer=False
+    )
     torch.manual_seed(0)
     model = tiny_gpt()
     opt, sched = optimizer_and_schedule(model.parameters())
@@ -65,7 +67,9 @@ def plain_run(*, epochs: int = 2, world_size: int = 1):
     return losses, weights
 
 
-def infinity_run(config, *, epochs: int = 2, start: int = 0, save_to=None, load_from=None, world_size: int = 1):
+def infinity_run(
+    config, *, epochs: int = 2, start: int = 0, save_to=None, load_from=None, world_size: int = 1
+):
     """The DeepSpeed-plugin loop through infinity's prepare(); epochs [start, epochs); optionally
     ``accelerator.load_state`` first or ``accelerator.save_state`` at the end. Returns the losses,
     the final weights and the lr."""
@@ -73,7 +77,9 @@ def infinity_run(config, *, epochs: int = 2, start: int = 0, save_to=None, load_
     torch.manual_seed(0)
     model = tiny_gpt()
     opt, sched = optimizer_and_schedule(model.parameters())
-    model, opt, dl, sched = prepare(accelerator, model, opt, loader(world_size=world_size), sched, config=config)
+    model, opt, dl, sched = prepare(
+        accelerator, model, opt, loader(world_size=world_size), sched, config=config
+    )
     assert isinstance(opt, EngineOptimizer) and isinstance(sched, EngineScheduler)
     if load_from is not None:
         accelerator.load_state(load_from)

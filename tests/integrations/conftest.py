@@ -12,7 +12,9 @@ import torch.distributed as dist
 try:
     import lightning  # noqa: F401
 except ImportError:
-    raise ImportError("tests/integrations need lightning (the test extra pins 2.6.6): pip install -e '.[test]'") from None
+    raise ImportError(
+        "tests/integrations need lightning (the test extra pins 2.6.6): pip install -e '.[test]'"
+    ) from None
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,12 +24,18 @@ def no_deepspeed():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "deepspeed", None)
         yield
-        leaked = sorted(m for m in sys.modules if m.startswith("deepspeed.") or (m == "deepspeed" and sys.modules[m]))
+        leaked = sorted(
+            m
+            for m in sys.modules
+            if m.startswith("deepspeed.") or (m == "deepspeed" and sys.modules[m])
+        )
         assert not leaked, f"deepspeed modules were imported: {leaked}"
 
 
 def _restore(before: dict[str, str], level: int) -> None:
-    logging.getLogger("infinity").setLevel(level)  # the strategies set it as DeepSpeedStrategy sets deepspeed's
+    logging.getLogger("infinity").setLevel(
+        level
+    )  # the strategies set it as DeepSpeedStrategy sets deepspeed's
     if dist.is_initialized():
         dist.destroy_process_group()
     for k in set(os.environ) - set(before):

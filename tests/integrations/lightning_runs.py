@@ -29,7 +29,9 @@ MICRO_PER_EPOCH = GAS * STEPS_PER_EPOCH
 # Lightning 2.6 and torch 2.13 disagree on a pytree helper (Lightning's own code warns); Lightning
 # says a loader without workers may be slow; neither is ours to change.
 LIGHTNING_WARNINGS = [
-    pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"
+    ),
     pytest.mark.filterwarnings("ignore:The '\\w+_dataloader' does not have many workers"),
 ]
 
@@ -43,8 +45,11 @@ def dataset(epochs: int, *, world_size: int = 1) -> list[tuple[torch.Tensor, tor
 def loader(data, *, rank: int = 0, world_size: int = 1) -> DataLoader:
     # An explicit DistributedSampler: Lightning keeps it under every strategy (it would shuffle the
     # training data of a distributed strategy otherwise, and not that of strategy="auto").
-    return DataLoader(data, batch_size=None,
-                      sampler=DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False))
+    return DataLoader(
+        data,
+        batch_size=None,
+        sampler=DistributedSampler(data, num_replicas=world_size, rank=rank, shuffle=False),
+    )
 
 
 def optimizer_and_schedule(params):
@@ -108,7 +113,11 @@ class ShardedGPTModule(GPTModule):
         self._build()
 
 
-MODULES = {"init": GPTModule, "configure_model": ConfiguredGPTModule, "configure_sharded_model": ShardedGPTModule}
+MODULES = {
+    "init": GPTModule,
+    "configure_model": ConfiguredGPTModule,
+    "configure_sharded_model": ShardedGPTModule,
+}
 
 
 def engine_config(nvme_dir: Path | str, *, stage: int = 3, offload: str = "nvme") -> dict:
@@ -118,19 +127,41 @@ def engine_config(nvme_dir: Path | str, *, stage: int = 3, offload: str = "nvme"
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 100
         if offload != "none":
-            zero["offload_param"] = {"device": offload, "nvme_path": str(nvme_dir), "buffer_count": 4,
-                                     "buffer_size": 1 << 16, "max_in_cpu": 0}
+            zero["offload_param"] = {
+                "device": offload,
+                "nvme_path": str(nvme_dir),
+                "buffer_count": 4,
+                "buffer_size": 1 << 16,
+                "max_in_cpu": 0,
+            }
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload, "nvme_path": str(nvme_dir)}
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": CLIP,
-            "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+    }
 
 
 def trainer(strategy, *, epochs: int = 2, **kwargs) -> L.Trainer:
-    kwargs = {"enable_checkpointing": False, "accumulate_grad_batches": GAS, "gradient_clip_val": CLIP, "devices": 1,
-              **kwargs}
-    return L.Trainer(accelerator="cpu", strategy=strategy, max_epochs=epochs, logger=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
+    kwargs = {
+        "enable_checkpointing": False,
+        "accumulate_grad_batches": GAS,
+        "gradient_clip_val": CLIP,
+        "devices": 1,
+        **kwargs,
+    }
+    return L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
 
 
 def lightning_config(nvme_dir, **kwargs) -> dict:
@@ -181,7 +212,9 @@ def engine_run(config: dict, *, epochs: int = 2, rank: int = 0, world_size: int 
                 if boundary:
                     with warnings.catch_warnings():
                         # the engine stepped in opt's place: torch's check that opt.step() ran first
-                        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+                        warnings.filterwarnings(
+                            "ignore", "Detected call of `lr_scheduler.step\\(\\)` before"
+                        )
                         sched.step()
                 losses.append(loss.item())
             engine.eval()
@@ -211,8 +244,15 @@ def infinity_strategy(nvme_dir, **kwargs) -> InfinityStrategy:
     return InfinityStrategy(config=lightning_config(nvme_dir, **kwargs))
 
 
-def fabric_run(strategy, *, epochs: int = 2, devices: int = 1, save_after: int | None = None, resume_from=None,
-               path=None):
+def fabric_run(
+    strategy,
+    *,
+    epochs: int = 2,
+    devices: int = 1,
+    save_after: int | None = None,
+    resume_from=None,
+    path=None,
+):
     """The training loop (and an evaluation pass after each epoch) as a Fabric user writes it for
     ``strategy``: with InfinityFabricStrategy, DeepSpeed's loop (optimizer.step() after every
     backward; accumulation, clipping and the schedule are the engine's); otherwise the plain loop
@@ -236,7 +276,9 @@ def fabric_run(strategy, *, epochs: int = 2, devices: int = 1, save_after: int |
     if resume_from is not None:
         remainder = fabric.load(resume_from, state)
         assert remainder == {}, remainder
-    data = list(loader(dataset(epochs, world_size=devices), rank=fabric.global_rank, world_size=devices))
+    data = list(
+        loader(dataset(epochs, world_size=devices), rank=fabric.global_rank, world_size=devices)
+    )
     val = dataset(1)[:2]
     losses, val_losses = [], []
     for epoch in range(state["epoch"], epochs):

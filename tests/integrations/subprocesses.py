@@ -7,8 +7,17 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                    "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+LAUNCH_VARIABLES = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+)
 
 
 def without_deepspeed(tmp_path: Path) -> dict[str, str]:
@@ -17,25 +26,41 @@ def without_deepspeed(tmp_path: Path) -> dict[str, str]:
     blocker = tmp_path / "no_deepspeed" / "deepspeed"
     blocker.mkdir(parents=True, exist_ok=True)
     (blocker / "__init__.py").write_text(
-        'raise ImportError("deepspeed was imported; infinity\'s framework adapters must not need it")\n')
-    path = [str(blocker.parent), str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        'raise ImportError("deepspeed was imported; infinity\'s framework adapters must not need it")\n'
+    )
+    path = [str(blocker.parent), str(ROOT)] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    ]
     # A user's shell has no rank layout: Lightning would take one for ranks started on its behalf.
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     return {**env, "PYTHONPATH": os.pathsep.join(path), "PYTHONWARNINGS": "ignore"}
 
 
-def run(args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 1800) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], *, cwd: Path, env: dict[str, str], timeout: float = 1800
+) -> subprocess.CompletedProcess:
     """``python *args``; the launch and every rank it starts form one process group, all killed if
     it outlives ``timeout`` (a safety net for a hung rank on a loaded machine, not a timing check)."""
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{args} ran past {timeout} s and was killed:\n{out[-4000:]}\n{err[-8000:]}") from None
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{out[-4000:]}\n{err[-8000:]}"
+        raise AssertionError(
+            f"{args} ran past {timeout} s and was killed:\n{out[-4000:]}\n{err[-8000:]}"
+        ) from None
+    assert proc.returncode == 0, (
+        f"{args} exited with {proc.returncode}:\n{out[-4000:]}\n{err[-8000:]}"
+    )
     assert "deepspeed was imported" not in err
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -87,14 +87,25 @@ def test_save_state_and_load_state_continue_exactly(plain, tmp_path, nvme_dir):
 
 def test_auto_values_are_filled_as_accelerates_deepspeed_plugin_fills_them(nvme_dir):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3, mixed_precision="bf16")
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "train_batch_size": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
-           "zero_optimization": {"stage": 2}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {"stage": 2},
+    }
     torch.manual_seed(0)
     model = tiny_gpt()
-    model, opt, dl = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader(), config=cfg)
+    model, opt, dl = prepare(
+        accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader(), config=cfg
+    )
     c = model.engine.config
-    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.train_batch_size) == (2, 3, 6)
+    assert (
+        c.train_micro_batch_size_per_gpu,
+        c.gradient_accumulation_steps,
+        c.train_batch_size,
+    ) == (2, 3, 6)
     assert c.gradient_clipping == 1.0 and c.bf16.enabled and not c.fp16.enabled
     model.engine.close()
 
@@ -105,15 +116,27 @@ def test_a_guides_config_unchanged_with_its_optimizer_and_schedule(mixed_precisi
     "auto" everywhere, bf16 under its alias bfloat16): optimizer=None uses the config's, keyword
     Accelerate's DummyOptim/DummyScheduler stand for its optimizer and scheduler sections and fill
     their "auto" values, as with Accelerate's DeepSpeed plugin."""
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS, mixed_precision=mixed_precision)
+    accelerator = Accelerator(
+        cpu=True, gradient_accumulation_steps=GAS, mixed_precision=mixed_precision
+    )
     torch.manual_seed(0)
     model = tiny_gpt()
     dummy = DummyOptim(model.parameters(), lr=1e-3)
-    model, opt, dl, sched = prepare(accelerator, model, dummy, loader(), DummyScheduler(dummy, warmup_num_steps=2),
-                                    config=CONFIGS / "zero2_offload_cpu.json")
+    model, opt, dl, sched = prepare(
+        accelerator,
+        model,
+        dummy,
+        loader(),
+        DummyScheduler(dummy, warmup_num_steps=2),
+        config=CONFIGS / "zero2_offload_cpu.json",
+    )
     c = model.engine.config
     assert c.bf16.enabled is (mixed_precision == "bf16") and not c.fp16.enabled
-    assert (c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps, c.gradient_clipping) == (2, GAS, 1.0)
+    assert (
+        c.train_micro_batch_size_per_gpu,
+        c.gradient_accumulation_steps,
+        c.gradient_clipping,
+    ) == (2, GAS, 1.0)
     losses = []
     for x, y in dl:
         loss = model(x, y)
@@ -131,17 +154,35 @@ def test_a_written_accumulation_wins_and_the_accelerator_follows(nvme_dir):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
     torch.manual_seed(0)
     model = tiny_gpt()
-    model, *_ = prepare(accelerator, model, torch.optim.AdamW(model.parameters()), loader(),
-                        config=engine_config(nvme_dir, stage=2, offload="cpu"))
-    assert model.engine.gradient_accumulation_steps == GAS == accelerator.gradient_accumulation_steps
+    model, *_ = prepare(
+        accelerator,
+        model,
+        torch.optim.AdamW(model.parameters()),
+        loader(),
+        config=engine_config(nvme_dir, stage=2, offload="cpu"),
+    )
+    assert (
+        model.engine.gradient_accumulation_steps == GAS == accelerator.gradient_accumulation_steps
+    )
     model.engine.close()
 
 
 def test_prepare_frozen_serves_from_nvme_without_optimizer_state(nvme_dir):
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "offload_param": {"device": "nvme", "nvme_path": str(nvme_dir), "max_in_cpu": 0,
-                                                   "buffer_count": 3, "buffer_size": 4096}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(nvme_dir),
+                "max_in_cpu": 0,
+                "buffer_count": 3,
+                "buffer_size": 4096,
+            },
+        },
+    }
     torch.manual_seed(0)
     model = tiny_gpt()
     x, _ = dataset(1)[0]
@@ -154,7 +195,9 @@ def test_prepare_frozen_serves_from_nvme_without_optimizer_state(nvme_dir):
     got = teacher(x)
     assert not got.requires_grad
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert teacher.io_stats()["read_nbytes"] > 0  # the pool (3 x 4096 elements) cannot hold the model
+    assert (
+        teacher.io_stats()["read_nbytes"] > 0
+    )  # the pool (3 x 4096 elements) cannot hold the model
     teacher.close()
 
 
@@ -179,16 +222,26 @@ def test_refusals_say_what_to_do(nvme_dir):
     with pytest.raises(ValueError, match="builds no optimizer"):
         prepare_frozen(model, {"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}})
     with pytest.raises(ConfigError):  # a written micro-batch that disagrees with train_batch_size
-        prepare(accelerator, model, opt, loader(),
-                config={**engine_config(nvme_dir), "train_batch_size": 3})
+        prepare(
+            accelerator,
+            model,
+            opt,
+            loader(),
+            config={**engine_config(nvme_dir), "train_batch_size": 3},
+        )
 
 
 def test_a_precision_the_config_contradicts_is_refused(nvme_dir):
     accelerator = Accelerator(cpu=True, mixed_precision="bf16")
     model = tiny_gpt()
     with pytest.raises(ValueError, match="mixed_precision is 'bf16' and the config enables fp16"):
-        prepare(accelerator, model, torch.optim.AdamW(model.parameters()), loader(),
-                config={**engine_config(nvme_dir), "fp16": {"enabled": True}})
+        prepare(
+            accelerator,
+            model,
+            torch.optim.AdamW(model.parameters()),
+            loader(),
+            config={**engine_config(nvme_dir), "fp16": {"enabled": True}},
+        )
 
 
 def test_two_trained_models_on_one_accelerator(tmp_path, nvme_dir):
@@ -199,8 +252,13 @@ def test_two_trained_models_on_one_accelerator(tmp_path, nvme_dir):
     for seed in (0, 1):
         torch.manual_seed(seed)
         model = tiny_gpt()
-        model, opt, dl = prepare(accelerator, model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                    loader(), config=auto_config(nvme_dir, stage=2, offload="cpu"))
+        model, opt, dl = prepare(
+            accelerator,
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            loader(),
+            config=auto_config(nvme_dir, stage=2, offload="cpu"),
+        )
         prepared.append((model, opt))
     x, y = next(iter(dl))
     with pytest.raises(RuntimeError, match="call model.backward\\(loss\\)"):
@@ -211,7 +269,9 @@ def test_two_trained_models_on_one_accelerator(tmp_path, nvme_dir):
             model.backward(model(x, y))
             opt.step()
     accelerator.save_state(tmp_path / "two")
-    assert (tmp_path / "two" / "infinity_model").is_dir() and (tmp_path / "two" / "infinity_model_1").is_dir()
+    assert (tmp_path / "two" / "infinity_model").is_dir() and (
+        tmp_path / "two" / "infinity_model_1"
+    ).is_dir()
     want = [model(x, y).item() for model, _ in prepared]
     for model, opt in prepared:  # move both away from the saved weights, then back
         for _ in range(GAS):
@@ -229,8 +289,13 @@ def test_load_state_of_a_folder_without_the_engine_checkpoint_is_refused(tmp_pat
     accelerator.save_state(plain_state)  # nothing prepared with infinity yet: RNG states only
     torch.manual_seed(0)
     model = tiny_gpt()
-    model, *_ = prepare(accelerator, model, torch.optim.AdamW(model.parameters()), loader(),
-                        config=auto_config(nvme_dir, stage=2, offload="cpu"))
+    model, *_ = prepare(
+        accelerator,
+        model,
+        torch.optim.AdamW(model.parameters()),
+        loader(),
+        config=auto_config(nvme_dir, stage=2, offload="cpu"),
+    )
     with pytest.raises(FileNotFoundError, match="holds no infinity_model/"):
         accelerator.load_state(plain_state)
     model.engine.close()
@@ -252,10 +317,25 @@ def test_world_size_2_matches_plain_accelerate_ddp_and_infinitys_loop(tmp_path, 
     own = run_distributed(_own_loop, str(nvme_dir), world_size=2)
     got = {}
     for mode in ("infinity", "plain"):
-        run(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             "tests/integrations/accelerate_world_size_2.py", mode, str(tmp_path), str(nvme_dir)],
-            cwd=ROOT, env=without_deepspeed(tmp_path))
-        got[mode] = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())["losses"] for r in range(2)]
+        run(
+            [
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "tests/integrations/accelerate_world_size_2.py",
+                mode,
+                str(tmp_path),
+                str(nvme_dir),
+            ],
+            cwd=ROOT,
+            env=without_deepspeed(tmp_path),
+        )
+        got[mode] = [
+            json.loads((tmp_path / f"{mode}.rank{r}.json").read_text())["losses"] for r in range(2)
+        ]
     for rank in range(2):
         assert_close(got["infinity"][rank], got["plain"][rank], f"training loss (rank {rank})")
-        assert_close(got["infinity"][rank], own[rank], f"training loss against infinity's loop (rank {rank})")
+        assert_close(
+            got["infinity"][rank], own[rank], f"training loss against infinity's loop (rank {rank})"
+        )

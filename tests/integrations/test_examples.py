@@ -12,16 +12,28 @@ def _summary(stdout: str) -> dict:
     return json.loads([ln for ln in stdout.splitlines() if ln.startswith("{")][-1])
 
 
-@pytest.mark.parametrize("script,checkpoint", [
-    ("lightning_stage3_nvme.py", "last.ckpt"),
-    ("fabric_loop.py", ""),
-])
+@pytest.mark.parametrize(
+    "script,checkpoint",
+    [
+        ("lightning_stage3_nvme.py", "last.ckpt"),
+        ("fabric_loop.py", ""),
+    ],
+)
 def test_example_trains_and_resumes(script, checkpoint, tmp_path, nvme_dir):
     env = without_deepspeed(tmp_path)
-    args = [str(ROOT / "examples" / script), "--quick", "--nvme-path", str(nvme_dir), "--out", "out"]
+    args = [
+        str(ROOT / "examples" / script),
+        "--quick",
+        "--nvme-path",
+        str(nvme_dir),
+        "--out",
+        "out",
+    ]
     first = _summary(run(args, cwd=tmp_path, env=env).stdout)
     assert first["steps"] == 6 and first["last_loss"] < first["first_loss"] - 0.2, first
-    assert first["nvme_read_nbytes"] > 0 and first["nvme_write_nbytes"] > 0  # parameters and moments on NVMe
+    assert (
+        first["nvme_read_nbytes"] > 0 and first["nvme_write_nbytes"] > 0
+    )  # parameters and moments on NVMe
     assert (tmp_path / "out" / checkpoint / "checkpoint").is_dir()
     again = _summary(run([*args, "--resume", "--steps", "8"], cwd=tmp_path, env=env).stdout)
     assert again["steps"] == 8, again
@@ -29,11 +41,20 @@ def test_example_trains_and_resumes(script, checkpoint, tmp_path, nvme_dir):
     assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)
 
 
-def test_distill_accelerate_trains_the_student_on_the_teachers_logits_and_resumes(tmp_path, nvme_dir):
+def test_distill_accelerate_trains_the_student_on_the_teachers_logits_and_resumes(
+    tmp_path, nvme_dir
+):
     """The Accelerate teacher/student scenario: the frozen ZeRO-3 teacher reads its weights from NVMe,
     the ZeRO-2 student's distillation loss falls, and accelerator.load_state continues the student."""
     env = without_deepspeed(tmp_path)
-    args = [str(ROOT / "examples" / "distill_accelerate.py"), "--quick", "--nvme-path", str(nvme_dir), "--out", "out"]
+    args = [
+        str(ROOT / "examples" / "distill_accelerate.py"),
+        "--quick",
+        "--nvme-path",
+        str(nvme_dir),
+        "--out",
+        "out",
+    ]
     first = _summary(run(args, cwd=tmp_path, env=env).stdout)
     assert first["steps"] == 6 and first["last_loss"] < first["first_loss"] - 0.2, first
     assert first["teacher_nvme_read_nbytes"] > 0  # the teacher's parameters came from NVMe
@@ -47,13 +68,24 @@ def test_hf_trainer_example_trains_resumes_and_saves(tmp_path, nvme_dir):
     """examples/hf_trainer_gpt2.py: InfinityTrainer with "auto" values from TrainingArguments, the
     Trainer's checkpoint-N folders, --resume through resume_from_checkpoint, a from_pretrained reload."""
     env = without_deepspeed(tmp_path)
-    args = [str(ROOT / "examples" / "hf_trainer_gpt2.py"), "--quick", "--nvme-path", str(nvme_dir), "--out", "out"]
+    args = [
+        str(ROOT / "examples" / "hf_trainer_gpt2.py"),
+        "--quick",
+        "--nvme-path",
+        str(nvme_dir),
+        "--out",
+        "out",
+    ]
     first = _summary(run(args, cwd=tmp_path, env=env).stdout)
     assert first["steps"] == 6 and first["last_loss"] < first["first_loss"] - 0.2, first
-    assert first["nvme_read_nbytes"] > 0 and first["nvme_write_nbytes"] > 0  # parameters and moments on NVMe
+    assert (
+        first["nvme_read_nbytes"] > 0 and first["nvme_write_nbytes"] > 0
+    )  # parameters and moments on NVMe
     assert (tmp_path / "out" / "checkpoint-6" / "infinity").is_dir()
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
-    assert abs(first["reloaded_loss"] - first["last_loss"]) < 0.5, first  # the trained weights, not fresh ones
+    assert abs(first["reloaded_loss"] - first["last_loss"]) < 0.5, (
+        first
+    )  # the trained weights, not fresh ones
     again = _summary(run([*args, "--resume", "--steps", "8"], cwd=tmp_path, env=env).stdout)
     assert again["steps"] == 8, again
     assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)

@@ -52,8 +52,9 @@ def test_stage3_nvme_matches_plain_fabric_and_infinitys_loop(plain, nvme_dir):
 
 @pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "nvme")])
 def test_lower_stages_match_plain_fabric(plain, nvme_dir, stage, offload):
-    losses, val_losses, weights, _ = fabric_run(InfinityFabricStrategy(config=engine_config(nvme_dir, stage=stage,
-                                                                                            offload=offload)))
+    losses, val_losses, weights, _ = fabric_run(
+        InfinityFabricStrategy(config=engine_config(nvme_dir, stage=stage, offload=offload))
+    )
     assert_close(losses, plain[0], "training loss")
     assert_weights_close(weights, plain[2])
 
@@ -63,7 +64,9 @@ def test_save_and_load_continue_exactly(plain, tmp_path, nvme_dir):
     loop goes on from state["epoch"] with the uninterrupted run's losses (plain Fabric's)."""
     fabric_run(stage3_nvme(nvme_dir), epochs=1, save_after=1, path=tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "checkpoint").is_dir()
-    losses, val_losses, weights, _ = fabric_run(stage3_nvme(nvme_dir), resume_from=tmp_path / "ckpt")
+    losses, val_losses, weights, _ = fabric_run(
+        stage3_nvme(nvme_dir), resume_from=tmp_path / "ckpt"
+    )
     per_epoch = len(dataset(1))
     assert_close(losses, plain[0][per_epoch:], "training loss after fabric.load")
     assert_close(val_losses, plain[1][2:], "evaluation loss after fabric.load")
@@ -78,7 +81,9 @@ def test_load_full_weights_reads_a_plain_fabric_file(tmp_path, nvme_dir):
     want = model(x, y).item()
     fabric.save(tmp_path / "plain.pt", {"model": model})
 
-    fabric = Fabric(accelerator="cpu", devices=1, strategy=stage3_nvme(nvme_dir, load_full_weights=True))
+    fabric = Fabric(
+        accelerator="cpu", devices=1, strategy=stage3_nvme(nvme_dir, load_full_weights=True)
+    )
     fabric.launch()
     torch.manual_seed(0)  # other weights than the file's
     module = tiny_gpt()
@@ -99,7 +104,9 @@ def test_refusals(tmp_path, nvme_dir):
     fabric.backward(model(x, y))
     with pytest.raises(RuntimeError, match="backward was called twice without an optimizer step"):
         fabric.backward(model(x, y))
-    with pytest.raises(RuntimeError, match="no_backward_sync.*gradient_accumulation_steps in the config"):
+    with pytest.raises(
+        RuntimeError, match="no_backward_sync.*gradient_accumulation_steps in the config"
+    ):
         with fabric.no_backward_sync(model):
             pass
     with pytest.raises(RuntimeError, match="set gradient_clipping in the config"):
@@ -113,7 +120,9 @@ def test_refusals(tmp_path, nvme_dir):
     fabric = Fabric(accelerator="cpu", devices=1, strategy=stage3_nvme(nvme_dir))
     fabric.launch()
     module = tiny_gpt()
-    with pytest.raises(RuntimeError, match="model and optimizer to be set up jointly|sets up the model and its"):
+    with pytest.raises(
+        RuntimeError, match="model and optimizer to be set up jointly|sets up the model and its"
+    ):
         fabric.setup_optimizers(torch.optim.AdamW(module.parameters()))
     with pytest.raises(ValueError, match="cannot use the precision plugin"):
         Fabric(accelerator="cpu", devices=1, strategy=stage3_nvme(nvme_dir), precision="64-true")
@@ -121,21 +130,56 @@ def test_refusals(tmp_path, nvme_dir):
 
 def test_arguments_names_and_precision():
     """Fabric's DeepSpeedStrategy is the oracle for the config its arguments make and its names."""
-    kwargs = dict(stage=3, offload_optimizer=True, offload_parameters=True, offload_params_device="nvme",
-                  offload_optimizer_device="nvme", nvme_path="/local_nvme", params_buffer_count=5,
-                  params_buffer_size=10**8, max_in_cpu=0, optimizer_buffer_count=4, pin_memory=True, block_size=1 << 20,
-                  queue_depth=8, single_submit=False, overlap_events=True, thread_count=1,
-                  zero_allow_untested_optimizer=True, logging_batch_size_per_gpu=2, partition_activations=True,
-                  cpu_checkpointing=True, contiguous_memory_optimization=False, synchronize_checkpoint_boundary=False,
-                  sub_group_size=10**9, contiguous_gradients=True, overlap_comm=True, allgather_partitions=True,
-                  reduce_scatter=True, allgather_bucket_size=10**8, reduce_bucket_size=10**8)
-    assert InfinityFabricStrategy(**kwargs).config == FabricDeepSpeedStrategy._create_default_config(
-        None, zero_optimization=True, **kwargs)
-    ours = {n: STRATEGY_REGISTRY[n]["init_params"] for n in STRATEGY_REGISTRY if n.startswith("infinity")}
-    theirs = {n.replace("deepspeed", "infinity"): STRATEGY_REGISTRY[n]["init_params"]
-              for n in STRATEGY_REGISTRY if n.startswith("deepspeed")}
+    kwargs = dict(
+        stage=3,
+        offload_optimizer=True,
+        offload_parameters=True,
+        offload_params_device="nvme",
+        offload_optimizer_device="nvme",
+        nvme_path="/local_nvme",
+        params_buffer_count=5,
+        params_buffer_size=10**8,
+        max_in_cpu=0,
+        optimizer_buffer_count=4,
+        pin_memory=True,
+        block_size=1 << 20,
+        queue_depth=8,
+        single_submit=False,
+        overlap_events=True,
+        thread_count=1,
+        zero_allow_untested_optimizer=True,
+        logging_batch_size_per_gpu=2,
+        partition_activations=True,
+        cpu_checkpointing=True,
+        contiguous_memory_optimization=False,
+        synchronize_checkpoint_boundary=False,
+        sub_group_size=10**9,
+        contiguous_gradients=True,
+        overlap_comm=True,
+        allgather_partitions=True,
+        reduce_scatter=True,
+        allgather_bucket_size=10**8,
+        reduce_bucket_size=10**8,
+    )
+    assert InfinityFabricStrategy(
+        **kwargs
+    ).config == FabricDeepSpeedStrategy._create_default_config(
+        None, zero_optimization=True, **kwargs
+    )
+    ours = {
+        n: STRATEGY_REGISTRY[n]["init_params"]
+        for n in STRATEGY_REGISTRY
+        if n.startswith("infinity")
+    }
+    theirs = {
+        n.replace("deepspeed", "infinity"): STRATEGY_REGISTRY[n]["init_params"]
+        for n in STRATEGY_REGISTRY
+        if n.startswith("deepspeed")
+    }
     assert {n: ours.get(n) for n in theirs} == theirs
-    fabric = Fabric(accelerator="cpu", devices=1, strategy="infinity_stage_3", precision="bf16-true")
+    fabric = Fabric(
+        accelerator="cpu", devices=1, strategy="infinity_stage_3", precision="bf16-true"
+    )
     assert isinstance(fabric.strategy, InfinityFabricStrategy)
     assert isinstance(fabric.strategy.precision, InfinityFabricPrecision)
     assert fabric.strategy.precision.precision == "bf16-true"

@@ -23,15 +23,21 @@ from tests.integrations.lightning_runs import LIGHTNING_WARNINGS, assert_close, 
 pytestmark = [
     *LIGHTNING_WARNINGS,
     # the guide's precision=16 is fp16 AMP on its GPUs; on CPU Lightning itself makes it bf16, and says so
-    pytest.mark.filterwarnings("ignore:You passed `Trainer\\(accelerator='cpu', precision='16-mixed'\\)`"),
+    pytest.mark.filterwarnings(
+        "ignore:You passed `Trainer\\(accelerator='cpu', precision='16-mixed'\\)`"
+    ),
     pytest.mark.filterwarnings("ignore:`precision=16` is supported for historical reasons"),
-    pytest.mark.filterwarnings("ignore:You have overridden `MyShardedModel.configure_sharded_model`"),
+    pytest.mark.filterwarnings(
+        "ignore:You have overridden `MyShardedModel.configure_sharded_model`"
+    ),
 ]
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
     "cpu_adam": lambda params: CPUAdam(params, lr=1e-2),  # DeepSpeedCPUAdam in the guide
-    "fused_adam": lambda params: torch.optim.Adam(params, lr=1e-2),  # FusedAdam in the guide (CUDA only)
+    "fused_adam": lambda params: torch.optim.Adam(
+        params, lr=1e-2
+    ),  # FusedAdam in the guide (CUDA only)
 }
 
 
@@ -85,11 +91,15 @@ def data():
     x = torch.randn(32, 8, generator=g)
     ds = TensorDataset(x, x.sum(1, keepdim=True).tanh())
     # the same order under every strategy (Lightning shuffles a distributed strategy's training data)
-    return DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=False))
+    return DataLoader(
+        ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=1, rank=0, shuffle=False)
+    )
 
 
 def fit(strategy, module, epochs=1, **kwargs):
-    t = trainer(strategy, epochs=epochs, accumulate_grad_batches=1, gradient_clip_val=None, **kwargs)
+    t = trainer(
+        strategy, epochs=epochs, accumulate_grad_batches=1, gradient_clip_val=None, **kwargs
+    )
     t.fit(module, data())
     return t
 
@@ -105,12 +115,26 @@ SCENARIOS = {
     "stage_3_offload": lambda nvme: ("infinity_stage_3_offload", {"precision": 16}, "adamw"),
     # DeepSpeedPlugin(stage=3, offload_optimizer=True, offload_parameters=True)
     "stage_3_offload_params": lambda nvme: (
-        InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True), {}, "adamw"),
+        InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True),
+        {},
+        "adamw",
+    ),
     # DeepSpeedPlugin(stage=3, ..., remote_device="nvme", offload_*_device="nvme", nvme_path="/local_nvme")
     "stage_3_nvme": lambda nvme: (
-        InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True, remote_device="nvme",
-                         offload_params_device="nvme", offload_optimizer_device="nvme", nvme_path=str(nvme),
-                         params_buffer_size=1 << 12, max_in_cpu=0), {}, "adamw"),
+        InfinityStrategy(
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+            remote_device="nvme",
+            offload_params_device="nvme",
+            offload_optimizer_device="nvme",
+            nvme_path=str(nvme),
+            params_buffer_size=1 << 12,
+            max_in_cpu=0,
+        ),
+        {},
+        "adamw",
+    ),
 }
 
 
@@ -131,7 +155,8 @@ def test_scenario(name, nvme_dir):
     tested = t.test(module, data(), verbose=False)[0]["test_loss"]
     predicted = torch.cat(t.predict(module, data()))
     assert predicted.shape == (32, 1) and tested == pytest.approx(
-        (predicted.float() - torch.cat([b[1] for b in data()])).square().mean().item(), rel=2e-2)
+        (predicted.float() - torch.cat([b[1] for b in data()])).square().mean().item(), rel=2e-2
+    )
 
 
 def test_configure_sharded_model_with_cpu_checkpointing(nvme_dir):
@@ -152,5 +177,7 @@ def test_sharded_checkpoint_then_test_through_the_trainer(tmp_path, nvme_dir):
     want = t.test(module, data(), verbose=False)[0]["test_loss"]
     t.save_checkpoint(tmp_path / "sharded")
     fresh = MyModel()
-    got = trainer("infinity_stage_3_offload").test(fresh, data(), ckpt_path=tmp_path / "sharded", verbose=False)
+    got = trainer("infinity_stage_3_offload").test(
+        fresh, data(), ckpt_path=tmp_path / "sharded", verbose=False
+    )
     assert got[0]["test_loss"] == pytest.approx(want, rel=1e-6)

@@ -47,7 +47,9 @@ def uninterrupted(tmp_path_factory):
 
 def _fit(strategy, *, epochs, build_in="init", ckpt_path=None, callbacks=()):
     module = MODULES[build_in](build_in)
-    t = trainer(strategy, epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks))
+    t = trainer(
+        strategy, epochs=epochs, callbacks=list(callbacks), enable_checkpointing=bool(callbacks)
+    )
     data = dataset(epochs)
     t.fit(module, loader(data), loader(data[:2]), ckpt_path=ckpt_path)
     return module, t
@@ -58,19 +60,25 @@ def _micro(epoch: int) -> int:
 
 
 @pytest.mark.parametrize("resume_from", ["epoch=0-step=3.ckpt", "last"])
-def test_resume_with_model_checkpoint_continues_exactly(uninterrupted, tmp_path, nvme_dir, resume_from):
+def test_resume_with_model_checkpoint_continues_exactly(
+    uninterrupted, tmp_path, nvme_dir, resume_from
+):
     """ModelCheckpoint saves at each epoch end (and last.ckpt); fit(ckpt_path=...) in a new Trainer
     with a new module gives the uninterrupted run's losses from there on."""
     ckpt = tmp_path / "ckpt"
     callbacks = lambda: [ModelCheckpoint(dirpath=ckpt, save_top_k=-1, save_last=True)]  # noqa: E731
     _fit(infinity_strategy(nvme_dir), epochs=2, callbacks=callbacks())
     assert sorted(os.listdir(ckpt)) == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
-    assert (ckpt / "epoch=1-step=6.ckpt" / "checkpoint").is_dir()  # the engine's layout: <path>/checkpoint/
+    assert (
+        ckpt / "epoch=1-step=6.ckpt" / "checkpoint"
+    ).is_dir()  # the engine's layout: <path>/checkpoint/
     start = 1 if resume_from.startswith("epoch=0") else 2
     path = resume_from if resume_from == "last" else str(ckpt / resume_from)
-    module, _ = _fit(infinity_strategy(nvme_dir), epochs=EPOCHS, ckpt_path=path, callbacks=callbacks())
-    assert_close(module.losses, uninterrupted[0][_micro(start):], "training loss after resuming")
-    assert_close(module.val_losses, uninterrupted[1][2 * start:], "validation loss after resuming")
+    module, _ = _fit(
+        infinity_strategy(nvme_dir), epochs=EPOCHS, ckpt_path=path, callbacks=callbacks()
+    )
+    assert_close(module.losses, uninterrupted[0][_micro(start) :], "training loss after resuming")
+    assert_close(module.val_losses, uninterrupted[1][2 * start :], "validation loss after resuming")
 
 
 @pytest.mark.parametrize("build_in", ["init", "configure_model"])
@@ -79,9 +87,13 @@ def test_resume_from_trainer_save_checkpoint(uninterrupted, tmp_path, nvme_dir, 
     zero.Init-built module resumes the same way."""
     _, t = _fit(infinity_strategy(nvme_dir), epochs=2, build_in=build_in)
     t.save_checkpoint(tmp_path / "two_epochs")
-    module, _ = _fit(infinity_strategy(nvme_dir), epochs=EPOCHS, build_in=build_in,
-                     ckpt_path=tmp_path / "two_epochs")
-    assert_close(module.losses, uninterrupted[0][_micro(2):], "training loss after resuming")
+    module, _ = _fit(
+        infinity_strategy(nvme_dir),
+        epochs=EPOCHS,
+        build_in=build_in,
+        ckpt_path=tmp_path / "two_epochs",
+    )
+    assert_close(module.losses, uninterrupted[0][_micro(2) :], "training loss after resuming")
 
 
 def test_validate_test_and_predict_after_fit(nvme_dir):
@@ -107,7 +119,9 @@ def test_validate_a_checkpoint_in_a_fresh_trainer(uninterrupted, tmp_path, nvme_
     _, t = _fit(infinity_strategy(nvme_dir), epochs=2)
     t.save_checkpoint(tmp_path / "two_epochs")
     module = MODULES["configure_model"]("configure_model")
-    trainer(infinity_strategy(nvme_dir)).validate(module, loader(dataset(1)[:2]), ckpt_path=tmp_path / "two_epochs")
+    trainer(infinity_strategy(nvme_dir)).validate(
+        module, loader(dataset(1)[:2]), ckpt_path=tmp_path / "two_epochs"
+    )
     assert_close(module.val_losses, uninterrupted[1][2:4], "validation loss of the checkpoint")
 
 
@@ -120,7 +134,9 @@ def test_load_full_weights_reads_a_plain_lightning_checkpoint(tmp_path, nvme_dir
     module.val_losses.clear()
     t.validate(module, loader(dataset(1)[:2]))
 
-    strategy = InfinityStrategy(config=lightning_config(nvme_dir, stage=stage), load_full_weights=True)
+    strategy = InfinityStrategy(
+        config=lightning_config(nvme_dir, stage=stage), load_full_weights=True
+    )
     fresh = MODULES["init"]("init")
     trainer(strategy).validate(fresh, loader(dataset(1)[:2]), ckpt_path=tmp_path / "plain.ckpt")
     assert_close(fresh.val_losses, module.val_losses, "validation loss of the plain checkpoint")
@@ -130,5 +146,6 @@ def test_a_plain_checkpoint_is_refused_with_the_fix(tmp_path, nvme_dir):
     module, t = _fit("auto", epochs=1)
     t.save_checkpoint(tmp_path / "plain.ckpt")
     with pytest.raises(FileNotFoundError, match="load_full_weights=True"):
-        trainer(infinity_strategy(nvme_dir)).validate(MODULES["init"]("init"), loader(dataset(1)[:2]),
-                                                      ckpt_path=tmp_path / "plain.ckpt")
+        trainer(infinity_strategy(nvme_dir)).validate(
+            MODULES["init"]("init"), loader(dataset(1)[:2]), ckpt_path=tmp_path / "plain.ckpt"
+        )

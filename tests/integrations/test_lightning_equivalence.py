@@ -39,7 +39,9 @@ def test_infinity_loop_matches_plain_lightning(plain, nvme_dir):
 def test_stage3_nvme_matches_plain_lightning(plain, nvme_dir, build_in):
     """Parameters and optimizer state on NVMe; the model built in __init__, or in configure_model /
     configure_sharded_model, where it is partitioned as it is built (zero.Init)."""
-    losses, val_losses, weights, module = lightning_run(infinity_strategy(nvme_dir), build_in=build_in)
+    losses, val_losses, weights, module = lightning_run(
+        infinity_strategy(nvme_dir), build_in=build_in
+    )
     assert_close(losses, plain[0], "training loss")
     assert_close(val_losses, plain[1], "validation loss")
     assert_weights_close(weights, plain[2])
@@ -50,7 +52,9 @@ def test_stage3_nvme_matches_plain_lightning(plain, nvme_dir, build_in):
 
 @pytest.mark.parametrize("stage,offload", [(0, "none"), (1, "nvme"), (2, "cpu")])
 def test_lower_stages_match_plain_lightning(plain, nvme_dir, stage, offload):
-    losses, val_losses, weights, _ = lightning_run(infinity_strategy(nvme_dir, stage=stage, offload=offload))
+    losses, val_losses, weights, _ = lightning_run(
+        infinity_strategy(nvme_dir, stage=stage, offload=offload)
+    )
     assert_close(losses, plain[0], "training loss")
     assert_close(val_losses, plain[1], "validation loss")
     assert_weights_close(weights, plain[2])

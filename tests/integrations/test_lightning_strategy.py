@@ -31,13 +31,35 @@ pytestmark = LIGHTNING_WARNINGS
 
 # Every DeepSpeedStrategy knob set explicitly (Lightning 1.x guides' names are checked below).
 EVERY_KNOB = dict(
-    zero_optimization=True, stage=3, offload_optimizer=True, offload_parameters=True, offload_params_device="nvme",
-    offload_optimizer_device="nvme", nvme_path="/local_nvme", params_buffer_count=7, params_buffer_size=12345,
-    max_in_cpu=0, optimizer_buffer_count=6, block_size=1 << 20, queue_depth=16, single_submit=False,
-    overlap_events=True, thread_count=2, pin_memory=True, sub_group_size=10**9, contiguous_gradients=True,
-    overlap_comm=True, allgather_partitions=True, reduce_scatter=True, allgather_bucket_size=10**8,
-    reduce_bucket_size=10**8, zero_allow_untested_optimizer=True, logging_batch_size_per_gpu=4,
-    partition_activations=True, cpu_checkpointing=True, contiguous_memory_optimization=False,
+    zero_optimization=True,
+    stage=3,
+    offload_optimizer=True,
+    offload_parameters=True,
+    offload_params_device="nvme",
+    offload_optimizer_device="nvme",
+    nvme_path="/local_nvme",
+    params_buffer_count=7,
+    params_buffer_size=12345,
+    max_in_cpu=0,
+    optimizer_buffer_count=6,
+    block_size=1 << 20,
+    queue_depth=16,
+    single_submit=False,
+    overlap_events=True,
+    thread_count=2,
+    pin_memory=True,
+    sub_group_size=10**9,
+    contiguous_gradients=True,
+    overlap_comm=True,
+    allgather_partitions=True,
+    reduce_scatter=True,
+    allgather_bucket_size=10**8,
+    reduce_bucket_size=10**8,
+    zero_allow_untested_optimizer=True,
+    logging_batch_size_per_gpu=4,
+    partition_activations=True,
+    cpu_checkpointing=True,
+    contiguous_memory_optimization=False,
     synchronize_checkpoint_boundary=False,
 )
 
@@ -47,12 +69,15 @@ def deepspeed_config(**kwargs) -> dict:
     return DeepSpeedStrategy._create_default_config(None, **kwargs)
 
 
-@pytest.mark.parametrize("changes", [
-    {},
-    {"stage": 2, "offload_parameters": False, "offload_optimizer_device": "cpu"},
-    {"zero_optimization": False},
-    {"offload_params_device": "cpu", "pin_memory": False},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"stage": 2, "offload_parameters": False, "offload_optimizer_device": "cpu"},
+        {"zero_optimization": False},
+        {"offload_params_device": "cpu", "pin_memory": False},
+    ],
+)
 def test_arguments_build_deepspeed_strategys_config(changes):
     kwargs = {**EVERY_KNOB, **changes}
     assert InfinityStrategy(**kwargs).config == deepspeed_config(**kwargs)
@@ -60,10 +85,20 @@ def test_arguments_build_deepspeed_strategys_config(changes):
 
 def test_the_guides_lightning_1_names():
     """DeepSpeedPlugin(cpu_offload=True, ...) in older guides: Lightning 1.3's names for the same knobs."""
-    old = InfinityStrategy(stage=3, cpu_offload=True, cpu_offload_params=True, cpu_offload_use_pin_memory=True,
-                           cpu_checkpointing=True).config
-    new = InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True, pin_memory=True,
-                           cpu_checkpointing=True).config
+    old = InfinityStrategy(
+        stage=3,
+        cpu_offload=True,
+        cpu_offload_params=True,
+        cpu_offload_use_pin_memory=True,
+        cpu_checkpointing=True,
+    ).config
+    new = InfinityStrategy(
+        stage=3,
+        offload_optimizer=True,
+        offload_parameters=True,
+        pin_memory=True,
+        cpu_checkpointing=True,
+    ).config
     assert old == new and new["zero_optimization"]["offload_param"]["pin_memory"] is True
 
 
@@ -72,13 +107,35 @@ def test_knobs_left_unset_are_deepspeeds_defaults():
     section's are infinity's own, measured on NVMe: see `infinity tune nvme`)."""
     from infinity.config import load_config
 
-    ours = load_config(InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True).config).to_dict()
-    ds = load_config(deepspeed_config(**{**EVERY_KNOB, **dict(
-        offload_params_device="cpu", offload_optimizer_device="cpu", nvme_path="./infinity_nvme", params_buffer_count=5,
-        params_buffer_size=100_000_000, max_in_cpu=1_000_000_000, optimizer_buffer_count=4, pin_memory=False,
-        logging_batch_size_per_gpu="auto", partition_activations=False,
-        cpu_checkpointing=False, allgather_bucket_size=500_000_000, reduce_bucket_size=500_000_000)})).to_dict()
-    for d in (ours, ds):  # keys DeepSpeed acts on for communication only, the activation section, aio
+    ours = load_config(
+        InfinityStrategy(stage=3, offload_optimizer=True, offload_parameters=True).config
+    ).to_dict()
+    ds = load_config(
+        deepspeed_config(
+            **{
+                **EVERY_KNOB,
+                **dict(
+                    offload_params_device="cpu",
+                    offload_optimizer_device="cpu",
+                    nvme_path="./infinity_nvme",
+                    params_buffer_count=5,
+                    params_buffer_size=100_000_000,
+                    max_in_cpu=1_000_000_000,
+                    optimizer_buffer_count=4,
+                    pin_memory=False,
+                    logging_batch_size_per_gpu="auto",
+                    partition_activations=False,
+                    cpu_checkpointing=False,
+                    allgather_bucket_size=500_000_000,
+                    reduce_bucket_size=500_000_000,
+                ),
+            }
+        )
+    ).to_dict()
+    for d in (
+        ours,
+        ds,
+    ):  # keys DeepSpeed acts on for communication only, the activation section, aio
         d.pop("aio")
         d.pop("activation_checkpointing", None)
         d.pop("zero_allow_untested_optimizer", None)
@@ -86,9 +143,14 @@ def test_knobs_left_unset_are_deepspeeds_defaults():
 
 
 def test_registered_names_mirror_deepspeeds():
-    ours = {n: StrategyRegistry[n]["init_params"] for n in StrategyRegistry if n.startswith("infinity")}
-    theirs = {n.replace("deepspeed", "infinity"): StrategyRegistry[n]["init_params"]
-              for n in StrategyRegistry if n.startswith("deepspeed")}
+    ours = {
+        n: StrategyRegistry[n]["init_params"] for n in StrategyRegistry if n.startswith("infinity")
+    }
+    theirs = {
+        n.replace("deepspeed", "infinity"): StrategyRegistry[n]["init_params"]
+        for n in StrategyRegistry
+        if n.startswith("deepspeed")
+    }
     assert set(theirs) <= set(ours)
     for name, params in theirs.items():
         assert ours[name] == params, name
@@ -101,7 +163,9 @@ class Wide(LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(400, 400), torch.nn.Tanh(), torch.nn.Linear(400, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(400, 400), torch.nn.Tanh(), torch.nn.Linear(400, 1)
+        )
 
     def training_step(self, b, i):
         return self.net(b).square().mean()
@@ -117,12 +181,22 @@ def test_registered_name_with_bf16_true(tmp_path, nvme_dir, monkeypatch):
     module = Wide()
     t = trainer("infinity_stage_3_offload_nvme", epochs=1, precision="bf16-true")
     assert isinstance(t.strategy, InfinityStrategy)
-    assert isinstance(t.precision_plugin, InfinityPrecision) and t.precision_plugin.precision == "bf16-true"
+    assert (
+        isinstance(t.precision_plugin, InfinityPrecision)
+        and t.precision_plugin.precision == "bf16-true"
+    )
     t.fit(module, torch.utils.data.DataLoader(torch.randn(8, 400), batch_size=2))
     engine = t.strategy.engine
     cfg = engine.config.zero_optimization
-    assert (cfg.stage, cfg.offload_param.device, cfg.offload_optimizer.device) == (3, "nvme", "nvme")
-    assert cfg.offload_param.nvme_path == "./infinity_nvme" and (nvme_dir / "infinity_nvme" / "rank0").is_dir()
+    assert (cfg.stage, cfg.offload_param.device, cfg.offload_optimizer.device) == (
+        3,
+        "nvme",
+        "nvme",
+    )
+    assert (
+        cfg.offload_param.nvme_path == "./infinity_nvme"
+        and (nvme_dir / "infinity_nvme" / "rank0").is_dir()
+    )
     assert engine.config.bf16.enabled and engine.io_stats()["write_nbytes"] > 0
     engine.close()
 
@@ -135,11 +209,18 @@ def test_16_bit_precisions_are_the_engines(nvme_dir, precision):
     cfg = engine_config(nvme_dir)
     cfg[section] = {"enabled": True}
     if section == "fp16":  # Lightning's DeepSpeed defaults for the loss scale
-        cfg["fp16"].update(loss_scale=0, initial_scale_power=16, loss_scale_window=1000, hysteresis=2,
-                           min_loss_scale=1)
+        cfg["fp16"].update(
+            loss_scale=0,
+            initial_scale_power=16,
+            loss_scale_window=1000,
+            hysteresis=2,
+            min_loss_scale=1,
+        )
     want, want_val, _ = engine_run(cfg)
     if section == "fp16":
-        strategy = InfinityStrategy(config=lightning_config(nvme_dir), precision_plugin=InfinityPrecision(precision))
+        strategy = InfinityStrategy(
+            config=lightning_config(nvme_dir), precision_plugin=InfinityPrecision(precision)
+        )
         got, got_val, _, _ = lightning_run(strategy)
     else:
         got, got_val, _, _ = lightning_run(infinity_strategy(nvme_dir), precision=precision)
@@ -151,10 +232,18 @@ def test_refusals(nvme_dir):
     data = dataset(1)
 
     def fit(strategy, module=None, **kwargs):
-        trainer(strategy, epochs=1, **kwargs).fit(module or GPTModule(), loader(data), loader(data[:2]))
+        trainer(strategy, epochs=1, **kwargs).fit(
+            module or GPTModule(), loader(data), loader(data[:2])
+        )
 
-    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=4 and Trainer\(accumulate_grad_batches=2\)"):
-        fit(InfinityStrategy(config={**lightning_config(nvme_dir), "gradient_accumulation_steps": 4}))
+    with pytest.raises(
+        ConfigError, match=r"gradient_accumulation_steps=4 and Trainer\(accumulate_grad_batches=2\)"
+    ):
+        fit(
+            InfinityStrategy(
+                config={**lightning_config(nvme_dir), "gradient_accumulation_steps": 4}
+            )
+        )
     with pytest.raises(MisconfigurationException, match="gradient_clip_algorithm='value'"):
         fit(infinity_strategy(nvme_dir), gradient_clip_algorithm="value")
     with pytest.raises(MisconfigurationException, match="sync_batchnorm=True"):
@@ -172,15 +261,25 @@ def test_refusals(nvme_dir):
         def configure_optimizers(self):
             return [torch.optim.AdamW(self.parameters()), torch.optim.AdamW(self.parameters())]
 
-    with pytest.raises(MisconfigurationException, match="one optimizer; configure_optimizers returned 2"):
-        fit(infinity_strategy(nvme_dir), TwoOptimizers(), accumulate_grad_batches=1, gradient_clip_val=None)
+    with pytest.raises(
+        MisconfigurationException, match="one optimizer; configure_optimizers returned 2"
+    ):
+        fit(
+            infinity_strategy(nvme_dir),
+            TwoOptimizers(),
+            accumulate_grad_batches=1,
+            gradient_clip_val=None,
+        )
 
     class NotSaveable(GPTModule):
         def __init__(self):
             super().__init__()
             self.save_hyperparameters({"device": torch.device("cpu")})
 
-    with pytest.raises(TypeError, match=r"client_state\['hyper_parameters'\]\['device'\].*save_hyperparameters\(ignore"):
+    with pytest.raises(
+        TypeError,
+        match=r"client_state\['hyper_parameters'\]\['device'\].*save_hyperparameters\(ignore",
+    ):
         t = trainer(infinity_strategy(nvme_dir), epochs=1)
         t.fit(NotSaveable(), loader(data), loader(data[:2]))
         t.save_checkpoint(nvme_dir / "ckpt")
@@ -191,7 +290,9 @@ def test_a_module_trained_by_another_trainer_is_refused_for_a_new_fit(nvme_dir):
     module, not start a new training of it."""
     _, _, _, module = lightning_run(infinity_strategy(nvme_dir), epochs=1)
     with pytest.raises(RuntimeError, match="already trained by an infinity engine"):
-        trainer(infinity_strategy(nvme_dir), epochs=1).fit(module, loader(dataset(1)), loader(dataset(1)[:2]))
+        trainer(infinity_strategy(nvme_dir), epochs=1).fit(
+            module, loader(dataset(1)), loader(dataset(1)[:2])
+        )
 
 
 def test_an_epoch_that_splits_a_window_is_said(nvme_dir):
@@ -211,7 +312,9 @@ def test_config_from_a_file_or_lightnings_variable(tmp_path, monkeypatch):
     """config= a path (read as DeepSpeed reads it: hjson), or PL_DEEPSPEED_CONFIG_PATH as Lightning's
     DeepSpeed strategies read it; the caller's dict is not changed by the Trainer's fill-ins."""
     path = tmp_path / "ds.json"
-    path.write_text('{"zero_optimization": {"stage": 3,}, // DeepSpeed reads hjson\n"gradient_clipping": 1.0}')
+    path.write_text(
+        '{"zero_optimization": {"stage": 3,}, // DeepSpeed reads hjson\n"gradient_clipping": 1.0}'
+    )
     want = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}
     assert InfinityStrategy(config=path).config == want
     monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))

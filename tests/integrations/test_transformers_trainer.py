@@ -45,8 +45,18 @@ LR, WD, CLIP = 3e-3, 0.01, 0.5
 def gpt2() -> GPT2LMHeadModel:
     """No dropout: infinity's own loop draws no random numbers where the Trainer's would."""
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
-                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -54,13 +64,17 @@ def gpt2() -> GPT2LMHeadModel:
 def peft_quietly():
     """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` as it wraps a model."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
         yield
 
 
 class Tokens(torch.utils.data.Dataset):
     def __init__(self):
-        self.ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+        self.ids = torch.randint(
+            0, VOCAB, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1)
+        )
 
     def __len__(self) -> int:
         return SAMPLES
@@ -96,32 +110,57 @@ class Recording:
 
 
 def arguments(out, **overrides) -> TrainingArguments:
-    values = dict(output_dir=str(out), per_device_train_batch_size=BATCH, gradient_accumulation_steps=GAS,
-                  max_steps=MAX_STEPS, learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP,
-                  warmup_steps=WARMUP, adam_epsilon=1e-6, logging_steps=1, report_to=[], save_strategy="no",
-                  seed=0, use_cpu=True, disable_tqdm=True)
+    values = dict(
+        output_dir=str(out),
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=GAS,
+        max_steps=MAX_STEPS,
+        learning_rate=LR,
+        weight_decay=WD,
+        max_grad_norm=CLIP,
+        warmup_steps=WARMUP,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
     values.update(overrides)
     return TrainingArguments(**values)
 
 
 def stage3_nvme(nvme_dir) -> dict:
     offload = {"device": "nvme", "nvme_path": str(nvme_dir)}
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload},
+    }
 
 
 def stage2_cpu() -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
 
 
-def infinity_run(out, config, *, resume: str | None = None, model=None, **overrides
-                 ) -> tuple[Losses, InfinityTrainer]:
+def infinity_run(
+    out, config, *, resume: str | None = None, model=None, **overrides
+) -> tuple[Losses, InfinityTrainer]:
     rec = Losses()
-    trainer = InfinityTrainer(model=model or gpt2(), args=arguments(out, **overrides), train_dataset=Tokens(),
-                              callbacks=[rec], infinity_config=config)
+    trainer = InfinityTrainer(
+        model=model or gpt2(),
+        args=arguments(out, **overrides),
+        train_dataset=Tokens(),
+        callbacks=[rec],
+        infinity_config=config,
+    )
     trainer.train(resume_from_checkpoint=resume)
     return rec, trainer
 
@@ -136,12 +175,17 @@ def assert_close(got: list[float], want: list[float], what: str, rtol: float = 1
 def plain(tmp_path_factory):
     """The plain Trainer's per-step losses and gradient norms, and the batches it saw."""
     rec, batches = Losses(), Recording()
-    trainer = Trainer(model=gpt2(), args=arguments(tmp_path_factory.mktemp("plain")), train_dataset=Tokens(),
-                      data_collator=batches, callbacks=[rec])
+    trainer = Trainer(
+        model=gpt2(),
+        args=arguments(tmp_path_factory.mktemp("plain")),
+        train_dataset=Tokens(),
+        data_collator=batches,
+        callbacks=[rec],
+    )
     trainer.train()
     # the collator may see a batch more than was trained on (the data loader reads ahead)
     assert len(rec.losses) == MAX_STEPS and len(batches.batches) >= MAX_STEPS * GAS
-    return rec.losses, batches.batches[:MAX_STEPS * GAS], rec.grad_norms
+    return rec.losses, batches.batches[: MAX_STEPS * GAS], rec.grad_norms
 
 
 def own_loop(config: dict, batches: list[dict[str, torch.Tensor]]) -> list[float]:
@@ -149,16 +193,28 @@ def own_loop(config: dict, batches: list[dict[str, torch.Tensor]]) -> list[float
     the Trainer's loss: each micro-batch's summed token loss over the label count of the whole window
     (``num_items_in_batch``, the Trainer's count: every label, shifted or not), summed over the window;
     the engine divides what it is given by the accumulation count, hence ``loss * GAS``."""
-    def schedule(opt):
-        return get_scheduler("linear", optimizer=opt, num_warmup_steps=WARMUP, num_training_steps=MAX_STEPS)
 
-    engine = infinity.initialize(gpt2(), config, lr_scheduler=schedule, lr=LR, weight_decay=WD, eps=1e-6,
-                                 betas=(0.9, 0.999), gradient_clipping=CLIP, gradient_accumulation_steps=GAS,
-                                 train_micro_batch_size_per_gpu=BATCH)
+    def schedule(opt):
+        return get_scheduler(
+            "linear", optimizer=opt, num_warmup_steps=WARMUP, num_training_steps=MAX_STEPS
+        )
+
+    engine = infinity.initialize(
+        gpt2(),
+        config,
+        lr_scheduler=schedule,
+        lr=LR,
+        weight_decay=WD,
+        eps=1e-6,
+        betas=(0.9, 0.999),
+        gradient_clipping=CLIP,
+        gradient_accumulation_steps=GAS,
+        train_micro_batch_size_per_gpu=BATCH,
+    )
     losses = []
     with engine:
         for start in range(0, len(batches), GAS):
-            window = batches[start:start + GAS]
+            window = batches[start : start + GAS]
             items = torch.tensor(sum(b["labels"].numel() for b in window))
             step_loss = 0.0
             for batch in window:
@@ -187,11 +243,15 @@ def test_trainer_matches_plain_trainer_and_own_loop(plain, nvme_dir, tmp_path, l
 def test_resume_equals_continue(nvme_dir, tmp_path):
     """checkpoint-3 (mid-epoch) through the Trainer's own flow; the resumed run's steps 4-6 are the
     continued run's."""
-    full, trainer = infinity_run(tmp_path / "a", stage3_nvme(nvme_dir), save_strategy="steps", save_steps=3)
+    full, trainer = infinity_run(
+        tmp_path / "a", stage3_nvme(nvme_dir), save_strategy="steps", save_steps=3
+    )
     trainer.engine.close()
     checkpoint = tmp_path / "a" / "checkpoint-3"
     assert (checkpoint / ENGINE_TAG).is_dir() and (checkpoint / "trainer_state.json").is_file()
-    assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / "optimizer.pt").exists()
+    assert (checkpoint / "model.safetensors").is_file() and not (
+        checkpoint / "optimizer.pt"
+    ).exists()
     resumed, trainer = infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(checkpoint))
     assert trainer.state.global_step == MAX_STEPS
     assert_close(resumed.losses, full.losses[3:], "resumed vs continued", rtol=1e-6)
@@ -215,11 +275,20 @@ def test_save_model_loads_with_from_pretrained(plain, nvme_dir, tmp_path):
 def test_evaluate_runs_through_the_engine(nvme_dir, tmp_path):
     """evaluate() after train(): under stage 3 only the engine has the weights."""
     args = dict(max_steps=2)
-    trainer = InfinityTrainer(model=gpt2(), args=arguments(tmp_path / "a", **args), train_dataset=Tokens(),
-                              eval_dataset=Tokens(), infinity_config=stage3_nvme(nvme_dir))
+    trainer = InfinityTrainer(
+        model=gpt2(),
+        args=arguments(tmp_path / "a", **args),
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(),
+        infinity_config=stage3_nvme(nvme_dir),
+    )
     trainer.train()
-    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "b", **args), train_dataset=Tokens(),
-                    eval_dataset=Tokens())
+    plain = Trainer(
+        model=gpt2(),
+        args=arguments(tmp_path / "b", **args),
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(),
+    )
     plain.train()
     got, want = trainer.evaluate()["eval_loss"], plain.evaluate()["eval_loss"]
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
@@ -228,20 +297,38 @@ def test_evaluate_runs_through_the_engine(nvme_dir, tmp_path):
 
 def test_auto_values_come_from_training_arguments(nvme_dir, tmp_path):
     """A config whose optimizer and WarmupDecayLR schedule are all "auto", filled as HF fills them."""
-    config = {**stage3_nvme(nvme_dir),
-              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                        "weight_decay": "auto"}},
-              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                                 "warmup_num_steps": "auto",
-                                                                 "total_num_steps": "auto"}}}
+    config = {
+        **stage3_nvme(nvme_dir),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        },
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
+    }
     _, trainer = infinity_run(tmp_path, config, max_steps=4, adam_beta2=0.99)
     cfg = trainer.engine.config
-    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.gradient_clipping) == (
-        BATCH, GAS, CLIP)
+    assert (
+        cfg.train_micro_batch_size_per_gpu,
+        cfg.gradient_accumulation_steps,
+        cfg.gradient_clipping,
+    ) == (BATCH, GAS, CLIP)
     p = cfg.optimizer.params
     assert (p.lr, tuple(p.betas), p.eps, p.weight_decay) == (LR, (0.9, 0.99), 1e-6, WD)
     s = cfg.scheduler.params
-    assert (s.warmup_min_lr, s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps) == (0, LR, WARMUP, 4)
+    assert (s.warmup_min_lr, s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps) == (
+        0,
+        LR,
+        WARMUP,
+        4,
+    )
     assert trainer.engine.global_steps == 4
     trainer.engine.close()
 
@@ -257,12 +344,17 @@ def test_config_optimizer_with_the_trainers_schedule(nvme_dir, tmp_path):
     trainer.engine.close()
 
 
-@pytest.mark.parametrize("key,value,named", [
-    ("gradient_accumulation_steps", 4, "gradient_accumulation_steps"),
-    ("optimizer", {"type": "AdamW", "params": {"lr": 1e-2}}, "learning_rate"),
-    ("bf16", {"enabled": True}, "bf16"),
-])
-def test_config_disagreeing_with_training_arguments_is_refused(nvme_dir, tmp_path, key, value, named):
+@pytest.mark.parametrize(
+    "key,value,named",
+    [
+        ("gradient_accumulation_steps", 4, "gradient_accumulation_steps"),
+        ("optimizer", {"type": "AdamW", "params": {"lr": 1e-2}}, "learning_rate"),
+        ("bf16", {"enabled": True}, "bf16"),
+    ],
+)
+def test_config_disagreeing_with_training_arguments_is_refused(
+    nvme_dir, tmp_path, key, value, named
+):
     config = {**stage3_nvme(nvme_dir), key: value}
     with pytest.raises(ConfigError, match=named):
         infinity_run(tmp_path, config)
@@ -272,21 +364,32 @@ def test_refusals(nvme_dir, tmp_path):
     with pytest.raises(TypeError, match="infinity_config="):
         InfinityTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens())
     with pytest.raises(FileNotFoundError, match="not a file"):
-        InfinityTrainer(model=gpt2(), args=arguments(tmp_path), infinity_config=str(tmp_path / "missing.json"))
+        InfinityTrainer(
+            model=gpt2(), args=arguments(tmp_path), infinity_config=str(tmp_path / "missing.json")
+        )
     model = gpt2()
     with pytest.raises(ValueError, match="keep one of them"):
-        InfinityTrainer(model=model, args=arguments(tmp_path), train_dataset=Tokens(),
-                        optimizers=(torch.optim.AdamW(model.parameters()), None),
-                        infinity_config={**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW"}}).train()
+        InfinityTrainer(
+            model=model,
+            args=arguments(tmp_path),
+            train_dataset=Tokens(),
+            optimizers=(torch.optim.AdamW(model.parameters()), None),
+            infinity_config={**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW"}},
+        ).train()
     # an epoch of 8 batches ends in a short window of accumulation 3, which a run of 4 updates reaches
     with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=3"):
         infinity_run(tmp_path, stage3_nvme(nvme_dir), gradient_accumulation_steps=3, max_steps=4)
     # a checkpoint the plain Trainer wrote has no engine state
-    plain = Trainer(model=gpt2(), args=arguments(tmp_path / "plain", max_steps=1, save_strategy="steps",
-                                                 save_steps=1), train_dataset=Tokens())
+    plain = Trainer(
+        model=gpt2(),
+        args=arguments(tmp_path / "plain", max_steps=1, save_strategy="steps", save_steps=1),
+        train_dataset=Tokens(),
+    )
     plain.train()
     with pytest.raises(FileNotFoundError, match="holds no engine checkpoint"):
-        infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(tmp_path / "plain" / "checkpoint-1"))
+        infinity_run(
+            tmp_path / "b", stage3_nvme(nvme_dir), resume=str(tmp_path / "plain" / "checkpoint-1")
+        )
 
 
 def lora_gpt2():
@@ -316,21 +419,30 @@ def test_save_model_and_checkpoints_write_what_the_plain_trainer_writes(nvme_dir
     plain Trainer's within torch AdamW's fused-vs-foreach noise; reloaded by PEFT / transformers."""
     make = lora_gpt2 if kind == "lora" else gpt2
     args = dict(save_strategy="steps", save_steps=2, save_only_model=True, save_total_limit=2)
-    plain = Trainer(model=make(), args=arguments(tmp_path / "plain", **args), train_dataset=Tokens())
+    plain = Trainer(
+        model=make(), args=arguments(tmp_path / "plain", **args), train_dataset=Tokens()
+    )
     plain.train()
     plain.save_model(str(tmp_path / "plain_final"))
     _, trainer = infinity_run(tmp_path / "ours", stage3_nvme(nvme_dir), model=make(), **args)
     try:
-        trainer.save_model(str(tmp_path / "ours_final" / "nested"))  # folders created as the Trainer does
+        trainer.save_model(
+            str(tmp_path / "ours_final" / "nested")
+        )  # folders created as the Trainer does
         held = engine_held(trainer.engine)
     finally:
         trainer.engine.close()
     ours, theirs = saved_files(tmp_path / "ours"), saved_files(tmp_path / "plain")
     assert ours == theirs and list(ours) == ["checkpoint-4", "checkpoint-6"]
     final = tmp_path / "ours_final" / "nested"
-    assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in (tmp_path / "plain_final").iterdir())
+    assert sorted(p.name for p in final.iterdir()) == sorted(
+        p.name for p in (tmp_path / "plain_final").iterdir()
+    )
     if kind == "lora":
-        name, want = "adapter_model.safetensors", peft.get_peft_model_state_dict(trainer.model, state_dict=held)
+        name, want = (
+            "adapter_model.safetensors",
+            peft.get_peft_model_state_dict(trainer.model, state_dict=held),
+        )
         with peft_quietly():
             reloaded = peft.PeftModel.from_pretrained(gpt2(), final)
         got = peft.get_peft_model_state_dict(reloaded)
@@ -339,7 +451,9 @@ def test_save_model_and_checkpoints_write_what_the_plain_trainer_writes(nvme_dir
         got = GPT2LMHeadModel.from_pretrained(final).state_dict()
     reference = load_file(tmp_path / "plain_final" / name)  # the names the plain Trainer writes
     for files in (load_file(final / name), load_file(tmp_path / "ours" / "checkpoint-6" / name)):
-        assert sorted(files) == sorted(reference) and all(torch.equal(v, want[k]) for k, v in files.items())
+        assert sorted(files) == sorted(reference) and all(
+            torch.equal(v, want[k]) for k, v in files.items()
+        )
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
     for k, v in reference.items():
         assert (want[k] - v).abs().max() <= 5e-4 * v.abs().max(), k  # fused-vs-foreach AdamW noise
@@ -347,5 +461,9 @@ def test_save_model_and_checkpoints_write_what_the_plain_trainer_writes(nvme_dir
     assert claimed_nbytes(final / name) == nbytes == claimed_nbytes(tmp_path / "plain_final" / name)
     # a checkpoint with the model only cannot resume the engine: refused, naming what to do
     with pytest.raises(FileNotFoundError, match="save_only_model=False"):
-        infinity_run(tmp_path / "again", stage3_nvme(nvme_dir), model=make(),
-                     resume=str(tmp_path / "ours" / "checkpoint-6"))
+        infinity_run(
+            tmp_path / "again",
+            stage3_nvme(nvme_dir),
+            model=make(),
+            resume=str(tmp_path / "ours" / "checkpoint-6"),
+        )

@@ -20,8 +20,11 @@ def _own_loop(rank, nvme):
 
 
 def _launch(mode, tmp_path, nvme_dir):
-    run(["tests/integrations/world_size_2.py", mode, str(tmp_path), str(nvme_dir)],
-        cwd=ROOT, env=without_deepspeed(tmp_path))
+    run(
+        ["tests/integrations/world_size_2.py", mode, str(tmp_path), str(nvme_dir)],
+        cwd=ROOT,
+        env=without_deepspeed(tmp_path),
+    )
     return [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -33,5 +36,11 @@ def test_world_size_2(tmp_path, nvme_dir):
         for rank in range(2):
             what = f"{framework}, rank {rank}"
             assert_close(ours[rank]["losses"], plain[rank]["losses"], f"training loss ({what})")
-            assert_close(ours[rank]["val_losses"], plain[rank]["val_losses"], f"evaluation loss ({what})")
-            assert_close(ours[rank]["losses"], own[rank][0], f"training loss against infinity's loop ({what})")
+            assert_close(
+                ours[rank]["val_losses"], plain[rank]["val_losses"], f"evaluation loss ({what})"
+            )
+            assert_close(
+                ours[rank]["losses"],
+                own[rank][0],
+                f"training loss against infinity's loop ({what})",
+            )

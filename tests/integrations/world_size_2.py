@@ -32,7 +32,9 @@ class RankedGPTModule(GPTModule):
     """The tiny GPT with its loaders made per rank once the Trainer knows the rank."""
 
     def train_dataloader(self) -> DataLoader:
-        return loader(dataset(EPOCHS, world_size=WORLD_SIZE), rank=self.global_rank, world_size=WORLD_SIZE)
+        return loader(
+            dataset(EPOCHS, world_size=WORLD_SIZE), rank=self.global_rank, world_size=WORLD_SIZE
+        )
 
     def val_dataloader(self) -> DataLoader:
         return loader(dataset(1)[:2], rank=self.global_rank, world_size=WORLD_SIZE)
@@ -48,10 +50,16 @@ def main(mode: str, out: str, nvme: str) -> None:
     else:
         import torch.distributed as dist
 
-        strategy = InfinityFabricStrategy(config=engine_config(nvme)) if mode == "fabric-infinity" else "ddp"
+        strategy = (
+            InfinityFabricStrategy(config=engine_config(nvme))
+            if mode == "fabric-infinity"
+            else "ddp"
+        )
         losses, val_losses, _, _ = fabric_run(strategy, epochs=EPOCHS, devices=WORLD_SIZE)
         rank = dist.get_rank()
-    Path(out, f"{mode}.rank{rank}.json").write_text(json.dumps({"losses": losses, "val_losses": val_losses}))
+    Path(out, f"{mode}.rank{rank}.json").write_text(
+        json.dumps({"losses": losses, "val_losses": val_losses})
+    )
     leave_process_group()
 
 

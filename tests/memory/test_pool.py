@@ -190,8 +190,9 @@ def test_a_long_wait_for_pool_space_is_logged_naming_the_holders(monkeypatch, ca
             pool.acquire(MiB, name="fetch of key 'h.1'", timeout=0.5)
     lines = [r.getMessage() for r in caplog.records]
     assert any(
-        "still waiting after" in m and "1.0 MiB of contiguous pinned buffer space in pool 'params' for "
-        "fetch of key 'h.1'" in m and "held by 1 region(s) ('unit 'h.0'' 1.0 MiB)" in m
+        "still waiting after" in m
+        and "1.0 MiB of contiguous pinned buffer space in pool 'params' for fetch of key 'h.1'" in m
+        and "held by 1 region(s) ('unit 'h.0'' 1.0 MiB)" in m
         for m in lines
     ), lines
     held.release()
@@ -205,7 +206,9 @@ def test_a_cause_ends_a_wait_for_pool_space_at_once_and_wake_makes_it_look():
 
     def waiter():
         try:
-            pool.acquire(MiB, name="fetch", timeout=300, cause=lambda: failure[0] if failure else None)
+            pool.acquire(
+                MiB, name="fetch", timeout=300, cause=lambda: failure[0] if failure else None
+            )
         except BaseException as e:
             errors.append(e)
 

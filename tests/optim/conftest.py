@@ -9,7 +9,9 @@ def isa(request):
     """Runs the test once per kernel set (scalar, AVX2, AVX-512) this CPU supports."""
     name = request.param
     if name not in kernel.supported_isas():
-        pytest.skip(f"this CPU cannot run the {name} kernels (it supports {', '.join(kernel.supported_isas())})")
+        pytest.skip(
+            f"this CPU cannot run the {name} kernels (it supports {', '.join(kernel.supported_isas())})"
+        )
     with kernel.use_isa(name):
         yield name
 

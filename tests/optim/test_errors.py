@@ -28,7 +28,9 @@ def _bufs(n=8):
 
 def test_non_contiguous():
     p, g, m, v = _bufs(16)
-    with pytest.raises(ValueError, match=r"grad is not contiguous .*stride \(2,\).*\.contiguous\(\)"):
+    with pytest.raises(
+        ValueError, match=r"grad is not contiguous .*stride \(2,\).*\.contiguous\(\)"
+    ):
         adam_step(p[:8], g[::2], m[:8], v[:8], **ARGS)
     with pytest.raises(ValueError, match=r"param is not contiguous"):
         adam_step(p.view(4, 4).t(), g, m, v, **ARGS)
@@ -44,11 +46,19 @@ def test_mismatched_sizes():
 
 def test_wrong_dtypes():
     p, g, m, v = _bufs()
-    with pytest.raises(TypeError, match=r"grad has dtype torch.float64; the CPU Adam kernel needs torch.float32 or torch.bfloat16 or torch.float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"grad has dtype torch.float64; the CPU Adam kernel needs torch.float32 or torch.bfloat16 or torch.float16",
+    ):
         adam_step(p, g.double(), m, v, **ARGS)
-    with pytest.raises(TypeError, match=r"param has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32"):
+    with pytest.raises(
+        TypeError, match=r"param has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32"
+    ):
         adam_step(p.bfloat16(), g, m, v, **ARGS)
-    with pytest.raises(TypeError, match=r"out_half has dtype torch.float32; the CPU Adam kernel needs torch.bfloat16 or torch.float16"):
+    with pytest.raises(
+        TypeError,
+        match=r"out_half has dtype torch.float32; the CPU Adam kernel needs torch.bfloat16 or torch.float16",
+    ):
         adam_step(p, g, m, v, out_half=torch.empty(8), **ARGS)
     with pytest.raises(TypeError, match=r"exp_avg must be a torch.Tensor, got list"):
         adam_step(p, g, [0.0] * 8, v, **ARGS)
@@ -56,7 +66,10 @@ def test_wrong_dtypes():
 
 def test_not_on_cpu():
     p, g, m, v = _bufs()
-    with pytest.raises(ValueError, match=r"exp_avg is on meta, but the CPU Adam kernel reads and writes host memory"):
+    with pytest.raises(
+        ValueError,
+        match=r"exp_avg is on meta, but the CPU Adam kernel reads and writes host memory",
+    ):
         adam_step(p, g, torch.zeros(8, device="meta"), v, **ARGS)
     with pytest.raises(ValueError, match=r"tensors\[1\] is on meta"):
         has_overflow([g, torch.zeros(8, device="meta")])
@@ -66,7 +79,9 @@ def test_sparse_and_overlapping():
     p, g, m, v = _bufs()
     with pytest.raises(ValueError, match=r"grad has layout torch.sparse_coo"):
         adam_step(p, g.to_sparse(), m, v, **ARGS)
-    with pytest.raises(ValueError, match=r"tensor 0's exp_avg overlaps tensor 0's exp_avg_sq in memory"):
+    with pytest.raises(
+        ValueError, match=r"tensor 0's exp_avg overlaps tensor 0's exp_avg_sq in memory"
+    ):
         adam_step(p, g, m, m, **ARGS)
     big = torch.zeros(12)
     with pytest.raises(ValueError, match=r"overlaps"):
@@ -110,7 +125,13 @@ def test_hyper_parameters(key, value, message):
 def test_adam_hyper_is_one_typed_read_only_value():
     h = AdamHyper(**FIELDS)
     assert (h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.adamw, h.bias_correction) == (
-        1e-3, 0.9, 0.999, 1e-8, 0.0, True, True
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+        True,
+        True,
     )
     assert h == AdamHyper(**FIELDS, bias_correction=True)
     assert h != AdamHyper(**{**FIELDS, "lr": 2e-3})
@@ -133,7 +154,9 @@ def test_adam_hyper_is_one_typed_read_only_value():
 
 def test_hyper_must_be_an_adam_hyper():
     p, g, m, v = _bufs()
-    with pytest.raises(TypeError, match=r"hyper must be an infinity.optim.AdamHyper, got dict; make"):
+    with pytest.raises(
+        TypeError, match=r"hyper must be an infinity.optim.AdamHyper, got dict; make"
+    ):
         adam_step(p, g, m, v, FIELDS, step=1)
 
 
@@ -156,13 +179,23 @@ def test_isa_names():
 
 
 def test_cpu_adam_refuses_what_it_cannot_update():
-    with pytest.raises(ValueError, match=r"param 0 of group 0 is a contiguous torch.bfloat16 tensor on cpu: keep fp32 master weights"):
+    with pytest.raises(
+        ValueError,
+        match=r"param 0 of group 0 is a contiguous torch.bfloat16 tensor on cpu: keep fp32 master weights",
+    ):
         CPUAdam([torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match=r"param 1 of group 0 is a non-contiguous torch.float32"):
         CPUAdam([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, 4).t())])
     with pytest.raises(ValueError, match=r"Invalid learning rate: -0.1 \(param group 1\)"):
-        CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))]}, {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -0.1}])
-    with pytest.raises(ValueError, match=r"CPUAdam does not implement amsgrad=True \(param group 0\)"):
+        CPUAdam(
+            [
+                {"params": [torch.nn.Parameter(torch.zeros(2))]},
+                {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": -0.1},
+            ]
+        )
+    with pytest.raises(
+        ValueError, match=r"CPUAdam does not implement amsgrad=True \(param group 0\)"
+    ):
         CPUAdam([{"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True}])
     w = torch.nn.Parameter(torch.zeros(3))
     opt = CPUAdam([w])
@@ -178,10 +211,14 @@ def test_isa_from_the_environment():
     """INFINITY_ADAM_ISA picks the kernel set at import; a bad value fails the import with the fix named."""
     code = "import infinity.optim as o; print(o.get_isa())"
     env = {**os.environ, kernel.ENV_VAR: "scalar"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip() == "scalar", r.stderr
     env[kernel.ENV_VAR] = "avx9000"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode != 0
     assert "INFINITY_ADAM_ISA must be one of scalar, avx2, avx512, got 'avx9000'" in r.stderr
 
@@ -191,7 +228,12 @@ def test_isa_from_the_environment():
     [
         (torch.bfloat16, "p0", ("m", "v", "g"), "needs fp32 master; state_keys .* lack one"),
         (torch.float32, None, ("m", "v", "g"), "needs fp32 master"),
-        (torch.float32, "p0", ("master", "m", "v", "g"), "is its own fp32 master; state_keys .* add one"),
+        (
+            torch.float32,
+            "p0",
+            ("master", "m", "v", "g"),
+            "is its own fp32 master; state_keys .* add one",
+        ),
         (torch.float32, None, ("master", "m", "v"), r"lack \['g'\]"),
     ],
 )
@@ -202,13 +244,35 @@ def test_state_keys_that_do_not_fit_the_shard_are_refused(dtype, param_key, keys
     from infinity.store import TieredStore
 
     p = torch.nn.Parameter(torch.zeros(8))
-    spec = ShardSpec(0, 1024, dtype, (ShardSegment(0, 0, 0, 8),), param_key=param_key, state_keys=keys,
-                     state_homes=("cpu",) * len(keys))
+    spec = ShardSpec(
+        0,
+        1024,
+        dtype,
+        (ShardSegment(0, 0, 0, 8),),
+        param_key=param_key,
+        state_keys=keys,
+        state_homes=("cpu",) * len(keys),
+    )
     with TieredStore(None, pool=BufferPool(1, 4096), name="state") as store:
         with pytest.raises(ValueError, match=f"shard 0.*{says}"):
-            PartitionedAdam([{"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}],
-                            {}, [p], [spec], state_store=store, param_store=store, adamw=True,
-                            sub_group_numel=1024)
+            PartitionedAdam(
+                [
+                    {
+                        "params": [p],
+                        "lr": 1e-3,
+                        "betas": (0.9, 0.999),
+                        "eps": 1e-8,
+                        "weight_decay": 0.0,
+                    }
+                ],
+                {},
+                [p],
+                [spec],
+                state_store=store,
+                param_store=store,
+                adamw=True,
+                sub_group_numel=1024,
+            )
         assert store.keys() == []
 
 
@@ -219,11 +283,26 @@ def test_shards_in_a_parameter_store_need_one():
     from infinity.store import TieredStore
 
     p = torch.nn.Parameter(torch.zeros(8))
-    spec = ShardSpec(0, 1024, torch.bfloat16, (ShardSegment(0, 0, 0, 8),), param_key="p0",
-                     state_keys=("master", "m", "v", "g"), state_homes=("cpu",) * 4)
+    spec = ShardSpec(
+        0,
+        1024,
+        torch.bfloat16,
+        (ShardSegment(0, 0, 0, 8),),
+        param_key="p0",
+        state_keys=("master", "m", "v", "g"),
+        state_homes=("cpu",) * 4,
+    )
     group = {"params": [p], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     with TieredStore(None, pool=BufferPool(1, 4096), name="state") as store:
         with pytest.raises(ValueError, match=r"shards \[0\] have a param_key but param_store"):
-            PartitionedAdam([group], {}, [p], [spec], state_store=store, param_store=None,
-                            adamw=True, sub_group_numel=1024)
+            PartitionedAdam(
+                [group],
+                {},
+                [p],
+                [spec],
+                state_store=store,
+                param_store=None,
+                adamw=True,
+                sub_group_numel=1024,
+            )
         assert store.keys() == []

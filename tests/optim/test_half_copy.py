@@ -34,25 +34,57 @@ def _assert_same_conversion(p: torch.Tensor, out: torch.Tensor, half: torch.dtyp
 def test_every_fp32_bit_pattern_class(isa, half, copy_mode):
     """2^20 random fp32 bit patterns: normals, subnormals, ties, infs, NaNs with payloads, both signs."""
     gen = torch.Generator().manual_seed(5)
-    values = torch.randint(-(2**31), 2**31, (1 << 20,), dtype=torch.int64, generator=gen).to(torch.int32).view(torch.float32)
+    values = (
+        torch.randint(-(2**31), 2**31, (1 << 20,), dtype=torch.int64, generator=gen)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     p, out = _copy_through_step(values, half)
     finite = values.isfinite() | values.isinf()
-    assert torch.equal(bits(p)[finite], bits(values)[finite]), "lr=0 must leave non-NaN params untouched"
+    assert torch.equal(bits(p)[finite], bits(values)[finite]), (
+        "lr=0 must leave non-NaN params untouched"
+    )
     _assert_same_conversion(p, out, half)
 
 
 def _edges() -> torch.Tensor:
     tiny = torch.finfo(torch.float32).tiny
     vals = [
-        0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), -float("nan"),
-        65504.0, 65519.99, 65520.0, 65536.0, 1e10, -65520.0,        # fp16 max, rounding to inf
-        2.0**-14, 2.0**-14 * (1 - 2**-11), 2.0**-24, 2.0**-25, 2.0**-25 * (1 + 2**-20),  # fp16 subnormals
-        3 * 2.0**-26, 2.0**-26, 1e-30, tiny, tiny / 3, -tiny / 7,       # ties and fp32 subnormals
-        torch.finfo(torch.float32).max, -torch.finfo(torch.float32).max, 3.3895314e38,  # bf16 overflow
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        -float("nan"),
+        65504.0,
+        65519.99,
+        65520.0,
+        65536.0,
+        1e10,
+        -65520.0,  # fp16 max, rounding to inf
+        2.0**-14,
+        2.0**-14 * (1 - 2**-11),
+        2.0**-24,
+        2.0**-25,
+        2.0**-25 * (1 + 2**-20),  # fp16 subnormals
+        3 * 2.0**-26,
+        2.0**-26,
+        1e-30,
+        tiny,
+        tiny / 3,
+        -tiny / 7,  # ties and fp32 subnormals
+        torch.finfo(torch.float32).max,
+        -torch.finfo(torch.float32).max,
+        3.3895314e38,  # bf16 overflow
     ]
     t = torch.tensor(vals, dtype=torch.float32)
     # bf16 ties: 1 + k*2^-8 + 2^-9 (exactly halfway) for even and odd k, and one ulp above/below
-    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0x7F7F8000, 0x00008000, 0x80018000], dtype=torch.int64)
+    ties = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF, 0x7F7F8000, 0x00008000, 0x80018000],
+        dtype=torch.int64,
+    )
     return torch.cat([t, ties.to(torch.int32).view(torch.float32)])
 
 

@@ -16,7 +16,9 @@ def test_finds_each_kind_at_every_kind_of_position(isa, dtype):
     base = torch.randn(n).to(dtype)
     assert not has_overflow(base)
     biggest = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
-    assert not has_overflow(torch.cat([base, biggest.view(1), -biggest.view(1)])), "the largest finite is finite"
+    assert not has_overflow(torch.cat([base, biggest.view(1), -biggest.view(1)])), (
+        "the largest finite is finite"
+    )
     for pos in (0, 1, 15, 16, 63, 64, n // 2, n - 17, n - 1):
         for bad in (float("inf"), float("-inf"), float("nan")):
             t = base.clone()

@@ -19,7 +19,13 @@ def _groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     first, second = model[0], model[2]
     return [
         {"params": [first.weight, first.bias]},
-        {"params": [second.weight, second.bias], "lr": 3e-3, "weight_decay": 2 * weight_decay, "betas": (0.8, 0.99), "eps": 1e-6},
+        {
+            "params": [second.weight, second.bias],
+            "lr": 3e-3,
+            "weight_decay": 2 * weight_decay,
+            "betas": (0.8, 0.99),
+            "eps": 1e-6,
+        },
     ]
 
 
@@ -106,7 +112,9 @@ def test_nan_and_inf_propagate_like_torch(isa):
         param = torch.randn(n, generator=gen)
         param[[1, 17]] = torch.tensor([float("inf"), float("-inf")])
         ref = torch.nn.Parameter(param.clone())
-        ref_opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], lr=1e-3, weight_decay=0.1, foreach=False)
+        ref_opt = (torch.optim.AdamW if adamw else torch.optim.Adam)(
+            [ref], lr=1e-3, weight_decay=0.1, foreach=False
+        )
         m, v = torch.zeros(n), torch.zeros(n)
         out = torch.empty(n, dtype=BF16)
         hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw=adamw)
@@ -119,7 +127,11 @@ def test_nan_and_inf_propagate_like_torch(isa):
             ref_opt.step()
             adam_step(param, grad, m, v, hyper, step=step, out_half=out)
         state = ref_opt.state[ref]
-        for ours, theirs in ((param, ref.detach()), (m, state["exp_avg"]), (v, state["exp_avg_sq"])):
+        for ours, theirs in (
+            (param, ref.detach()),
+            (m, state["exp_avg"]),
+            (v, state["exp_avg_sq"]),
+        ):
             assert torch.equal(ours.isnan(), theirs.isnan())
             assert torch.equal(ours.isinf(), theirs.isinf())
             assert_adam_close(ours, theirs)
@@ -130,7 +142,11 @@ def test_nan_and_inf_propagate_like_torch(isa):
 def test_parameters_that_skip_steps(isa):
     """A parameter without a gradient is not stepped, so step counts diverge: each keeps its own, as in torch."""
     gen = torch.Generator().manual_seed(6)
-    init = [torch.randn(50, generator=gen), torch.randn(7, generator=gen), torch.randn(300, generator=gen)]
+    init = [
+        torch.randn(50, generator=gen),
+        torch.randn(7, generator=gen),
+        torch.randn(300, generator=gen),
+    ]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
     opt = CPUAdam(ours, lr=1e-2, weight_decay=0.1)

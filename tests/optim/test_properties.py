@@ -57,7 +57,12 @@ def test_every_isa_gives_the_same_bits_and_matches_torch(numel, h, steps, grad_d
     ref = torch.nn.Parameter(p0.clone())
     ref_cls = torch.optim.AdamW if h["adamw"] else torch.optim.Adam
     ref_opt = ref_cls(
-        [ref], lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=h["eps"], weight_decay=h["weight_decay"], foreach=False
+        [ref],
+        lr=h["lr"],
+        betas=(h["beta1"], h["beta2"]),
+        eps=h["eps"],
+        weight_decay=h["weight_decay"],
+        foreach=False,
     )
     for g in grads:
         ref.grad = g.float()
@@ -79,7 +84,9 @@ def test_every_isa_gives_the_same_bits_and_matches_torch(numel, h, steps, grad_d
     streamed=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_foreach_equals_one_call_per_tensor_for_any_thread_count(numels, threads, offset, streamed, seed):
+def test_foreach_equals_one_call_per_tensor_for_any_thread_count(
+    numels, threads, offset, streamed, seed
+):
     """Splitting the elements of many tensors over threads (and streaming the copy) never changes a bit."""
     gen = torch.Generator().manual_seed(seed)
     params = [torch.randn(n, generator=gen) for n in numels]

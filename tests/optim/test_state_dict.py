@@ -17,7 +17,10 @@ def _model() -> torch.nn.Module:
 
 
 def _groups(model):
-    return [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 5e-3, "weight_decay": 0.2}]
+    return [
+        {"params": model[0].parameters()},
+        {"params": model[2].parameters(), "lr": 5e-3, "weight_decay": 0.2},
+    ]
 
 
 def _train(model, opt, steps, seed):
@@ -41,7 +44,9 @@ def test_switch_mid_training(adamw, direction):
     model = _model()
     make_ours = lambda: CPUAdam(_groups(model), lr=1e-3, weight_decay=0.01, adamw_mode=adamw)  # noqa: E731
     make_torch = lambda: TORCH[adamw](_groups(model), lr=1e-3, weight_decay=0.01, foreach=False)  # noqa: E731
-    first, second = (make_torch, make_ours) if direction == "torch->ours" else (make_ours, make_torch)
+    first, second = (
+        (make_torch, make_ours) if direction == "torch->ours" else (make_ours, make_torch)
+    )
     opt1 = first()
     _train(model, opt1, 5, seed=1)
     saved = copy.deepcopy(opt1.state_dict())
@@ -77,7 +82,9 @@ def test_refuses_state_it_cannot_continue():
     model = _model()
     torch_opt = torch.optim.AdamW(model.parameters(), amsgrad=True)
     _train(model, torch_opt, 1, seed=4)
-    with pytest.raises(ValueError, match=r"param group 0 has amsgrad=True, which CPUAdam does not implement"):
+    with pytest.raises(
+        ValueError, match=r"param group 0 has amsgrad=True, which CPUAdam does not implement"
+    ):
         CPUAdam(model.parameters()).load_state_dict(torch_opt.state_dict())
     with pytest.raises(ValueError, match=r"the state dict has 1 param groups, this optimizer 2"):
         CPUAdam(_groups(model)).load_state_dict(torch_opt.state_dict())
@@ -90,13 +97,17 @@ def test_loaded_state_is_made_contiguous():
     opt.step()
     saved = opt.state_dict()
     for key in ("exp_avg", "exp_avg_sq"):
-        saved["state"][0][key] = saved["state"][0][key].t().contiguous().t()  # same values, column-major
+        saved["state"][0][key] = (
+            saved["state"][0][key].t().contiguous().t()
+        )  # same values, column-major
     opt.load_state_dict(saved)
     assert all(opt.state[w][k].is_contiguous() for k in ("exp_avg", "exp_avg_sq"))
     opt.step()
 
 
-@pytest.mark.parametrize("make_step", [lambda: 3, lambda: torch.tensor(3.0, dtype=torch.float64)], ids=["int", "float64"])
+@pytest.mark.parametrize(
+    "make_step", [lambda: 3, lambda: torch.tensor(3.0, dtype=torch.float64)], ids=["int", "float64"]
+)
 def test_old_and_double_step_counts(make_step):
     """Step counts saved as ints (old checkpoints) or fp64 tensors (default dtype double) continue the count."""
     model, ref = _model(), _model()

@@ -22,5 +22,13 @@ def test_adds_grad_to_three_arrays(isa):
 
 def test_needs_fp32_gradients():
     p, m, v = torch.zeros(4), torch.zeros(4), torch.zeros(4)
-    with pytest.raises(TypeError, match=r"grad\[1\] has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32"):
-        stream_bound_step([p, p.clone()], [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)], [m, m.clone()], [v, v.clone()])
+    with pytest.raises(
+        TypeError,
+        match=r"grad\[1\] has dtype torch.bfloat16; the CPU Adam kernel needs torch.float32",
+    ):
+        stream_bound_step(
+            [p, p.clone()],
+            [torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16)],
+            [m, m.clone()],
+            [v, v.clone()],
+        )

@@ -38,7 +38,9 @@ def test_equals_the_exact_sum_and_the_same_bits_everywhere(sizes, scale, seed):
                 results.append(sum_squares(tensors, num_threads=threads))
     # Summing n non-negative terms in double: relative error at most n ulps (2^-53 each).
     assert results[0] == pytest.approx(exact, rel=max(n, 1) * 2.0**-53, abs=0.0)
-    assert {_bits(r) for r in results} == {_bits(results[0])}, "results differ between ISAs or thread counts"
+    assert {_bits(r) for r in results} == {_bits(results[0])}, (
+        "results differ between ISAs or thread counts"
+    )
 
 
 def test_refuses_what_it_cannot_read():

@@ -34,7 +34,9 @@ def test_workers_follow_the_callers_flush_denormal_mode():
         flushed = [_step(inputs[0], 1), _step(inputs[1], 4)]
     finally:
         torch.set_flush_denormal(False)
-    assert not torch.equal(flushed[0][2], plain[2]), "flushing must change this step, or the test shows nothing"
+    assert not torch.equal(flushed[0][2], plain[2]), (
+        "flushing must change this step, or the test shows nothing"
+    )
     for a, b in zip(*flushed, strict=True):
         assert torch.equal(a, b)
     # The threads are torch's: they must have their own mode back, or torch's
@@ -47,7 +49,10 @@ def test_workers_follow_the_callers_flush_denormal_mode():
 
 def test_one_openmp_runtime_whatever_the_import_order():
     """_adam links libgomp by soname, so it shares the runtime torch loaded (or torch shares its)."""
-    for first in ("import torch, infinity.optim", "import infinity._adam; import torch, infinity.optim"):
+    for first in (
+        "import torch, infinity.optim",
+        "import infinity._adam; import torch, infinity.optim",
+    ):
         script = first + textwrap.dedent(
             """
             from infinity.optim import AdamHyper, adam_step
@@ -60,7 +65,9 @@ def test_one_openmp_runtime_whatever_the_import_order():
             print(sorted(p for p in mapped_paths() if any(n in p for n in names)))
             """
         )
-        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0, r.stderr
         runtimes = eval(r.stdout.strip().splitlines()[-1])
         assert len(runtimes) <= 1, f"{first}: {runtimes}"

@@ -42,5 +42,7 @@ def test_a_wait_for_the_fetch_lock_names_the_thread_holding_it(make_env, caplog)
         tb.join(30)
     assert not ta.is_alive() and not tb.is_alive() and errors == []
     lines = [r.getMessage() for r in caplog.records]
-    assert any("scheduler 'prefetch''s fetch lock" in m and "held by thread fetcher-a" in m for m in lines), lines
+    assert any(
+        "scheduler 'prefetch''s fetch lock" in m and "held by thread fetcher-a" in m for m in lines
+    ), lines
     assert any("pinned buffer space in pool 'sched-test-pool'" in m for m in lines), lines

@@ -218,7 +218,9 @@ def test_a_read_interrupted_before_submission_does_not_hang_close(make_store, mo
     monkeypatch.setattr(read_path, "submit_read", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.fetch_many(["k.0", "k.1"])
-    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends the run with tracebacks, not never
+    faulthandler.dump_traceback_later(
+        60, exit=True
+    )  # a hang ends the run with tracebacks, not never
     try:
         store.close()  # by the registering thread itself, as interpreter exit does
     finally:

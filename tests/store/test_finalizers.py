@@ -53,8 +53,11 @@ def test_dropping_a_prefetch_scheduler_runs_no_python(nvme_dir):
         store.write("u", torch.ones(1024)).result(10)
         held = {
             "s": PrefetchScheduler(
-                store, prefetch_bucket_nbytes=1 << 20, max_live_nbytes=1 << 20,
-                max_reuse_distance_nbytes=0, tier="host",
+                store,
+                prefetch_bucket_nbytes=1 << 20,
+                max_live_nbytes=1 << 20,
+                max_reuse_distance_nbytes=0,
+                tier="host",
             )
         }
         assert python_calls_while(held.clear) == []
@@ -72,8 +75,9 @@ def test_a_store_never_closed_removes_its_files_at_exit(nvme_dir):
         print(store.directories[0])
         """
     )
-    r = subprocess.run([sys.executable, "-c", script, str(nvme_dir)], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(nvme_dir)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     from pathlib import Path
 

@@ -111,7 +111,9 @@ def test_o_direct_refusal_is_reported_once_with_path_and_file_system(nvme_dir, c
     ]
 
 
-def test_a_disk_file_system_refusing_o_direct_is_reported_as_buffered(nvme_dir, caplog, monkeypatch):
+def test_a_disk_file_system_refusing_o_direct_is_reported_as_buffered(
+    nvme_dir, caplog, monkeypatch
+):
     monkeypatch.setattr(nvme_path, "probe_o_direct", lambda d: False)
     with caplog.at_level(logging.WARNING, "infinity.store"):
         nvme_path.rank_dir(nvme_dir, 0)
@@ -126,15 +128,22 @@ def test_a_disk_file_system_refusing_o_direct_is_reported_as_buffered(nvme_dir, 
 
 def test_tmpfs_is_named_as_memory_not_nvme(nvme_dir, caplog):
     # it was accepted and logged as NVMe while `infinity doctor` called it memory
-    with mounted("tmpfs", nvme_dir, size="64M") as mnt, caplog.at_level(logging.INFO, "infinity.store"):
+    with (
+        mounted("tmpfs", nvme_dir, size="64M") as mnt,
+        caplog.at_level(logging.INFO, "infinity.store"),
+    ):
         with infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", mnt, gas=1)):
             pass
         infinity.zero.Init(engine_config(3, "nvme", "cpu", mnt, gas=1))
     said = [r for r in caplog.records if str(mnt) in r.getMessage() and "tmpfs" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING]  # once per file system
-    assert said[0].getMessage().startswith(
-        f"nvme_path '{mnt}' is on a tmpfs file system (mounted at {mnt}), which is host memory, not "
-        "NVMe: swap files there take RAM, so offloading to it saves none"
+    assert (
+        said[0]
+        .getMessage()
+        .startswith(
+            f"nvme_path '{mnt}' is on a tmpfs file system (mounted at {mnt}), which is host memory, not "
+            "NVMe: swap files there take RAM, so offloading to it saves none"
+        )
     )
 
 
@@ -245,34 +254,51 @@ def test_each_of_several_paths_is_checked_as_one_path_is(nvme_dir):
         with pytest.raises(NvmePathError, match=f"^nvme_path '{bad}' {what}"):
             nvme_path.rank_dirs([a, bad], 0)
         with pytest.raises(ConfigError, match=f"^nvme_path '{bad}' {what}"):
-            infinity.initialize(tiny_gpt(), _striped(engine_config(3, "nvme", "nvme", a, gas=1), [a, bad]))
+            infinity.initialize(
+                tiny_gpt(), _striped(engine_config(3, "nvme", "nvme", a, gas=1), [a, bad])
+            )
     assert list(a.iterdir()) == [], "nothing is made on the good path before every path is checked"
 
 
 def test_the_same_folder_twice_is_refused_before_anything_is_made(home):
     swap = home / "swap"
     (home / "link").symlink_to(swap)
-    with pytest.raises(NvmePathError, match=(
-        rf"^nvme_path lists the same directory twice: '{swap}' and '{home / 'link'}' are both {swap}; "
-        "list each drive's directory once$"
-    )):
+    with pytest.raises(
+        NvmePathError,
+        match=(
+            rf"^nvme_path lists the same directory twice: '{swap}' and '{home / 'link'}' are both {swap}; "
+            "list each drive's directory once$"
+        ),
+    ):
         nvme_path.rank_dirs([swap, home / "link"], 0)
     # as written in a config, the key is named ("~" and a trailing slash are the same folder)
     raw = _striped(engine_config(3, "nvme", "nvme", swap, gas=1), ["~/swap", f"{swap}/"])
-    with pytest.raises(ConfigError, match=(
-        rf"^zero_optimization.offload_param.nvme_path lists the same folder twice: '~/swap' and '{swap}/' "
-        rf"are both {swap}; list each drive's folder once"
-    )):
+    with pytest.raises(
+        ConfigError,
+        match=(
+            rf"^zero_optimization.offload_param.nvme_path lists the same folder twice: '~/swap' and '{swap}/' "
+            rf"are both {swap}; list each drive's folder once"
+        ),
+    ):
         infinity.initialize(tiny_gpt(), raw)
-    with pytest.raises(ConfigError, match=r"^zero_optimization.offload_param.nvme_path lists '/x' twice"):
-        infinity.config.load_config(_striped(engine_config(3, "nvme", "nvme", swap, gas=1), ["/x", "/x"]))
+    with pytest.raises(
+        ConfigError, match=r"^zero_optimization.offload_param.nvme_path lists '/x' twice"
+    ):
+        infinity.config.load_config(
+            _striped(engine_config(3, "nvme", "nvme", swap, gas=1), ["/x", "/x"])
+        )
     assert list(swap.iterdir()) == []
 
 
 def test_a_list_expands_tilde_in_every_path(home):
     (home / "swap2").mkdir()
-    assert nvme_path.rank_dirs(["~/swap", "~/swap2"], 3) == [home / "swap" / "rank3", home / "swap2" / "rank3"]
-    with pytest.raises(NvmePathError, match=rf"^nvme_path '~/nope' \({home / 'nope'}\) does not exist"):
+    assert nvme_path.rank_dirs(["~/swap", "~/swap2"], 3) == [
+        home / "swap" / "rank3",
+        home / "swap2" / "rank3",
+    ]
+    with pytest.raises(
+        NvmePathError, match=rf"^nvme_path '~/nope' \({home / 'nope'}\) does not exist"
+    ):
         nvme_path.rank_dirs(["~/swap", "~/nope"], 0)
 
 
@@ -304,21 +330,32 @@ def test_zero_init_stripes_over_every_path_too(nvme_dir):
         layer = torch.nn.Linear(128, 512)
     dirs = init.store.store.directories  # the parameters wait there for initialize
     assert [d.parent for d in dirs] == [a / "rank0", b / "rank0"]
-    assert all(any(f.read_bytes().strip(b"\0") for f in d.glob("swap.*")) for d in dirs), "data on each"
+    assert all(any(f.read_bytes().strip(b"\0") for f in d.glob("swap.*")) for d in dirs), (
+        "data on each"
+    )
     with infinity.initialize(layer, raw) as engine:
-        assert [d.parent for d in engine.runtime.param_store.directories] == [a / "rank0", b / "rank0"]
+        assert [d.parent for d in engine.runtime.param_store.directories] == [
+            a / "rank0",
+            b / "rank0",
+        ]
 
 
 def test_a_striped_run_is_refused_when_one_drive_cannot_take_its_share(nvme_dir):
     """Each drive must hold its share: a roomy first drive does not make up for a full second one."""
     (nvme_dir / "a").mkdir()
     with mounted("ext4", nvme_dir, "16M") as small:
-        os.posix_fallocate(fd := os.open(small / "filler", os.O_CREAT | os.O_WRONLY, 0o600), 0,
-                           nvme_path.free_nbytes(small) - (64 << 10))
+        os.posix_fallocate(
+            fd := os.open(small / "filler", os.O_CREAT | os.O_WRONLY, 0o600),
+            0,
+            nvme_path.free_nbytes(small) - (64 << 10),
+        )
         os.close(fd)
         raw = _striped(engine_config(3, "nvme", "nvme", nvme_dir, gas=1), [nvme_dir / "a", small])
-        with pytest.raises(ConfigError, match=rf"^not enough free space at nvme_path '{small}' \(ext4 at "
-                           rf"{small}\): this rank needs \d+ bytes of swap files \(parameters \d+ \+ optimizer state"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^not enough free space at nvme_path '{small}' \(ext4 at "
+            rf"{small}\): this rank needs \d+ bytes of swap files \(parameters \d+ \+ optimizer state",
+        ):
             infinity.initialize(tiny_gpt(), raw)
         assert not (small / "rank0").exists() and not (nvme_dir / "a" / "rank0").exists()
 
@@ -326,7 +363,10 @@ def test_a_striped_run_is_refused_when_one_drive_cannot_take_its_share(nvme_dir)
 def test_paths_on_two_file_systems_are_not_reported(nvme_dir, caplog):
     (nvme_dir / "a").mkdir()
     with mounted("ext4", nvme_dir) as mnt, caplog.at_level(logging.WARNING, "infinity.store"):
-        assert nvme_path.rank_dirs([nvme_dir / "a", mnt], 0) == [nvme_dir / "a" / "rank0", mnt / "rank0"]
+        assert nvme_path.rank_dirs([nvme_dir / "a", mnt], 0) == [
+            nvme_dir / "a" / "rank0",
+            mnt / "rank0",
+        ]
     assert caplog.records == []
 
 

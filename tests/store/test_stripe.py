@@ -29,8 +29,12 @@ BLOCK = 4096
 MAX_KEY = 80_000
 
 op = st.one_of(
-    st.tuples(st.just("put"), st.integers(1, MAX_KEY)),  # register a key of this many bytes, write it
-    st.tuples(st.just("drop"), st.integers(0, 1 << 16)),  # unregister one (leaves a hole to be reused)
+    st.tuples(
+        st.just("put"), st.integers(1, MAX_KEY)
+    ),  # register a key of this many bytes, write it
+    st.tuples(
+        st.just("drop"), st.integers(0, 1 << 16)
+    ),  # unregister one (leaves a hole to be reused)
     st.tuples(st.just("read"), st.integers(0, 1 << 16)),  # evict one and read it back
 )
 
@@ -64,13 +68,17 @@ def _check_layout(store: TieredStore, key, drives: list[Path], unit: int) -> Non
     runs = store.locate(key)
     drive_of = [drives.index(Path(p).parent.parent) for p, _o, _n in runs]
     if len(drives) > 1:
-        assert all(off % unit + n <= unit for _p, off, n in runs), f"a run leaves its stripe unit: {runs}"
+        assert all(off % unit + n <= unit for _p, off, n in runs), (
+            f"a run leaves its stripe unit: {runs}"
+        )
         assert all(b == (a + 1) % len(drives) for a, b in itertools.pairwise(drive_of)), runs
     assert sum(n for _p, _o, n in runs) == -(-store.spec(key).nbytes // BLOCK) * BLOCK
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     ndrives=st.integers(1, 3),
     unit_blocks=st.integers(1, 4),
@@ -116,4 +124,6 @@ def test_round_trip_over_n_drives(nvme_dir, engine, ndrives, unit_blocks, file_u
             assert sizes.pop() * ndrives == store.stats().swap_capacity
         finally:
             store.close()
-        assert [list(d.iterdir()) for d in drives] == [[] for _ in drives], "close removes every file"
+        assert [list(d.iterdir()) for d in drives] == [[] for _ in drives], (
+            "close removes every file"
+        )

@@ -30,8 +30,9 @@ def test_a_fetch_waiting_for_its_read_names_the_key_and_the_read(make_store, cap
         assert torch.equal(fut.result(30), torch.ones(4 * KiB))
     lines = [r.getMessage() for r in caplog.records]
     assert any(
-        m.startswith("still waiting after") and "fetch of key 'w.0' in store 'params': its read of key "
-        "'w.0' (16384 bytes), started" in m
+        m.startswith("still waiting after")
+        and "fetch of key 'w.0' in store 'params': its read of key 'w.0' (16384 bytes), started"
+        in m
         for m in lines
     ), lines
     assert any(m.startswith("waited ") for m in lines), lines

@@ -40,15 +40,24 @@ def _hf_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     with warnings.catch_warnings():
         # transformers 5 renamed it activation_checkpointing_enable; users call both
         warnings.simplefilter("ignore", FutureWarning)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"}
+        )
     return model
 
 
 def gpt2(mode: str | None) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                     bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     model = GPT2LMHeadModel(cfg)
     return _hf_checkpointing(model, mode) if mode else model
 
@@ -56,9 +65,18 @@ def gpt2(mode: str | None) -> nn.Module:
 def llama(mode: str | None) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg)
     return _hf_checkpointing(model, mode) if mode else model
 
@@ -88,7 +106,9 @@ def checkpoint_fn(mode: str) -> Callable:
 
 
 def gpt(mode: str | None) -> nn.Module:
-    model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, bias=False))
+    model = GPT(
+        GPTConfig(vocab_size=VOCAB, seq_len=SEQ, n_layer=2, n_head=2, d_model=32, bias=False)
+    )
     if mode == "builtin":
         model.gradient_checkpointing_enable()
     elif mode:
@@ -124,14 +144,22 @@ def train_step(model: Callable, step: int, rank: int = 0) -> torch.Tensor:
     return loss_of(model, x)
 
 
-def oracle_run(name: str, mode: str | None, *, steps: int, dtype: torch.dtype = torch.float32,
-               world_size: int = 1):
+def oracle_run(
+    name: str,
+    mode: str | None,
+    *,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+    world_size: int = 1,
+):
     """Plain PyTorch with the same checkpointing: losses by (step, rank) and the final (fp32 master)
     weights; with ``world_size`` ranks, each step averages the grads of every rank's batch."""
     model = build(name, mode)
     model.train()
     if dtype == torch.float32:
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False
+        )
         losses = {}
         for step in range(steps):
             for rank in range(world_size):
@@ -145,7 +173,9 @@ def oracle_run(name: str, mode: str | None, *, steps: int, dtype: torch.dtype = 
     if world_size != 1:
         raise ValueError("the 16-bit oracle is for one rank")
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
-    for p in model.parameters():  # the parameters only: the engine leaves buffers (rotary tables) as built
+    for p in (
+        model.parameters()
+    ):  # the parameters only: the engine leaves buffers (rotary tables) as built
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     losses = {}
@@ -171,13 +201,21 @@ def stage3_nvme_config(nvme_path, *, dtype: str = "fp32", buffer_size: int = 1 <
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
         "zero_optimization": {
             "stage": 3,
             "sub_group_size": 3000,
             "stage3_param_persistence_threshold": 100,
-            "offload_param": {"device": "nvme", "nvme_path": str(nvme_path), "buffer_count": 4,
-                              "buffer_size": buffer_size, "max_in_cpu": 0},
+            "offload_param": {
+                "device": "nvme",
+                "nvme_path": str(nvme_path),
+                "buffer_count": 4,
+                "buffer_size": buffer_size,
+                "max_in_cpu": 0,
+            },
             "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme_path)},
         },
         "aio": {"block_size": 1 << 20, "queue_depth": 8},
@@ -204,7 +242,10 @@ def engine_run(name: str, mode: str | None, config: dict, *, steps: int, rank: i
             losses[(step, rank)] = loss.item()
         stats = engine.prefetch_stats()
         weights = {}
-        for n, p in model.named_parameters():  # one at a time: the pool may hold less than the model
+        for (
+            n,
+            p,
+        ) in model.named_parameters():  # one at a time: the pool may hold less than the model
             with GatheredParameters(p):
                 weights[n] = p.detach().clone()
     finally:

@@ -52,7 +52,9 @@ def assert_trace_replayed(stats, steps: int):
 @pytest.mark.parametrize("model", ["gpt2", "llama", "gpt"])
 def test_checkpointed_training_matches_plain_pytorch(model, mode, dtype, nvme_dir):
     ref_losses, ref_weights = oracle_run(model, mode, steps=STEPS, dtype=DTYPES[dtype])
-    losses, weights, stats = engine_run(model, mode, stage3_nvme_config(nvme_dir, dtype=dtype), steps=STEPS)
+    losses, weights, stats = engine_run(
+        model, mode, stage3_nvme_config(nvme_dir, dtype=dtype), steps=STEPS
+    )
     assert_same_training(losses, weights, ref_losses, ref_weights, dtype)
     assert_trace_replayed(stats, STEPS)
 
@@ -84,7 +86,9 @@ W2_CASES = [("gpt2", "non_reentrant"), ("llama", "reentrant"), ("gpt", "deepspee
 def _ranks(rank, cases, nvme_dir):
     out = []
     for model, mode in cases:
-        losses, weights, stats = engine_run(model, mode, stage3_nvme_config(nvme_dir), steps=STEPS, rank=rank)
+        losses, weights, stats = engine_run(
+            model, mode, stage3_nvme_config(nvme_dir), steps=STEPS, rank=rank
+        )
         out.append((losses, weights, [s.kind for s in stats.history]))
     return out
 

@@ -19,8 +19,10 @@ from infinity.zero import checkpointing
 from tests.distributed import run_distributed
 from tests.zero.checkpointed import build, engine_run, oracle_run, stage3_nvme_config, train_step
 
-FUNCTIONS = {"checkpoint": infinity.checkpointing.checkpoint,
-             "non_reentrant_checkpoint": infinity.checkpointing.non_reentrant_checkpoint}
+FUNCTIONS = {
+    "checkpoint": infinity.checkpointing.checkpoint,
+    "non_reentrant_checkpoint": infinity.checkpointing.non_reentrant_checkpoint,
+}
 
 
 class Block(nn.Module):
@@ -61,7 +63,9 @@ def test_checkpoint_keeps_deepspeeds_semantics(name):
     block.grad_modes.clear()
     got = _grads(FUNCTIONS[name], block)
     for g, w in zip(got[:4], want[:4], strict=True):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same dropout mask in the recomputation
+        torch.testing.assert_close(
+            g, w, rtol=0, atol=0
+        )  # the same dropout mask in the recomputation
     assert got[4] == "tag"
     # DeepSpeed's checkpoint is reentrant: forward runs without grad, the recomputation with it
     assert block.grad_modes == ([False, True] if name == "checkpoint" else [True, True])
@@ -82,7 +86,9 @@ class WorldMpu:
 
 
 def test_configure_follows_deepspeed(caplog):
-    caplog.set_level(logging.INFO, logger="infinity.zero")  # an adapter may have set "infinity" to WARNING
+    caplog.set_level(
+        logging.INFO, logger="infinity.zero"
+    )  # an adapter may have set "infinity" to WARNING
     assert not infinity.checkpointing.is_configured()
     cfg = {"activation_checkpointing": {"cpu_checkpointing": True, "partition_activations": True}}
     infinity.checkpointing.configure(None, deepspeed_config=cfg)
@@ -98,10 +104,13 @@ def test_configure_follows_deepspeed(caplog):
     infinity.checkpointing.configure(None)
     assert infinity.checkpointing.settings() == checkpointing.CheckpointSettings()
     # keys without effect are accepted and reported
-    infinity.checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=4, profile=True)
+    infinity.checkpointing.configure(
+        None, contiguous_checkpointing=True, num_checkpoints=4, profile=True
+    )
     assert any(
         "no effect in infinity: activation_checkpointing.contiguous_memory_optimization, "
-        "activation_checkpointing.number_checkpoints, activation_checkpointing.profile" in r.getMessage()
+        "activation_checkpointing.number_checkpoints, activation_checkpointing.profile"
+        in r.getMessage()
         for r in caplog.records
     )
     with pytest.raises(TypeError, match=r"mpu_ must have get_model_parallel_group\(\)"):
@@ -129,7 +138,9 @@ def test_an_engine_keeps_its_section_without_configuring_the_process(nvme_dir):
     cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     own = infinity.initialize(SettingsProbe(), cfg)
     try:
-        assert not infinity.checkpointing.is_configured()  # building an engine changes nothing process-wide
+        assert (
+            not infinity.checkpointing.is_configured()
+        )  # building an engine changes nothing process-wide
         assert infinity.checkpointing.settings() == checkpointing.CheckpointSettings()
         assert own.activation_checkpointing.settings().cpu_checkpointing
         for engine in (own, plain, own):
@@ -188,7 +199,9 @@ def test_cpu_checkpointing_keeps_inputs_in_pinned_host_memory(name, kept):
         torch.testing.assert_close(g, w)
     # x and scale: both kept in pinned host memory, given back on the device for the recomputation
     assert [k.numel for k in kept] == [32, 1]
-    assert all(k.part.device.type == "cpu" and k.part.is_pinned() and k.device.type == "cuda" for k in kept)
+    assert all(
+        k.part.device.type == "cpu" and k.part.is_pinned() and k.device.type == "cuda" for k in kept
+    )
 
 
 def _partitioned_rank(rank, mode, nvme_dir, steps):
@@ -222,7 +235,10 @@ def _teacher_and_student_rank(rank, nvme_dir, steps):
     made = []
     checkpointing._KeptInput = _recording(made)
     infinity.checkpointing.configure(mpu_=WorldMpu())
-    sections = {"teacher": {"partition_activations": True}, "student": {"partition_activations": False}}
+    sections = {
+        "teacher": {"partition_activations": True},
+        "student": {"partition_activations": False},
+    }
     engines = {}
     for name, section in sections.items():
         (Path(nvme_dir) / name).mkdir(exist_ok=True)

@@ -65,7 +65,9 @@ def run(name, mode, path, make_source):
             losses.append(loss.item())
             grads.append({i: g.clone() for i, g in sink.grads.items()})
             reducer.end_window()  # taken: the next step's grads start afresh
-        stats = (source.stats(), len(source.trace)) if isinstance(source, PrefetchScheduler) else None
+        stats = (
+            (source.stats(), len(source.trace)) if isinstance(source, PrefetchScheduler) else None
+        )
         gathered = [u.module_name for u in part.gathered_units()]
     finally:
         part.remove()
@@ -87,7 +89,9 @@ def reference(name, mode):
 @pytest.mark.parametrize("name", ["gpt2", "gpt"])
 def test_the_recomputation_replays_with_no_miss_and_no_wasted_read(name, mode, nvme_dir):
     want = reference(name, mode)
-    base_losses, base_grads, _ = run(name, mode, nvme_dir, lambda store, _u: StoreShardSource(store))
+    base_losses, base_grads, _ = run(
+        name, mode, nvme_dir, lambda store, _u: StoreShardSource(store)
+    )
     losses, grads, (stats, trace_len) = run(name, mode, nvme_dir, scheduler_source)
     assert losses == base_losses
     assert losses == pytest.approx(want, rel=1e-6)
@@ -97,4 +101,6 @@ def test_the_recomputation_replays_with_no_miss_and_no_wasted_read(name, mode, n
     assert [s.kind for s in history] == ["recorded"] + ["replayed"] * (STEPS - 1)
     assert all(s.on_demand == 0 for s in history[1:])  # the recomputation's fetches were predicted
     assert all(s.duplicate_reads == 0 and s.divergence_pos is None for s in history)
-    assert stats.traces == 1 and trace_len == history[0].uses  # one trace: forward, recomputations, backward
+    assert (
+        stats.traces == 1 and trace_len == history[0].uses
+    )  # one trace: forward, recomputations, backward

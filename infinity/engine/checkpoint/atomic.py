@@ -58,7 +58,13 @@ _RENAME_EXCHANGE = 2
 def is_tag(tag: str) -> bool:
     """A tag names a directory directly in the checkpoint root: never a path out of it, a hidden name
     (the partial directories of saves in progress) or ``latest``."""
-    return bool(tag) and not tag.startswith(".") and "/" not in tag and "\0" not in tag and tag != LATEST
+    return (
+        bool(tag)
+        and not tag.startswith(".")
+        and "/" not in tag
+        and "\0" not in tag
+        and tag != LATEST
+    )
 
 
 def validate_tag(tag: str) -> str:
@@ -127,7 +133,9 @@ def write_durably(path: Path, data: bytes, what: str) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileExistsError:
-        raise FileExistsError(f"{path} already exists; another save is writing the same checkpoint") from None
+        raise FileExistsError(
+            f"{path} already exists; another save is writing the same checkpoint"
+        ) from None
     try:
         view = memoryview(data)
         while view:
@@ -217,7 +225,11 @@ def read_latest(root: Path) -> str | None:
 def leftovers(root: Path) -> list[Path]:
     """Directories a killed save left behind (``.partial-`` or ``.replaced-``), oldest first."""
     try:
-        found = [p for p in root.iterdir() if p.name.startswith(".") and (PARTIAL in p.name or REPLACED in p.name)]
+        found = [
+            p
+            for p in root.iterdir()
+            if p.name.startswith(".") and (PARTIAL in p.name or REPLACED in p.name)
+        ]
     except FileNotFoundError:
         return []
     return sorted(found, key=lambda p: p.stat().st_mtime if p.exists() else 0)
@@ -225,7 +237,11 @@ def leftovers(root: Path) -> list[Path]:
 
 def complete_tags(root: Path) -> list[str]:
     try:
-        return sorted(p.name for p in root.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file())
+        return sorted(
+            p.name
+            for p in root.iterdir()
+            if not p.name.startswith(".") and (p / MANIFEST).is_file()
+        )
     except FileNotFoundError:
         return []
 
@@ -238,14 +254,23 @@ def warn_leftovers(root: Path) -> None:
         if owner is not None and p.name == owner.get("dir"):
             running = lock.is_running(owner)
             if running:
-                log.info("ignoring '%s': a save in progress is writing it (%s)", p, lock.describe(owner))
+                log.info(
+                    "ignoring '%s': a save in progress is writing it (%s)", p, lock.describe(owner)
+                )
                 continue
             if running is None:
-                log.warning("ignoring '%s': not a checkpoint yet; it is being written by a save on another host (%s) "
-                            "unless that save was interrupted: leave it while that save may run", p,
-                            lock.describe(owner))
+                log.warning(
+                    "ignoring '%s': not a checkpoint yet; it is being written by a save on another host (%s) "
+                    "unless that save was interrupted: leave it while that save may run",
+                    p,
+                    lock.describe(owner),
+                )
                 continue
-        kind = "an interrupted save" if PARTIAL in p.name else "an interrupted replacement of a checkpoint"
+        kind = (
+            "an interrupted save"
+            if PARTIAL in p.name
+            else "an interrupted replacement of a checkpoint"
+        )
         log.warning(
             "ignoring '%s': left incomplete by %s (the process was killed or failed mid-save); it is not a "
             "checkpoint and can be deleted to free space",
@@ -274,8 +299,14 @@ def resolve(path: Path | str, tag: str | None, *, warn: bool = True) -> Path:
         tag = read_latest(root)
         if tag is None:
             tags = complete_tags(root)
-            hint = f"complete checkpoints there: {', '.join(tags)}; pass tag=..." if tags else "it holds no complete checkpoint"
-            raise CheckpointNotFoundError(f"no '{LATEST}' file in '{root}' to say which checkpoint to load; {hint}")
+            hint = (
+                f"complete checkpoints there: {', '.join(tags)}; pass tag=..."
+                if tags
+                else "it holds no complete checkpoint"
+            )
+            raise CheckpointNotFoundError(
+                f"no '{LATEST}' file in '{root}' to say which checkpoint to load; {hint}"
+            )
         source = f"named by '{root / LATEST}'"
     else:
         tag = validate_tag(tag)
@@ -289,7 +320,9 @@ def resolve(path: Path | str, tag: str | None, *, warn: bool = True) -> Path:
             if replaced
             else f"; complete checkpoints there: {', '.join(complete_tags(root)) or 'none'}"
         )
-        raise CheckpointNotFoundError(f"checkpoint '{tag}' {source} does not exist in '{root}'{hint}")
+        raise CheckpointNotFoundError(
+            f"checkpoint '{tag}' {source} does not exist in '{root}'{hint}"
+        )
     if not (ckpt / MANIFEST).is_file():
         raise CheckpointIncompleteError(
             f"'{ckpt}' has no {MANIFEST}: it is not a complete checkpoint (a save into it did not finish, or "

@@ -19,8 +19,9 @@ from infinity.engine.checkpoint.errors import CheckpointPeerError
 from infinity.zero.collectives import DataParallelGroup
 
 
-def agree(group: DataParallelGroup, error: BaseException | None, what: str,
-          values: Sequence[int] = ()) -> list[list[int]]:
+def agree(
+    group: DataParallelGroup, error: BaseException | None, what: str, values: Sequence[int] = ()
+) -> list[list[int]]:
     """All ranks' ``values`` (by rank) if no rank failed ``what``; raises otherwise."""
     n = len(values)
     row = [0, *values] if error is None else [1] + [0] * n
@@ -41,8 +42,11 @@ def agree(group: DataParallelGroup, error: BaseException | None, what: str,
 
 def shared_nonce(group: DataParallelGroup) -> str:
     """A random name part chosen by rank 0 and known to every rank."""
-    t = torch.tensor([secrets.randbits(62) if group.rank == 0 else 0], dtype=torch.int64,
-                     device=collective_device(group))
+    t = torch.tensor(
+        [secrets.randbits(62) if group.rank == 0 else 0],
+        dtype=torch.int64,
+        device=collective_device(group),
+    )
     group.broadcast(t, src=0)
     return f"{int(t.item()):016x}"
 

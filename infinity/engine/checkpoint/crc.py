@@ -81,8 +81,11 @@ class PendingCrc:
     def result(self) -> int:
         crc = 0
         for i, (fut, n) in enumerate(self._parts):
-            c = result_of(fut, what=f"the CRC32C of piece {i} of {len(self._parts)} (thread pool infinity-crc32c)",
-                          log=log)
+            c = result_of(
+                fut,
+                what=f"the CRC32C of piece {i} of {len(self._parts)} (thread pool infinity-crc32c)",
+                log=log,
+            )
             crc = c if i == 0 else crc32c_combine(crc, c, n)
         return crc
 
@@ -98,8 +101,15 @@ class Checksummer:
         n = data.numel()
         if n == 0:
             return PendingCrc([(_done(crc32c(data)), 0)])
-        return PendingCrc([(self._pool.submit(crc32c, data[o : o + self.piece_nbytes]), min(self.piece_nbytes, n - o))
-                           for o in range(0, n, self.piece_nbytes)])
+        return PendingCrc(
+            [
+                (
+                    self._pool.submit(crc32c, data[o : o + self.piece_nbytes]),
+                    min(self.piece_nbytes, n - o),
+                )
+                for o in range(0, n, self.piece_nbytes)
+            ]
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

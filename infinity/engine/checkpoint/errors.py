@@ -59,4 +59,3 @@ class CheckpointPeerError(CheckpointError):
 
 class CheckpointUnsupportedError(CheckpointError, ValueError):
     """This engine's state is of a kind save_checkpoint / load_checkpoint do not move."""
-

@@ -71,8 +71,10 @@ Layout = Literal["hf", "state_dict"]
 
 def _check_out_path(out: Path) -> None:
     if out.suffix != ".safetensors":
-        raise ValueError(f"the output '{out}' must end in .safetensors (or, for the Hugging Face layout, be a "
-                         "directory: a path without a suffix): this writes safetensors, never pickle")
+        raise ValueError(
+            f"the output '{out}' must end in .safetensors (or, for the Hugging Face layout, be a "
+            "directory: a path without a suffix): this writes safetensors, never pickle"
+        )
     if not out.parent.is_dir():
         raise FileNotFoundError(f"the directory of '{out}' does not exist; create it first")
 
@@ -81,11 +83,15 @@ def _choose_layout(layout: str | None, is_hf: bool, max_shard_size: int | str | 
     if layout is None:
         layout = "hf" if is_hf or max_shard_size is not None else "state_dict"
     if layout not in ("hf", "state_dict"):
-        raise ValueError(f"layout={layout!r}: use 'hf' (a directory from_pretrained reads) or 'state_dict' (one "
-                         "file with every state_dict name)")
+        raise ValueError(
+            f"layout={layout!r}: use 'hf' (a directory from_pretrained reads) or 'state_dict' (one "
+            "file with every state_dict name)"
+        )
     if layout == "state_dict" and max_shard_size is not None:
-        raise ValueError("max_shard_size shards the Hugging Face layout; the 'state_dict' layout is one file "
-                         "(pass layout='hf', or no max_shard_size)")
+        raise ValueError(
+            "max_shard_size shards the Hugging Face layout; the 'state_dict' layout is one file "
+            "(pass layout='hf', or no max_shard_size)"
+        )
     return layout  # type: ignore[return-value]
 
 
@@ -109,17 +115,32 @@ def _hf_name(names: HfNames, aliases: list[str] | tuple[str, ...]) -> str | None
     return names.file_name(kept) if kept is not None else None
 
 
-def _write_config_files(out: Path, config: Any, dtype: torch.dtype, *, architecture: str | None,
-                        generation: Any, nonce: str) -> None:
+def _write_config_files(
+    out: Path,
+    config: Any,
+    dtype: torch.dtype,
+    *,
+    architecture: str | None,
+    generation: Any,
+    nonce: str,
+) -> None:
     """``config.json`` (and ``generation_config.json``) as save_pretrained writes them, atomically."""
     config = copy.deepcopy(config)
-    config.dtype = str(dtype).removeprefix("torch.")  # what the weights are, as save_pretrained records it
+    config.dtype = str(dtype).removeprefix(
+        "torch."
+    )  # what the weights are, as save_pretrained records it
     if architecture is not None:
         config.architectures = [architecture]
-    atomic.replace_durably(out / CONFIG_NAME, config.to_json_string(use_diff=True).encode(), "config.json", nonce)
+    atomic.replace_durably(
+        out / CONFIG_NAME, config.to_json_string(use_diff=True).encode(), "config.json", nonce
+    )
     if generation is not None:
-        atomic.replace_durably(out / GENERATION_CONFIG_NAME, generation.to_json_string(use_diff=True).encode(),
-                               "generation_config.json", nonce)
+        atomic.replace_durably(
+            out / GENERATION_CONFIG_NAME,
+            generation.to_json_string(use_diff=True).encode(),
+            "generation_config.json",
+            nonce,
+        )
 
 
 # -- from a checkpoint directory --------------------------------------------------
@@ -153,21 +174,34 @@ def export_checkpoint(
     if not hf:
         _check_out_path(out)
         _choose_layout("state_dict", False, max_shard_size)
-    with CheckpointReader(checkpoint, tag) as reader, AioHandle.from_config(aio or AioConfig()) as handle:
+    with (
+        CheckpointReader(checkpoint, tag) as reader,
+        AioHandle.from_config(aio or AioConfig()) as handle,
+    ):
         adapter = reader.manifest.get("peft")
         if hf and adapter is not None:
             return _export_adapter(reader, handle, out, dtype, adapter, progress)
-        names, hf_cfg, config_dir, arch = _names_for_export(reader, config) if hf else (None, None, None, None)
+        names, hf_cfg, config_dir, arch = (
+            _names_for_export(reader, config) if hf else (None, None, None, None)
+        )
         segments, alias_of = _segments_from_checkpoint(reader, dtype, names)
         if hf:
             out.mkdir(parents=True, exist_ok=True)
-            output = WeightFiles(out, handle, segments, weights_name=WEIGHTS_NAME,
-                                 max_shard_nbytes=parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                                 replace_stale=True)
+            output = WeightFiles(
+                out,
+                handle,
+                segments,
+                weights_name=WEIGHTS_NAME,
+                max_shard_nbytes=parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE),
+                replace_stale=True,
+            )
         else:
             output = WeightFiles(out.parent, handle, segments, weights_name=out.name)
         try:
-            with Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
+            with (
+                Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar,
+                torch_threads(1),
+            ):
                 if reader.manifest.get("optimizer") == "passthrough":
                     _stream_passthrough(reader, handle, output, dtype, bar, aliases=not hf)
                 else:
@@ -176,7 +210,11 @@ def export_checkpoint(
                 buffers = reader.rank(0)[1]
                 for name, b in reader.manifest["buffers"].items():
                     bdt = parse_dtype_name(b["dtype"], f"buffer {name}")
-                    output.append(buffers[f"buffer.{name}"].to(dtype if bdt.is_floating_point else bdt).contiguous())
+                    output.append(
+                        buffers[f"buffer.{name}"]
+                        .to(dtype if bdt.is_floating_point else bdt)
+                        .contiguous()
+                    )
             files = output.commit()
         except BaseException:
             output.abort()
@@ -184,37 +222,69 @@ def export_checkpoint(
         if hf:
             _export_config(out, hf_cfg, config_dir, dtype, arch, output.nonce)
     size = sum(f.stat().st_size for f in files)
-    log.info("exported '%s' to '%s' (%d tensors in %d file(s), %.2f GB)", reader.dir, out,
-             sum(s.name is not None for s in segments), len(files), size / 1e9)
+    log.info(
+        "exported '%s' to '%s' (%d tensors in %d file(s), %.2f GB)",
+        reader.dir,
+        out,
+        sum(s.name is not None for s in segments),
+        len(files),
+        size / 1e9,
+    )
     return out
 
 
-def _export_adapter(reader: CheckpointReader, handle: AioHandle, out: Path, dtype: torch.dtype,
-                    adapter: dict[str, Any], progress: bool | None) -> Path:
+def _export_adapter(
+    reader: CheckpointReader,
+    handle: AioHandle,
+    out: Path,
+    dtype: torch.dtype,
+    adapter: dict[str, Any],
+    progress: bool | None,
+) -> Path:
     """A PEFT checkpoint: the folder ``PeftModel.from_pretrained`` reads, ``adapter_config.json`` and
     ``adapter_model.safetensors`` with the trained parameters under PEFT's names (the base is the
     pretrained model's, which the checkpoint refers to)."""
     units = [u for u in reader.units if u.trainable]
-    segments = [Segment(adapter_file_name(s.aliases[0], adapter["name"]), dtype, s.shape)
-                for u in units for s in u.slots]
+    segments = [
+        Segment(adapter_file_name(s.aliases[0], adapter["name"]), dtype, s.shape)
+        for u in units
+        for s in u.slots
+    ]
     out.mkdir(parents=True, exist_ok=True)
-    output = WeightFiles(out, handle, segments, weights_name=ADAPTER_WEIGHTS_NAME, replace_stale=True)
+    output = WeightFiles(
+        out, handle, segments, weights_name=ADAPTER_WEIGHTS_NAME, replace_stale=True
+    )
     try:
-        with Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar, torch_threads(1):
+        with (
+            Progress(output.total_nbytes, f"export {reader.tag}", progress) as bar,
+            torch_threads(1),
+        ):
             _stream_units(reader, handle, output, dtype, bar, units)
         files = output.commit()
     except BaseException:
         output.abort()
         raise
-    atomic.replace_durably(out / ADAPTER_CONFIG_NAME, reader.model_file(ADAPTER_CONFIG_NAME), ADAPTER_CONFIG_NAME,
-                           output.nonce)
-    log.info("exported the %s adapter %r of '%s' to '%s' (%d tensors, %.2f MB)", adapter.get("peft_type"),
-             adapter["name"], reader.dir, out, len(segments), sum(f.stat().st_size for f in files) / 1e6)
+    atomic.replace_durably(
+        out / ADAPTER_CONFIG_NAME,
+        reader.model_file(ADAPTER_CONFIG_NAME),
+        ADAPTER_CONFIG_NAME,
+        output.nonce,
+    )
+    log.info(
+        "exported the %s adapter %r of '%s' to '%s' (%d tensors, %.2f MB)",
+        adapter.get("peft_type"),
+        adapter["name"],
+        reader.dir,
+        out,
+        len(segments),
+        sum(f.stat().st_size for f in files) / 1e6,
+    )
     return out
 
 
-def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
-                      ) -> tuple[HfNames, Any, Path | None, str | None]:
+def _names_for_export(
+    reader: CheckpointReader, config: str | os.PathLike | None
+) -> tuple[HfNames, Any, Path | None, str | None]:
     """The HF names to write, the transformers config (or None), the directory holding config.json and the
     model class it describes (or None)."""
     if config is not None:
@@ -222,23 +292,34 @@ def _names_for_export(reader: CheckpointReader, config: str | os.PathLike | None
         if config_dir.is_file():
             config_dir = config_dir.parent
         if not (config_dir / CONFIG_NAME).is_file():
-            raise FileNotFoundError(f"no {CONFIG_NAME} at '{config}'; give the file, or the directory save_pretrained "
-                                    "wrote it to")
+            raise FileNotFoundError(
+                f"no {CONFIG_NAME} at '{config}'; give the file, or the directory save_pretrained "
+                "wrote it to"
+            )
     elif CONFIG_NAME in reader.files:  # saved with the checkpoint (model_files.py), checksummed
         reader.model_file(CONFIG_NAME)
         config_dir = reader.dir
     else:
-        config_dir = next((d for d in (reader.dir, reader.dir.parent) if (d / CONFIG_NAME).is_file()), None)
+        config_dir = next(
+            (d for d in (reader.dir, reader.dir.parent) if (d / CONFIG_NAME).is_file()), None
+        )
     plain = HfNames(frozenset())
     if config_dir is None:
-        log.warning("no %s beside the checkpoint '%s': the weights are written without it, and from_pretrained "
-                    "needs one (pass config=, or --config, naming the model's config.json)", CONFIG_NAME, reader.dir)
+        log.warning(
+            "no %s beside the checkpoint '%s': the weights are written without it, and from_pretrained "
+            "needs one (pass config=, or --config, naming the model's config.json)",
+            CONFIG_NAME,
+            reader.dir,
+        )
         return plain, None, None, None
     try:
         names, hf_cfg, arch = names_from_config(config_dir, _checkpoint_names(reader))
     except ImportError:
-        log.warning("transformers is not installed: '%s' is copied as it is and the tensors keep their state_dict "
-                    "names (the model's tied weights once)", config_dir / CONFIG_NAME)
+        log.warning(
+            "transformers is not installed: '%s' is copied as it is and the tensors keep their state_dict "
+            "names (the model's tied weights once)",
+            config_dir / CONFIG_NAME,
+        )
         return plain, None, config_dir, None
     _check_shapes(reader, hf_cfg, arch, config_dir / CONFIG_NAME)
     return names, hf_cfg, config_dir, arch
@@ -281,8 +362,14 @@ def _checkpoint_names(reader: CheckpointReader) -> set[str]:
     return params | set(m["buffers"])
 
 
-def _export_config(out: Path, hf_cfg: Any, config_dir: Path | None, dtype: torch.dtype, arch: str | None,
-                   nonce: str) -> None:
+def _export_config(
+    out: Path,
+    hf_cfg: Any,
+    config_dir: Path | None,
+    dtype: torch.dtype,
+    arch: str | None,
+    nonce: str,
+) -> None:
     if config_dir is None:
         return
     if hf_cfg is None:  # no transformers: the files as they are
@@ -326,18 +413,28 @@ def _segments_from_checkpoint(reader: CheckpointReader, dtype: torch.dtype, name
                         alias_of.append((a, (u.index, k)))
     for bname, b in m["buffers"].items():
         bdt = parse_dtype_name(b["dtype"], f"buffer {bname}")
-        segments.append(Segment(name([bname]), dtype if bdt.is_floating_point else bdt, tuple(b["shape"])))
+        segments.append(
+            Segment(name([bname]), dtype if bdt.is_floating_point else bdt, tuple(b["shape"]))
+        )
     return segments, alias_of
 
 
-def _stream_units(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
-                  bar: Progress, units: list[Any]) -> None:
+def _stream_units(
+    reader: CheckpointReader,
+    handle: AioHandle,
+    output: WeightFiles,
+    dtype: torch.dtype,
+    bar: Progress,
+    units: list[Any],
+) -> None:
     """Each unit's weights: a trainable unit's fp32 masters or a frozen unit's saved shards, partition
     after partition (flat elements [0, numel) are its slots end to end), or a frozen unit's slots read
     from the files the checkpoint refers to ([Note: frozen units in a checkpoint] in sources.py)."""
     conv = _convert(dtype)
     checks: list[Check] = []
-    flat_start: list[tuple[int, int, torch.dtype]] = []  # (first flat element of the check's tensor, numel, dtype)
+    flat_start: list[
+        tuple[int, int, torch.dtype]
+    ] = []  # (first flat element of the check's tensor, numel, dtype)
 
     def on_chunk(i: int, off: int, data: torch.Tensor) -> None:
         first, numel, dt = flat_start[i]
@@ -363,16 +460,28 @@ def _stream_units(reader: CheckpointReader, handle: AioHandle, output: WeightFil
             dt = FP32 if u.trainable else u.dtype
             for q in range(reader.partitions):
                 e = reader.entry(q, u.saved_as, dt, u.shard_numel)
-                checks.append(Check(reader.part_path(q), reader.open_part(q, handle), e,
-                                    reader.part_crc(q, u.saved_as)))
+                checks.append(
+                    Check(
+                        reader.part_path(q),
+                        reader.open_part(q, handle),
+                        e,
+                        reader.part_crc(q, u.saved_as),
+                    )
+                )
                 flat_start.append((q * u.shard_numel, u.numel, dt))
         flush()
     finally:
         files.close()
 
 
-def _stream_source(reader: CheckpointReader, unit: Any, files: SourceFiles, output: WeightFiles,
-                   conv: Callable[[torch.Tensor], torch.Tensor], bar: Progress) -> None:
+def _stream_source(
+    reader: CheckpointReader,
+    unit: Any,
+    files: SourceFiles,
+    output: WeightFiles,
+    conv: Callable[[torch.Tensor], torch.Tensor],
+    bar: Progress,
+) -> None:
     """A referenced frozen unit's slots from their files (checked unchanged first), a chunk at a time."""
     tensors = [(str(p), str(n)) for p, n in unit.source["tensors"]]
     saved = reader.manifest.get("source_files") or {}
@@ -388,13 +497,17 @@ def _stream_source(reader: CheckpointReader, unit: Any, files: SourceFiles, outp
             bar.update((hi - lo) * t.dtype.itemsize)
 
 
-def _read_flat(reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, hi: int) -> Iterator[torch.Tensor]:
+def _read_flat(
+    reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, hi: int
+) -> Iterator[torch.Tensor]:
     """Flat elements [lo, hi) of a unit's saved weights, in chunks (already checksummed by _stream_units)."""
     if unit.source is not None:
         files = SourceFiles()
         try:
             buf = torch.empty(hi - lo, dtype=unit.dtype)
-            files.read_unit([(str(p), str(n)) for p, n in unit.source["tensors"]], unit.slots, lo, hi, buf)
+            files.read_unit(
+                [(str(p), str(n)) for p, n in unit.source["tensors"]], unit.slots, lo, hi, buf
+            )
             yield buf
         finally:
             files.close()
@@ -408,13 +521,20 @@ def _read_flat(reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, 
         q = pos // s
         e = reader.entry(q, unit.saved_as, dt, s)
         n = min(hi, (q + 1) * s, pos + step) - pos
-        handle.sync_pread(buf[:n], reader.open_part(q, handle), e.begin + (pos - q * s) * dt.itemsize)
+        handle.sync_pread(
+            buf[:n], reader.open_part(q, handle), e.begin + (pos - q * s) * dt.itemsize
+        )
         yield buf[:n]
         pos += n
 
 
-def _stream_aliases(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
-                    alias_of: list[tuple[str, tuple[int, int]]]) -> None:
+def _stream_aliases(
+    reader: CheckpointReader,
+    handle: AioHandle,
+    output: WeightFiles,
+    dtype: torch.dtype,
+    alias_of: list[tuple[str, tuple[int, int]]],
+) -> None:
     conv = _convert(dtype)
     for _alias, (ui, k) in alias_of:
         u = reader.units[ui]
@@ -423,11 +543,20 @@ def _stream_aliases(reader: CheckpointReader, handle: AioHandle, output: WeightF
             output.append(conv(chunk))
 
 
-def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, output: WeightFiles, dtype: torch.dtype,
-                        bar: Progress, *, aliases: bool) -> None:
+def _stream_passthrough(
+    reader: CheckpointReader,
+    handle: AioHandle,
+    output: WeightFiles,
+    dtype: torch.dtype,
+    bar: Progress,
+    *,
+    aliases: bool,
+) -> None:
     conv = _convert(dtype)
     params = reader.manifest["params"]
-    order = [p["name"] for p in params] + ([a for p in params for a in p["aliases"][1:]] if aliases else [])
+    order = [p["name"] for p in params] + (
+        [a for p in params for a in p["aliases"][1:]] if aliases else []
+    )
     source = {a: p for p in params for a in [p["name"], *p["aliases"]]}
     checks, dtypes = [], []
     for name in order:
@@ -437,18 +566,30 @@ def _stream_passthrough(reader: CheckpointReader, handle: AioHandle, output: Wei
         for d in p["shape"]:
             numel *= d
         e = reader.entry(0, f"param.{p['name']}", pdt, numel)
-        checks.append(Check(reader.part_path(0), reader.open_part(0, handle), e, reader.part_crc(0, e.name)))
+        checks.append(
+            Check(reader.part_path(0), reader.open_part(0, handle), e, reader.part_crc(0, e.name))
+        )
         dtypes.append(pdt)
-    read_tensors(handle, checks, progress=bar,
-                 on_chunk=lambda i, off, data: output.append(conv(data.view(dtypes[i]))))
+    read_tensors(
+        handle,
+        checks,
+        progress=bar,
+        on_chunk=lambda i, off, data: output.append(conv(data.view(dtypes[i]))),
+    )
 
 
 # -- from a live engine -------------------------------------------------------------
 
 
-def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save_filename: str = WEIGHTS_NAME,
-                     *, layout: str | None = None, max_shard_size: int | str | None = None,
-                     progress: bool | None = None) -> Path:
+def save_16bit_model(
+    engine: CheckpointTarget,
+    save_dir: str | os.PathLike,
+    save_filename: str = WEIGHTS_NAME,
+    *,
+    layout: str | None = None,
+    max_shard_size: int | str | None = None,
+    progress: bool | None = None,
+) -> Path:
     """Rank 0 writes the live parameters, in the dtype they train in, and the buffers; under stage 3 every
     rank takes part in the gathers (every rank must call it). ``layout`` "hf" (the default for a
     transformers model, or when ``max_shard_size`` is given) makes ``save_dir`` a directory
@@ -467,24 +608,36 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save
         if chosen == "state_dict":
             _check_out_path(out)
         elif not save_filename.endswith(".safetensors"):
-            raise ValueError(f"save_filename={save_filename!r} must end in .safetensors: this writes safetensors, "
-                             "never pickle")
+            raise ValueError(
+                f"save_filename={save_filename!r} must end in .safetensors: this writes safetensors, "
+                "never pickle"
+            )
         names = HfNames.of(module) if chosen == "hf" else None
-        max_nbytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if chosen == "hf" else None
+        max_nbytes = (
+            parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE) if chosen == "hf" else None
+        )
         parts = engine.checkpoint_parts()
         segments, slots = _segments_live(engine, parts, names)
         if group.rank == 0:
             handle = AioHandle.from_config(engine.config.aio)
             if chosen == "hf":
                 Path(save_dir).mkdir(parents=True, exist_ok=True)
-            output = WeightFiles(Path(save_dir), handle, segments, weights_name=save_filename,
-                                 max_shard_nbytes=max_nbytes, replace_stale=chosen == "hf")
+            output = WeightFiles(
+                Path(save_dir),
+                handle,
+                segments,
+                weights_name=save_filename,
+                max_shard_nbytes=max_nbytes,
+                replace_stale=chosen == "hf",
+            )
     except Exception as e:
         err = e
     agree(group, err, f"starting to write '{out}'")
     err = None
     try:
-        bar = Progress(output.total_nbytes if output else 0, f"save {out.name}", progress if output else False)
+        bar = Progress(
+            output.total_nbytes if output else 0, f"save {out.name}", progress if output else False
+        )
         with bar, torch_threads(1):
             append = output.append if output is not None else (lambda t: None)
             for full in _live_values(engine, parts, slots):
@@ -496,9 +649,19 @@ def save_16bit_model(engine: CheckpointTarget, save_dir: str | os.PathLike, save
                     append(b.detach().cpu().contiguous())
                 output.commit()
                 if hf_cfg is not None and chosen == "hf":
-                    generation = getattr(module, "generation_config", None) if module.can_generate() else None
-                    _write_config_files(Path(save_dir), hf_cfg, engine.dtype, architecture=type(module).__name__,
-                                        generation=generation, nonce=output.nonce)
+                    generation = (
+                        getattr(module, "generation_config", None)
+                        if module.can_generate()
+                        else None
+                    )
+                    _write_config_files(
+                        Path(save_dir),
+                        hf_cfg,
+                        engine.dtype,
+                        architecture=type(module).__name__,
+                        generation=generation,
+                        nonce=output.nonce,
+                    )
                 output = None
     except Exception as e:
         err = e
@@ -544,8 +707,9 @@ def _segments_live(engine: CheckpointTarget, parts: TrainingParts, names: HfName
     return segments, slots
 
 
-def _live_values(engine: CheckpointTarget, parts: TrainingParts,
-                 slots: list[tuple[Any, Any]]) -> Iterator[torch.Tensor]:
+def _live_values(
+    engine: CheckpointTarget, parts: TrainingParts, slots: list[tuple[Any, Any]]
+) -> Iterator[torch.Tensor]:
     """Each output parameter's values on CPU in output order; under stage 3 a unit is gathered once for
     its run of consecutive slots (every rank runs the same gathers)."""
     units = parts.units

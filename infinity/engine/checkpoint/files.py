@@ -62,20 +62,30 @@ def read_tensors(
     aligned buffers, and compares its CRC32C (chunks are checksummed beside the reads and combined).
     ``on_chunk(check index, byte offset in the tensor, bytes)`` sees every chunk in order (the bytes are
     valid during the call only). Raises CheckpointCorruptError naming the first tensor and file that differ."""
-    chunks = [(i, off, min(chunk_nbytes, c.entry.nbytes - off))
-              for i, c in enumerate(checks) for off in range(0, c.entry.nbytes, chunk_nbytes)]
+    chunks = [
+        (i, off, min(chunk_nbytes, c.entry.nbytes - off))
+        for i, c in enumerate(checks)
+        for off in range(0, c.entry.nbytes, chunk_nbytes)
+    ]
     if not chunks:
         return
-    ring = [aligned_empty(round_up(max(n for _, _, n in chunks), DIRECT_ALIGNMENT)) for _ in range(min(depth, len(chunks)))]
+    ring = [
+        aligned_empty(round_up(max(n for _, _, n in chunks), DIRECT_ALIGNMENT))
+        for _ in range(min(depth, len(chunks)))
+    ]
     busy: list[PendingCrc | None] = [None] * len(ring)  # a slot's checksum still reading it
     running: list[int | None] = [None] * len(checks)
     pending: collections.deque[tuple[AioRequest, int, tuple[int, int, int]]] = collections.deque()
-    parts: collections.deque[tuple[PendingCrc, int, int, bool]] = collections.deque()  # (crc, check, nbytes, last)
+    parts: collections.deque[tuple[PendingCrc, int, int, bool]] = (
+        collections.deque()
+    )  # (crc, check, nbytes, last)
 
     def combine(block: bool) -> None:
         while parts and (block or parts[0][0].done()):
             crc, i, n, last = parts.popleft()
-            running[i] = crc.result() if running[i] is None else crc32c_combine(running[i], crc.result(), n)
+            running[i] = (
+                crc.result() if running[i] is None else crc32c_combine(running[i], crc.result(), n)
+            )
             c = checks[i]
             if last and running[i] != c.crc:
                 raise CheckpointCorruptError(
@@ -111,7 +121,9 @@ def read_tensors(
             if busy[slot] is not None:
                 busy[slot].result()  # its last chunk's checksum is done with the buffer
             c = checks[i]
-            pending.append((handle.pread(ring[slot][:n], c.file, c.entry.begin + off), slot, (i, off, n)))
+            pending.append(
+                (handle.pread(ring[slot][:n], c.file, c.entry.begin + off), slot, (i, off, n))
+            )
         while pending:
             finish()
         combine(block=True)
@@ -139,7 +151,14 @@ class StreamWriter:
     appended and fsyncs it. Memory: ``depth x chunk_nbytes``, whatever the file's size.
     """
 
-    def __init__(self, handle: AioHandle, path: Path, *, chunk_nbytes: int = CHUNK_NBYTES // 2, depth: int = RING_DEPTH):
+    def __init__(
+        self,
+        handle: AioHandle,
+        path: Path,
+        *,
+        chunk_nbytes: int = CHUNK_NBYTES // 2,
+        depth: int = RING_DEPTH,
+    ):
         self.handle = handle
         self.path = path
         self.chunk = round_up(chunk_nbytes, DIRECT_ALIGNMENT)
@@ -155,7 +174,11 @@ class StreamWriter:
         return self.offset + self.fill
 
     def append(self, data: torch.Tensor | bytes) -> None:
-        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else as_bytes(data).numpy()
+        src = (
+            np.frombuffer(data, dtype=np.uint8)
+            if isinstance(data, (bytes, bytearray))
+            else as_bytes(data).numpy()
+        )
         pos, n = 0, src.size
         while pos < n:
             k = min(self.chunk - self.fill, n - pos)
@@ -168,7 +191,9 @@ class StreamWriter:
 
     def _submit(self, nbytes: int) -> None:
         try:
-            self.pending.append(self.handle.pwrite(self.ring[self.slot][:nbytes], self.file, self.offset))
+            self.pending.append(
+                self.handle.pwrite(self.ring[self.slot][:nbytes], self.file, self.offset)
+            )
             self.offset += self.fill
             self.fill = 0
             self.slot = (self.slot + 1) % len(self.ring)

@@ -119,8 +119,11 @@ def load_checkpoint(
     handle = None
     sources = SourceFiles()
     try:
-        scope = LoadScope.of(load_optimizer_states=load_optimizer_states,
-                             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+        scope = LoadScope.of(
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
         engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
         reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
@@ -130,7 +133,9 @@ def load_checkpoint(
         err = e
     try:
         agree(group, err, "checking the checkpoint")
-        total = (sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0) + plan.apply_nbytes
+        total = (
+            sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0
+        ) + plan.apply_nbytes
         with Progress(total, f"load {reader.tag}", progress if group.rank == 0 else False) as bar:
             if verify_checksums:
                 err = None
@@ -152,15 +157,25 @@ def load_checkpoint(
     if group.rank == 0:
         for level, line in plan.said:
             log.log(level, line)
-    log.info("loaded checkpoint '%s'%s", reader.dir, " (the module's weights and buffers only)" if scope.module_only else "")
+    log.info(
+        "loaded checkpoint '%s'%s",
+        reader.dir,
+        " (the module's weights and buffers only)" if scope.module_only else "",
+    )
     return plan.small["client_state"]
 
 
 # -- phase 1 ------------------------------------------------------------------
 
 
-def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-          scope: LoadScope, sources: SourceFiles) -> _Plan:
+def _plan(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    reader: CheckpointReader,
+    handle: AioHandle,
+    scope: LoadScope,
+    sources: SourceFiles,
+) -> _Plan:
     m = reader.manifest
     rank = engine.group.rank
     passthrough = parts.passthrough is not None
@@ -177,24 +192,36 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
         )
     if not passthrough:  # parameters first: the most telling difference
         zero = engine.config.zero_optimization
-        check_units_match(reader.units, describe_units(engine.module, parts.units),
-                          saved_threshold=m.get("persistence_threshold"),
-                          live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0)
+        check_units_match(
+            reader.units,
+            describe_units(engine.module, parts.units),
+            saved_threshold=m.get("persistence_threshold"),
+            live_threshold=int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0,
+        )
     es = reader.engine_state()
     _, live_buffers = state_dict_names(engine.module)
-    check_buffers_match({n: (parse_dtype_name(b["dtype"], n), tuple(b["shape"])) for n, b in m["buffers"].items()},
-                        live_buffers)
+    check_buffers_match(
+        {n: (parse_dtype_name(b["dtype"], n), tuple(b["shape"])) for n, b in m["buffers"].items()},
+        live_buffers,
+    )
     names = param_names(engine, parts)
     opt = engine.optimizer
     if scope.optimizer_states or scope.lr_scheduler_states:
-        check_param_groups(es["param_groups"], es["param_group_of"], opt.param_groups,
-                           param_group_of(opt.param_groups, parts.params), names)
+        check_param_groups(
+            es["param_groups"],
+            es["param_group_of"],
+            opt.param_groups,
+            param_group_of(opt.param_groups, parts.params),
+            names,
+        )
     if scope.lr_scheduler_states:
         _check_scheduler(es, engine.lr_scheduler)
     writes: list[StoreFuture] = []
     source_checks: list[Callable[[], None]] = []
     if passthrough:
-        groups, checks, nbytes, optimizer_state = _plan_passthrough(parts, reader, handle, names, scope)
+        groups, checks, nbytes, optimizer_state = _plan_passthrough(
+            parts, reader, handle, names, scope
+        )
     else:
         groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
         frozen = _plan_frozen(engine, parts, reader, handle, sources)
@@ -206,12 +233,18 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
     rank0_tensors = reader.rank(0)[1]
     own = rank < reader.world_size
     state, tensors = reader.rank(rank if own else 0)
-    lr_state = decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler") if scope.lr_scheduler_states else None
+    lr_state = (
+        decode(es["lr_scheduler"], rank0_tensors, "lr_scheduler")
+        if scope.lr_scheduler_states
+        else None
+    )
     hyper, said = _what_is_used(engine, es, lr_state, scope)
     small = {
         "client_state": decode(state["client_state"], tensors, "client_state"),
         "rng": (state["rng"], tensors) if own and scope.run_state else None,
-        "param_steps": _param_steps(engine, parts, reader, own) if scope.optimizer_states and not passthrough else None,
+        "param_steps": _param_steps(engine, parts, reader, own)
+        if scope.optimizer_states and not passthrough
+        else None,
         "buffers": {n: tensors[f"buffer.{n}"] for n in live_buffers},  # this rank's, else rank 0's
         "lr_scheduler": lr_state,
         "engine": es,
@@ -222,8 +255,9 @@ def _plan(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointRead
     return _Plan(groups, checks, nbytes, small, writes, scope, said, source_checks)
 
 
-def _what_is_used(engine: CheckpointTarget, es: dict[str, Any], lr_state: Any,
-                  scope: LoadScope) -> tuple[Hyperparameters, list[tuple[int, str]]]:
+def _what_is_used(
+    engine: CheckpointTarget, es: dict[str, Any], lr_state: Any, scope: LoadScope
+) -> tuple[Hyperparameters, list[tuple[int, str]]]:
     """The param group values the load sets, and the log lines saying which values are in use where
     the checkpoint's and this engine's differ. ``lr_state``: the decoded scheduler state to restore."""
     opt, scheduler = engine.optimizer, engine.lr_scheduler
@@ -231,13 +265,22 @@ def _what_is_used(engine: CheckpointTarget, es: dict[str, Any], lr_state: Any,
     if scope.module_only:
         hyper = Hyperparameters([{} for _ in opt.param_groups], [], [])
     else:
-        hyper = hyperparameters([decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
-                                opt.param_groups, scope=scope, scheduled=scheduler is not None,
-                                schedule_restored=restored)
-    said = messages(hyper, schedule=None if scheduler is None else type(scheduler).__qualname__,
-                    schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
-                    schedule_kept=not scope.lr_scheduler_states and not scope.module_only
-                    and scheduler is not None and es["lr_scheduler"] is not None)
+        hyper = hyperparameters(
+            [decode(g, {}, "optimizer.param_groups") for g in es["param_groups"]],
+            opt.param_groups,
+            scope=scope,
+            scheduled=scheduler is not None,
+            schedule_restored=restored,
+        )
+    said = messages(
+        hyper,
+        schedule=None if scheduler is None else type(scheduler).__qualname__,
+        schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
+        schedule_kept=not scope.lr_scheduler_states
+        and not scope.module_only
+        and scheduler is not None
+        and es["lr_scheduler"] is not None,
+    )
     return hyper, said
 
 
@@ -264,14 +307,24 @@ def _counters(engine: CheckpointTarget, m: dict[str, Any]) -> dict[str, int]:
     micro = int(m["micro_steps"])
     if saved_gas != engine.gradient_accumulation_steps:
         micro = int(m["global_steps"]) * engine.gradient_accumulation_steps
-    return {"global_steps": int(m["global_steps"]), "micro_steps": micro, "skipped_steps": int(m["skipped_steps"])}
+    return {
+        "global_steps": int(m["global_steps"]),
+        "micro_steps": micro,
+        "skipped_steps": int(m["skipped_steps"]),
+    }
 
 
-def _param_steps(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, own: bool) -> list[int]:
+def _param_steps(
+    engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, own: bool
+) -> list[int]:
     """This rank's step counts: its own when the partitioning is unchanged, else the largest over the
     saved ranks (a parameter's count is kept by the ranks holding part of it, 0 elsewhere)."""
     n = len(parts.optimizer.param_steps)
-    same = own and reader.partitions == partitions_of(parts) and reader.world_size == engine.group.world_size
+    same = (
+        own
+        and reader.partitions == partitions_of(parts)
+        and reader.world_size == engine.group.world_size
+    )
     ranks = [engine.group.rank] if same else range(reader.world_size)
     steps = [0] * n
     for r in ranks:
@@ -285,8 +338,13 @@ def _param_steps(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpo
     return steps
 
 
-def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-                scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
+def _plan_units(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    reader: CheckpointReader,
+    handle: AioHandle,
+    scope: LoadScope,
+) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
     rank = 0 if engine.stage == 0 else engine.group.rank
     p_old = reader.partitions
     groups, checks, nbytes, writes = [], {}, 0, []
@@ -314,10 +372,21 @@ def _plan_units(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpoi
                 entry = reader.entry(q, name, FP32, s_old)
                 f = reader.open_part(q, handle)
                 checks[(q, name)] = Check(reader.part_path(q), f, entry, reader.part_crc(q, name))
-                pieces.append(Piece(f, entry.begin + (lo - q * s_old) * 4, (lo - lo_new) * 4, (hi - lo) * 4))
+                pieces.append(
+                    Piece(f, entry.begin + (lo - q * s_old) * 4, (lo - lo_new) * 4, (hi - lo) * 4)
+                )
             # Read whole, a tensor's checksum is checked again as it lands (see the Note).
             crc = reader.part_crc(rank, name) if same else None
-            items.append(LoadItem(name, s_new * 4, pieces, ref=ref, crc=crc, path=reader.part_path(rank if same else 0)))
+            items.append(
+                LoadItem(
+                    name,
+                    s_new * 4,
+                    pieces,
+                    ref=ref,
+                    crc=crc,
+                    path=reader.part_path(rank if same else 0),
+                )
+            )
             nbytes += s_new * 4
         groups.append(LoadGroup(items, _after_master(parts, unit, writes)))
     return groups, list(checks.values()), nbytes, writes
@@ -331,8 +400,13 @@ class _FrozenPlan:
     source_checks: list[Callable[[], None]]
 
 
-def _plan_frozen(engine: CheckpointTarget, parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-                 files: SourceFiles) -> _FrozenPlan:
+def _plan_frozen(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    reader: CheckpointReader,
+    handle: AioHandle,
+    files: SourceFiles,
+) -> _FrozenPlan:
     """The frozen units' weights ([Note: frozen units in a checkpoint] in sources.py): read from the part
     files where saved, else from the files the checkpoint refers to (after checking that they are there,
     unchanged), or left as they are where this engine's unit comes from the same files with the same
@@ -348,9 +422,14 @@ def _plan_frozen(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpo
     live_crcs = frozen_shard_crcs(engine, parts) if any(s.source for _, s in frozen) else {}
     whole = parts.param_store is None  # stages 0-2: every rank holds the whole unit
     for unit, saved in frozen:
-        same = reader.partitions == unit.layout.world_size and saved.shard_numel == unit.layout.shard_numel
+        same = (
+            reader.partitions == unit.layout.world_size
+            and saved.shard_numel == unit.layout.shard_numel
+        )
         lo, hi = unit.layout.shard_range(rank)
-        lo_new, end = (0, unit.layout.numel) if whole else (lo, min(hi, saved.numel) if not same else hi)
+        lo_new, end = (
+            (0, unit.layout.numel) if whole else (lo, min(hi, saved.numel) if not same else hi)
+        )
         dtype, isz = unit.layout.dtype, unit.layout.itemsize
         n_dest = unit.layout.numel if whole else unit.layout.shard_numel
         dest = torch.empty(n_dest, dtype=dtype) if whole else None
@@ -366,11 +445,31 @@ def _plan_frozen(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpo
                 entry = reader.entry(q, name, dtype, saved.shard_numel)
                 f = reader.open_part(q, handle)
                 out.checks.append(Check(reader.part_path(q), f, entry, reader.part_crc(q, name)))
-                pieces.append(Piece(f, entry.begin + (a - q * saved.shard_numel) * isz, (a - lo_new) * isz,
-                                    (b - a) * isz))
+                pieces.append(
+                    Piece(
+                        f,
+                        entry.begin + (a - q * saved.shard_numel) * isz,
+                        (a - lo_new) * isz,
+                        (b - a) * isz,
+                    )
+                )
             crc = reader.part_crc(rank, name) if same and not whole else None
-            out.groups.append(LoadGroup([LoadItem(name, n_dest * isz, pieces, ref=ref, tensor=dest, crc=crc,
-                                                  path=reader.part_path(rank if same else 0))], after))
+            out.groups.append(
+                LoadGroup(
+                    [
+                        LoadItem(
+                            name,
+                            n_dest * isz,
+                            pieces,
+                            ref=ref,
+                            tensor=dest,
+                            crc=crc,
+                            path=reader.part_path(rank if same else 0),
+                        )
+                    ],
+                    after,
+                )
+            )
             out.nbytes += n_dest * isz
             continue
         tensors = [(str(p), str(n)) for p, n in saved.source["tensors"]]
@@ -380,8 +479,12 @@ def _plan_frozen(engine: CheckpointTarget, parts: TrainingParts, reader: Checkpo
             files.tensor(p, n, slot.shape)
         want = saved_crcs.get(str(unit.index)) if same else None
         live = parts.sources.get(unit.index)
-        if (want is not None and live is not None and [list(t) for t in live.tensors] == [list(t) for t in tensors]
-                and live_crcs.get(unit.index) == int(want)):
+        if (
+            want is not None
+            and live is not None
+            and [list(t) for t in live.tensors] == [list(t) for t in tensors]
+            and live_crcs.get(unit.index) == int(want)
+        ):
             continue  # this engine's unit already holds those files' values
 
         def read(out_t: torch.Tensor, tensors=tensors, unit=unit, lo_new=lo_new) -> None:
@@ -449,13 +552,20 @@ def _after_master(parts: TrainingParts, unit: ParamUnit, writes: list[StoreFutur
     return lambda dests: on_updated(unit.index, dests[0])
 
 
-def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: AioHandle,
-                      param_names: list[str], scope: LoadScope) -> tuple[list[LoadGroup], list[Check], int, Any]:
+def _plan_passthrough(
+    parts: TrainingParts,
+    reader: CheckpointReader,
+    handle: AioHandle,
+    param_names: list[str],
+    scope: LoadScope,
+) -> tuple[list[LoadGroup], list[Check], int, Any]:
     m = reader.manifest
     saved = {p["name"]: p for p in m.get("params") or []}
     for name, p in zip(param_names, parts.params, strict=True):
         if name not in saved:
-            raise CheckpointMismatchError(f"parameter {name!r} of this model is not in the checkpoint; load a checkpoint of this model")
+            raise CheckpointMismatchError(
+                f"parameter {name!r} of this model is not in the checkpoint; load a checkpoint of this model"
+            )
         if tuple(saved[name]["shape"]) != tuple(p.shape):
             raise CheckpointMismatchError(
                 f"parameter {name!r} has shape {saved[name]['shape']} in the checkpoint but {list(p.shape)} in this model"
@@ -473,12 +583,24 @@ def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: Ai
         e = reader.entry(0, name, dest.dtype, dest.numel())
         crc = reader.part_crc(0, name)
         checks.append(Check(reader.part_path(0), f, e, crc))
-        return LoadItem(name, e.nbytes, [Piece(f, e.begin, 0, e.nbytes)], tensor=dest, crc=crc, path=reader.part_path(0))
+        return LoadItem(
+            name,
+            e.nbytes,
+            [Piece(f, e.begin, 0, e.nbytes)],
+            tensor=dest,
+            crc=crc,
+            path=reader.part_path(0),
+        )
 
     for name, p in zip(param_names, parts.params, strict=True):
         direct = p.data.device.type == "cpu" and p.data.is_contiguous()
         dest = p.data if direct else torch.empty(p.shape, dtype=p.dtype)
-        groups.append(LoadGroup([item(f"param.{name}", dest)], None if direct else (lambda d, p=p: p.data.copy_(d[0]))))
+        groups.append(
+            LoadGroup(
+                [item(f"param.{name}", dest)],
+                None if direct else (lambda d, p=p: p.data.copy_(d[0])),
+            )
+        )
         nbytes += dest.numel() * dest.element_size()
     if not scope.optimizer_states:
         return groups, checks, nbytes, None
@@ -491,7 +613,9 @@ def _plan_passthrough(parts: TrainingParts, reader: CheckpointReader, handle: Ai
     state = decode(es["optimizer_state"], tensors, "optimizer state")
     live = parts.passthrough.state_dict()["param_groups"]
     if [len(g["params"]) for g in state["param_groups"]] != [len(g["params"]) for g in live]:
-        raise CheckpointMismatchError("the checkpoint's optimizer param groups hold other parameters than this engine's")
+        raise CheckpointMismatchError(
+            "the checkpoint's optimizer param groups hold other parameters than this engine's"
+        )
     return groups, checks, nbytes, state
 
 
@@ -517,7 +641,9 @@ def _read_shards(parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Prog
             parts.partitioner.gather_persistent()
 
 
-def _apply(engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Progress) -> None:
+def _apply(
+    engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: AioHandle, bar: Progress
+) -> None:
     _read_shards(parts, plan, handle, bar)
     s = plan.small
     es = s["engine"]
@@ -534,7 +660,9 @@ def _apply(engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: 
         parts.optimizer.param_steps[:] = s["param_steps"]
     elif not scope.module_only:
         parts.optimizer.param_steps[:] = [0] * len(parts.optimizer.param_steps)
-    for g, old, values in zip(engine.optimizer.param_groups, before, s["hyper"].values, strict=True):
+    for g, old, values in zip(
+        engine.optimizer.param_groups, before, s["hyper"].values, strict=True
+    ):
         g.update(old)
         g.update(values)
     if scope.lr_scheduler_states:
@@ -550,5 +678,7 @@ def _apply(engine: CheckpointTarget, parts: TrainingParts, plan: _Plan, handle: 
     if s["rng"] is not None:
         restore_rng(*s["rng"])
     elif scope.run_state:
-        log.info("rank %d did not exist when the checkpoint was saved: its RNG state is not restored", engine.group.rank)
-
+        log.info(
+            "rank %d did not exist when the checkpoint was saved: its RNG state is not restored",
+            engine.group.rank,
+        )

@@ -61,13 +61,24 @@ class SaveLock:
         except OSError as e:
             os.close(fd)
             if e.errno not in _NO_LOCKS:
-                raise OSError(e.errno, f"cannot lock '{self.path}' for the save: {e.strerror}") from None
-            log.warning("the file system of '%s' has no file locks (%s): a second process saving into it at the "
-                        "same time would not be noticed", root, e.strerror)
+                raise OSError(
+                    e.errno, f"cannot lock '{self.path}' for the save: {e.strerror}"
+                ) from None
+            log.warning(
+                "the file system of '%s' has no file locks (%s): a second process saving into it at the "
+                "same time would not be noticed",
+                root,
+                e.strerror,
+            )
             self._fd: int | None = None
             return
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "tag": tag, "dir": partial.name,
-                 "since": time.time()}
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "tag": tag,
+            "dir": partial.name,
+            "since": time.time(),
+        }
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(owner).encode(), 0)

@@ -57,7 +57,12 @@ class UnitInfo:
             "trainable": self.trainable,
             "source": self.source,
             "slots": [
-                {"name": s.name, "shape": list(s.shape), "offset": s.offset, "aliases": list(s.aliases)}
+                {
+                    "name": s.name,
+                    "shape": list(s.shape),
+                    "offset": s.offset,
+                    "aliases": list(s.aliases),
+                }
                 for s in self.slots
             ],
         }
@@ -70,12 +75,25 @@ class UnitInfo:
     @classmethod
     def from_json(cls, index: int, d: dict[str, Any]) -> UnitInfo:
         slots = tuple(
-            SlotInfo(str(s["name"]), tuple(int(x) for x in s["shape"]), int(s["offset"]),
-                     tuple(str(a) for a in s.get("aliases") or [s["name"]]))
+            SlotInfo(
+                str(s["name"]),
+                tuple(int(x) for x in s["shape"]),
+                int(s["offset"]),
+                tuple(str(a) for a in s.get("aliases") or [s["name"]]),
+            )
             for s in d["slots"]
         )
-        return cls(index, str(d["name"]), bool(d["persistent"]), parse_dtype_name(d["dtype"], f"unit {index}"),
-                   int(d["numel"]), int(d["shard_numel"]), slots, bool(d.get("trainable", True)), d.get("source"))
+        return cls(
+            index,
+            str(d["name"]),
+            bool(d["persistent"]),
+            parse_dtype_name(d["dtype"], f"unit {index}"),
+            int(d["numel"]),
+            int(d["shard_numel"]),
+            slots,
+            bool(d.get("trainable", True)),
+            d.get("source"),
+        )
 
 
 def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str, torch.Tensor]]:
@@ -90,8 +108,9 @@ def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str,
     return names, buffers
 
 
-def describe_units(module: nn.Module, units: list[ParamUnit],
-                   sources: dict[int, dict[str, Any]] | None = None) -> list[UnitInfo]:
+def describe_units(
+    module: nn.Module, units: list[ParamUnit], sources: dict[int, dict[str, Any]] | None = None
+) -> list[UnitInfo]:
     """UnitInfo of every live ParamUnit; aliases from the module's state_dict; ``sources``: the references
     of the frozen units saved as one."""
     names, _ = state_dict_names(module)
@@ -101,12 +120,25 @@ def describe_units(module: nn.Module, units: list[ParamUnit],
         for p, s in zip(u.params, u.layout.slots, strict=True):
             aliases = [s.name] + [n for n in names.get(id(p), []) if n != s.name]
             slots.append(SlotInfo(s.name, tuple(s.shape), s.offset, tuple(aliases)))
-        out.append(UnitInfo(u.index, u.module_name, u.persistent, u.layout.dtype, u.layout.numel,
-                            u.layout.shard_numel, tuple(slots), u.trainable, (sources or {}).get(u.index)))
+        out.append(
+            UnitInfo(
+                u.index,
+                u.module_name,
+                u.persistent,
+                u.layout.dtype,
+                u.layout.numel,
+                u.layout.shard_numel,
+                tuple(slots),
+                u.trainable,
+                (sources or {}).get(u.index),
+            )
+        )
     return out
 
 
-def check_units_match(saved: list[UnitInfo], live: list[UnitInfo], *, saved_threshold: Any, live_threshold: Any) -> None:
+def check_units_match(
+    saved: list[UnitInfo], live: list[UnitInfo], *, saved_threshold: Any, live_threshold: Any
+) -> None:
     """Raises CheckpointMismatchError naming the first parameter that differs."""
     saved_params = {s.name: (u, s) for u in saved for s in u.slots}
     live_params = {s.name: (u, s) for u in live for s in u.slots}
@@ -129,14 +161,19 @@ def check_units_match(saved: list[UnitInfo], live: list[UnitInfo], *, saved_thre
                 "saved from a different model; load a checkpoint of this model"
             )
     for u in live:
-        if u.index < len(saved) and saved[u.index].name == u.name and saved[u.index].trainable != u.trainable:
+        if (
+            u.index < len(saved)
+            and saved[u.index].name == u.name
+            and saved[u.index].trainable != u.trainable
+        ):
             how = {True: "trains", False: "is frozen (requires_grad=False)"}
             raise CheckpointMismatchError(
                 f"unit {u.name!r} {how[saved[u.index].trainable]} in the checkpoint but {how[u.trainable]} in this "
                 "engine; set requires_grad on the same parameters as the saved run before initialize"
             )
     if len(saved) != len(live) or any(
-        a.name != b.name or [s.name for s in a.slots] != [s.name for s in b.slots] for a, b in zip(saved, live, strict=True)
+        a.name != b.name or [s.name for s in a.slots] != [s.name for s in b.slots]
+        for a, b in zip(saved, live, strict=True)
     ):
         raise CheckpointMismatchError(
             "the checkpoint groups the same parameters into different units than this engine does "
@@ -145,7 +182,9 @@ def check_units_match(saved: list[UnitInfo], live: list[UnitInfo], *, saved_thre
         )
 
 
-def check_buffers_match(saved: dict[str, tuple[torch.dtype, tuple[int, ...]]], live: dict[str, torch.Tensor]) -> None:
+def check_buffers_match(
+    saved: dict[str, tuple[torch.dtype, tuple[int, ...]]], live: dict[str, torch.Tensor]
+) -> None:
     for name, t in live.items():
         if name not in saved:
             raise CheckpointMismatchError(

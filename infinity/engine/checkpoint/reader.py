@@ -44,7 +44,16 @@ from infinity.weights.in_memory import tensors_from_bytes
 
 log = logging.getLogger("infinity.checkpoint")
 
-_REQUIRED = ("world_size", "stage", "partitions", "units", "files", "global_steps", "micro_steps", "skipped_steps")
+_REQUIRED = (
+    "world_size",
+    "stage",
+    "partitions",
+    "units",
+    "files",
+    "global_steps",
+    "micro_steps",
+    "skipped_steps",
+)
 
 
 def read_manifest(ckpt: Path) -> dict[str, Any]:
@@ -53,9 +62,13 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         raw = p.read_bytes()
         doc = json.loads(raw)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(f"'{p}' is missing: '{ckpt}' is not a complete checkpoint") from None
+        raise CheckpointNotFoundError(
+            f"'{p}' is missing: '{ckpt}' is not a complete checkpoint"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"'{p}' is not valid JSON ({e}): the manifest is corrupt", path=str(p)) from None
+        raise CheckpointCorruptError(
+            f"'{p}' is not valid JSON ({e}): the manifest is corrupt", path=str(p)
+        ) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointCorruptError(
             f"'{p}' is not an infinity checkpoint manifest (format {doc.get('format') if isinstance(doc, dict) else None!r}, "
@@ -64,8 +77,9 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         )
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointCorruptError(f"'{p}' has no valid format version ({version!r}): the manifest is corrupt",
-                                     path=str(p))
+        raise CheckpointCorruptError(
+            f"'{p}' has no valid format version ({version!r}): the manifest is corrupt", path=str(p)
+        )
     if version > VERSION:
         raise CheckpointError(
             f"'{p}' has format version {version!r}; this infinity reads versions up to {VERSION}: upgrade infinity"
@@ -73,11 +87,17 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     if version >= CHECKSUMMED_SINCE:
         _check_manifest_crc(p, raw)
     else:
-        log.warning("'%s' has format version %d, which has no checksum of the manifest or of the part files' "
-                    "headers: they are trusted as they are; save the checkpoint again to have them checked", p, version)
+        log.warning(
+            "'%s' has format version %d, which has no checksum of the manifest or of the part files' "
+            "headers: they are trusted as they are; save the checkpoint again to have them checked",
+            p,
+            version,
+        )
     missing = [k for k in _REQUIRED if k not in doc]
     if missing:
-        raise CheckpointCorruptError(f"'{p}' lacks the field(s) {', '.join(missing)}: the manifest is corrupt", path=str(p))
+        raise CheckpointCorruptError(
+            f"'{p}' lacks the field(s) {', '.join(missing)}: the manifest is corrupt", path=str(p)
+        )
     return doc
 
 
@@ -109,7 +129,9 @@ class CheckpointReader:
         try:
             self.units = [UnitInfo.from_json(i, d) for i, d in enumerate(m["units"])]
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointCorruptError(f"'{self.dir / MANIFEST}': malformed unit list ({e})", path=str(self.dir / MANIFEST)) from None
+            raise CheckpointCorruptError(
+                f"'{self.dir / MANIFEST}': malformed unit list ({e})", path=str(self.dir / MANIFEST)
+            ) from None
         self.files: dict[str, dict[str, int]] = m["files"]
         for name in self.files:
             self._check_size(name)
@@ -128,7 +150,9 @@ class CheckpointReader:
         spec = self.files.get(name)
         p = self.dir / name
         if spec is None:
-            raise CheckpointCorruptError(f"'{self.dir / MANIFEST}' does not list '{name}'", path=str(p))
+            raise CheckpointCorruptError(
+                f"'{self.dir / MANIFEST}' does not list '{name}'", path=str(p)
+            )
         try:
             size = p.stat().st_size
         except FileNotFoundError:
@@ -164,7 +188,9 @@ class CheckpointReader:
             header = parse_header(blob, file_nbytes=len(blob), path=str(p))
             state = json.loads(header.metadata["state"])
         except (ValueError, KeyError) as e:
-            raise CheckpointCorruptError(f"'{p}' is not a valid rank file ({e})", path=str(p)) from None
+            raise CheckpointCorruptError(
+                f"'{p}' is not a valid rank file ({e})", path=str(p)
+            ) from None
         self._ranks[r] = (state, tensors_from_bytes(blob, header))
         return self._ranks[r]
 
@@ -173,7 +199,9 @@ class CheckpointReader:
         checked."""
         p = self.dir / name
         if name not in self.files:
-            raise CheckpointNotFoundError(f"the checkpoint '{self.dir}' has no {name}: it was saved without one")
+            raise CheckpointNotFoundError(
+                f"the checkpoint '{self.dir}' has no {name}: it was saved without one"
+            )
         self._check_size(name)
         blob = p.read_bytes()
         want = int(self.files[name]["crc32c"])
@@ -188,7 +216,10 @@ class CheckpointReader:
     def engine_state(self) -> dict[str, Any]:
         state, _ = self.rank(0)
         if "engine" not in state:
-            raise CheckpointCorruptError(f"'{self.dir / rank_name(0)}' lacks the engine state", path=str(self.dir / rank_name(0)))
+            raise CheckpointCorruptError(
+                f"'{self.dir / rank_name(0)}' lacks the engine state",
+                path=str(self.dir / rank_name(0)),
+            )
         return state["engine"]
 
     def part(self, q: int) -> Header:
@@ -201,11 +232,15 @@ class CheckpointReader:
             try:
                 blob, size = read_header_bytes(p)
                 if want is not None and crc32c(blob) != want:
-                    raise ValueError(f"its header ({len(blob)} bytes) has CRC32C {crc32c(blob):#010x}, but "
-                                     f"{want:#010x} was saved; restore the file from a copy or load another checkpoint")
+                    raise ValueError(
+                        f"its header ({len(blob)} bytes) has CRC32C {crc32c(blob):#010x}, but "
+                        f"{want:#010x} was saved; restore the file from a copy or load another checkpoint"
+                    )
                 self._parts[q] = parse_header(blob, file_nbytes=size, path=str(p))
             except ValueError as e:
-                raise CheckpointCorruptError(f"checkpoint file '{p}' is corrupt: {e}", path=str(p)) from None
+                raise CheckpointCorruptError(
+                    f"checkpoint file '{p}' is corrupt: {e}", path=str(p)
+                ) from None
         return self._parts[q]
 
     def _part_header_crc(self, q: int) -> int | None:
@@ -217,13 +252,17 @@ class CheckpointReader:
             return int(state["part"]["header_crc32c"])
         except (KeyError, TypeError, ValueError):
             p = self.dir / rank_name(q)
-            raise CheckpointCorruptError(f"'{p}' has no checksum of the header of its part file", path=str(p)) from None
+            raise CheckpointCorruptError(
+                f"'{p}' has no checksum of the header of its part file", path=str(p)
+            ) from None
 
     def entry(self, q: int, name: str, dtype: torch.dtype, numel: int) -> Entry:
         e = self.part(q).entries.get(name)
         p = self.dir / part_name(q, self.partitions)
         if e is None:
-            raise CheckpointCorruptError(f"checkpoint file '{p}' lacks tensor {name!r}", path=str(p))
+            raise CheckpointCorruptError(
+                f"checkpoint file '{p}' lacks tensor {name!r}", path=str(p)
+            )
         if e.dtype != dtype or e.numel != numel:
             raise CheckpointCorruptError(
                 f"tensor {name!r} in '{p}' is {e.numel} x {e.dtype}; the manifest implies {numel} x {dtype}",
@@ -238,7 +277,9 @@ class CheckpointReader:
             return int(state["part"]["crc32c"][name])
         except (KeyError, TypeError):
             p = self.dir / rank_name(q)
-            raise CheckpointCorruptError(f"'{p}' has no checksum for tensor {name!r}", path=str(p)) from None
+            raise CheckpointCorruptError(
+                f"'{p}' has no checksum for tensor {name!r}", path=str(p)
+            ) from None
 
     def part_path(self, q: int) -> str:
         return str(self.dir / part_name(q, self.partitions))

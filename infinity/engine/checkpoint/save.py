@@ -82,8 +82,16 @@ def unit_state_refs(parts: TrainingParts, unit: ParamUnit) -> list[tuple[str, St
     fp32 stage-3 shard is its own master), exp_avg and exp_avg_sq."""
     ss = parts.state_store
     i = unit.index
-    master = StoreRef(ss, (i, "master")) if (i, "master") in ss else StoreRef(parts.param_store, unit.key)
-    return [("master", master), ("exp_avg", StoreRef(ss, (i, "m"))), ("exp_avg_sq", StoreRef(ss, (i, "v")))]
+    master = (
+        StoreRef(ss, (i, "master"))
+        if (i, "master") in ss
+        else StoreRef(parts.param_store, unit.key)
+    )
+    return [
+        ("master", master),
+        ("exp_avg", StoreRef(ss, (i, "m"))),
+        ("exp_avg_sq", StoreRef(ss, (i, "v"))),
+    ]
 
 
 def partitions_of(parts: TrainingParts) -> int:
@@ -97,15 +105,35 @@ def _plan_units(parts: TrainingParts, referenced: set[int], rank: int) -> list[l
     for u in parts.units:
         shape = (u.layout.shard_numel,)
         if u.trainable:
-            groups.append([_Planned(f"u{u.index}.{role}", FP32, shape, ref=ref)
-                           for role, ref in unit_state_refs(parts, u)])
+            groups.append(
+                [
+                    _Planned(f"u{u.index}.{role}", FP32, shape, ref=ref)
+                    for role, ref in unit_state_refs(parts, u)
+                ]
+            )
         elif u.index not in referenced:
             if parts.param_store is not None:
-                groups.append([_Planned(f"u{u.index}.param", u.layout.dtype, shape,
-                                        ref=StoreRef(parts.param_store, u.key))])
+                groups.append(
+                    [
+                        _Planned(
+                            f"u{u.index}.param",
+                            u.layout.dtype,
+                            shape,
+                            ref=StoreRef(parts.param_store, u.key),
+                        )
+                    ]
+                )
             else:
-                groups.append([_Planned(f"u{u.index}.param", u.layout.dtype, shape,
-                                        tensor=resident_shard(u, rank))])
+                groups.append(
+                    [
+                        _Planned(
+                            f"u{u.index}.param",
+                            u.layout.dtype,
+                            shape,
+                            tensor=resident_shard(u, rank),
+                        )
+                    ]
+                )
     return groups
 
 
@@ -146,14 +174,24 @@ def frozen_shard_crcs(engine: CheckpointTarget, parts: TrainingParts) -> dict[in
 
 def referenced_units(parts: TrainingParts, crcs: dict[int, int]) -> list[int]:
     """1 per unit whose values on this rank are still those of its files, else 0 (agreed over ranks)."""
-    return [int(u.index in crcs and u.index in parts.sources
-                and crcs[u.index] == parts.sources[u.index].shard_crc32c) for u in parts.units]
+    return [
+        int(
+            u.index in crcs
+            and u.index in parts.sources
+            and crcs[u.index] == parts.sources[u.index].shard_crc32c
+        )
+        for u in parts.units
+    ]
 
 
-def _plan_passthrough(parts: TrainingParts, param_names: list[str]) -> tuple[list[list[_Planned]], Any]:
+def _plan_passthrough(
+    parts: TrainingParts, param_names: list[str]
+) -> tuple[list[list[_Planned]], Any]:
     """Stage 0 with a torch optimizer of the user's: the parameters whole, and the optimizer's tensors."""
-    groups = [[_Planned(f"param.{n}", p.dtype, tuple(p.shape), tensor=p.data)] for n, p in
-              zip(param_names, parts.params, strict=True)]
+    groups = [
+        [_Planned(f"param.{n}", p.dtype, tuple(p.shape), tensor=p.data)]
+        for n, p in zip(param_names, parts.params, strict=True)
+    ]
     sink = TensorSink("optim.", copy=False)
     skeleton = encode(parts.passthrough.state_dict(), sink, "optimizer.state_dict()")
     groups += [[_Planned(n, t.dtype, tuple(t.shape), tensor=t)] for n, t in sink.tensors.items()]
@@ -163,12 +201,19 @@ def _plan_passthrough(parts: TrainingParts, param_names: list[str]) -> tuple[lis
 def param_names(engine: CheckpointTarget, parts: TrainingParts) -> list[str]:
     """Each trained parameter's first state_dict name, in the optimizer's order."""
     names, _ = state_dict_names(engine.module)
-    return [names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(parts.params)]
+    return [
+        names[id(p)][0] if id(p) in names else f"<unnamed {i}>" for i, p in enumerate(parts.params)
+    ]
 
 
-def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, param_names: list[str],
-                   extra: dict[str, Any], crcs: dict[int, int]
-                   ) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+def _capture_small(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    client_state: Any,
+    param_names: list[str],
+    extra: dict[str, Any],
+    crcs: dict[int, int],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's small state (JSON, tensors) and rank 0's additions to the manifest. Raises TypeError
     for a client_state a checkpoint cannot hold, before anything is written."""
     sink = TensorSink("t.")
@@ -183,19 +228,27 @@ def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state:
         state["frozen_crc32c"] = {str(i): c for i, c in crcs.items()}
     _, buffers = state_dict_names(engine.module)
     if engine.group.rank == 0:
-        manifest_extra["buffers"] = {n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()}
+        manifest_extra["buffers"] = {
+            n: {"dtype": dtype_name(b.dtype), "shape": list(b.shape)} for n, b in buffers.items()
+        }
         if parts.passthrough is not None:
             aliases, _ = state_dict_names(engine.module)
             manifest_extra["params"] = [
-                {"name": n, "dtype": dtype_name(p.dtype), "shape": list(p.shape),
-                 "aliases": [n] + [a for a in aliases.get(id(p), []) if a != n]}
+                {
+                    "name": n,
+                    "dtype": dtype_name(p.dtype),
+                    "shape": list(p.shape),
+                    "aliases": [n] + [a for a in aliases.get(id(p), []) if a != n],
+                }
                 for n, p in zip(param_names, parts.params, strict=True)
             ]
         opt = engine.optimizer
         state["engine"] = {
             "loss_scaler": engine.loss_scaler.state_dict(),
             "lr_scheduler": capture_scheduler(engine.lr_scheduler, sink),
-            "lr_scheduler_type": None if engine.lr_scheduler is None else type(engine.lr_scheduler).__qualname__,
+            "lr_scheduler_type": None
+            if engine.lr_scheduler is None
+            else type(engine.lr_scheduler).__qualname__,
             "param_groups": capture_hyperparameters(opt.param_groups),
             "param_group_of": param_group_of(opt.param_groups, parts.params),
             "param_names": param_names,
@@ -208,12 +261,21 @@ def _capture_small(engine: CheckpointTarget, parts: TrainingParts, client_state:
     return state, tensors, manifest_extra
 
 
-def _rank_file(state: dict[str, Any], tensors: dict[str, torch.Tensor], part_file: str | None,
-               part_crcs: dict[str, int] | None, header_crc: int | None) -> bytes:
+def _rank_file(
+    state: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    part_file: str | None,
+    part_crcs: dict[str, int] | None,
+    header_crc: int | None,
+) -> bytes:
     """The rank file: the small state as JSON in __metadata__, with the CRC32C of its part's tensors and
     of its part's header."""
-    state = {**state, "part": None if part_file is None else
-             {"file": part_file, "crc32c": part_crcs, "header_crc32c": header_crc}}
+    state = {
+        **state,
+        "part": None
+        if part_file is None
+        else {"file": part_file, "crc32c": part_crcs, "header_crc32c": header_crc},
+    }
     meta = {"format": FORMAT, "version": str(VERSION), "kind": "rank", "state": json.dumps(state)}
     return tensors_to_bytes(tensors, meta)
 
@@ -232,15 +294,23 @@ class _Prepared:
     """Rank 0: config.json, adapter_config.json (model_files.py)."""
 
 
-def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, crcs: dict[int, int],
-             referenced: set[int]) -> _Prepared:
+def _prepare(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    client_state: Any,
+    crcs: dict[int, int],
+    referenced: set[int],
+) -> _Prepared:
     rank = engine.group.rank
     names = param_names(engine, parts)
     partitions = partitions_of(parts)
     writes_part = rank < partitions
     if parts.passthrough is not None:
         groups, skeleton = _plan_passthrough(parts, names) if writes_part else ([], None)
-        extra = {"optimizer_state": skeleton, "optimizer_type": type(parts.passthrough).__qualname__}
+        extra = {
+            "optimizer_state": skeleton,
+            "optimizer_type": type(parts.passthrough).__qualname__,
+        }
     else:
         groups = _plan_units(parts, referenced, shard_rank(engine)) if writes_part else []
         extra = {}
@@ -249,11 +319,18 @@ def _prepare(engine: CheckpointTarget, parts: TrainingParts, client_state: Any, 
     if rank == 0:
         files, small[2]["peft"] = model_files(engine.module)
     small[2]["references"] = {i: parts.sources[i].reference_json() for i in referenced}
-    small[2]["source_files"] = {p: f.to_json() for i in sorted(referenced) for p, f in parts.sources[i].files.items()}
+    small[2]["source_files"] = {
+        p: f.to_json() for i in sorted(referenced) for p, f in parts.sources[i].files.items()
+    }
     header, layout = build_header(
         [(p.name, p.dtype, p.shape) for g in groups for p in g],
-        {"format": FORMAT, "version": str(VERSION), "kind": "part", "partition": str(rank),
-         "partitions": str(partitions)},
+        {
+            "format": FORMAT,
+            "version": str(VERSION),
+            "kind": "part",
+            "partition": str(rank),
+            "partitions": str(partitions),
+        },
         align=DIRECT_ALIGNMENT,
     )
     return _Prepared(partitions, groups, header, layout, small, parts, files)
@@ -282,7 +359,9 @@ def _make_directory(root: Path, tag: str, tmp: Path) -> SaveLock:
     return save_lock
 
 
-def _write_files(engine: CheckpointTarget, prep: _Prepared, tmp: Path, tag: str, progress: bool | None) -> list[int]:
+def _write_files(
+    engine: CheckpointTarget, prep: _Prepared, tmp: Path, tag: str, progress: bool | None
+) -> list[int]:
     """This rank's part file (if it owns a partition) and rank file; returns [part bytes, rank file bytes,
     rank file CRC32C] for the manifest."""
     rank = engine.group.rank
@@ -290,12 +369,19 @@ def _write_files(engine: CheckpointTarget, prep: _Prepared, tmp: Path, tag: str,
     if rank < prep.partitions:
         part_file = part_name(rank, prep.partitions)
         entries = prep.layout.entries
-        with Progress(prep.layout.file_nbytes, f"save {tag}", progress if rank == 0 else False) as bar, \
-                AioHandle.from_config(engine.config.aio) as handle:
+        with (
+            Progress(
+                prep.layout.file_nbytes, f"save {tag}", progress if rank == 0 else False
+            ) as bar,
+            AioHandle.from_config(engine.config.aio) as handle,
+        ):
             crcs = write_part(
-                handle, tmp / part_file, prep.header,
+                handle,
+                tmp / part_file,
+                prep.header,
                 ([SaveItem(entries[p.name], p.ref, p.tensor) for p in g] for g in prep.groups),
-                file_nbytes=prep.layout.file_nbytes, progress=bar,
+                file_nbytes=prep.layout.file_nbytes,
+                progress=bar,
             )
         header_crc = crc32c(prep.header)
     blob = _rank_file(prep.small[0], prep.small[1], part_file, crcs, header_crc)
@@ -303,8 +389,15 @@ def _write_files(engine: CheckpointTarget, prep: _Prepared, tmp: Path, tag: str,
     return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
 
 
-def _publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
-             sizes: list[list[int]]) -> None:
+def _publish(
+    engine: CheckpointTarget,
+    prep: _Prepared,
+    root: Path,
+    tmp: Path,
+    tag: str,
+    nonce: str,
+    sizes: list[list[int]],
+) -> None:
     """Rank 0: manifest, rename into place, then ``latest`` ([Note: publishing a checkpoint])."""
     files = {}
     for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
@@ -379,13 +472,25 @@ def save_checkpoint(
             save_lock.release()
     total = sum(a + b for a, b, _ in sizes)
     dt = time.perf_counter() - t0
-    log.info("saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)", root / tag, total / 1e9, dt,
-             total / 1e9 / max(dt, 1e-9))
+    log.info(
+        "saved checkpoint '%s': %.2f GB in %.2f s (%.2f GB/s)",
+        root / tag,
+        total / 1e9,
+        dt,
+        total / 1e9 / max(dt, 1e-9),
+    )
     return root / tag
 
 
-def _write_and_publish(engine: CheckpointTarget, prep: _Prepared, root: Path, tmp: Path, tag: str, nonce: str,
-                       progress: bool | None) -> list[list[int]]:
+def _write_and_publish(
+    engine: CheckpointTarget,
+    prep: _Prepared,
+    root: Path,
+    tmp: Path,
+    tag: str,
+    nonce: str,
+    progress: bool | None,
+) -> list[list[int]]:
     """Phases 3 and 4; returns every rank's [part bytes, rank file bytes, rank file CRC32C]."""
     group = engine.group
     err, info = None, [0, 0, 0]
@@ -425,8 +530,14 @@ def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
             raise OSError(f"'{p}' has {size} bytes; its rank wrote {f['nbytes']}")
 
 
-def _manifest(engine: CheckpointTarget, parts: TrainingParts, tag: str, partitions: int, files: dict[str, Any],
-              extra: dict[str, Any]) -> dict[str, Any]:
+def _manifest(
+    engine: CheckpointTarget,
+    parts: TrainingParts,
+    tag: str,
+    partitions: int,
+    files: dict[str, Any],
+    extra: dict[str, Any],
+) -> dict[str, Any]:
     from infinity import __version__
 
     zero = engine.config.zero_optimization
@@ -441,15 +552,23 @@ def _manifest(engine: CheckpointTarget, parts: TrainingParts, tag: str, partitio
         "stage": engine.stage,
         "partitions": partitions,
         "train_dtype": dtype_name(engine.dtype),
-        "persistence_threshold": int(zero.stage3_param_persistence_threshold) if engine.stage == 3 else 0,
+        "persistence_threshold": int(zero.stage3_param_persistence_threshold)
+        if engine.stage == 3
+        else 0,
         "optimizer": "partitioned_adam" if parts.optimizer is not None else "passthrough",
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
-        "units": [u.to_json() for u in describe_units(engine.module, parts.units, extra.get("references"))],
+        "units": [
+            u.to_json() for u in describe_units(engine.module, parts.units, extra.get("references"))
+        ],
         "source_files": extra.get("source_files", {}),
-        "peft": extra.get("peft"),  # the adapter a PEFT model trains (its config: adapter_config.json)
-        "params": extra.get("params"),  # stage 0 with the user's torch optimizer: no units, whole parameters
+        "peft": extra.get(
+            "peft"
+        ),  # the adapter a PEFT model trains (its config: adapter_config.json)
+        "params": extra.get(
+            "params"
+        ),  # stage 0 with the user's torch optimizer: no units, whole parameters
         "buffers": extra.get("buffers", {}),
         "files": files,
         "config": json.loads(json.dumps(engine.config.to_dict(), default=str)),

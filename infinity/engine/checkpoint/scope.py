@@ -45,15 +45,21 @@ class LoadScope:
     module_only: bool
 
     @classmethod
-    def of(cls, *, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-           load_module_only: bool) -> LoadScope:
-        for name, value in (("load_optimizer_states", load_optimizer_states),
-                            ("load_lr_scheduler_states", load_lr_scheduler_states),
-                            ("load_module_only", load_module_only)):
+    def of(
+        cls, *, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+    ) -> LoadScope:
+        for name, value in (
+            ("load_optimizer_states", load_optimizer_states),
+            ("load_lr_scheduler_states", load_lr_scheduler_states),
+            ("load_module_only", load_module_only),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"load_checkpoint({name}=...) takes True or False, not {value!r}")
-        return cls(load_optimizer_states and not load_module_only,
-                   load_lr_scheduler_states and not load_module_only, load_module_only)
+        return cls(
+            load_optimizer_states and not load_module_only,
+            load_lr_scheduler_states and not load_module_only,
+            load_module_only,
+        )
 
     @property
     def run_state(self) -> bool:
@@ -61,18 +67,25 @@ class LoadScope:
         return not self.module_only
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
     """What a load sets in each param group, and the differences to report."""
 
     values: list[dict[str, Any]]  # per live param group: key -> value to set
-    from_checkpoint: list[str]  # "weight_decay 0.1 (this engine's config: 0.01) in param group 0", ...
+    from_checkpoint: list[
+        str
+    ]  # "weight_decay 0.1 (this engine's config: 0.01) in param group 0", ...
     kept: list[str]  # "weight_decay 0.01 (the checkpoint's: 0.1) in param group 0", ...
 
 
-def hyperparameters(saved_groups: Sequence[Mapping[str, Any]], live_groups: Sequence[Mapping[str, Any]], *,
-                    scope: LoadScope, scheduled: bool, schedule_restored: bool) -> Hyperparameters:
+def hyperparameters(
+    saved_groups: Sequence[Mapping[str, Any]],
+    live_groups: Sequence[Mapping[str, Any]],
+    *,
+    scope: LoadScope,
+    scheduled: bool,
+    schedule_restored: bool,
+) -> Hyperparameters:
     """Which param group values a load sets. ``scheduled``: this engine has an lr scheduler (it sets
     lr and initial_lr); ``schedule_restored``: the checkpoint's schedule is being restored into it."""
     values: list[dict[str, Any]] = []
@@ -117,28 +130,47 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def messages(hyper: Hyperparameters, *, schedule: str | None, schedule_used: list[str],
-             schedule_kept: bool) -> list[tuple[int, str]]:
+def messages(
+    hyper: Hyperparameters, *, schedule: str | None, schedule_used: list[str], schedule_kept: bool
+) -> list[tuple[int, str]]:
     """(log level, line) saying which values a load leaves in use where the checkpoint's and this
     engine's differ. ``schedule``: the scheduler's type name; ``schedule_used``: its settings that
     the checkpoint's replace; ``schedule_kept``: this engine's schedule stays by request."""
     out = []
     if hyper.from_checkpoint:
-        out.append((logging.WARNING,
-                    "resuming with the checkpoint's optimizer hyperparameters, not this engine's config: "
-                    + "; ".join(hyper.from_checkpoint)
-                    + ". Pass load_checkpoint(..., load_optimizer_states=False) to keep the config's (Adam's "
-                    "moments then start afresh on the loaded weights)"))
+        out.append(
+            (
+                logging.WARNING,
+                "resuming with the checkpoint's optimizer hyperparameters, not this engine's config: "
+                + "; ".join(hyper.from_checkpoint)
+                + ". Pass load_checkpoint(..., load_optimizer_states=False) to keep the config's (Adam's "
+                "moments then start afresh on the loaded weights)",
+            )
+        )
     if hyper.kept:
-        out.append((logging.INFO, "keeping this engine's optimizer hyperparameters (load_optimizer_states=False): "
-                    + "; ".join(hyper.kept)))
+        out.append(
+            (
+                logging.INFO,
+                "keeping this engine's optimizer hyperparameters (load_optimizer_states=False): "
+                + "; ".join(hyper.kept),
+            )
+        )
     if schedule_used:
-        out.append((logging.WARNING,
-                    f"resuming with the checkpoint's lr schedule ({schedule}), not this engine's config: "
-                    + "; ".join(schedule_used)
-                    + ". Pass load_checkpoint(..., load_lr_scheduler_states=False) to keep the config's schedule"))
+        out.append(
+            (
+                logging.WARNING,
+                f"resuming with the checkpoint's lr schedule ({schedule}), not this engine's config: "
+                + "; ".join(schedule_used)
+                + ". Pass load_checkpoint(..., load_lr_scheduler_states=False) to keep the config's schedule",
+            )
+        )
     if schedule_kept:
-        out.append((logging.INFO, f"keeping this engine's lr schedule ({schedule}) as configured, from where it "
-                    "is now (load_lr_scheduler_states=False); the checkpoint's schedule and its position are "
-                    "not loaded"))
+        out.append(
+            (
+                logging.INFO,
+                f"keeping this engine's lr schedule ({schedule}) as configured, from where it "
+                "is now (load_lr_scheduler_states=False); the checkpoint's schedule and its position are "
+                "not loaded",
+            )
+        )
     return out

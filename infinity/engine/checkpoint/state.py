@@ -41,25 +41,35 @@ def restore_rng(data: Any, tensors: dict[str, torch.Tensor]) -> None:
         else:
             log.warning(
                 "the checkpoint has CUDA RNG states of %d devices and this process sees %d; CUDA RNG not restored",
-                len(cuda), torch.cuda.device_count(),
+                len(cuda),
+                torch.cuda.device_count(),
             )
     random.setstate(state["python"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def param_group_of(param_groups: list[dict[str, Any]], params: list[torch.nn.Parameter]) -> list[int | None]:
+def param_group_of(
+    param_groups: list[dict[str, Any]], params: list[torch.nn.Parameter]
+) -> list[int | None]:
     where = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     return [where.get(id(p)) for p in params]
 
 
 def capture_hyperparameters(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [encode({k: v for k, v in g.items() if k != "params"}, None, f"optimizer.param_groups[{i}]")
-            for i, g in enumerate(param_groups)]
+    return [
+        encode({k: v for k, v in g.items() if k != "params"}, None, f"optimizer.param_groups[{i}]")
+        for i, g in enumerate(param_groups)
+    ]
 
 
-def check_param_groups(saved_groups: list[Any], saved_of: list[Any], param_groups: list[dict[str, Any]],
-                       group_of: list[int | None], names: list[str]) -> None:
+def check_param_groups(
+    saved_groups: list[Any],
+    saved_of: list[Any],
+    param_groups: list[dict[str, Any]],
+    group_of: list[int | None],
+    names: list[str],
+) -> None:
     if len(saved_groups) != len(param_groups):
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer has {len(saved_groups)} param group(s) and this engine's has "
@@ -94,9 +104,13 @@ def restore_scheduler(data: Any, scheduler: Any) -> None:
     if data is None and scheduler is None:
         return
     if data is None:
-        log.warning("the checkpoint has no lr scheduler state; this engine's scheduler starts from its beginning")
+        log.warning(
+            "the checkpoint has no lr scheduler state; this engine's scheduler starts from its beginning"
+        )
         return
     if scheduler is None:
-        log.warning("the checkpoint has lr scheduler state but this engine has no scheduler; it is ignored")
+        log.warning(
+            "the checkpoint has lr scheduler state but this engine has no scheduler; it is ignored"
+        )
         return
     scheduler.load_state_dict(data)

@@ -193,8 +193,13 @@ def _zero_gaps(b: torch.Tensor, pieces: Sequence[Piece]) -> None:
 class _Landed:
     """A group read in: its checksums run beside the next reads; then it is compared and derived from."""
 
-    def __init__(self, sums: list[tuple[LoadItem, PendingCrc]], dests: list[torch.Tensor],
-                 after: Callable[[list[torch.Tensor]], None] | None, count: Callable[[], None]):
+    def __init__(
+        self,
+        sums: list[tuple[LoadItem, PendingCrc]],
+        dests: list[torch.Tensor],
+        after: Callable[[list[torch.Tensor]], None] | None,
+        count: Callable[[], None],
+    ):
         self.sums, self.dests, self.after, self.count = sums, dests, after, count
 
     def done(self) -> bool:
@@ -246,9 +251,13 @@ def read_into(
                 for it, d in zip(group.items, dests, strict=True):
                     b = as_bytes(d)
                     if b.numel() != it.nbytes:
-                        raise RuntimeError(f"{it.name}: {b.numel()} bytes in memory, {it.nbytes} planned")
+                        raise RuntimeError(
+                            f"{it.name}: {b.numel()} bytes in memory, {it.nbytes} planned"
+                        )
                     _zero_gaps(b, it.pieces)
-                    reads.extend((b[p.dest : p.dest + p.nbytes], p.file, p.offset) for p in it.pieces)
+                    reads.extend(
+                        (b[p.dest : p.dest + p.nbytes], p.file, p.offset) for p in it.pieces
+                    )
                 req = handle.pread_many(reads) if reads else None
             except BaseException:
                 if holding is not None:
@@ -256,11 +265,16 @@ def read_into(
                 raise
 
             def on_done(items=group.items, dests=dests, after=group.after, n=nbytes) -> FollowUp:
-                sums = [(it, checksummer.submit(as_bytes(d))) for it, d in zip(items, dests, strict=True)
-                        if it.crc is not None]
+                sums = [
+                    (it, checksummer.submit(as_bytes(d)))
+                    for it, d in zip(items, dests, strict=True)
+                    if it.crc is not None
+                ]
                 return _Landed(sums, dests, after, lambda: progress.update(n))
 
-            window.add(Job(req, holding, nbytes, on_done, group.items[0].name if group.items else ""))
+            window.add(
+                Job(req, holding, nbytes, on_done, group.items[0].name if group.items else "")
+            )
             window.retire_done()
         window.drain()
     except BaseException:

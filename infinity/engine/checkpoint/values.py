@@ -34,7 +34,9 @@ class TensorSink:
         name = f"{self.prefix}{len(self.tensors)}"
         # copy=True: safetensors refuses tensors sharing memory, and the caller may keep changing t.
         # copy=False: the tensor is written out by the caller before it can change (large state).
-        self.tensors[name] = t.detach().to("cpu", copy=True).contiguous() if self.copy else t.detach()
+        self.tensors[name] = (
+            t.detach().to("cpu", copy=True).contiguous() if self.copy else t.detach()
+        )
         return name
 
 
@@ -54,16 +56,24 @@ def encode(value: Any, sink: TensorSink | None, where: str) -> Any:
         return encode(torch.from_numpy(np.ascontiguousarray(value)), sink, where)
     if isinstance(value, torch.Tensor):
         if sink is None:
-            raise TypeError(f"{where} is a tensor, which cannot be stored here; store a number or list instead")
+            raise TypeError(
+                f"{where} is a tensor, which cannot be stored here; store a number or list instead"
+            )
         return {"__tensor__": sink.add(value)}
     if isinstance(value, tuple):
         return {"__tuple__": [encode(v, sink, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode(v, sink, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):  # e.g. torch optimizers' {param index: state}
-            return {"__items__": [[encode(k, None, f"a key of {where}"), encode(v, sink, f"{where}[{k!r}]")]
-                                  for k, v in value.items()]}
+        if not all(
+            isinstance(k, str) for k in value
+        ):  # e.g. torch optimizers' {param index: state}
+            return {
+                "__items__": [
+                    [encode(k, None, f"a key of {where}"), encode(v, sink, f"{where}[{k!r}]")]
+                    for k, v in value.items()
+                ]
+            }
         out = {k: encode(v, sink, f"{where}[{k!r}]") for k, v in value.items()}
         if len(out) == 1 and next(iter(out)) in _MARKERS:
             return {"__dict__": out}
@@ -80,7 +90,7 @@ def decode(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
         return [decode(v, tensors, where) for v in data]
     if isinstance(data, dict):
         if len(data) == 1:
-            (k, v), = data.items()
+            ((k, v),) = data.items()
             if k == "__tuple__":
                 return tuple(decode(x, tensors, where) for x in v)
             if k == "__tensor__":
@@ -93,4 +103,3 @@ def decode(data: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
                 return {decode(kk, tensors, where): decode(vv, tensors, where) for kk, vv in v}
         return {k: decode(v, tensors, where) for k, v in data.items()}
     return data
-

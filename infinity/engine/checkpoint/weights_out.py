@@ -68,8 +68,16 @@ class Segment:
 class WeightFiles:
     """The stream of ``segments`` cut into ``weights_name`` (or its shards) under ``directory``."""
 
-    def __init__(self, directory: Path, handle: AioHandle, segments: Sequence[Segment], *, weights_name: str,
-                 max_shard_nbytes: int | None = None, replace_stale: bool = False):
+    def __init__(
+        self,
+        directory: Path,
+        handle: AioHandle,
+        segments: Sequence[Segment],
+        *,
+        weights_name: str,
+        max_shard_nbytes: int | None = None,
+        replace_stale: bool = False,
+    ):
         """``replace_stale``: remove the weight files of an earlier save this one does not overwrite
         (Hugging Face's layout, where from_pretrained would read them)."""
         self.directory = directory
@@ -79,23 +87,38 @@ class WeightFiles:
         self.replace_stale = replace_stale
         named = [(s.name, s.nbytes) for s in self.segments if s.name is not None]
         if len({n for n, _ in named}) != len(named):
-            raise ValueError("a tensor name is written twice: " + ", ".join(
-                sorted({n for n, _ in named if sum(m == n for m, _ in named) > 1})))
-        groups = split_shards(named, max_shard_nbytes) if max_shard_nbytes is not None else [[n for n, _ in named]]
+            raise ValueError(
+                "a tensor name is written twice: "
+                + ", ".join(sorted({n for n, _ in named if sum(m == n for m, _ in named) > 1}))
+            )
+        groups = (
+            split_shards(named, max_shard_nbytes)
+            if max_shard_nbytes is not None
+            else [[n for n, _ in named]]
+        )
         self.file_names = shard_file_names(weights_name, max(1, len(groups)))
         file_of = {n: k for k, names in enumerate(groups) for n in names}
-        self._file_of_segment = [file_of.get(s.name) if s.name is not None else None for s in self.segments]
-        self._layouts: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in self.file_names]
+        self._file_of_segment = [
+            file_of.get(s.name) if s.name is not None else None for s in self.segments
+        ]
+        self._layouts: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [
+            [] for _ in self.file_names
+        ]
         for s, k in zip(self.segments, self._file_of_segment, strict=True):
             if k is not None:
                 self._layouts[k].append((s.name, s.dtype, s.shape))  # type: ignore[arg-type]
         self.headers = [build_header(layout, METADATA) for layout in self._layouts]
         self.nonce = secrets.token_hex(8)
-        self.tmp_paths = [directory / f".{name}{atomic.PARTIAL}{self.nonce}" for name in self.file_names]
+        self.tmp_paths = [
+            directory / f".{name}{atomic.PARTIAL}{self.nonce}" for name in self.file_names
+        ]
         self.total_nbytes = sum(h.file_nbytes for _, h in self.headers)
         self._seg = 0  # the segment being streamed, and its bytes still to come
         self._left = self.segments[0].nbytes if self.segments else 0
-        self._left_in_file = [sum(math.prod(shape) * dt.itemsize for _, dt, shape in layout) for layout in self._layouts]
+        self._left_in_file = [
+            sum(math.prod(shape) * dt.itemsize for _, dt, shape in layout)
+            for layout in self._layouts
+        ]
         self._writers: dict[int, StreamWriter] = {}  # the files open: begun and not yet complete
         self._closed: set[int] = set()
         self._skip_empty()
@@ -108,7 +131,9 @@ class WeightFiles:
         pos = 0
         while pos < raw.numel():
             if self._seg >= len(self.segments):
-                raise RuntimeError(f"{raw.numel() - pos} bytes appended past the last tensor of '{self.weights_name}'")
+                raise RuntimeError(
+                    f"{raw.numel() - pos} bytes appended past the last tensor of '{self.weights_name}'"
+                )
             take = min(self._left, raw.numel() - pos)
             k = self._file_of_segment[self._seg]
             if k is not None:
@@ -151,8 +176,10 @@ class WeightFiles:
         stale weight files; returns the files written."""
         try:
             if self._seg < len(self.segments):
-                raise RuntimeError(f"the stream ended at tensor {self._seg} of {len(self.segments)} of "
-                                   f"'{self.weights_name}'")
+                raise RuntimeError(
+                    f"the stream ended at tensor {self._seg} of {len(self.segments)} of "
+                    f"'{self.weights_name}'"
+                )
             for k in range(len(self.file_names)):  # files whose tensors are all empty: headers only
                 if k not in self._closed:
                     self._open(k)
@@ -161,17 +188,27 @@ class WeightFiles:
             for tmp, final in zip(self.tmp_paths, finals, strict=True):
                 os.replace(tmp, final)
             if len(finals) > 1:
-                weight_map = {name: self.file_names[k] for k, layout in enumerate(self._layouts)
-                              for name, _, _ in layout}
+                weight_map = {
+                    name: self.file_names[k]
+                    for k, layout in enumerate(self._layouts)
+                    for name, _, _ in layout
+                }
                 data = sum(h.file_nbytes - h.data_start for _, h in self.headers)
-                atomic.replace_durably(self.directory / index_name(self.weights_name),
-                                       index_json(weight_map, data).encode(), "the weights index", self.nonce)
+                atomic.replace_durably(
+                    self.directory / index_name(self.weights_name),
+                    index_json(weight_map, data).encode(),
+                    "the weights index",
+                    self.nonce,
+                )
             atomic.fsync_path(self.directory, directory=True)
         except BaseException:
             self.abort()
             raise
         if self.replace_stale:
-            written = [*self.file_names, *([index_name(self.weights_name)] if len(finals) > 1 else [])]
+            written = [
+                *self.file_names,
+                *([index_name(self.weights_name)] if len(finals) > 1 else []),
+            ]
             for stale in stale_files(self.directory, self.weights_name, written):
                 stale.unlink()
         return finals

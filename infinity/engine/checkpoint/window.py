@@ -74,7 +74,9 @@ class Holding:
             by_store.setdefault(id(r.store), (r.store, []))[1].append(i)
         try:
             for store, idx in by_store.values():
-                self.futures.extend(store.fetch_many([self.refs[i].key for i in idx], overwrite=overwrite))
+                self.futures.extend(
+                    store.fetch_many([self.refs[i].key for i in idx], overwrite=overwrite)
+                )
                 self._order.extend(idx)
         except BaseException:
             self._settle()
@@ -107,7 +109,9 @@ class Holding:
 
     def release(self, evictions: list[StoreFuture]) -> None:
         """Drops the holds; evicts keys that live on NVMe and were brought in (or overwritten) here."""
-        held = [(r, rest) for r, rest, h in zip(self.refs, self.at_rest, self._held, strict=True) if h]
+        held = [
+            (r, rest) for r, rest, h in zip(self.refs, self.at_rest, self._held, strict=True) if h
+        ]
         self._held = [False] * len(self.refs)
         for store, keys in _by_store([r for r, _ in held]):
             store.release_many(keys)
