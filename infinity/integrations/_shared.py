@@ -34,20 +34,21 @@ TAG = "checkpoint"  # Lightning's DeepSpeed strategies save under this tag; Fabr
 # -- the config ------------------------------------------------------------------
 
 
-def read_config(config: Any) -> dict[str, Any]:
-    """``config=`` as a dict of our own (the caller's is never changed): a dict, or the path of a
-    DeepSpeed-style JSON file (read as DeepSpeed reads it: hjson)."""
+def read_config(config: Any, *, argument: str = "config") -> dict[str, Any]:
+    """``config`` (the adapter's ``argument=``) as a dict of our own (the caller's is never changed):
+    a dict, or the path of a DeepSpeed-style JSON file (read as DeepSpeed reads it: hjson)."""
     if isinstance(config, (str, os.PathLike)):
         if not Path(config).is_file():
             raise FileNotFoundError(
-                f"the config path {str(config)!r} is not a file; pass a DeepSpeed-style "
+                f"{argument}={str(config)!r} is not a file; pass a DeepSpeed-style "
                 "JSON config file or a dict"
             )
         return read_config_file(config)
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     raise TypeError(
-        f"config= takes a dict or a path to a DeepSpeed-style JSON file, not {type(config).__name__}"
+        f"{argument}= takes a DeepSpeed-style config (a dict or the path of a JSON file), "
+        f"not {type(config).__name__}"
     )
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +57,10 @@ from transformers import Trainer
 from transformers.trainer import TRAINING_ARGS_NAME
 
 import infinity
-from infinity.config import ConfigError, read_config_file
+from infinity.config import ConfigError
 from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine
+from infinity.integrations._shared import read_config
 
 if not hasattr(Trainer, "_prepare_for_training"):
     raise ImportError(
@@ -72,23 +72,6 @@ if not hasattr(Trainer, "_prepare_for_training"):
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
 __all__ = ["ENGINE_TAG", "InfinityTrainer"]
-
-
-def read_infinity_config(config: Any) -> dict[str, Any]:
-    """``infinity_config=`` as a dict of our own: a path read as DeepSpeed reads it, or a dict (copied)."""
-    if isinstance(config, (str, os.PathLike)):
-        if not Path(config).is_file():
-            raise FileNotFoundError(
-                f"infinity_config={str(config)!r} is not a file; pass a DeepSpeed-style "
-                "JSON config file or a dict"
-            )
-        return read_config_file(config)
-    if isinstance(config, Mapping):
-        return copy.deepcopy(dict(config))
-    raise TypeError(
-        "InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path of a "
-        f"JSON file), not {type(config).__name__}"
-    )
 
 
 class EngineModel(nn.Module):
@@ -180,7 +163,7 @@ class InfinityTrainer(Trainer):
                 "InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path "
                 "of a JSON file), as TrainingArguments(deepspeed=...) takes"
             )
-        self._infinity_config = read_infinity_config(infinity_config)
+        self._infinity_config = read_config(infinity_config, argument="infinity_config")
         self._engine: Engine | None = None
         self._engine_model: EngineModel | None = None
         super().__init__(*args, **kwargs)
