@@ -7,7 +7,9 @@ parameters and Adam state on NVMe, or stage 2 with the optimizer on CPU) and inf
 from a tiny config with random weights (no download); the data order is the Trainer's own (a
 random sampler under the Trainer's seed), the loop replays the batches the plain run recorded.
 Per-step losses agree within 1e-5 relative. Then: resume from checkpoint-N equals continuing,
-``save_model`` loads with ``from_pretrained``, "auto" values are HF's, and the refusals.
+``save_model`` loads with ``from_pretrained``, "auto" values are HF's, and the refusals; a PEFT LoRA
+run's checkpoint-N/ holds the plain Trainer's files and the adapters' engine state (not the base's), and
+resumes in a new process with the uninterrupted run's losses.
 ``deepspeed`` is unimportable throughout (conftest.py).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from pathlib import Path
 
 import peft
 import pytest
@@ -24,6 +27,8 @@ from safetensors.torch import load_file
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -33,8 +38,12 @@ from transformers import (
 
 import infinity
 from infinity.config import ConfigError
+from infinity.engine.checkpoint.lock import LOCK_NAME
+from infinity.engine.checkpoint.reader import read_manifest
 from infinity.integrations.transformers import ENGINE_TAG, InfinityTrainer
+from infinity.weights import read_header
 from infinity.zero.gathered import GatheredParameters
+from tests.distributed import run_distributed
 from tests.hf.saved_files import claimed_nbytes
 
 VOCAB, SEQ, SAMPLES = 64, 16, 32
@@ -467,3 +476,131 @@ def test_save_model_and_checkpoints_write_what_the_plain_trainer_writes(nvme_dir
             model=make(),
             resume=str(tmp_path / "ours" / "checkpoint-6"),
         )
+
+
+def save_llama_base(base: Path) -> None:
+    """The pretrained directory a LoRA run starts from: a tiny Llama built from its config (random
+    weights, seed 0), saved by transformers."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(base)
+
+
+def lora_llama(base: Path, nvme_dir=None, *, seed: int):
+    """The base (read under zero.Init with ``nvme_dir``, so that the engine knows which files hold it:
+    [Note: frozen units in a checkpoint]) with LoRA on q_proj and v_proj, its A matrices drawn after
+    ``torch.manual_seed(seed)``."""
+    reading = (
+        contextlib.nullcontext() if nvme_dir is None else infinity.zero.Init(stage3_nvme(nvme_dir))
+    )
+    with reading:
+        model = LlamaForCausalLM.from_pretrained(base)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]
+    )
+    with peft_quietly():
+        return peft.get_peft_model(model, config)
+
+
+def logged_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _resume_lora_llama(rank: int, base: str, nvme: str, out: str, checkpoint: str) -> dict:
+    """A fresh process: the same base, adapters from another seed, resumed from ``checkpoint``."""
+    model = lora_llama(Path(base), Path(nvme), seed=6)
+    rec, trainer = infinity_run(out, stage3_nvme(nvme), model=model, resume=checkpoint)
+    trainer.engine.close()
+    return {"new": rec.losses, "history": logged_losses(trainer), "step": trainer.state.global_step}
+
+
+def test_lora_checkpoint_holds_the_plain_trainers_files_and_resumes_in_a_new_process(
+    nvme_dir, tmp_path
+):
+    """PEFT LoRA on a Llama, stage 3 with parameters and Adam state on NVMe, save_only_model=False:
+    checkpoint-3/ holds what the plain Trainer writes for a PEFT model, with the engine checkpoint in
+    place of optimizer.pt / scheduler.pt, and no copy of the base (its files are named instead). A fresh
+    process whose adapters start elsewhere resumes from it and logs the uninterrupted run's losses
+    exactly: the same fp32 values (adapters, Adam moments, step count and lr restored; the base read
+    from the same files; the same batches, from the Trainer's restored RNG and skip) go through the same
+    arithmetic in the same order, so the floats are equal, bit for bit."""
+    base = tmp_path / "base"
+    save_llama_base(base)
+    args = dict(save_strategy="steps", save_steps=3)
+    Trainer(
+        model=lora_llama(base, seed=5),
+        args=arguments(tmp_path / "plain", **args, max_steps=3),
+        train_dataset=Tokens(),
+    ).train()
+    full, trainer = infinity_run(
+        tmp_path / "a",
+        stage3_nvme(nvme_dir),
+        model=lora_llama(base, nvme_dir, seed=5),
+        **args,
+    )
+    trainer.engine.close()
+    checkpoint = tmp_path / "a" / "checkpoint-3"
+    plain_files = set(saved_files(tmp_path / "plain")["checkpoint-3"])
+    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.json"} <= plain_files
+    # the engine checkpoint's root files beside it: ``latest`` (as DeepSpeed's checkpoint-N/ has) and
+    # the save lock, which stays ([Note: one save per root])
+    assert set(saved_files(tmp_path / "a")["checkpoint-3"]) == (
+        plain_files - {"optimizer.pt", "scheduler.pt"}
+    ) | {ENGINE_TAG, "latest", LOCK_NAME}
+    assert sorted(load_file(checkpoint / "adapter_model.safetensors")) == sorted(
+        load_file(tmp_path / "plain" / "checkpoint-3" / "adapter_model.safetensors")
+    )
+
+    # The engine checkpoint: the adapters' fp32 masters and moments, nothing of the base, which it names
+    # by its files ([Note: frozen units in a checkpoint]).
+    engine_ckpt = checkpoint / ENGINE_TAG
+    manifest = read_manifest(engine_ckpt)
+    trained = [u for u in manifest["units"] if u["trainable"]]
+    frozen = [u for u in manifest["units"] if not u["trainable"]]
+    adapters = [s for u in trained for s in u["slots"]]
+    assert len(adapters) == 2 * 2 * 2 and all(
+        "lora_" in s["name"] for s in adapters
+    )  # layers, q/v, A/B
+    assert frozen and all(u["source"] is not None for u in frozen)
+    parts = {}
+    for part in engine_ckpt.glob("part-*.safetensors"):
+        parts.update({n: e.nbytes for n, e in read_header(str(part)).entries.items()})
+    assert sorted(parts) == sorted(
+        f"u{i}.{r}"
+        for i, u in enumerate(manifest["units"])
+        if u["trainable"]
+        for r in ("master", "exp_avg", "exp_avg_sq")
+    )
+    assert sum(parts.values()) == sum(3 * 4 * u["shard_numel"] for u in trained)
+    # A copy of the base, in any of its units' forms, would alone fill the base's parameter bytes
+    # (fp32 here); the part files (headers and the adapters' 4 KiB-padded arrays included) stay below.
+    base_model = LlamaForCausalLM.from_pretrained(base)
+    base_nbytes = sum(p.numel() * p.element_size() for p in base_model.parameters())
+    part_files = sum(f.stat().st_size for f in engine_ckpt.glob("part-*.safetensors"))
+    assert part_files < base_nbytes, (part_files, base_nbytes)
+
+    resumed_nvme = nvme_dir / "resumed"
+    resumed_nvme.mkdir()
+    (resumed,) = run_distributed(
+        _resume_lora_llama,
+        str(base),
+        str(resumed_nvme),
+        str(tmp_path / "b"),
+        str(checkpoint),
+        world_size=1,
+    )
+    assert resumed["step"] == MAX_STEPS and len(full.losses) == MAX_STEPS
+    assert resumed["new"] == full.losses[3:]  # bitwise: the same floats
+    assert resumed["history"] == logged_losses(trainer) == full.losses
