@@ -171,6 +171,8 @@ def test_cli_export_of_a_checkpoint_to_the_hf_layout(nvme_dir, tmp_path, capsys)
     for n, p in _from_pretrained("gpt_neox", out).named_parameters():
         assert torch.equal(model.get_parameter(n), p.to(torch.bfloat16)), n
 
+    # The checkpoint keeps the model's own config.json: with the copy beside it gone, the export
+    # still writes a folder from_pretrained loads, with no flag.
     (tmp_path / "ckpt" / "config.json").unlink()
     assert (
         cli_main.main(
@@ -178,7 +180,10 @@ def test_cli_export_of_a_checkpoint_to_the_hf_layout(nvme_dir, tmp_path, capsys)
         )
         == 0
     )
-    assert not (tmp_path / "noconfig" / "config.json").exists()
+    assert (tmp_path / "noconfig" / "config.json").exists()
+    assert torch.equal(
+        _logits(_from_pretrained("gpt_neox", tmp_path / "noconfig"), "gpt_neox"), want
+    )
     assert (
         cli_main.main(
             [
