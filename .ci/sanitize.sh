@@ -14,6 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 build=$root/build/sanitize
+mkdir -p "$build"
 python=${PYTHON:-python3}
 
 cmake -S . -B "$build" -DINFINITY_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \

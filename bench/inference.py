@@ -333,7 +333,7 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
 
     @functools.cache  # each is a whole estimate; the bisection and the report ask for some twice
     def generation_nbytes(b: int) -> int:
-        plan = estimate_inference(
+        breakdown = estimate_inference(
             meta,
             config=cfg,
             batch=b,
@@ -342,8 +342,10 @@ def largest_batch(model_dir: Path, common: dict, limit_nbytes: int, cap: int) ->
             zero_init=True,
             machine=False,
             baseline_nbytes=baseline,
-        ).plan
-        return plan.tier_nbytes("host", "train") + plan.tier_nbytes("device", "train")
+        ).breakdown
+        return breakdown.resource_nbytes("host", "train") + breakdown.resource_nbytes(
+            "device", "train"
+        )
 
     lo, hi = 0, cap + 1  # generation_nbytes grows with the batch: bisect for the last b that fits
     while hi - lo > 1:
