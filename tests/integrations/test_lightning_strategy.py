@@ -325,3 +325,7 @@ def test_config_from_a_file_or_lightnings_variable(tmp_path, monkeypatch):
     assert given == {"zero_optimization": {"stage": 1}}
     with pytest.raises(FileNotFoundError, match="is not a file"):
         InfinityStrategy(config=tmp_path / "missing.json")
+    with pytest.raises(
+        TypeError, match=r"config= takes a DeepSpeed-style config \(a dict or the path"
+    ):
+        InfinityStrategy(config=42)
