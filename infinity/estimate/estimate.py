@@ -185,7 +185,7 @@ def estimate_config(
         )
         raw = {k: v for k, v in raw.items() if k not in _NOT_MEMORY}
         zero = raw.get("zero_optimization")
-        extra = {}
+        extra: dict[str, Any] = {}
         if (
             hidden_size
             and isinstance(zero, dict)
@@ -266,6 +266,7 @@ def _estimate_all(cfg, selected, wanted, nvme_path, itemise, tune_cfg, machine, 
         except ConfigError as refused:
             skipped.append((s, str(refused)))
     breakdowns = [itemise(c) for c in configs]
+    view: MachineView | None
     if machine is True:
         view = machine_view(dict.fromkeys(path for b in breakdowns for path, _ in b.nvme_by_path))
     else:

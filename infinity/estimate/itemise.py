@@ -87,7 +87,10 @@ def itemise(
     zero = cfg.zero_optimization
     return Breakdown(
         setting=ZeroSetting(
-            p.stage, zero.offload_param.device, zero.offload_optimizer.device, tuned=bool(changes)
+            zero.stage,
+            zero.offload_param.device,
+            zero.offload_optimizer.device,
+            tuned=bool(changes),
         ),
         dtype=p.dname,
         items=tuple(p.items),
@@ -256,12 +259,12 @@ class Itemiser:
         off = self.zero.offload_optimizer
         key = "zero_optimization.offload_optimizer.device"
         auto = off.device == "auto"
-        for name, classes in (
+        for name, wanted in (
             ("fp32 master weights", ("master",)),
             ("Adam moments m, v", ("m", "v")),
             ("gradient partitions (fp32)", ("g",)),
         ):
-            classes = tuple(c for c in classes if c in rt.optimizer.state_keys)
+            classes = tuple(c for c in wanted if c in rt.optimizer.state_keys)
             if not classes:
                 continue
             accum = "; accumulated across micro-batches" if "g" in classes else ""
@@ -342,6 +345,7 @@ class Itemiser:
         """Stage 3: RuntimePlan's parameter homes, store and pool, the budgets, what is gathered."""
         units, b, dname, off = self.units, self.b, self.dname, self.zero.offload_param
         store = self.rt.param_store
+        assert store is not None  # stage 3 has a parameter store
         homes = {s.index: s.param_home for s in self.rt.shards}
         nv = self.rt.nvme_units()
         in_host = _sum(units, "shard_nbytes", lambda u: homes[u.index] == "cpu")
@@ -421,6 +425,8 @@ class Itemiser:
         """RuntimePlan.schedule: DeepSpeed's budgets per rank, the partitioner's working set
         (schedule/budget.py check_serves refuses a live budget or a pool below it), what is gathered."""
         units, b, zero, sched = self.units, self.b, self.zero, self.rt.schedule
+        store = self.rt.param_store
+        assert sched is not None and store is not None  # stage 3 has both
         total = _sum(units, "shard_nbytes", lambda u: not u.persistent)
         budgets = {
             "stage3_prefetch_bucket_size": sched.budget.prefetch_bucket_nbytes,
@@ -454,7 +460,7 @@ class Itemiser:
             b,
             sched.budget.max_live_nbytes,
             max(working, sched.largest_unit_nbytes),
-            self.rt.param_store.pool.capacity_nbytes if nv else None,
+            store.pool.capacity_nbytes if nv else None,
             sched.pool_working_set_nbytes,
         )
         if self.cuda or self.world > 1:
@@ -623,7 +629,7 @@ class Itemiser:
                             "allocator slack",
                             resource,
                             slack,
-                            ph,  # type: ignore[arg-type]
+                            ph,
                             f"{rules.SLACK_PERCENT}% of the tensors torch allocates and frees in this "
                             "phase: freed memory the heap keeps (measured)",
                         )
@@ -645,6 +651,7 @@ def _check_param_pool(problems: list[Problem], rt: RuntimePlan, zero, b: int) ->
     refuses otherwise) and a whole sub-group of NVMe shards (the step's read of it waits for pool space
     until its timeout)."""
     off = zero.offload_param
+    assert rt.param_store is not None  # stage 3 has a parameter store
     capacity = rt.param_store.pool.capacity_nbytes
     refusal = rt.param_pool_refusal
     if refusal is not None:

@@ -96,9 +96,7 @@ def describe_model(
             model, _num_params(model), built, gpt, desc, live=True, materialised=not on_meta
         )
     if isinstance(model, GPTConfig):
-        model_config, model = model, None
-    if model is None:
-        cfg = model_config
+        cfg = model
         desc = "GPT (model config)"
     else:
         if isinstance(model, bool) or not isinstance(model, (int, float)) or not model >= 1:

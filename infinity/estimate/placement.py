@@ -116,11 +116,10 @@ def auto_sizes(
     if zero.stage != 3 or zero.offload_param.device != "auto":
         return cfg, tuple(changes)
     base = plan_runtime(model, cfg, world_size=world_size, unit_map=unit_map)
-    if (
-        base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes
-        and MAX_LIVE_KEY not in user
-    ):
-        live = round_up(-(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND)
+    sched = base.schedule
+    assert sched is not None  # stage 3
+    if sched.budget.max_live_nbytes < sched.working_set_nbytes and MAX_LIVE_KEY not in user:
+        live = round_up(-(-sched.working_set_nbytes // base.itemsize) * world_size, _ROUND)
         changes.append((MAX_LIVE_KEY, zero.stage3_max_live_parameters, live))
         zero = dataclasses.replace(zero, stage3_max_live_parameters=live)
     off = zero.offload_param
@@ -128,7 +127,7 @@ def auto_sizes(
     if nvme and BUFFER_SIZE_KEY not in user and BUFFER_COUNT_KEY not in user:
         size = max(u.layout.shard_numel for u in nvme)
         per_group = base.sub_group_param_nbytes()
-        held = round_up(base.schedule.pool_working_set_nbytes, 4096)
+        held = round_up(sched.pool_working_set_nbytes, 4096)
         need = max(two_consecutive(per_group), max(per_group, default=0) + held)
         count = math.ceil(need / (size * base.itemsize)) + READ_AHEAD_BUFFERS
         for key, old, new in (
@@ -234,7 +233,7 @@ def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
     every parameter shard (no parameter pool), every optimizer array (no optimizer pool), both."""
     params = [c for c in choices if c.cls == PARAM]
     state = [c for c in choices if c.cls != PARAM]
-    cases = [[]]
+    cases: list[list[_Choice]] = [[]]
     if params:
         cases.append(params)
     if state:

@@ -772,22 +772,16 @@ def _state_store(
 def _swap_reserves(
     zero: ZeroConfig, param_store: StorePlan | None, state_store: StorePlan | None
 ) -> tuple[SwapReserve, ...]:
-    """Every offload section on NVMe, and every "auto" one that places something there."""
+    """Every offload section on NVMe, and every "auto" one that places something there (load_config
+    requires an nvme_path for both devices)."""
     out = []
-    if param_store is not None and (
-        zero.offload_param.device == "nvme" or param_store.reserve_nbytes
+    for what, section, store in (
+        ("parameters", zero.offload_param, param_store),
+        ("optimizer state", zero.offload_optimizer, state_store),
     ):
-        out.append(
-            SwapReserve("parameters", zero.offload_param.nvme_path, param_store.reserve_nbytes)
-        )
-    if state_store is not None and (
-        zero.offload_optimizer.device == "nvme" or state_store.reserve_nbytes
-    ):
-        out.append(
-            SwapReserve(
-                "optimizer state", zero.offload_optimizer.nvme_path, state_store.reserve_nbytes
-            )
-        )
+        if store is not None and (section.device == "nvme" or store.reserve_nbytes):
+            assert section.nvme_path is not None
+            out.append(SwapReserve(what, section.nvme_path, store.reserve_nbytes))
     return tuple(out)
 
 

@@ -8,12 +8,11 @@ sizes, precision and thresholds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from infinity.config import InfinityConfig
-from infinity.config.zero import NvmePath
+from infinity.config.zero import NvmePath, OffloadDevice, ZeroStage
 
-Where = Literal["none", "cpu", "nvme", "auto"]
+Where = OffloadDevice
 
 DEFAULT_NVME_PATH = "./infinity_nvme"
 """Where settings that put state on NVMe swap when the config names no nvme_path (the demo's default)."""
@@ -23,7 +22,7 @@ DEFAULT_NVME_PATH = "./infinity_nvme"
 class ZeroSetting:
     """Where state lives: the ZeRO stage and the two offload devices."""
 
-    stage: int
+    stage: ZeroStage
     offload_param: Where
     offload_optimizer: Where
     tuned: bool = False
@@ -59,12 +58,14 @@ class ZeroSetting:
 
 def all_settings() -> list[ZeroSetting]:
     """Every valid setting: offload_param needs stage 3; offload_optimizer needs stage >= 1."""
+    devices: tuple[Where, ...] = ("none", "cpu", "nvme")
+    stages: tuple[ZeroStage, ...] = (1, 2)
     out = [ZeroSetting(0, "none", "none")]
-    for stage in (1, 2):
-        for o in ("none", "cpu", "nvme"):
+    for stage in stages:
+        for o in devices:
             out.append(ZeroSetting(stage, "none", o))
-    for p in ("none", "cpu", "nvme"):
-        for o in ("none", "cpu", "nvme"):
+    for p in devices:
+        for o in devices:
             out.append(ZeroSetting(3, p, o))
     return out
 

@@ -451,6 +451,7 @@ def _grouped_mm(
     rule), where the CPU kernel, which transformers' mixture-of-experts layers call in any precision,
     computes every one ([Note: mixture of experts]). The shapes are the meta kernel's."""
     if mat_a.dim() == 2 and mat_b.dim() == 2:
+        assert offs is not None  # the groups of a 2-D × 2-D product are its offsets
         shape = [offs.size(0), mat_a.size(0), mat_b.size(1)]
     elif mat_a.dim() == 2:
         shape = [mat_a.size(0), mat_b.size(-1)]
@@ -510,7 +511,9 @@ def _trace_fake(
                 if isinstance(a, torch.Tensor) and a.is_floating_point():
                     tally.alive.append(a)
                     key = a.untyped_storage()._cdata
-                    tally.layer_inputs.setdefault(layer, {})[key] = a.untyped_storage().nbytes()
+                    tally.layer_inputs.setdefault(layer_index[id(module)], {})[key] = (
+                        a.untyped_storage().nbytes()
+                    )
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         torch.set_grad_enabled(True)

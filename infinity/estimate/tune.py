@@ -61,10 +61,9 @@ def tune(
             sub = target
     new_off = off
     live = zero.stage3_max_live_parameters
-    if zero.stage == 3 and base.schedule.budget.max_live_nbytes < base.schedule.working_set_nbytes:
-        new_live = round_up(
-            -(-base.schedule.working_set_nbytes // base.itemsize) * world_size, _ROUND
-        )
+    sched = base.schedule  # None below stage 3
+    if sched is not None and sched.budget.max_live_nbytes < sched.working_set_nbytes:
+        new_live = round_up(-(-sched.working_set_nbytes // base.itemsize) * world_size, _ROUND)
         changes.append(("zero_optimization.stage3_max_live_parameters", live, new_live))
         live = new_live
     if off.device == "nvme" and zero.stage == 3:
@@ -78,6 +77,7 @@ def tune(
             unit_map=base.unit_map,
         )
         if planned.nvme_units():
+            assert planned.schedule is not None  # stage 3
             held = round_up(planned.schedule.pool_working_set_nbytes, 4096)
             per_group = planned.sub_group_param_nbytes()
             need = max(two_consecutive(per_group), max(per_group, default=0) + held)
