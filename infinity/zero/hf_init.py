@@ -49,53 +49,61 @@ from torch import nn
 from infinity.zero.gathered import PARAM_OWNERS
 from infinity.zero.init import InitStore
 
-_installed: list[tuple[Any, dict[str, Any]]] = []  # (PreTrainedModel, its originals) while patched
-_depth = [0]  # open zero.Init contexts that installed the patch
 
+class TransformersLoadPatch:
+    """transformers' two loading functions replaced while a zero.Init context is open (``with``).
 
-def install() -> None:
-    """Patches transformers (when it is imported) for the duration of a zero.Init context; nests."""
-    tf = sys.modules.get("transformers")
-    if tf is None:
-        return
-    _depth[0] += 1
-    if _installed:
-        return
-    cls = tf.PreTrainedModel
-    originals = {
-        name: cls.__dict__[name]
-        for name in ("_load_pretrained_model", "_move_missing_keys_from_meta_to_device")
-    }
-    load = originals["_load_pretrained_model"].__func__
-    move = originals["_move_missing_keys_from_meta_to_device"]
+    The patch is on the class, so it is process-wide while it lasts; the context that applied it
+    owns it and restores the originals (a nested context finds it applied and leaves it alone:
+    contexts close innermost first). Without transformers imported it does nothing.
+    """
 
-    def _load_pretrained_model(
-        model, state_dict, checkpoint_files, load_config, expected_keys=None
-    ):
-        store = _store_of(model)
-        if store is None or getattr(load_config, "is_quantized", False):
-            return load(model, state_dict, checkpoint_files, load_config, expected_keys)
-        return _load_into_shards(model, store, state_dict, checkpoint_files)
+    _PATCHED = "_infinity_zero_init_patch"  # marks the replacement functions
 
-    def _move_missing_keys_from_meta_to_device(self, missing_keys, *args, **kwargs):
-        store = _store_of(self)
-        if store is not None:
-            missing_keys = {k for k in missing_keys if not _partitioned(self, k, store)}
-        return move(self, missing_keys, *args, **kwargs)
+    def __init__(self) -> None:
+        self._restore: tuple[Any, dict[str, Any]] | None = None  # (the class, its originals)
 
-    cls._load_pretrained_model = staticmethod(_load_pretrained_model)
-    cls._move_missing_keys_from_meta_to_device = _move_missing_keys_from_meta_to_device
-    _installed.append((cls, originals))
+    def __enter__(self) -> TransformersLoadPatch:
+        tf = sys.modules.get("transformers")
+        if tf is None:
+            return self
+        cls = tf.PreTrainedModel
+        if getattr(cls.__dict__["_load_pretrained_model"], self._PATCHED, False):
+            return self  # an outer context's patch
+        originals = {
+            name: cls.__dict__[name]
+            for name in ("_load_pretrained_model", "_move_missing_keys_from_meta_to_device")
+        }
+        load = originals["_load_pretrained_model"].__func__
+        move = originals["_move_missing_keys_from_meta_to_device"]
 
+        def _load_pretrained_model(
+            model, state_dict, checkpoint_files, load_config, expected_keys=None
+        ):
+            store = _store_of(model)
+            if store is None or getattr(load_config, "is_quantized", False):
+                return load(model, state_dict, checkpoint_files, load_config, expected_keys)
+            return _load_into_shards(model, store, state_dict, checkpoint_files)
 
-def uninstall() -> None:
-    if _depth[0] == 0:
-        return
-    _depth[0] -= 1
-    if _depth[0] == 0 and _installed:
-        cls, originals = _installed.pop()
-        for name, value in originals.items():
-            setattr(cls, name, value)
+        def _move_missing_keys_from_meta_to_device(self, missing_keys, *args, **kwargs):
+            store = _store_of(self)
+            if store is not None:
+                missing_keys = {k for k in missing_keys if not _partitioned(self, k, store)}
+            return move(self, missing_keys, *args, **kwargs)
+
+        load_patch = staticmethod(_load_pretrained_model)
+        setattr(load_patch, self._PATCHED, True)
+        cls._load_pretrained_model = load_patch
+        cls._move_missing_keys_from_meta_to_device = _move_missing_keys_from_meta_to_device
+        self._restore = (cls, originals)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._restore is not None:
+            cls, originals = self._restore
+            self._restore = None
+            for name, value in originals.items():
+                setattr(cls, name, value)
 
 
 def _store_of(model: nn.Module) -> InitStore | None:

@@ -48,6 +48,7 @@ class Init:
         self.auto_values = auto_values
         self._mode: InitMode | None = None
         self._handles: list[Any] = []
+        self._load_patch = hf_init.TransformersLoadPatch()
         self.store: InitStore | None = None
 
     def __enter__(self) -> Init:
@@ -86,7 +87,7 @@ class Init:
             ),
         ]
         self._mode.__enter__()
-        hf_init.install()  # [Note: from_pretrained under zero.Init]
+        self._load_patch.__enter__()  # [Note: from_pretrained under zero.Init]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -94,7 +95,7 @@ class Init:
             return
         mode = self._mode
         self._mode = None
-        hf_init.uninstall()
+        self._load_patch.__exit__(*exc)
         mode.__exit__(*exc)
         for h in self._handles:
             h.remove()

@@ -137,3 +137,15 @@ def test_a_state_dict_is_refused_naming_what_to_do(tmp_path, nvme_dir):
     state = load_file(str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(ValueError, match="save_pretrained"), infinity.zero.Init(_cfg(nvme_dir)):
         tf.LlamaForCausalLM.from_pretrained(None, config=hf.config("llama"), state_dict=state)
+
+
+def test_nested_contexts_patch_transformers_once_and_the_outer_restores_it(tmp_path):
+    cls = tf.PreTrainedModel
+    original = cls.__dict__["_load_pretrained_model"]
+    with infinity.zero.Init(_cfg(tmp_path / "a")):
+        patched = cls.__dict__["_load_pretrained_model"]
+        assert patched is not original
+        with infinity.zero.Init(_cfg(tmp_path / "b")):
+            assert cls.__dict__["_load_pretrained_model"] is patched
+        assert cls.__dict__["_load_pretrained_model"] is patched  # the outer context's, still open
+    assert cls.__dict__["_load_pretrained_model"] is original
