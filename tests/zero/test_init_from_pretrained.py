@@ -142,6 +142,8 @@ def test_a_state_dict_is_refused_naming_what_to_do(tmp_path, nvme_dir):
 def test_nested_contexts_patch_transformers_once_and_the_outer_restores_it(tmp_path):
     cls = tf.PreTrainedModel
     original = cls.__dict__["_load_pretrained_model"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     with infinity.zero.Init(_cfg(tmp_path / "a")):
         patched = cls.__dict__["_load_pretrained_model"]
         assert patched is not original
