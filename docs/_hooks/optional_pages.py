@@ -23,7 +23,7 @@ def _prune(nav: list[Any], docs: Path) -> list[Any]:
     out = []
     for entry in nav:
         if isinstance(entry, dict) and isinstance(next(iter(entry.values())), list):
-            (title, children), = entry.items()
+            ((title, children),) = entry.items()
             out.append({title: _prune(children, docs)})
         elif _present(entry, docs):
             out.append(entry)

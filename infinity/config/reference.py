@@ -20,10 +20,11 @@ import json
 import re
 import sys
 import textwrap
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from infinity.config.optim import SCHEDULE_PARAMS, SchedulerConfig
-from infinity.config.root import InfinityConfig
 from infinity.config.schema import alias_paths, known_paths
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
 from infinity.config.values import describe, hints, section_type
@@ -55,16 +56,12 @@ where its value can be filled from `initialize()`'s keyword arguments (see
 """
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body, whitespace collapsed."""
-    return dict(_docs_of(cls))
-
-
 @functools.cache
-def _docs_of(cls: type) -> tuple[tuple[str, str], ...]:
+def _attribute_docs(cls: type) -> Mapping[str, str]:
+    """Field name -> the docstring written under it in the class body, whitespace collapsed."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
-    out = []
+    out: dict[str, str] = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (
             isinstance(node, ast.AnnAssign)
@@ -73,8 +70,8 @@ def _docs_of(cls: type) -> tuple[tuple[str, str], ...]:
             and isinstance(nxt.value, ast.Constant)
             and isinstance(nxt.value.value, str)
         ):
-            out.append((node.target.id, " ".join(nxt.value.value.split())))
-    return tuple(out)
+            out[node.target.id] = " ".join(nxt.value.value.split())
+    return MappingProxyType(out)
 
 
 def _json(value: Any) -> str:
