@@ -126,6 +126,11 @@ def test_the_readme_fits_two_screens():
     assert n <= 200, f"README.md has {n} lines; move detail to a docs/ page and link it"
 
 
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs's toc both make it (for the headings used here)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def _numbers(text: str) -> set[str]:
     return set(re.findall(r"\d+(?:[.,]\d+)*", text))
 
@@ -139,9 +144,13 @@ def test_every_readme_figure_links_the_page_and_the_command_that_give_it():
     assert len(rows) >= 5
     for row in rows:
         figure, command, page = [c.strip() for c in row.strip("|").split(" | ")]
-        (target,) = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page)
+        ((target, anchor),) = re.findall(r"\]\(([^)#]+)(?:#([^)]*))?\)", page)
         doc = ROOT / target
         assert doc.is_file(), f"{target} (linked from the README) does not exist"
+        headings = re.findall(r"^#+ (.+)$", doc.read_text(), re.M)
+        assert not anchor or anchor in {_slug(h) for h in headings}, (
+            f"{target} has no heading #{anchor}"
+        )
         body = " ".join(doc.read_text().split())
         cmd = command.strip("`")
         assert command.startswith("`") and " ".join(cmd.split()) in body, (
