@@ -158,3 +158,28 @@ def test_every_readme_figure_links_the_page_and_the_command_that_give_it():
         )
         missing = _numbers(figure.replace("**", "")) - _numbers(body)
         assert not missing, f"{target} does not state the README's figures {missing} ({figure})"
+
+
+@pytest.mark.parametrize(
+    "config, arguments",
+    [
+        ({"zero_optimization": {"stage": 3, "offload_param": {"devise": "nvme"}}}, {}),
+        ("bad.json", {}),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, {}),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, {"lr": 1e-3}),
+        ({}, {"lrr": 1e-3}),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, {}),
+    ],
+    ids=["unknown-key", "syntax", "auto", "disagree", "keyword", "nvme-path"],
+)
+def test_troubleshooting_quotes_the_errors_the_config_raises(
+    config, arguments, tmp_path, monkeypatch
+):
+    from infinity.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,, }}')
+    with pytest.raises((ValueError, TypeError)) as raised:
+        load_config(config, **arguments)
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert str(raised.value) in page, f"docs/troubleshooting.md no longer quotes: {raised.value}"
