@@ -183,3 +183,23 @@ def test_troubleshooting_quotes_the_errors_the_config_raises(
         load_config(config, **arguments)
     page = (ROOT / "docs" / "troubleshooting.md").read_text()
     assert str(raised.value) in page, f"docs/troubleshooting.md no longer quotes: {raised.value}"
+
+
+def test_the_nav_hook_drops_only_optional_pages_that_are_missing(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "optional_pages", ROOT / "docs" / "_hooks" / "optional_pages.py"
+    )
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    (tmp_path / "lora.md").write_text("# LoRA\n")
+    nav = [
+        {"Home": "index.md"},
+        {"Guide": ["training.md", "lora.md", "tracing.md", {"Monitoring": "monitoring.md"}]},
+        "typo.md",
+    ]
+    config = hook.on_config({"nav": nav, "docs_dir": str(tmp_path)})
+    # lora.md exists, tracing.md and monitoring.md do not; typo.md is no optional page: kept, so
+    # that strict mode still refuses it
+    assert config["nav"] == [{"Home": "index.md"}, {"Guide": ["training.md", "lora.md"]}, "typo.md"]
