@@ -334,7 +334,7 @@ def print_case(r: dict) -> None:
 
 
 def markdown(result: dict) -> str:
-    """The README's table: medians (min-max) over the rounds, ratios taken inside each round."""
+    """docs/benchmarks.md's table: medians (min-max) over the rounds, ratios taken inside each round."""
 
     def cell(d: dict, fmt: str = "{:.1f}") -> str:
         return f"{fmt.format(d['median'])} ({fmt.format(d['min'])}-{fmt.format(d['max'])})"

@@ -164,7 +164,7 @@ def format_rows(rows: list[dict]) -> str:
 
 
 def format_markdown(rows: list[dict]) -> str:
-    """The README's table: GB/s median, then the ratio to fio with huge pages: median (min–max).
+    """docs/benchmarks.md's table: GB/s median, then the ratio to fio with huge pages: median (min–max).
 
     The reference's cells (and all cells where fio is absent) give GB/s median (min–max)."""
     names = list(dict.fromkeys(r["contender"] for r in rows))
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--markdown",
         action="store_true",
-        help="also print the table as markdown (as in the README)",
+        help="also print the table as markdown (as in docs/benchmarks.md)",
     )
     p.add_argument(
         "--out",

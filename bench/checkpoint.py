@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         help="where the state lives: nvme, cpu or both (default)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
-    p.add_argument("--markdown", action="store_true", help="also print the README's table")
+    p.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md's table")
     p.add_argument(
         "--out",
         type=Path,

@@ -110,7 +110,7 @@ class Compute:
 def fio_read_gbps(directory: Path, nbytes: int) -> dict | None:
     """fio's sequential O_DIRECT read bandwidth on a file in ``directory`` (None without fio).
 
-    Huge-page buffers first (--mem=shmhuge: the README's fio reference; 4 KiB-page
+    Huge-page buffers first (--mem=shmhuge: docs/benchmarks.md's fio reference; 4 KiB-page
     buffers hit the disk's segment limit), fio's default buffers where that fails."""
     fio = shutil.which("fio")
     if fio is None:

@@ -238,7 +238,7 @@ def format_rows(rows: list[dict], gains: dict) -> str:
 
 
 def format_markdown(rows: list[dict], gains: dict) -> str:
-    """The README's table: per direction, GB/s median (min–max) and, for ours, the ratio to fio."""
+    """docs/benchmarks.md's table: per direction, GB/s median (min–max) and, for ours, the ratio to fio."""
     names = list(dict.fromkeys(r["contender"] for r in rows))
     lines = [
         "| | " + " | ".join(names) + " | stripe / faster single path: infinity, 2x qd, fio |",
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat", type=int, default=None, help="repetitions (default 3; 1 with --quick)"
     )
     p.add_argument("--quick", action="store_true", help="smoke run in seconds")
-    p.add_argument("--markdown", action="store_true", help="also print the README's table")
+    p.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md's table")
     p.add_argument(
         "--out",
         type=Path,

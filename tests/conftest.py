@@ -33,7 +33,7 @@ def nvme_dir(tmp_path_factory) -> Path:
 def pytest_collection_modifyitems(config, items):
     """Tests that ask for the io_uring engine by name skip, saying why, where this process cannot
     use it: Docker's default seccomp profile (moby #46762), kernel.io_uring_disabled, a build
-    without liburing. Everything else runs on the threads engine there (see the README)."""
+    without liburing. Everything else runs on the threads engine there (see docs/troubleshooting.md)."""
     from infinity.aio import io_uring_status
 
     reason = io_uring_status()

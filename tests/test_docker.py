@@ -1,4 +1,4 @@
-"""docker/Dockerfile repeats the README's set-up, and the README's container and estimator notes hold.
+"""docker/Dockerfile repeats the README's set-up, and the docs' container and estimator notes hold.
 
 Docker cannot run on the machines these tests run on, so the Dockerfile is
 checked by reading it: its one RUN step must be the README's test command,
@@ -89,7 +89,7 @@ def test_the_cuda_notes_exist():
         assert must in notes
 
 
-def test_the_fallback_line_the_readme_quotes_is_what_the_runtime_logs_once(nvme_dir):
+def test_the_fallback_line_troubleshooting_quotes_is_what_the_runtime_logs_once(nvme_dir):
     """Under a refused io_uring (Docker's seccomp, simulated) the threads engine runs and one line says so."""
     script = (
         "import logging, sys\n"
@@ -111,20 +111,20 @@ def test_the_fallback_line_the_readme_quotes_is_what_the_runtime_logs_once(nvme_
     assert r.stdout.split() == ["threads", "threads"]
     lines = [ln for ln in r.stderr.splitlines() if "io_uring" in ln]
     assert len(lines) == 1, r.stderr
-    readme = (ROOT / "README.md").read_text()
-    quoted = re.search(r"```text\n(io_uring is not available.*?)\n```", readme, re.S).group(1)
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    quoted = re.search(r"```text\n(io_uring is not available.*?)\n```", page, re.S).group(1)
     expected = lines[0].replace(" (simulated by INFINITY_AIO_IO_URING_REFUSE)", "")
     assert quoted == expected
     for ref in ("moby #46762", "containerd #9320", "threads engine"):
-        assert ref in readme
+        assert ref in page
 
 
-def test_the_readme_estimate_example_runs(capsys):
+def test_the_estimate_example_of_the_docs_runs(capsys):
     from infinity.cli.main import main
 
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"```console\n\$ (infinity estimate [^\n]*)\n(.*?)```", readme, re.S)
-    assert block is not None, "README.md lost its infinity estimate example"
+    page = (ROOT / "docs" / "memory.md").read_text()
+    block = re.search(r"```console\n\$ (infinity estimate [^\n]*)\n(.*?)```", page, re.S)
+    assert block is not None, "docs/memory.md lost its infinity estimate example"
     argv = shlex.split(block.group(1))[1:]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -133,7 +133,7 @@ def test_the_readme_estimate_example_runs(capsys):
     for ln in block.group(2).splitlines():
         if ln.startswith("stage "):
             label = re.split(r"\s{2,}", ln)[0]
-            assert label in out, f"README row {label!r} is not in today's output"
+            assert label in out, f"docs/memory.md's row {label!r} is not in today's output"
     json_out = subprocess.run(
         [sys.executable, "-m", "infinity.cli.main", *argv, "--json"],
         cwd=ROOT,

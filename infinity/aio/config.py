@@ -81,9 +81,9 @@ class AioConfig:
     overlap_events: bool = True
     """Refill the queue as completions arrive instead of batch by batch."""
     engine: EngineName = "auto"
-    """io_uring, threads, or auto (io_uring, falling back to threads where refused)."""
+    """infinity: io_uring, threads, or auto (io_uring, falling back to threads where refused)."""
     o_direct: bool = True
-    """Bypass the page cache (falls back to buffered I/O where the file system refuses)."""
+    """infinity: bypass the page cache (falls back to buffered I/O where the file system refuses)."""
     use_gds: bool = False
     """GPUDirect Storage (DeepSpeed key). Not supported: reads bounce through host memory."""
 

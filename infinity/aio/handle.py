@@ -536,7 +536,7 @@ def _start_engine(cfg: AioConfig) -> tuple[_aio.Engine, Literal["io_uring", "thr
         AioHandle.notices.once(
             "engine",
             f"io_uring is not available ({reason}); using the threads I/O engine. In Docker, "
-            "io_uring is blocked by the default seccomp profile (see the README).",
+            "io_uring is blocked by the default seccomp profile (see docs/troubleshooting.md).",
         )
     return engine("threads"), "threads"
 

@@ -77,8 +77,8 @@ class OffloadParamConfig:
     """infinity: with device nvme, a CRC32C of every parameter partition written to the swap files,
     checked when it is read back; a mismatch (a zeroed block, a flipped bit) stops training with an
     error naming the file, offset, unit and both checksums instead of training on wrong numbers.
-    Costs one extra pass over the swapped bytes, mostly beside the I/O (README, "When something
-    goes wrong"); false turns it off."""
+    Costs one extra pass over the swapped bytes, mostly beside the I/O (docs/reliability.md); false
+    turns it off."""
 
     def __post_init__(self) -> None:
         check_section(self)

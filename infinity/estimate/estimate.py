@@ -12,7 +12,7 @@ communication).
 
 What an estimate is asked is one typed, frozen ``EstimateOptions`` (its ranks
 and its activations grouped); ``estimate_memory(model, config=..., seq=...)``
-takes the same options as keywords, by the names the README uses.
+takes the same options as keywords, by the names docs/memory.md uses.
 """
 
 from __future__ import annotations

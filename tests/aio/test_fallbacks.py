@@ -44,7 +44,7 @@ def test_auto_falls_back_to_threads_when_io_uring_is_refused(
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
         f"io_uring is not available ({why} (simulated by INFINITY_AIO_IO_URING_REFUSE)); using the threads "
-        "I/O engine. In Docker, io_uring is blocked by the default seccomp profile (see the README)."
+        "I/O engine. In Docker, io_uring is blocked by the default seccomp profile (see docs/troubleshooting.md)."
     ], "exactly one line, however many handles"
 
 

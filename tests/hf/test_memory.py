@@ -37,7 +37,7 @@ SHARD_NBYTES = 32 * 10**6  # memory_probe.SHARD, "32MB" as transformers reads it
 # before e4fb0a4 (from_pretrained under zero.Init) and 101 MiB since; the step that grew is
 # training (the loaded and initialized peaks are unchanged), and neither keeping the file source,
 # the CRC32C of filled shards nor transformers' patch is the cause (each removed, same peak). Not
-# yet explained; the allowance stays fixed and the growth is on record in the README.
+# yet explained; the allowance stays fixed and the growth is on record in docs/huggingface.md.
 ALLOWANCE_NBYTES = 128 * MiB
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ class Progress:
                 desc=desc,
                 unit="B",
                 unit_scale=True,
-                unit_divisor=1000,  # the rate reads in GB/s, as fio and the README's figures do
+                unit_divisor=1000,  # the rate reads in GB/s, as fio and the documented figures do
                 file=sys.stderr,
                 leave=False,
                 dynamic_ncols=True,
