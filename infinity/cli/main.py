@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import infinity
 from infinity.cli import bench, demo, doctor, estimate, export, generate, tune
 
 COMMANDS = [demo, bench, tune, estimate, doctor, export, generate]
@@ -20,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infinity",
         description="Train PyTorch models whose state is larger than GPU and host memory (NVMe offload).",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {infinity.__version__}"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
