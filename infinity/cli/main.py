@@ -22,9 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infinity",
         description="Train PyTorch models whose state is larger than GPU and host memory (NVMe offload).",
     )
-    parser.add_argument(
-        "--version", action="version", version=f"%(prog)s {infinity.__version__}"
-    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {infinity.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.NAME, help=cmd.HELP, description=cmd.HELP)
