@@ -61,7 +61,9 @@ def test_getting_started_loop_gives_torchs_losses(stage):
     cfg = _config(stage) if stage else {**_config(2), "zero_optimization": {"stage": 0}}
     args.deepspeed_config = cfg  # as the parsed --deepspeed_config, but a dict: no file needed
     losses = getting_started.train(args, model, _loader(data))
-    expected = models.reference_losses(ref, data, micro=4, accumulation=2, lr=1e-2, weight_decay=0.01)
+    expected = models.reference_losses(
+        ref, data, micro=4, accumulation=2, lr=1e-2, weight_decay=0.01
+    )
     _close(losses, expected)
 
 
@@ -96,7 +98,9 @@ def test_zero3_offload_setup_from_the_guide(tmp_path):
     cfg["scheduler"]["params"] = {"warmup_min_lr": lr, "warmup_max_lr": lr, "warmup_num_steps": 5}
     zero = cfg["zero_optimization"]
     zero.update(
-        reduce_bucket_size=256, stage3_prefetch_bucket_size=230, stage3_param_persistence_threshold=0
+        reduce_bucket_size=256,
+        stage3_prefetch_bucket_size=230,
+        stage3_param_persistence_threshold=0,
     )
     cfg.update(
         gradient_accumulation_steps=2,
@@ -110,7 +114,9 @@ def test_zero3_offload_setup_from_the_guide(tmp_path):
     ref = models.Regressor()
     ref.load_state_dict(init_state)
     assert zero3_offload.count_parameters(model) == sum(p.numel() for p in ref.parameters())
-    assert all(p.numel() == 0 for p in model.parameters())  # partitioned: the counter needs ds_numel
+    assert all(
+        p.numel() == 0 for p in model.parameters()
+    )  # partitioned: the counter needs ds_numel
     data = models.dataset()
     engine, losses = zero3_offload.train(model, cfg, data, epochs=2)
     expected = models.reference_losses(
@@ -168,12 +174,24 @@ def test_deepspeed_style_script_with_deepspeed_config_runs_as_a_script(tmp_path)
     out = tmp_path / "losses.json"
     script = Path(train_ds.__file__)
     subprocess.run(
-        [sys.executable, str(script), "--deepspeed", "--deepspeed_config", str(config),
-         "--steps", "6", "--out", str(out)],
+        [
+            sys.executable,
+            str(script),
+            "--deepspeed",
+            "--deepspeed_config",
+            str(config),
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+        ],
         check=True,
         timeout=300,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     result = json.loads(out.read_text())
     assert result["stage"] == 2 and result["train_batch_size"] == 4 and result["global_steps"] == 6

@@ -101,9 +101,7 @@ def initialize(
     if stage == 3:
         mark_all(model.parameters())  # the ds_* attributes, whole shapes read before partitioning
     inner = infinity.initialize(model, raw, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    loader = (
-        _dataloader(training_data, inner, collate_fn) if training_data is not None else None
-    )
+    loader = _dataloader(training_data, inner, collate_fn) if training_data is not None else None
     engine = DeepSpeedEngine(inner, training_dataloader=loader)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 

@@ -16,7 +16,7 @@ def train(cmd_args, model, data_loader):
         args=cmd_args, model=model, model_parameters=model.parameters()
     )
     losses = []
-    for step, batch in enumerate(data_loader):
+    for step, batch in enumerate(data_loader):  # noqa: B007 (the guide's loop)
         # forward() method
         loss = model_engine(batch)
 
