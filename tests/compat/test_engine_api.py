@@ -301,3 +301,33 @@ def test_stage_3_without_an_optimizer_runs_forward_only():
     with pytest.raises(RuntimeError, match="built without an optimizer"):
         _ = engine.global_steps
     engine.destroy()
+
+
+def test_zero_init_remote_device_and_enabled(tmp_path):
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"nvme_path": str(nvme)}}}
+    with deepspeed.zero.Init(config_dict_or_path=cfg, remote_device="nvme"):
+        model = models.Regressor(width=6)
+    assert all(
+        p.numel() == 0 and p.ds_status is ZeroParamStatus.NOT_AVAILABLE for p in model.parameters()
+    )
+    assert any(nvme.rglob("*")), "the partitions wait in nvme_path"
+    with deepspeed.zero.GatheredParameters(model.net[0].weight):
+        assert model.net[0].weight.shape == (6, 8)
+    with pytest.raises(ValueError, match="needs zero_optimization.offload_param.nvme_path"):
+        deepspeed.zero.Init(
+            config_dict_or_path={"zero_optimization": {"stage": 3}}, remote_device="nvme"
+        )
+    nvme_cfg = {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": str(nvme)},
+        }
+    }
+    with pytest.raises(ValueError, match="contradicts"):
+        deepspeed.zero.Init(config_dict_or_path=nvme_cfg, remote_device="cpu")
+    with deepspeed.zero.Init(config_dict_or_path=_cfg(), enabled=False):
+        plain = models.Regressor()
+    assert not any(hasattr(p, "ds_numel") for p in plain.parameters())
+    assert all(p.numel() > 0 for p in plain.parameters())
