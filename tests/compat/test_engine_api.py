@@ -331,3 +331,22 @@ def test_zero_init_remote_device_and_enabled(tmp_path):
         plain = models.Regressor()
     assert not any(hasattr(p, "ds_numel") for p in plain.parameters())
     assert all(p.numel() > 0 for p in plain.parameters())
+
+
+def test_training_data_with_collate_fn_and_drop_last():
+    seen = []
+
+    def collate(samples):
+        seen.append(len(samples))
+        x = torch.stack([s["x"] for s in samples])
+        y = torch.stack([s["y"] for s in samples])
+        return x, y
+
+    data = [{"x": x, "y": y} for x, y in models.dataset(7)]
+    engine, _, loader, _ = deepspeed.initialize(
+        model=models.Regressor(), training_data=data, collate_fn=collate, config=_cfg(2)
+    )
+    batches = list(loader)
+    assert seen == [2, 2, 2, 1] and len(loader) == 4  # dataloader_drop_last defaults to False
+    assert batches[0][0].shape == (2, 8)
+    engine.destroy()
