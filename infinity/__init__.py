@@ -7,8 +7,6 @@ The public API is loaded on first use, so importing a low layer (infinity.aio)
 does not import the whole runtime.
 """
 
-__version__ = "0.1.0"
-
 __all__ = [
     "Engine",
     "GatheredParameters",
@@ -32,6 +30,7 @@ _LAZY = {
     "zero": ("infinity.zero", None),
     "checkpointing": ("infinity.zero.checkpointing", None),  # deepspeed.checkpointing's API
     "models": ("infinity.models", None),
+    "__version__": ("infinity._version", "version"),  # read once, from pyproject.toml's one source
 }
 
 
@@ -44,6 +43,8 @@ def __getattr__(name: str) -> object:
     module, attr = _LAZY[name]
     mod = importlib.import_module(module)
     value = mod if attr is None else getattr(mod, attr)
+    if name == "__version__":
+        value = value()
     globals()[name] = value
     return value
 

@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+import infinity
 from infinity.cli import bench, demo, doctor, estimate, export, generate, tune
 
 COMMANDS = [demo, bench, tune, estimate, doctor, export, generate]
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infinity",
         description="Train PyTorch models whose state is larger than GPU and host memory (NVMe offload).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {infinity.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for cmd in COMMANDS:
         p = sub.add_parser(cmd.NAME, help=cmd.HELP, description=cmd.HELP)

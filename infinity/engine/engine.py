@@ -387,13 +387,17 @@ class Engine:
         tag: str | None = None,
         client_state: Any = None,
         *,
+        save_latest: bool = True,
         progress: bool | None = None,
     ) -> Any:
         """Saves the full training state to ``save_dir/tag`` (default tag ``global_step<N>``), atomically,
-        and points ``save_dir/latest`` at it. ``client_state``: JSON values and tensors (no pickle).
-        Every rank must call it, at an accumulation boundary. Returns the checkpoint's directory."""
+        and points ``save_dir/latest`` at it (unless ``save_latest=False``, as in DeepSpeed).
+        ``client_state``: JSON values and tensors (no pickle). Every rank must call it, at an
+        accumulation boundary. Returns the checkpoint's directory."""
         self._check_open("engine.save_checkpoint()")
-        return checkpoint.save_checkpoint(self, save_dir, tag, client_state, progress=progress)
+        return checkpoint.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest=save_latest, progress=progress
+        )
 
     def load_checkpoint(
         self,

@@ -139,8 +139,8 @@ def decay_parameter_names(model: nn.Module) -> list[str]:
 
 def _adam_kind(optimizer: torch.optim.Optimizer) -> bool | None:
     """True for AdamW semantics, False for Adam (L2), None for anything else."""
-    if isinstance(optimizer, CPUAdam):
-        return bool(optimizer.defaults.get("adamw_mode", True))
+    if isinstance(optimizer, CPUAdam):  # CPUAdam keeps adamw_mode under torch's name
+        return bool(optimizer.defaults.get("decoupled_weight_decay", True))
     if type(optimizer) is torch.optim.AdamW:
         return True
     if type(optimizer) is torch.optim.Adam:

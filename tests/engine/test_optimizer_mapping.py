@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import infinity
+from infinity.optim import CPUAdam
 from infinity.optim.lr_schedules import WarmupDecayLR
 from infinity.zero.gathered import GatheredParameters
 from tests.engine.models import batch, tiny_gpt
@@ -95,6 +96,29 @@ def test_torch_optimizer_with_param_groups_and_scheduler(
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for n, ref in ref_weights.items():
         assert (weights[n] - ref).abs().max() <= 1e-5 * ref.abs().max(), n
+
+
+def test_cpu_adam_in_adam_mode_stays_adam(nvme_dir):
+    """CPUAdam(adamw_mode=False) is torch's Adam (L2 weight decay) in the engine too: the engine
+    reads the mode under torch's name, decoupled_weight_decay."""
+    ref_losses, _, _ = train_plain(torch.optim.Adam)
+    cfg = engine_config(1, "none", "cpu", nvme_dir, gas=1)
+    del cfg["optimizer"]
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt = groups(model, lambda g, **kw: CPUAdam(g, adamw_mode=False, **kw))
+    engine = infinity.initialize(model, cfg, optimizer=opt, lr_scheduler=schedule)
+    try:
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step, 0, 0)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_scheduler_from_config_drives_the_lr(nvme_dir):

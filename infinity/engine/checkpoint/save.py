@@ -397,8 +397,10 @@ def _publish(
     tag: str,
     nonce: str,
     sizes: list[list[int]],
+    save_latest: bool,
 ) -> None:
-    """Rank 0: manifest, rename into place, then ``latest`` ([Note: publishing a checkpoint])."""
+    """Rank 0: manifest, rename into place, then ``latest`` unless ``save_latest`` is False
+    ([Note: publishing a checkpoint])."""
     files = {}
     for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
         if r < prep.partitions:
@@ -412,7 +414,8 @@ def _publish(
     atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
     atomic.fsync_path(tmp, directory=True)
     atomic.publish(tmp, root / tag, nonce)
-    atomic.write_latest(root, tag, nonce)
+    if save_latest:
+        atomic.write_latest(root, tag, nonce)
 
 
 def save_checkpoint(
@@ -421,10 +424,12 @@ def save_checkpoint(
     tag: str | None = None,
     client_state: Any = None,
     *,
+    save_latest: bool = True,
     progress: bool | None = None,
 ) -> Path:
     """Saves the engine's full training state under ``save_dir/tag`` (default tag: ``global_step<N>``) and
-    points ``save_dir/latest`` at it. Every rank must call it. Returns the checkpoint's directory."""
+    points ``save_dir/latest`` at it (``save_latest=False``: leaves ``latest`` as it was, DeepSpeed's
+    switch). Every rank must call it. Returns the checkpoint's directory."""
     if engine.micro_steps % engine.gradient_accumulation_steps:
         raise RuntimeError(
             f"save_checkpoint() was called in the middle of a gradient accumulation window (micro step "
@@ -466,7 +471,7 @@ def save_checkpoint(
             err = e
     try:
         agree(group, err, f"creating '{tmp}'")
-        sizes = _write_and_publish(engine, prep, root, tmp, tag, nonce, progress)
+        sizes = _write_and_publish(engine, prep, root, tmp, tag, nonce, progress, save_latest)
     finally:
         if save_lock is not None:
             save_lock.release()
@@ -490,6 +495,7 @@ def _write_and_publish(
     tag: str,
     nonce: str,
     progress: bool | None,
+    save_latest: bool,
 ) -> list[list[int]]:
     """Phases 3 and 4; returns every rank's [part bytes, rank file bytes, rank file CRC32C]."""
     group = engine.group
@@ -508,7 +514,7 @@ def _write_and_publish(
     err = None
     if group.rank == 0:
         try:
-            _publish(engine, prep, root, tmp, tag, nonce, sizes)
+            _publish(engine, prep, root, tmp, tag, nonce, sizes, save_latest)
         except Exception as e:
             err = e
             shutil.rmtree(tmp, ignore_errors=True)
