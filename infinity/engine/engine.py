@@ -354,7 +354,7 @@ class Engine:
                     capacity + pool.capacity,
                 )
         mean_loss = (
-            float(torch.stack([loss.float().cpu() for loss in losses]).mean()) if losses else None
+            float(torch.stack([loss.double().cpu() for loss in losses]).mean()) if losses else None
         )
         record = StepRecord(
             step=self.global_steps,
