@@ -60,7 +60,11 @@ class StepRecord:
     optimizer_s: float
     """Seconds inside ``engine.step`` at the boundary (the foreground part of the update)."""
     io_wait_s: float
-    """Seconds callers spent blocked on the stores' reads and writes (their ``wait_s``)."""
+    """Seconds callers spent blocked on the stores' reads and writes (their ``wait_s``), in any
+    thread: the stage-3 update's background thread included."""
+    fetch_stall_s: float
+    """Seconds the training thread spent waiting for parameters (the scheduler's ``stall_s``;
+    0 without a scheduler): the exposed part of the parameter reads."""
     read_nbytes: int
     """Bytes read from NVMe by the parameter and optimizer stores."""
     write_nbytes: int
@@ -91,8 +95,8 @@ class StepRecord:
 
     @property
     def compute_s(self) -> float:
-        """The step's time not spent waiting for I/O."""
-        return max(0.0, self.step_time_s - self.io_wait_s)
+        """The step's time the training thread did not spend waiting for parameters."""
+        return max(0.0, self.step_time_s - self.fetch_stall_s)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -110,6 +114,7 @@ class Counters:
     read_nbytes: int = 0
     write_nbytes: int = 0
     io_wait_s: float = 0.0
+    fetch_stall_s: float = 0.0
     prefetch_hits: int = 0
     late_prefetches: int = 0
     on_demand: int = 0
@@ -142,6 +147,7 @@ class StepClock:
             read_nbytes=counters.read_nbytes - p.read_nbytes,
             write_nbytes=counters.write_nbytes - p.write_nbytes,
             io_wait_s=counters.io_wait_s - p.io_wait_s,
+            fetch_stall_s=counters.fetch_stall_s - p.fetch_stall_s,
             prefetch_hits=counters.prefetch_hits - p.prefetch_hits,
             late_prefetches=counters.late_prefetches - p.late_prefetches,
             on_demand=counters.on_demand - p.on_demand,

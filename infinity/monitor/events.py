@@ -30,8 +30,18 @@ DEEPSPEED_EVENTS: dict[str, str] = {
 
 _RUNTIME: dict[str, tuple[str, Callable[[StepRecord], float]]] = {
     "Infinity/step_time_s": ("wall seconds of the step", lambda r: r.step_time_s),
-    "Infinity/compute_s": ("the step's seconds not waiting for I/O", lambda r: r.compute_s),
-    "Infinity/io_wait_s": ("seconds blocked on NVMe reads and writes", lambda r: r.io_wait_s),
+    "Infinity/compute_s": (
+        "the step's seconds not waiting for parameters",
+        lambda r: r.compute_s,
+    ),
+    "Infinity/fetch_stall_s": (
+        "seconds the training thread waited for parameter reads (exposed I/O)",
+        lambda r: r.fetch_stall_s,
+    ),
+    "Infinity/io_wait_s": (
+        "seconds any thread was blocked on NVMe reads and writes",
+        lambda r: r.io_wait_s,
+    ),
     "Infinity/nvme_read_bytes": ("bytes read from NVMe", lambda r: r.read_nbytes),
     "Infinity/nvme_write_bytes": ("bytes written to NVMe", lambda r: r.write_nbytes),
     "Infinity/nvme_read_GBps": ("read bytes / step time, GB/s", lambda r: r.read_gbps),

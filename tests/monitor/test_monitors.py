@@ -160,6 +160,7 @@ def test_tensorboard_csv_and_wandb_hold_the_losses_and_the_counters(
             ("Infinity/nvme_read_bytes", "read_nbytes"),
             ("Infinity/nvme_write_bytes", "write_nbytes"),
             ("Infinity/io_wait_s", "io_wait_s"),
+            ("Infinity/fetch_stall_s", "fetch_stall_s"),
         ):
             assert series[name] == [
                 (r.samples, pytest.approx(getattr(r, field), rel=rel)) for r in records
@@ -317,7 +318,8 @@ def test_loss_scale_is_an_event_under_fp16_only():
         forward_s=0.5,
         backward_s=1.0,
         optimizer_s=0.25,
-        io_wait_s=0.5,
+        io_wait_s=0.7,
+        fetch_stall_s=0.5,
         read_nbytes=4_000_000_000,
         write_nbytes=1_000_000_000,
         prefetch_hits=3,
