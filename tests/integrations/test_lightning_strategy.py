@@ -5,9 +5,9 @@ the same arguments, and the names it registers), infinity's own loop for the 16-
 (the same engine, driven by hand), and the error each misuse must name.
 """
 
+import lightning as L
 import pytest
 import torch
-import lightning as L
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
