@@ -9,7 +9,7 @@ framework adapters forward the same figures (``step_metrics``) to their
 framework's logger. TensorBoard and wandb are optional extras, imported only
 when their section is enabled.
 
-Imports only infinity.engine and infinity.config (and torch).
+Imports only infinity.engine and infinity.config (and torch, tensorboard, wandb).
 """
 
 from infinity.monitor.attach import Monitors, build_monitors

@@ -98,9 +98,7 @@ def test_summary_names_what_runs_what_auto_became_and_what_is_ignored(caplog):
     )
     assert "    optimizer.params.lr <- lr=" in text
     assert "    zero_optimization.reduce_bucket_size <- hidden_size=512" in text
-    assert (
-        "accepted, no effect here: zero_optimization.contiguous_gradients" in text
-    )
+    assert "accepted, no effect here: zero_optimization.contiguous_gradients" in text
 
 
 def test_summary_of_nvme_and_fp16_configs():
