@@ -56,33 +56,43 @@ def config(nvme: Path, **sections) -> dict:
 
 
 class Counted:
-    """The engine's cumulative counters read at each step's record."""
+    """The engine's cumulative counters as the engine itself read them for each step's record:
+    ``io_stats`` and ``prefetch_stats`` (public, reading the stores' and the scheduler's own
+    counters) are watched, and each record is paired with the values they last returned."""
 
     def __init__(self, engine):
-        self.engine = engine
-        self.rows = [self.now()]
+        self.io: list[dict] = []
+        self.prefetch: list = []
+        io_stats, prefetch_stats = engine.io_stats, engine.prefetch_stats
+        engine.io_stats = lambda: self._seen(self.io, io_stats())
+        engine.prefetch_stats = lambda: self._seen(self.prefetch, prefetch_stats())
+        self.rows: list[dict] = []
         self.lrs: list[float] = []
         self.records: list = []
 
-    def now(self) -> dict:
-        io = self.engine.io_stats()
-        stats = self.engine.prefetch_stats()
-        t = stats.total if stats is not None else None
-        return {
-            "read": io["read_nbytes"],
-            "write": io["write_nbytes"],
-            "hits": t.prefetch_hits if t else 0,
-            "late": t.late_prefetches if t else 0,
-            "demand": t.on_demand if t else 0,
-        }
+    @staticmethod
+    def _seen(into: list, value):
+        into.append(value)
+        return value
 
     def __call__(self, record) -> None:
-        self.rows.append(self.now())
+        io, stats = self.io[-1], self.prefetch[-1]
+        t = stats.total if stats is not None else None
+        self.rows.append(
+            {
+                "read": io["read_nbytes"],
+                "write": io["write_nbytes"],
+                "hits": t.prefetch_hits if t else 0,
+                "late": t.late_prefetches if t else 0,
+                "demand": t.on_demand if t else 0,
+            }
+        )
         self.records.append(record)
 
     def delta(self, step: int, key: str) -> int:
-        """Step ``step``'s (1-based) difference."""
-        return self.rows[step][key] - self.rows[step - 1][key]
+        """Step ``step``'s (1-based, from 2: step 1's window opened before the watch) difference."""
+        assert step >= 2
+        return self.rows[step - 1][key] - self.rows[step - 2][key]
 
 
 def train(cfg: dict):
@@ -130,15 +140,12 @@ def test_tensorboard_csv_and_wandb_hold_the_losses_and_the_counters(
     means, counted = train(cfg)
     xs = [samples(s) for s in range(1, STEPS + 1)]
 
-    # Prefetch outcomes are counted in the training thread: the counters read by the test's
-    # listener are those of the record's instant. Bytes move in the background too (the stage-3
-    # update runs behind the next forward, prefetches are in flight): the record's are checked
-    # against the counters where nothing moves behind the step (stage 2, below), here against
-    # the record the engine handed its listeners.
     counts = {
         "Infinity/prefetch_hits": "hits",
         "Infinity/prefetch_late": "late",
         "Infinity/prefetch_on_demand": "demand",
+        "Infinity/nvme_read_bytes": "read",
+        "Infinity/nvme_write_bytes": "write",
     }
     assert sum(counted.delta(s, "hits") for s in range(2, STEPS + 1)) > 0  # replayed: read ahead
     records = counted.records
@@ -152,13 +159,11 @@ def test_tensorboard_csv_and_wandb_hold_the_losses_and_the_counters(
         ]
         assert len(set(counted.lrs)) > 1  # the warm-up moves it
         for name, key in counts.items():
-            assert (
-                series[name][1:]
-                == [(x, counted.delta(step, key)) for step, x in enumerate(xs, start=1)][1:]
-            ), name  # step 1's window opened at initialize, before the test's listener
+            # step 1's window opened at initialize, before the watch
+            want = [(x, counted.delta(step, key)) for step, x in enumerate(xs, start=1) if step > 1]
+            assert series[name][1:] == want, name
         for name, field in (
             ("Infinity/nvme_read_bytes", "read_nbytes"),
-            ("Infinity/nvme_write_bytes", "write_nbytes"),
             ("Infinity/io_wait_s", "io_wait_s"),
             ("Infinity/fetch_stall_s", "fetch_stall_s"),
         ):
@@ -341,8 +346,8 @@ def test_loss_scale_is_an_event_under_fp16_only():
 
 
 def test_the_bytes_of_each_step_are_the_stores_counters(nvme_dir, tmp_path):
-    """Stage 2 with the optimizer state on NVMe: the update reads and writes it inside step(),
-    nothing moves behind it, so the counters read by a listener are the record's instant."""
+    """Stage 2 with the optimizer state on NVMe: each step's bytes are the differences of the
+    stores' counters as the engine read them for the record."""
     cfg = config(
         nvme_dir,
         csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"},
@@ -356,6 +361,6 @@ def test_the_bytes_of_each_step_are_the_stores_counters(nvme_dir, tmp_path):
         with open(tmp_path / "j" / f"Infinity_{name}.csv", newline="") as f:
             _, *rows = list(csv.reader(f))
         got = [(int(s), float(v)) for s, v in rows]
-        want = [(samples(s), counted.delta(s, key)) for s in range(1, STEPS + 1)]
-        assert got[1:] == want[1:], name
+        want = [(samples(s), counted.delta(s, key)) for s in range(2, STEPS + 1)]
+        assert got[1:] == want, name
         assert all(v > 0 for _, v in got), name
