@@ -5,7 +5,8 @@ is the one entry point; it returns an ``InfinityConfig`` (``describe_config``
 renders one for people) composed of
 ``ZeroConfig`` (with ``OffloadParamConfig`` / ``OffloadOptimizerConfig``),
 ``FP16Config``, ``BF16Config``, ``OptimizerConfig``, ``SchedulerConfig``,
-``ActivationCheckpointingConfig`` and ``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
+``ActivationCheckpointingConfig``, the monitor sections (``TensorBoardConfig``,
+``CSVMonitorConfig``, ``WandbConfig``) and ``infinity.aio.AioConfig``. Which keys the runtime acts on is one table:
 ``infinity.config.support.NOT_ACTED_ON``. Which keyword arguments fill "auto"
 is another, HF's (``infinity.config.arguments``); ``training_arguments_values``
 reads them off a transformers ``TrainingArguments`` for the adapters.
@@ -19,6 +20,7 @@ from infinity.config.arguments import TRAINING_ARGUMENTS, training_arguments_val
 from infinity.config.errors import ConfigError
 from infinity.config.jsonfile import read_config_file
 from infinity.config.loader import load_config
+from infinity.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from infinity.config.optim import (
     SUPPORTED_OPTIMIZERS,
     SUPPORTED_SCHEDULERS,
@@ -46,6 +48,7 @@ __all__ = [
     "AdamParams",
     "AioConfig",
     "BF16Config",
+    "CSVMonitorConfig",
     "ConfigError",
     "FP16Config",
     "InfinityConfig",
@@ -54,9 +57,11 @@ __all__ = [
     "QuantizedInitializationConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "TensorBoardConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
+    "WandbConfig",
     "WeightQuantizationConfig",
     "ZeroConfig",
     "acted_on",

@@ -19,6 +19,7 @@ from infinity.aio.config import AioConfig
 from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.budget import HostMemoryBudget, parse_host_memory_budget
 from infinity.config.errors import ConfigError
+from infinity.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
 from infinity.config.quantization import WeightQuantizationConfig
@@ -49,7 +50,8 @@ class InfinityConfig:
     gradient_clipping: float = knob(0.0, ge=0.0)
     """Clip the global gradient norm to this value; 0 disables clipping."""
     steps_per_print: int | None = knob(None, ge=1)
-    """Log progress every this many optimizer steps (DeepSpeed's code default is unset)."""
+    """Log progress (step, lr, gradient norm, loss scale) on rank 0 every this many optimizer steps
+    (DeepSpeed's code default is unset)."""
     preflight: bool = knob(True)
     """infinity: check memory and disk against the run before allocating anything."""
     skip_nonfinite_steps: bool = knob(False)
@@ -76,8 +78,15 @@ class InfinityConfig:
     """Weight-only quantisation at rest, for inference (DeepSpeed ZeRO-Inference's keys)."""
     activation_checkpointing: ActivationCheckpointingConfig = knob(ActivationCheckpointingConfig())
     """Where infinity.checkpointing keeps checkpoint inputs (host memory, split across model parallelism)."""
+    tensorboard: TensorBoardConfig = knob(TensorBoardConfig())
+    """TensorBoard event files of every optimizer step's figures (infinity.monitor)."""
+    csv_monitor: CSVMonitorConfig = knob(CSVMonitorConfig())
+    """CSV files of every optimizer step's figures (infinity.monitor)."""
+    wandb: WandbConfig = knob(WandbConfig())
+    """A Weights & Biases run of every optimizer step's figures (infinity.monitor)."""
     wall_clock_breakdown: bool = knob(False)
-    """DeepSpeed: time forward/backward/step."""
+    """Log forward, backward, step and I/O-wait times of each logged step (every steps_per_print
+    steps, or every step when that is unset), with the device synchronised at each boundary."""
     dump_state: bool = knob(False)
     """DeepSpeed: print the engine's state after initialization."""
     prescale_gradients: bool = knob(False)

@@ -25,7 +25,6 @@ logger = logging.getLogger("infinity.config")
 NOT_ACTED_ON: frozenset[str] = frozenset(
     {
         # top level
-        "wall_clock_breakdown",
         "dump_state",
         "prescale_gradients",
         "gradient_predivide_factor",
@@ -94,8 +93,8 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         #   a device synchronize at every checkpoint boundary, a debugging aid that changes no
         #   result; infinity's copies already wait where they must (unpack before the recomputation)
         "activation_checkpointing.synchronize_checkpoint_boundary",
-        #   per-checkpoint timing through DeepSpeed's timers, which infinity does not have (as
-        #   wall_clock_breakdown)
+        #   per-checkpoint timing through DeepSpeed's timers, which infinity does not have (its
+        #   wall_clock_breakdown times the whole forward, backward and step)
         "activation_checkpointing.profile",
     }
 )
@@ -111,7 +110,6 @@ OPAQUE: frozenset[str] = frozenset(
         "comms_logger",
         "compile",
         "compression_training",
-        "csv_monitor",
         "curriculum_learning",
         "data_efficiency",
         "data_types",
@@ -133,12 +131,10 @@ OPAQUE: frozenset[str] = frozenset(
         "sequence_parallel_size",
         "sparse_attention",
         "tensor_parallel",
-        "tensorboard",
         "timers",
         "torch_autocast",
         "use_data_before_expert_parallelism",
         "vocabulary_size",
-        "wandb",
         "zero_optimization.leaf_module",
         "zero_optimization.zenflow",
         "zero_optimization.zeropp_loco_param",

@@ -34,9 +34,12 @@ def knob(
     lt: float | None = None,
     auto_default: bool = True,
     casefold: bool = False,
+    empty: bool = False,
 ) -> Any:
-    """A config key. ``auto_default=False``: ``"auto"`` with nothing to fill it is refused."""
+    """A config key. ``auto_default=False``: ``"auto"`` with nothing to fill it is refused.
+    ``empty=True``: a string key that may be "" (DeepSpeed's "here" for a directory)."""
     meta = {
+        "empty": empty,
         "aliases": aliases,
         "ge": ge,
         "gt": gt,
@@ -138,7 +141,7 @@ def describe(tp: Any, meta: Mapping[str, Any]) -> str:
     if tp is float:
         return f"a number{_range_text(meta)}"
     if tp is str:
-        return "a non-empty string"
+        return "a string" if meta.get("empty") else "a non-empty string"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -206,7 +209,7 @@ def _coerce(value: Any, tp: Any, meta: Mapping[str, Any]) -> Any:
     if tp is str:
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
-        return value if isinstance(value, str) and value else _BAD
+        return value if isinstance(value, str) and (value or meta.get("empty")) else _BAD
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else _BAD
     raise TypeError(f"no coercion for type {tp!r}")  # a section declared with an unsupported type

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -32,8 +34,10 @@ from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
 from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
+from infinity.engine.step_record import Counters, StepClock, StepRecord
 from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
+from infinity.host import peak_rss_nbytes
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
 from infinity.zero.checkpointing import ModelCheckpointing
@@ -126,6 +130,11 @@ class Engine:
         # The model's own state_dict() and save_pretrained() give the real weights
         # ([Note: saving a partitioned model] in engine/saving.py).
         self._saving = ModelSaving(self)
+        # Each optimizer step's figures, for whoever listens ([Note: step records]).
+        self._clock = StepClock()
+        self._step_listeners: list[Callable[[StepRecord], None]] = []
+        self._on_close: list[Callable[[], None]] = []
+        self.last_step_record: StepRecord | None = None
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if self.optimizer is None:
@@ -161,6 +170,8 @@ class Engine:
         prefetch trace; a forward without grad (evaluation) is a step of its own."""
         self._check_open("engine.forward()")
         trace = self._trace
+        self._clock.start()
+        t0 = self._now()
         if trace is not None and not trace.step_open:
             trace.begin_step()
         try:
@@ -172,6 +183,7 @@ class Engine:
             raise
         if trace is not None and not torch.is_grad_enabled():
             trace.end_step()
+        self._clock.forward_s += self._now() - t0
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -184,6 +196,8 @@ class Engine:
         if loss.dim() != 0:
             raise ValueError(f"backward() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.synchronize()
+        self._clock.start()
+        t0 = self._now()
         rt = self.runtime
         boundary = self.is_gradient_accumulation_boundary()
         if rt.reducer is not None:
@@ -201,6 +215,7 @@ class Engine:
             # Inside an accumulation window nothing changes the parameters before the next forward: what
             # it starts with stays held and is read ahead for ([Note: across the step boundary]).
             trace.end_step(keep_for_next=not boundary)
+        self._clock.backward_s += self._now() - t0
 
     def _backward_failed(self, error: BaseException) -> None:
         """Settles what a backward that raised left behind, and says in ``error`` what state that is."""
@@ -245,6 +260,11 @@ class Engine:
         self._check_open("engine.step()")
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
+            t0 = self._now()
+            self._clock.start()
+            lr = self.get_lr()
+            scale = self.loss_scaler.scale
+            losses = [loss for _, loss in self._window.losses]
             if self._window.failed_at is not None:
                 log.warning(
                     "step %d applies a gradient that holds part of a backward() that raised (micro-step "
@@ -264,17 +284,122 @@ class Engine:
             if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
                 self.lr_scheduler.step()
             self.global_steps += 1
-            every = self.config.steps_per_print
-            if every and self.global_steps % every == 0 and self.group.rank == 0:
-                log.info(
-                    "step=%d, skipped=%d, lr=%s, grad_norm=%s, loss_scale=%g",
-                    self.global_steps,
-                    self.skipped_steps,
-                    self.get_lr(),
-                    self.last_grad_norm,
-                    self.loss_scale,
-                )
+            self._clock.optimizer_s += self._now() - t0
+            self._record_step(losses, lr, scale, skipped=outcome is Outcome.SKIPPED)
         self.micro_steps += 1
+
+    # -- what each step did ([Note: step records] in engine/step_record.py) -------
+
+    def add_step_listener(
+        self,
+        listener: Callable[[StepRecord], None],
+        *,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        """Calls ``listener(record)`` after every optimizer step with that step's StepRecord
+        (infinity.monitor's writers, the framework adapters' loggers), and ``on_close()`` when the
+        engine closes (a writer flushes its files). The record's differences start now."""
+        if not callable(listener):
+            raise TypeError(f"a step listener must be callable, got {type(listener).__name__}")
+        if not self._step_listeners:
+            self._clock.previous = self._counters()
+        self._step_listeners.append(listener)
+        if on_close is not None:
+            self._on_close.append(on_close)
+
+    def remove_step_listener(self, listener: Callable[[StepRecord], None]) -> None:
+        self._step_listeners.remove(listener)
+
+    def _now(self) -> float:
+        """A wall clock; under wall_clock_breakdown the device's queued work is counted too."""
+        if self.config.wall_clock_breakdown and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _counters(self) -> Counters:
+        io = self.io_stats()
+        prefetch = self.prefetch_stats()
+        total = prefetch.total if prefetch is not None else None
+        return Counters(
+            read_nbytes=int(io["read_nbytes"]),
+            write_nbytes=int(io["write_nbytes"]),
+            io_wait_s=float(io["wait_s"]),
+            fetch_stall_s=total.stall_s if total is not None else 0.0,
+            prefetch_hits=total.prefetch_hits if total is not None else 0,
+            late_prefetches=total.late_prefetches if total is not None else 0,
+            on_demand=total.on_demand if total is not None else 0,
+        )
+
+    def _record_step(
+        self, losses: list[torch.Tensor], lr: list[float], scale: float, *, skipped: bool
+    ) -> None:
+        """Builds this step's record when anyone reads it, hands it to the listeners, prints it at
+        steps_per_print ([Note: step records])."""
+        now = self._now()
+        every = self.config.steps_per_print
+        prints = bool(every) and self.global_steps % every == 0 and self.group.rank == 0
+        breakdown = self.config.wall_clock_breakdown
+        if not (self._step_listeners or breakdown):
+            self._clock.close_window(now, self._clock.previous)
+            if prints:
+                log.info("%s", self._progress_line())
+            return
+        times, delta = self._clock.close_window(now, self._counters())
+        in_use = peak = capacity = 0
+        for store in (self.runtime.param_store, self.runtime.state_store):
+            if store is not None and not store.closed:
+                pool = store.pool.stats()
+                in_use, peak, capacity = (
+                    in_use + pool.in_use,
+                    peak + pool.peak_in_use,
+                    capacity + pool.capacity,
+                )
+        mean_loss = (
+            float(torch.stack([loss.double().cpu() for loss in losses]).mean()) if losses else None
+        )
+        record = StepRecord(
+            step=self.global_steps,
+            samples=self.global_steps * self.config.train_batch_size,
+            loss=mean_loss,
+            lr=lr[0] if lr else None,
+            loss_scale=scale,
+            grad_norm=self.last_grad_norm,
+            skipped=skipped,
+            io_wait_s=delta.io_wait_s,
+            fetch_stall_s=delta.fetch_stall_s,
+            read_nbytes=delta.read_nbytes,
+            write_nbytes=delta.write_nbytes,
+            prefetch_hits=delta.prefetch_hits,
+            late_prefetches=delta.late_prefetches,
+            on_demand=delta.on_demand,
+            pool_in_use_nbytes=in_use,
+            pool_peak_nbytes=peak,
+            pool_capacity_nbytes=capacity,
+            peak_host_nbytes=peak_rss_nbytes(),
+            **times,
+        )
+        self.last_step_record = record
+        if breakdown and self.group.rank == 0 and (prints or not every):
+            log.info(
+                "step=%d time (ms) | forward: %.2f | backward: %.2f | step: %.2f | io_wait: %.2f "
+                "| total: %.2f",
+                record.step,
+                record.forward_s * 1e3,
+                record.backward_s * 1e3,
+                record.optimizer_s * 1e3,
+                record.io_wait_s * 1e3,
+                record.step_time_s * 1e3,
+            )
+        if prints:
+            log.info("%s", self._progress_line())
+        for listener in list(self._step_listeners):
+            listener(record)
+
+    def _progress_line(self) -> str:
+        return (
+            f"step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+            f"grad_norm={self.last_grad_norm}, loss_scale={self.loss_scale:g}"
+        )
 
     def _partitioned_step(self) -> Outcome:
         rt = self.runtime
@@ -551,8 +676,12 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._saving.close()
-        self.runtime.close()
+        try:
+            for close in self._on_close:
+                close()
+        finally:
+            self._saving.close()
+            self.runtime.close()
 
     @property
     def closed(self) -> bool:

@@ -4,7 +4,10 @@ The rule, read from the loaded config: no optimizer passed, no ``optimizer``
 section (nor one made from ``lr=``), and zero_optimization.stage 3 give an
 InferenceEngine; anything else is infinity.engine.initialize's training
 engine (which, for a model with no trainable parameter, needs no optimizer
-either: [Note: frozen units] in infinity/estimate/runtime_plan.py).
+either: [Note: frozen units] in infinity/estimate/runtime_plan.py), with the
+monitors its config enables (``tensorboard``, ``csv_monitor``, ``wandb``:
+infinity.monitor) built first, so that a bad one stops the run before anything
+is allocated, and attached to it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from infinity.engine.initialize import start, training_engine
 from infinity.estimate import plan_runtime
 from infinity.inference.engine import InferenceEngine
 from infinity.inference.estimate import preflight_inference
+from infinity.monitor import build_monitors
 
 log = logging.getLogger("infinity.inference")
 
@@ -54,6 +58,15 @@ def initialize(
         )
         preflight_inference(model, cfg, device=device, group=group, runtime=plan)
         return InferenceEngine(model, cfg, group=group, device=device, plan=plan)
-    return training_engine(
-        model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device
-    )
+    monitors = build_monitors(cfg, rank=group.rank)
+    try:
+        engine = training_engine(
+            model, cfg, optimizer=optimizer, lr_scheduler=lr_scheduler, group=group, device=device
+        )
+    except BaseException:
+        if monitors is not None:
+            monitors.close()
+        raise
+    if monitors is not None:
+        monitors.attach(engine)
+    return engine

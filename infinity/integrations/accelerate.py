@@ -43,6 +43,11 @@ the config writes wins, and the Accelerator is told, as Accelerate does), ``fp16
 ``mixed_precision``, ``gradient_clipping`` 1.0, the ZeRO sizes from the model's hidden size, the
 optimizer's hyper-parameters from the torch optimizer passed in.
 
+Each optimizer step's figures (``infinity.monitor.step_metrics``: step time, exposed I/O, NVMe
+bytes and GB/s, prefetch outcomes, pools, peak host memory, forward/backward/step times, DeepSpeed's
+``Train/Samples/*`` loss and lr) go to ``accelerator.log(..., step=<optimizer steps>)``: to every
+tracker ``init_trackers`` started (nothing without one, as ``accelerator.log`` does).
+
 Nothing here imports deepspeed (nor Accelerate's DeepSpeed utilities). Threading: the training
 thread only.
 """
@@ -65,6 +70,7 @@ from torch.utils.data import DataLoader
 from infinity.engine import Engine
 from infinity.inference import InferenceEngine
 from infinity.integrations import _shared
+from infinity.monitor import step_metrics
 
 __all__ = ["EngineOptimizer", "EngineScheduler", "prepare", "prepare_frozen"]
 
@@ -495,6 +501,10 @@ def prepare(accelerator: Any, *objects: Any, config: Any, **auto: Any) -> Any:
             "nothing to train: the config has no optimizer and none was passed (for a frozen "
             "model use prepare_frozen(model, config))"
         )
+    fp16 = engine.config.fp16.enabled
+    engine.add_step_listener(
+        lambda record: accelerator.log(step_metrics(record, fp16=fp16), step=record.step)
+    )
     em = _shared.EngineModule(engine)
     _register(accelerator, em)
     # After the engine: a refused config leaves no dataloader registered with the Accelerator.

@@ -30,6 +30,12 @@ forward/backward/step and checkpoints, ``infinity.zero.Init``, ``GatheredParamet
   ``optimizer_states``, which the engine holds) as the client state; a resume restores the
   engine (weights, Adam moments, step counts, RNG) and hands Lightning back its dict, so training
   continues exactly where it stopped.
+- The figures: after each optimizer step of a fit, every logger of the Trainer
+  (``trainer.loggers``) gets ``log_metrics`` of the engine's step record
+  (``infinity.monitor.step_metrics``: step time, exposed I/O, NVMe bytes and
+  GB/s, prefetch outcomes, pools, peak host memory, forward/backward/step
+  times, and DeepSpeed's ``Train/Samples/*`` loss and lr) at the Trainer's
+  ``global_step``.
 - One engine per module: validate/test/predict after fit use the fitted engine; a module set up by
   another Trainer's engine is refused for a new fit (under stage 3 only that engine holds the
   weights).
@@ -63,9 +69,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import WarningCache, rank_zero_info, rank_zero_warn
 from torch.optim import LBFGS
 
-from infinity.engine import Engine
+from infinity.engine import Engine, StepRecord
 from infinity.integrations import _lightning_shared as lightning_shared
 from infinity.integrations import _shared
+from infinity.monitor import step_metrics
 
 __all__ = ["InfinityPrecision", "InfinityStrategy"]
 
@@ -419,6 +426,8 @@ class InfinityStrategy(DDPStrategy):
             engine = _shared.build_engine(module, self.config, optimizer=self.optimizers[0])
         # Lightning steps the user's lr scheduler; it moves the shared param group dicts.
         self.optimizers = [engine.optimizer]
+        fp16 = engine.config.fp16.enabled
+        engine.add_step_listener(lambda record: _log_step(trainer, record, fp16=fp16))
         return engine
 
     def on_train_start(self) -> None:
@@ -548,3 +557,12 @@ class InfinityStrategy(DDPStrategy):
 
 
 lightning_shared.register_names(StrategyRegistry, InfinityStrategy)
+
+
+def _log_step(trainer: Trainer, record: StepRecord, *, fp16: bool) -> None:
+    """One optimizer step's figures to each of the Trainer's loggers (their own rank-zero rule)."""
+    if not trainer.loggers:
+        return
+    metrics = step_metrics(record, fp16=fp16)
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)

@@ -31,6 +31,11 @@ the engine's forward/backward/step, its checkpoints and ``save_pretrained``):
   ``trainer_state.json`` and RNG states; ``save_total_limit`` rotates them as
   the Trainer does; ``train(resume_from_checkpoint=...)`` restores the engine
   and lets the Trainer skip the batches already seen.
+- The logs: every training log (the one with ``loss``) also holds the engine's
+  figures of the last optimizer step before it (``infinity.monitor.step_metrics``:
+  step time, exposed I/O, NVMe bytes and GB/s, prefetch outcomes, pools, peak
+  host memory, the forward/backward/step times), so ``log_history`` and every
+  ``report_to`` integration get them.
 - ``save_model`` is the Trainer's own: ``model.save_pretrained``, which on the
   engine's model streams the weights (``model.safetensors`` or shards,
   ``config.json``) or, for a PEFT model, writes the adapters as PEFT does
@@ -59,8 +64,9 @@ from transformers.trainer import TRAINING_ARGS_NAME
 import infinity
 from infinity.config import ConfigError
 from infinity.config.arguments import training_arguments_values
-from infinity.engine import Engine
+from infinity.engine import Engine, StepRecord
 from infinity.integrations._shared import read_config
+from infinity.monitor import step_metrics
 
 if not hasattr(Trainer, "_prepare_for_training"):
     raise ImportError(
@@ -166,6 +172,7 @@ class InfinityTrainer(Trainer):
         self._infinity_config = read_config(infinity_config, argument="infinity_config")
         self._engine: Engine | None = None
         self._engine_model: EngineModel | None = None
+        self._last_record: StepRecord | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
 
@@ -244,6 +251,7 @@ class InfinityTrainer(Trainer):
                 "it must agree with the field"
             )
             raise
+        engine.add_step_listener(self._keep_record)
         self._engine_model = EngineModel(engine)
         self.optimizer = EngineOptimizer(engine)  # type: ignore[assignment]
         self.lr_scheduler = EngineSchedule(self.optimizer)  # type: ignore[assignment]
@@ -344,6 +352,18 @@ class InfinityTrainer(Trainer):
         if grad_norm is None and self._engine is not None:
             grad_norm = self._engine.last_grad_norm
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
+
+    def _keep_record(self, record: StepRecord) -> None:
+        self._last_record = record
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; a training log (with ``loss``) gains the engine's figures of the last
+        optimizer step, under infinity.monitor's names."""
+        record = self._last_record
+        if record is not None and "loss" in logs:
+            fp16 = self._engine is not None and self._engine.config.fp16.enabled
+            logs = {**logs, **step_metrics(record, fp16=fp16)}
+        super().log(logs, start_time)
 
     def _get_learning_rate(self) -> float:
         assert isinstance(self.lr_scheduler, EngineSchedule)

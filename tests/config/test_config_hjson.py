@@ -85,14 +85,14 @@ def test_the_callers_dict_is_never_modified():
             "stage3_gather_fp16_weights_on_model_save": True,
             "cpu_offload": True,
         },
-        "tensorboard": {"enabled": True, "output_path": "runs"},
+        "flops_profiler": {"enabled": True, "output_file": "runs"},
     }
     before = copy.deepcopy(raw)
     cfg = load_config(raw, lr=1e-3, bf16=True, world_size=2)
     assert raw == before
     # nor do later changes to the caller's dict reach the config
-    raw["tensorboard"]["output_path"] = "elsewhere"
-    assert cfg.opaque["tensorboard"]["output_path"] == "runs"
+    raw["flops_profiler"]["output_file"] = "elsewhere"
+    assert cfg.opaque["flops_profiler"]["output_file"] == "runs"
 
 
 def test_any_mapping_is_accepted():

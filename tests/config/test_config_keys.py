@@ -95,7 +95,7 @@ def test_a_key_like_no_known_key_is_refused_with_the_keys_its_section_takes():
         "unknown key frobnicate = True (the top level takes activation_checkpointing, aim, aio,"
     )
     # the top level lists DeepSpeed's sections infinity keeps unread too
-    assert "tensorboard" in msg and "zero_optimization" in msg and "train_batch_size" in msg
+    assert "flops_profiler" in msg and "zero_optimization" in msg and "train_batch_size" in msg
 
 
 def test_deepspeed_sections_and_keys_without_effect_are_accepted():
@@ -103,12 +103,12 @@ def test_deepspeed_sections_and_keys_without_effect_are_accepted():
         {
             "seq_parallel_communication_data_type": "fp32",
             "zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}},
-            "tensorboard": {"enabled": True, "anything": "inside is not read"},
+            "flops_profiler": {"enabled": True, "anything": "inside is not read"},
         }
     )
     assert cfg.ignored_keys() == [
+        "flops_profiler",
         "seq_parallel_communication_data_type",
-        "tensorboard",
         "zero_optimization.zeropp_loco_param",
     ]
 
@@ -116,7 +116,7 @@ def test_deepspeed_sections_and_keys_without_effect_are_accepted():
 def test_no_warning_without_unknown_keys():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_config({"zero_optimization": {"stage": 2}, "tensorboard": {"enabled": False}})
+        load_config({"zero_optimization": {"stage": 2}, "flops_profiler": {"enabled": False}})
 
 
 def test_another_schedules_param_is_refused_naming_who_takes_it():
@@ -132,21 +132,21 @@ def test_another_schedules_param_is_refused_naming_who_takes_it():
 def test_not_acted_on_keys_are_logged_once_per_process(caplog):
     caplog.set_level(logging.WARNING, "infinity.config")
     raw = {
-        "wall_clock_breakdown": True,
+        "dump_state": True,
         "zero_optimization": {"stage": 2, "overlap_comm": True, "round_robin_gradients": True},
-        "tensorboard": {"enabled": True},
+        "flops_profiler": {"enabled": True},
         "aio": {"use_gds": False},
     }
     cfg = load_config(raw)
     messages = [r.getMessage() for r in caplog.records if r.name == "infinity.config"]
     assert messages == [
         "these DeepSpeed config keys are accepted but have no effect in infinity: aio.use_gds, "
-        "tensorboard, wall_clock_breakdown, zero_optimization.overlap_comm, zero_optimization.round_robin_gradients"
+        "dump_state, flops_profiler, zero_optimization.overlap_comm, zero_optimization.round_robin_gradients"
     ]
     assert cfg.ignored_keys() == [
         "aio.use_gds",
-        "tensorboard",
-        "wall_clock_breakdown",
+        "dump_state",
+        "flops_profiler",
         "zero_optimization.overlap_comm",
         "zero_optimization.round_robin_gradients",
     ]
@@ -157,7 +157,7 @@ def test_not_acted_on_keys_are_logged_once_per_process(caplog):
     load_config(
         {
             "zero_optimization": {"stage": 1, "contiguous_gradients": False},
-            "wall_clock_breakdown": True,
+            "dump_state": True,
         }
     )
     assert [r.getMessage() for r in caplog.records if r.name == "infinity.config"] == [
@@ -192,7 +192,10 @@ def test_the_classification_table_names_only_known_keys():
     assert acted_on("steps_per_print") and acted_on("preflight") and acted_on("gradient_clipping")
     assert not acted_on("zero_optimization.overlap_comm")
     assert not acted_on("zero_optimization.offload_optimizer.ratio")
-    assert not acted_on("aio.use_gds") and not acted_on("tensorboard")
+    assert not acted_on("aio.use_gds") and not acted_on("flops_profiler")
+    # the monitor sections and the wall-clock breakdown are acted on (infinity.monitor, the engine)
+    assert acted_on("tensorboard.output_path") and acted_on("csv_monitor.job_name")
+    assert acted_on("wandb.team") and acted_on("wall_clock_breakdown")
 
 
 def test_aliases_point_at_known_keys():

@@ -339,3 +339,54 @@ def test_world_size_2_matches_plain_accelerate_ddp_and_infinitys_loop(tmp_path, 
         assert_close(
             got["infinity"][rank], own[rank], f"training loss against infinity's loop (rank {rank})"
         )
+
+
+def test_each_steps_figures_go_to_accelerators_trackers(nvme_dir):
+    """accelerator.log reaches every tracker init_trackers started, at the optimizer step."""
+    from accelerate.tracking import GeneralTracker
+
+    class Kept(GeneralTracker):
+        name, requires_logging_directory, main_process_only = "kept", False, True
+
+        def __init__(self):
+            super().__init__()
+            self.rows: list[tuple[int, dict]] = []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.rows.append((step, dict(values)))
+
+    kept = Kept()
+    accelerator = Accelerator(cpu=True, log_with=kept)
+    accelerator.init_trackers("infinity-test")
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    model, optimizer, data = prepare(
+        accelerator,
+        model,
+        torch.optim.AdamW(model.parameters()),
+        loader(),
+        config=engine_config(nvme_dir),
+    )
+    records = []
+    model.engine.add_step_listener(records.append)
+    for i, (x, y) in enumerate(data):
+        if i == 2 * GAS:
+            break
+        loss = model(x, y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [s for s, _ in kept.rows] == [r.step for r in records] == [1, 2]
+    for (_, values), record in zip(kept.rows, records, strict=True):
+        assert values["Infinity/nvme_read_bytes"] == record.read_nbytes > 0
+        assert values["Infinity/prefetch_on_demand"] == record.on_demand
+        assert values["Train/Samples/train_loss"] == record.loss
+    accelerator.end_training()
+    model.engine.close()

@@ -5,6 +5,7 @@ the same arguments, and the names it registers), infinity's own loop for the 16-
 (the same engine, driven by hand), and the error each misuse must name.
 """
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -329,3 +330,47 @@ def test_config_from_a_file_or_lightnings_variable(tmp_path, monkeypatch):
         TypeError, match=r"config= takes a DeepSpeed-style config \(a dict or the path"
     ):
         InfinityStrategy(config=42)
+
+
+def test_the_trainers_loggers_get_each_steps_figures(nvme_dir):
+    """Every logger of the Trainer gets log_metrics of each optimizer step's record."""
+    from lightning.pytorch.loggers import Logger
+
+    class Kept(Logger):
+        name, version = "kept", 0
+        rows: list[tuple[int, dict]] = []
+
+        def log_metrics(self, metrics, step=None):
+            self.rows.append((step, dict(metrics)))
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            pass
+
+    logger = Kept()
+    t = L.Trainer(
+        accelerator="cpu",
+        strategy=InfinityStrategy(stage=3, offload_parameters=True, nvme_path=str(nvme_dir)),
+        max_steps=2,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = Wide()
+    records = []
+
+    class Listen(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.engine.add_step_listener(records.append)
+
+    t.callbacks.append(Listen())
+    t.fit(module, torch.utils.data.DataLoader(torch.randn(8, 400), batch_size=2))
+    steps = [(s, m) for s, m in logger.rows if "Infinity/step_time_s" in m]
+    assert len(steps) == len(records) == 2
+    for (_, metrics), record in zip(steps, records, strict=True):
+        assert metrics["Infinity/nvme_read_bytes"] == record.read_nbytes
+        assert metrics["Infinity/prefetch_hits"] == record.prefetch_hits
+        assert metrics["Train/Samples/train_loss"] == record.loss
+        assert metrics["Infinity/step_time_s"] == record.step_time_s > 0
+    t.strategy.engine.close()

@@ -604,3 +604,33 @@ def test_lora_checkpoint_holds_the_plain_trainers_files_and_resumes_in_a_new_pro
     assert resumed["step"] == MAX_STEPS and len(full.losses) == MAX_STEPS
     assert resumed["new"] == full.losses[3:]  # bitwise: the same floats
     assert resumed["history"] == logged_losses(trainer) == full.losses
+
+
+def test_the_trainers_logs_hold_the_engines_step_figures(nvme_dir, tmp_path):
+    """log_history (and so every report_to integration) gets each step's figures under
+    infinity.monitor's names: the records the engine handed its listeners."""
+    trainer = InfinityTrainer(
+        model=gpt2(),
+        args=arguments(tmp_path, max_steps=2),
+        train_dataset=Tokens(),
+        infinity_config=stage3_nvme(nvme_dir),
+    )
+    records = []
+
+    class Listen(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            trainer.engine.add_step_listener(records.append)
+
+    trainer.add_callback(Listen())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == len(records) == 2
+    for log, record in zip(logs, records, strict=True):
+        assert log["Infinity/nvme_read_bytes"] == record.read_nbytes > 0
+        assert log["Infinity/nvme_write_bytes"] == record.write_nbytes
+        assert log["Infinity/prefetch_on_demand"] == record.on_demand
+        assert log["Infinity/step_time_s"] == record.step_time_s > 0
+        assert log["Train/Samples/train_loss"] == record.loss
+        assert abs(log["loss"] - record.loss) <= 1e-4 * abs(record.loss)  # the Trainer rounds
+        assert log["Train/Samples/lr"] == pytest.approx(log["learning_rate"], rel=1e-12)
+    trainer.engine.close()
