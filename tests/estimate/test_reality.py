@@ -321,7 +321,7 @@ class Probes:
     def __init__(self, jobs: list[tuple], root: Path):
         self.pool = concurrent.futures.ThreadPoolExecutor(2)
         self.futures = {}
-        jobs = sorted(jobs, key=lambda j: j[1] not in FIRST)
+        jobs = sorted(jobs, key=lambda j: FIRST.index(j[1]) if j[1] in FIRST else len(FIRST))
         for test, name in jobs:
             d = root / f"{test.__name__}-{name}"
             d.mkdir(parents=True, exist_ok=True)
