@@ -47,3 +47,27 @@ def pytest_collection_modifyitems(config, items):
             for v in spec.params.values()
         ):
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    """The long checks this session will read start now, in the background ([Note: checks in the
+    background] in tests/background.py)."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        if item.path.name == "test_sanitizers.py" and "build" in item.fixturenames:
+            from tests import background, sanitizer_runs
+
+            background.of(session.config).start(
+                sanitizer_runs.NAME, sanitizer_runs.build_then_tests
+            )
+        if item.path.name == "test_repo.py" and item.originalname == "test_mypy_clean":
+            from tests import background, test_repo
+
+            background.of(session.config).start(test_repo.MYPY, test_repo.mypy)
+
+
+def pytest_sessionfinish(session):
+    background = sys.modules.get("tests.background")
+    if background is not None and background.KEY in session.config.stash:
+        session.config.stash[background.KEY].stop()

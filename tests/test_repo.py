@@ -1,11 +1,14 @@
 """Repository-wide contracts: layering (docs/ARCHITECTURE.md), lint, and the README's set-up commands."""
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import background
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,12 +46,24 @@ def test_ruff_format_clean():
     )
 
 
-def test_mypy_clean():
+MYPY = "mypy"
+
+
+def mypy(bg: background.Background, nice: int) -> subprocess.CompletedProcess:
     # The packages and settings are pyproject.toml's [tool.mypy]; its cache (.mypy_cache, ignored)
     # makes reruns quick.
-    r = subprocess.run(
-        [sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    return bg.run(
+        [sys.executable, "-m", "mypy"],
+        cwd=ROOT,
+        env=dict(os.environ),
+        timeout=3600 if nice else 900,
+        nice=nice,
     )
+
+
+def test_mypy_clean(request):
+    # Started in the background with the session ([Note: checks in the background]).
+    r = background.of(request.config).result(MYPY, mypy)
     assert r.returncode == 0, "mypy found type errors:\n" + r.stdout + r.stderr
 
 

@@ -13,6 +13,7 @@ and without activation checkpointing, are held to at most 40% above.
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import shutil
@@ -90,6 +91,19 @@ ZERO_INIT_CASES = {
 }
 
 
+def _probe(spec: dict) -> dict:
+    """What tests/estimate/probe.py measured training ``spec`` in a fresh process."""
+    r = subprocess.run(
+        [sys.executable, str(PROBE), json.dumps(spec)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dict]:
     size, mb, seq, kw = case
     kw = dict(kw)
@@ -112,15 +126,7 @@ def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dic
         "nvme_path": str(nvme),
         "zero_init": zero_init,
     }
-    r = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(spec)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    return cfg, json.loads(r.stdout.strip().splitlines()[-1])
+    return cfg, _probe(spec)
 
 
 def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False):
@@ -145,30 +151,6 @@ def _estimate(case: tuple, cfg: dict, measured: dict, *, zero_init: bool = False
     return est.settings[0].breakdown
 
 
-def _measure(cases: dict, root: Path) -> dict:
-    out = {}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futs = {}
-        for name, case in cases.items():
-            d = root / name
-            d.mkdir()
-            futs[name] = pool.submit(_run, case, d)
-        for name, f in futs.items():
-            out[name] = f.result()
-    return out
-
-
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    root = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
-    root = root / f"reality-{os.getpid()}"
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        yield _measure(CASES, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
 def _check(name: str, case: tuple, cfg: dict, m: dict, *, zero_init: bool = False) -> None:
     plan = _estimate(case, cfg, m, zero_init=zero_init)
     ram, peak = plan.ram_nbytes, m["peak"]
@@ -190,8 +172,8 @@ def _check(name: str, case: tuple, cfg: dict, m: dict, *, zero_init: bool = Fals
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimate_holds_the_measured_peak_within_15_percent(name, measured):
-    cfg, m = measured[name]
+def test_estimate_holds_the_measured_peak_within_15_percent(name, probes):
+    cfg, m = probes.result(test_estimate_holds_the_measured_peak_within_15_percent, name)
     _check(name, CASES[name], cfg, m)
 
 
@@ -202,15 +184,15 @@ def test_cases_span_three_model_sizes_and_nvme():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SLOW_CASES))
-def test_estimate_holds_for_a_larger_model(name, nvme_dir):
-    cfg, m = _run(SLOW_CASES[name], nvme_dir)
+def test_estimate_holds_for_a_larger_model(name, probes):
+    cfg, m = probes.result(test_estimate_holds_for_a_larger_model, name)
     _check(name, SLOW_CASES[name], cfg, m)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ZERO_INIT_CASES))
-def test_estimate_holds_a_model_built_under_zero_init(name, nvme_dir):
-    cfg, m = _run(ZERO_INIT_CASES[name], nvme_dir, zero_init=True)
+def test_estimate_holds_a_model_built_under_zero_init(name, probes):
+    cfg, m = probes.result(test_estimate_holds_a_model_built_under_zero_init, name)
     _check(name, ZERO_INIT_CASES[name], cfg, m, zero_init=True)
 
 
@@ -260,6 +242,7 @@ HF_MODELS = {
     ),
 }
 HF_TOLERANCE = 0.40
+HF_BATCH = (4, 256)  # micro-batch, tokens
 # name: (model, checkpointing, dtype); micro-batch 4 × 256 tokens, stage 2 with the optimizer on the CPU
 HF_CASES = {
     "gpt2-fp32": ("gpt2", None, "fp32"),
@@ -272,29 +255,29 @@ HF_CASES = {
 }
 
 
+def _hf(name: str) -> dict:
+    model, checkpointing, _ = HF_CASES[name]
+    arch, config = HF_MODELS[model]
+    return {"arch": arch, "config": config, "checkpointing": checkpointing}
+
+
+def _run_hf(name: str, nvme: Path) -> tuple[dict, dict]:
+    mb, seq = HF_BATCH
+    cfg = _config(2, o="cpu", dtype=HF_CASES[name][2], micro_batch=mb, nvme=str(nvme))
+    return cfg, _probe({"hf": _hf(name), "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(HF_CASES))
-def test_estimate_holds_a_transformers_model(name, nvme_dir):
+def test_estimate_holds_a_transformers_model(name, probes):
     pytest.importorskip("transformers")
     from tests.estimate.probe import build_hf
 
-    model, checkpointing, dtype = HF_CASES[name]
-    arch, config = HF_MODELS[model]
-    hf = {"arch": arch, "config": config, "checkpointing": checkpointing}
-    mb, seq = 4, 256
-    cfg = _config(2, o="cpu", dtype=dtype, micro_batch=mb, nvme=str(nvme_dir))
-    spec = {"hf": hf, "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3}
-    r = subprocess.run(
-        [sys.executable, str(PROBE), json.dumps(spec)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    m = json.loads(r.stdout.strip().splitlines()[-1])
+    checkpointing = HF_CASES[name][1]
+    mb, seq = HF_BATCH
+    cfg, m = probes.result(test_estimate_holds_a_transformers_model, name)
     est = estimate_memory(
-        build_hf(hf),
+        build_hf(_hf(name)),
         config=cfg,
         micro_batch=mb,
         seq=seq,
@@ -313,3 +296,56 @@ def test_estimate_holds_a_transformers_model(name, nvme_dir):
         f"estimate more than {HF_TOLERANCE:.0%} above the measured peak RSS: " + line
     )
     assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"
+
+
+# Each test's probe run: (config, measurement) from its case's name and a swap directory.
+RUNS = {
+    test_estimate_holds_the_measured_peak_within_15_percent: lambda name, d: _run(CASES[name], d),
+    test_estimate_holds_for_a_larger_model: lambda name, d: _run(SLOW_CASES[name], d),
+    test_estimate_holds_a_model_built_under_zero_init: lambda name, d: _run(
+        ZERO_INIT_CASES[name], d, zero_init=True
+    ),
+    test_estimate_holds_a_transformers_model: _run_hf,
+}
+# The probes that take longest start first (bf16 matmuls are slow on CPUs without native bf16), so
+# the other worker gets through the rest meanwhile.
+FIRST = ("gpt2-bf16-non_reentrant", "13M-stage2-bf16-activations", "25M-stage3-bf16-nvme-nvme")
+
+
+class Probes:
+    """Every probe this session's selected tests of this module need, started at once two at a
+    time (each probe trains on one thread; each measures its own process, so two side by side do
+    not disturb each other's figures). A test waits for its own run; one run's failure fails only
+    the test that reads it."""
+
+    def __init__(self, jobs: list[tuple], root: Path):
+        self.pool = concurrent.futures.ThreadPoolExecutor(2)
+        self.futures = {}
+        jobs = sorted(jobs, key=lambda j: FIRST.index(j[1]) if j[1] in FIRST else len(FIRST))
+        for test, name in jobs:
+            d = root / f"{test.__name__}-{name}"
+            d.mkdir(parents=True, exist_ok=True)
+            self.futures[test.__name__, name] = self.pool.submit(RUNS[test], name, d)
+
+    def result(self, test, name: str) -> tuple[dict, dict]:
+        return self.futures[test.__name__, name].result()
+
+
+@pytest.fixture(scope="module")
+def probes(request):
+    root = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
+    root = root / f"reality-{os.getpid()}"
+    tests = {t.__name__: t for t in RUNS}
+    jobs = [
+        (tests[item.originalname], item.callspec.params["name"])
+        for item in request.session.items
+        if item.module is request.module and item.originalname in tests
+    ]
+    if importlib.util.find_spec("transformers") is None:
+        jobs = [j for j in jobs if j[0] is not test_estimate_holds_a_transformers_model]
+    probes = Probes(jobs, root)
+    try:
+        yield probes
+    finally:
+        probes.pool.shutdown(cancel_futures=True)
+        shutil.rmtree(root, ignore_errors=True)
