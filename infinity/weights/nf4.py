@@ -85,13 +85,14 @@ def dequantize_into(
     isa: int | None = None,
     num_threads: int | None = None,
 ) -> None:
-    """Fills ``out`` (contiguous, fp32 / bf16 / fp16, on the CPU) with the values of ``codes`` and
-    ``absmax``. ``isa``: an ``infinity._adam`` ISA code (None: the widest this CPU runs)."""
+    """Fills ``out`` (contiguous, fp32 / bf16 / fp16) with the values of ``codes`` and ``absmax``: by the
+    kernel on the CPU, by the same arithmetic in torch ops on an accelerator (the shard was read onto
+    it). ``isa``: an ``infinity._adam`` ISA code (None: the widest this CPU runs)."""
     n = out.numel()
-    if out.dtype not in _DTYPES or out.device.type != "cpu" or not out.is_contiguous():
+    if out.dtype not in _DTYPES or not out.is_contiguous():
         raise ValueError(
-            f"NF4 dequantises into a contiguous CPU float32, bfloat16 or float16 tensor; got "
-            f"{out.dtype} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
+            f"NF4 dequantises into a contiguous float32, bfloat16 or float16 tensor; got "
+            f"{out.dtype}{'' if out.is_contiguous() else ', not contiguous'}"
         )
     if codes.dtype != torch.uint8 or absmax.dtype != torch.float32:
         raise ValueError(f"codes must be uint8 and absmax float32; got {codes.dtype}, {absmax.dtype}")
@@ -104,6 +105,12 @@ def dequantize_into(
         )
     if not (codes.is_contiguous() and absmax.is_contiguous()):
         raise ValueError("codes and absmax must be contiguous")
+    if out.device.type != "cpu":
+        pairs = torch.stack((codes[: codes_nbytes(n)] >> 4, codes[: codes_nbytes(n)] & 0xF), dim=1)
+        q = pairs.reshape(-1)[:n].long()
+        scale = absmax[: groups(n, group_size)].repeat_interleave(group_size)[:n]
+        out.copy_(CODE.to(out.device)[q] * scale.to(out.device))
+        return
     _adam.dequantize_nf4(
         codes=codes.data_ptr(),
         absmax=absmax.data_ptr(),
