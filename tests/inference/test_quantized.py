@@ -113,9 +113,11 @@ def test_quantised_weights_through_the_engine(name, bits, nvme_dir, record_prope
     assert packed_written <= (0.5 if bits == 8 else 0.35) * base_written
 
 
-def test_the_training_engine_refuses_quantised_weights(nvme_dir):
+def test_the_training_engine_refuses_to_quantise_weights_that_train(nvme_dir):
+    """Every matrix trains here: quantized_initialization would quantise what the optimizer updates
+    (training quantises only frozen weights: tests/hf/test_lora_quantised.py)."""
     model, _ = pair("gpt2")
     cfg = quant_config(nvme_dir, 8)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
-    with pytest.raises(ConfigError, match="keeps weights quantised for inference"):
+    with pytest.raises(ConfigError, match="'transformer.wte.weight' trains.*Freeze it"):
         infinity.initialize(model, cfg)
