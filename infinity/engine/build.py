@@ -246,8 +246,8 @@ def _stores(
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
             home = plan.shards[unit.index].param_home
-            fmt = plan.format_of(unit)
-            if fmt is not None:  # packed bytes ([Note: quantised shards] in infinity/weights/quant.py)
+            fmt = plan.format_of(unit)  # packed: [Note: quantised shards] in weights/quant.py
+            if fmt is not None:
                 param_store.register(unit.key, (fmt.nbytes,), torch.uint8, home=home)
             else:
                 param_store.register(
@@ -363,7 +363,11 @@ def _wire(
         # fp32 stage-3 shards are their own masters (PartitionedAdam): nothing more to tell the optimizer.
         masters = None if plan.dtype == FP32 else GatedMasters(optimizer, overlap)
         partitioner = Stage3Partitioner(
-            model, unit_map, shards=_dequantised(plan, gated, cache), group=group, cache=cache,
+            model,
+            unit_map,
+            shards=_dequantised(plan, gated, cache),
+            group=group,
+            cache=cache,
             masters=masters,
         )
         partitioner.install()

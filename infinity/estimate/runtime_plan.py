@@ -528,7 +528,9 @@ def quant_spec(cfg: InfinityConfig, *, trains: bool) -> QuantSpec | None:
     of 64, min/max), see [Note: a quantised frozen base]."""
     zero = cfg.zero_optimization
     quant = cfg.weight_quantization.quantized_initialization
-    if zero.stage != 3 or (quant is None and not (trains and zero.zero_quantized_nontrainable_weights)):
+    if zero.stage != 3 or (
+        quant is None and not (trains and zero.zero_quantized_nontrainable_weights)
+    ):
         return None
     if quant is None:
         quant = QuantizedInitializationConfig()

@@ -39,7 +39,11 @@ CODE = torch.tensor(
 """The 16 NF4 values, fp32, in code order (the kernel's kNf4Code)."""
 
 _MIDPOINTS = (CODE[:-1] + CODE[1:]) / 2
-_DTYPES = {torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16, torch.float16: _adam.FLOAT16}
+_DTYPES = {
+    torch.float32: _adam.FLOAT32,
+    torch.bfloat16: _adam.BFLOAT16,
+    torch.float16: _adam.FLOAT16,
+}
 _TINY = 1e-38  # bitsandbytes' floor under absmax: an all-zero group quantises to code 7 (0.0)
 
 
@@ -95,7 +99,9 @@ def dequantize_into(
             f"{out.dtype}{'' if out.is_contiguous() else ', not contiguous'}"
         )
     if codes.dtype != torch.uint8 or absmax.dtype != torch.float32:
-        raise ValueError(f"codes must be uint8 and absmax float32; got {codes.dtype}, {absmax.dtype}")
+        raise ValueError(
+            f"codes must be uint8 and absmax float32; got {codes.dtype}, {absmax.dtype}"
+        )
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1; got {group_size}")
     if codes.numel() < codes_nbytes(n) or absmax.numel() < groups(n, group_size):

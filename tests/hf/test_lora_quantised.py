@@ -107,7 +107,9 @@ def test_lora_over_a_quantised_base_equals_plain_peft_on_the_dequantised_weights
         moved = rt.param_store.key_traffic().since(before)
         with GatheredParameters(engine):
             weights = {
-                n: p.detach().clone() for n, p in engine.module.named_parameters() if p.requires_grad
+                n: p.detach().clone()
+                for n, p in engine.module.named_parameters()
+                if p.requires_grad
             }
     finally:
         engine.close()
@@ -172,5 +174,7 @@ def test_a_lora_config_naming_modules_the_model_lacks_is_refused_by_peft_naming_
 
     model = build_under_init("llama", ds_config(nvme_dir), seed=0)
     config = peft.LoraConfig(r=4, target_modules=["qkv_proj"])
-    with pytest.raises(ValueError, match=r"Target modules \{'qkv_proj'\} not found in the base model"):
+    with pytest.raises(
+        ValueError, match=r"Target modules \{'qkv_proj'\} not found in the base model"
+    ):
         peft.get_peft_model(model, config)
