@@ -77,7 +77,9 @@ def plain_peft_on_dequantised_base(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
-def test_lora_over_a_quantised_base_equals_plain_peft_on_the_dequantised_weights(kind, nvme_dir):
+def test_lora_over_a_quantised_base_equals_plain_peft_on_the_dequantised_weights(
+    kind, nvme_dir, tmp_path
+):
     cfg = config(nvme_dir, kind)
     engine = infinity.initialize(lora(build_under_init("llama", cfg, seed=0)), cfg)
     rt = engine.runtime
