@@ -3,7 +3,7 @@
 # (CMake's INFINITY_SANITIZE: build/sanitize, never the package's own build) and runs a
 # command against them, in a copy of the package whose extensions are the sanitized ones:
 #
-#   .ci/sanitize.sh                  the aio and Adam tests (tests/test_sanitizers.py runs this)
+#   .ci/sanitize.sh                  the aio, Adam and NF4 kernel tests (tests/test_sanitizers.py runs this)
 #   .ci/sanitize.sh python3 -c ...   any command, under the same environment
 #
 # The Python process preloads the compiler's libasan (the interpreter itself is not
@@ -53,6 +53,7 @@ if [ $# -eq 0 ]; then
   set -- "$python" -m pytest -q --capture=sys -p no:cacheprovider -p sanitized_build \
     --import-mode=append \
     tests/aio tests/optim/test_parity.py tests/optim/test_errors.py tests/optim/test_half_copy.py \
-    tests/optim/test_overflow.py tests/optim/test_sum_squares.py tests/optim/test_stream_bound.py
+    tests/optim/test_overflow.py tests/optim/test_sum_squares.py tests/optim/test_stream_bound.py \
+    tests/weights/test_nf4_kernel.py
 fi
 exec "$@"

@@ -73,6 +73,17 @@ def has_overflow(
     data: list[int], numels: list[int], dtypes: list[int], *, isa: int, num_threads: int
 ) -> bool: ...
 def sum_squares(data: list[int], numels: list[int], *, isa: int, num_threads: int) -> float: ...
+def dequantize_nf4(
+    *,
+    codes: int,
+    absmax: int,
+    out: int,
+    dtype: int,
+    numel: int,
+    group_size: int,
+    isa: int,
+    num_threads: int,
+) -> None: ...
 def bump_step_counts(
     ptrs: list[int], *, is_double: Sequence[int], increment: float
 ) -> list[float]: ...

@@ -303,4 +303,29 @@ void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads
                   [&](size_t t, size_t b, size_t e) { k.stream(tensors[t], b, e); });
 }
 
+void dequantize_nf4(const uint8_t* codes, const float* absmax, void* out, DType dtype,
+                    size_t numel, size_t group_size, Isa isa, int num_threads) {
+  const KernelSet& k = kernels_for(isa);
+  check_threads(num_threads);
+  if (group_size == 0) throw std::invalid_argument("group_size must be >= 1, got 0");
+  if (numel == 0) return;
+  if (codes == nullptr || absmax == nullptr || out == nullptr) {
+    throw std::invalid_argument("dequantize_nf4: codes, absmax and out must not be null");
+  }
+  const auto lo = reinterpret_cast<uintptr_t>(out);
+  const uintptr_t hi = lo + numel * dtype_size(dtype);
+  auto overlaps = [&](const void* p, size_t nbytes) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    return a < hi && lo < a + nbytes;
+  };
+  if (overlaps(codes, (numel + 1) / 2) ||
+      overlaps(absmax, (numel + group_size - 1) / group_size * sizeof(float))) {
+    throw std::invalid_argument(
+        "dequantize_nf4: out overlaps the codes or the scales; give it memory of its own");
+  }
+  const Nf4Args args{codes, absmax, out, dtype, group_size};
+  parallel_ranges({0, numel}, num_threads,
+                  [&](size_t, size_t b, size_t e) { k.dequant_nf4(args, b, e); });
+}
+
 }  // namespace infinity::adam

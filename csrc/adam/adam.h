@@ -89,4 +89,11 @@ double sum_squares(const float* const* data, const size_t* numel, size_t count, 
 // the same loads, stores, threads and partitioning as adam_step, no Adam math.
 void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads);
 
+// Dequantises `numel` NF4 elements: out[i] = code[nibble i] * absmax[i / group_size] in `dtype`
+// ([Note: NF4 code book] in kernel.h). `codes` holds ceil(numel / 2) bytes, `absmax`
+// ceil(numel / group_size) floats. The same bits on every ISA and thread count. Throws
+// std::invalid_argument on a group_size of 0, a null pointer, or `out` overlapping an input.
+void dequantize_nf4(const uint8_t* codes, const float* absmax, void* out, DType dtype,
+                    size_t numel, size_t group_size, Isa isa, int num_threads);
+
 }  // namespace infinity::adam

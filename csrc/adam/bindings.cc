@@ -218,6 +218,22 @@ PYBIND11_MODULE(_adam, m) {
       py::arg("data"), py::arg("numels"), py::kw_only(), py::arg("isa"), py::arg("num_threads"),
       "The sum of squares of fp32 arrays, accumulated in double in a fixed order.");
 
+  m.def(
+      "dequantize_nf4",
+      [](uintptr_t codes, uintptr_t absmax, uintptr_t out, int dtype, size_t numel,
+         size_t group_size, int isa, int num_threads) {
+        const ad::DType d = to_dtype(dtype);
+        const ad::Isa which = to_isa(isa);
+        py::gil_scoped_release release;
+        ad::dequantize_nf4(reinterpret_cast<const uint8_t*>(codes),
+                           reinterpret_cast<const float*>(absmax), reinterpret_cast<void*>(out), d,
+                           numel, group_size, which, num_threads);
+      },
+      py::kw_only(), py::arg("codes"), py::arg("absmax"), py::arg("out"), py::arg("dtype"),
+      py::arg("numel"), py::arg("group_size"), py::arg("isa"), py::arg("num_threads"),
+      "NF4 codes and fp32 absmax scales (data pointers) dequantised into out (see "
+      "infinity.weights.nf4).");
+
   // torch keeps each parameter's step count in its own 0-dim tensor; with
   // hundreds of parameters, reading and bumping them with tensor ops costs more
   // than the step itself on small models. Pointers checked by the caller

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 
 #include "adam/adam.h"
 
@@ -32,6 +33,31 @@ struct Coeffs {
   bool stream_half = false;      // non-temporal stores for the 16-bit copy (kernel_impl.h)
 };
 
+// [Note: NF4 code book] QLoRA's 4-bit NormalFloat (Dettmers et al. 2023): 16
+// values, quantiles of a standard normal scaled to [-1, 1] with an exact 0,
+// as the fp32 constants bitsandbytes dequantises with (its _NF4_QUANT_TABLE;
+// written in hex so that no decimal rounding stands between). A weight is
+// code[q] * absmax of its group, one fp32 multiply (infinity/weights/quant.py
+// lays the codes and scales out; the Python face is infinity.weights.nf4).
+inline constexpr float kNf4Code[16] = {
+    -0x1p+0f,        -0x1.647362p-1f, -0x1.0cd66p-1f,  -0x1.94654p-2f,
+    -0x1.23449ap-2f, -0x1.7a6a7ep-3f, -0x1.74f0e2p-4f, 0.0f,
+    0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f,
+    0x1.c3497p-2f,   0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
+};
+
+// One NF4 dequantisation: element i is the nibble i of `codes` (the high
+// nibble of byte i/2 for even i, the low one for odd i, as bitsandbytes packs
+// them) looked up in kNf4Code and multiplied by absmax[i / group_size], then
+// stored in `dtype` (16-bit: rounded to nearest even, half.h).
+struct Nf4Args {
+  const uint8_t* codes = nullptr;
+  const float* absmax = nullptr;
+  void* out = nullptr;
+  DType dtype = DType::kFloat32;
+  size_t group_size = 64;
+};
+
 struct KernelSet {
   Isa isa;
   void (*step)(const Coeffs& c, const Buffers& b, size_t begin, size_t end);
@@ -43,6 +69,9 @@ struct KernelSet {
   // on every ISA ([Note: deterministic sum of squares] in kernel_impl.h).
   double (*sum_squares)(const float* x, size_t begin, size_t end);
   void (*stream)(const Buffers& b, size_t begin, size_t end);
+  // Elements [begin, end) of an NF4 dequantisation; the same bits on every ISA
+  // (one multiply per element, nothing fused) for any split of the range.
+  void (*dequant_nf4)(const Nf4Args& a, size_t begin, size_t end);
 };
 
 const KernelSet& scalar_kernels();

@@ -50,6 +50,22 @@ struct Avx2 {
   static void stream_bf16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream_f16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
 
+  // 8 nibbles (4 bytes, high nibble first) as code-book values: two 8-entry permutes, blended on
+  // the index's bit 3.
+  static R nf4(const uint8_t* p) {
+    uint32_t word;
+    std::memcpy(&word, p, sizeof word);
+    const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(word));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i lo = _mm_and_si128(bytes, low4);
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
+    const R first = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kNf4Code), idx);
+    const R second = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kNf4Code + 8), idx);
+    const __m256i upper = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7));
+    return _mm256_blendv_ps(first, second, _mm256_castsi256_ps(upper));
+  }
+
   static U zero_u() { return _mm256_setzero_si256(); }
   static U max_abs32(U acc, const float* p) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

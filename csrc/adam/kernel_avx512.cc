@@ -48,6 +48,18 @@ struct Avx512 {
   static void stream_bf16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
   static void stream_f16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(x)); }
 
+  // 16 nibbles (8 bytes, high nibble first) as code-book values: one 16-entry permute.
+  static R nf4(const uint8_t* p) {
+    uint64_t word;
+    std::memcpy(&word, p, sizeof word);
+    const __m128i bytes = _mm_cvtsi64_si128(static_cast<long long>(word));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+    const __m128i lo = _mm_and_si128(bytes, low4);
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
+    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(kNf4Code));
+  }
+
   static U zero_u() { return _mm512_setzero_si512(); }
   static U max_abs32(U acc, const float* p) {
     const __m512i x = _mm512_loadu_si512(p);

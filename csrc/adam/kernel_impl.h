@@ -10,6 +10,8 @@
 // non-temporal twins stream_bf16/stream_f16 (aligned to 2 * kWidth bytes;
 // kCanStream says whether they differ from the plain stores), kPrefetch
 // (whether software prefetch pays, see [Note: prefetch]),
+// nf4(bytes) (kWidth NF4 code-book values of the kWidth nibbles in kWidth/2
+// bytes, high nibble first; only where kWidth > 1),
 // U (an integer register) with zero_u, max_abs32 (kWidth fp32 bit patterns
 // with the sign cleared, max-accumulated), max_abs16 (2 * kWidth 16-bit
 // patterns likewise), hmax32, hmax16, and fence() (after streaming stores).
@@ -43,6 +45,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "adam/half.h"
 #include "adam/kernel.h"
 
 namespace infinity::adam {
@@ -293,7 +296,65 @@ struct Kernels {
     }
   }
 
-  static KernelSet make(Isa isa) { return KernelSet{isa, &step, &has_overflow, &sum_squares, &stream}; }
+  // [Note: NF4 code book] in kernel.h. Group by group: the vector loop starts on a byte (an even
+  // element) and stays inside the group; the elements around it go one at a time.
+  template <DType D>
+  static void put(void* out, size_t i, R x) {
+    if constexpr (D == DType::kFloat32) {
+      V::store(static_cast<float*>(out) + i, x);
+    } else if constexpr (D == DType::kBFloat16) {
+      V::store_bf16(static_cast<uint16_t*>(out) + i, x);
+    } else {
+      V::store_f16(static_cast<uint16_t*>(out) + i, x);
+    }
+  }
+
+  template <DType D>
+  static void put_one(void* out, size_t i, float x) {
+    if constexpr (D == DType::kFloat32) {
+      static_cast<float*>(out)[i] = x;
+    } else if constexpr (D == DType::kBFloat16) {
+      static_cast<uint16_t*>(out)[i] = float_to_bf16(x);
+    } else {
+      static_cast<uint16_t*>(out)[i] = float_to_half(x);
+    }
+  }
+
+  template <DType D>
+  static void dequant_nf4_as(const Nf4Args& a, size_t begin, size_t end) {
+    const uint8_t* __restrict codes = a.codes;
+    const size_t g = a.group_size;
+    size_t i = begin;
+    while (i < end) {
+      const size_t group = i / g;
+      const size_t stop = std::min(end, (group + 1) * g);
+      const float scale = a.absmax[group];
+      if constexpr (W > 1) {
+        if (i & 1) {
+          put_one<D>(a.out, i, kNf4Code[codes[i >> 1] & 0x0f] * scale);
+          ++i;
+        }
+        const R s = V::set1(scale);
+        for (; i + W <= stop; i += W) put<D>(a.out, i, V::mul(V::nf4(codes + (i >> 1)), s));
+      }
+      for (; i < stop; ++i) {
+        const uint8_t byte = codes[i >> 1];
+        put_one<D>(a.out, i, kNf4Code[(i & 1) ? (byte & 0x0f) : (byte >> 4)] * scale);
+      }
+    }
+  }
+
+  static void dequant_nf4(const Nf4Args& a, size_t begin, size_t end) {
+    switch (a.dtype) {
+      case DType::kFloat32: return dequant_nf4_as<DType::kFloat32>(a, begin, end);
+      case DType::kBFloat16: return dequant_nf4_as<DType::kBFloat16>(a, begin, end);
+      case DType::kFloat16: return dequant_nf4_as<DType::kFloat16>(a, begin, end);
+    }
+  }
+
+  static KernelSet make(Isa isa) {
+    return KernelSet{isa, &step, &has_overflow, &sum_squares, &stream, &dequant_nf4};
+  }
 };
 
 }  // namespace infinity::adam

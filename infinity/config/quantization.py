@@ -8,9 +8,17 @@ consecutive elements along the last dimension, and to dequantise each unit
 after it is read (the format: infinity/weights/quant.py). Defaults are those of
 DeepSpeed's ZeRO-Inference examples (``group_dim`` 1, asymmetric).
 DeepSpeed's other flavour, ``post_init_quant`` (per module name), is refused
-by the schema with the reason (schema.py REFUSED). Training refuses the
-section (initialize names it): the quantised weights are what the model
-computes with, and an optimizer would have no full-precision values to update.
+by the schema with the reason (schema.py REFUSED).
+
+``quant_type`` (infinity's own key; DeepSpeed's formats are the integer ones)
+"nf4" stores QLoRA's 4-bit NormalFloat instead (num_bits 4; bitsandbytes'
+layout, dequantised by a C++ kernel: infinity/weights/nf4.py).
+
+Training quantises only frozen weights ([Note: a quantised frozen base] in
+infinity/engine/initialize.py): with this section or DeepSpeed's
+``zero_optimization.zero_quantized_nontrainable_weights`` the parameters with
+``requires_grad=False`` (a LoRA run's base) rest quantised, and a matrix that
+trains is refused unless that key says to leave the trainable ones as they are.
 """
 
 from __future__ import annotations
@@ -36,9 +44,17 @@ class QuantizedInitializationConfig:
     """The dimension groups run along; 1, the last dimension of a 2-D weight, is the one supported."""
     symmetric: bool = knob(False)
     """Symmetric groups (a scale only, zero at zero) instead of min/max groups (a scale and an offset)."""
+    quant_type: Literal["int", "nf4"] = knob("int")
+    """"int": DeepSpeed's integer codes; "nf4": QLoRA's 4-bit NormalFloat with an fp32 absmax per group
+    (needs num_bits 4; symmetric does not apply)."""
 
     def __post_init__(self) -> None:
         check_section(self)
+        if self.quant_type == "nf4" and self.num_bits != 4:
+            raise ConfigError(
+                f'{self.PATH}.quant_type "nf4" stores 4 bits per weight, and num_bits is '
+                f"{self.num_bits}; set num_bits to 4"
+            )
         if self.group_dim != 1:
             raise ConfigError(
                 f"{self.PATH}.group_dim={self.group_dim} is not supported: groups run along the last "
@@ -48,7 +64,7 @@ class QuantizedInitializationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class WeightQuantizationConfig:
-    """``weight_quantization``: weight-only quantisation for inference."""
+    """``weight_quantization``: weight-only quantisation at rest (inference; training: frozen weights)."""
 
     PATH: ClassVar[str] = "weight_quantization"
 

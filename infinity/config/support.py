@@ -55,7 +55,6 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         "zero_optimization.stage3_partition_stream_chunk_size",
         "zero_optimization.zero_hpz_partition_size",
         "zero_optimization.zero_quantized_weights",
-        "zero_optimization.zero_quantized_nontrainable_weights",
         "zero_optimization.zero_quantized_gradients",
         "zero_optimization.mics_shard_size",
         "zero_optimization.mics_hierarchical_params_gather",

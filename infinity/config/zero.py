@@ -204,7 +204,9 @@ class ZeroConfig:
     zero_quantized_weights: bool = knob(False)
     """DeepSpeed ZeRO++: quantize weights for all-gather."""
     zero_quantized_nontrainable_weights: bool = knob(False)
-    """DeepSpeed ZeRO++: store frozen weights quantized."""
+    """Stage 3: frozen weights (``requires_grad=False``: a LoRA run's base) rest quantised, in
+    weight_quantization.quantized_initialization's format (default 8 bits, groups of 64), and are
+    dequantised after each read; trainable ones stay as they are."""
     zero_quantized_gradients: bool = knob(False)
     """DeepSpeed ZeRO++: quantize gradients for reduction."""
     mics_shard_size: int = knob(-1, ge=-1)

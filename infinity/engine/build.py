@@ -246,12 +246,9 @@ def _stores(
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
             home = plan.shards[unit.index].param_home
-            if (
-                plan.formats is not None
-            ):  # packed bytes ([Note: quantised shards] in infinity/weights/quant.py)
-                param_store.register(
-                    unit.key, (plan.formats[unit.index].nbytes,), torch.uint8, home=home
-                )
+            fmt = plan.format_of(unit)  # packed: [Note: quantised shards] in weights/quant.py
+            if fmt is not None:
+                param_store.register(unit.key, (fmt.nbytes,), torch.uint8, home=home)
             else:
                 param_store.register(
                     unit.key, (unit.layout.shard_numel,), unit.layout.dtype, home=home
@@ -316,8 +313,8 @@ def _move_home(
             full = _full_values(unit, init_store, staging)
             lo, hi = unit.layout.shard_range(plan.shard_rank)
             shard = full[lo:hi]
-            if plan.stage == 3 and plan.formats is not None:
-                fmt = plan.formats[unit.index]
+            fmt = plan.format_of(unit) if plan.stage == 3 else None
+            if fmt is not None:  # a frozen unit (training) or any unit (inference), quantised
                 packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
                 quantize_into(fmt, shard.to(dtype), packed, name=unit.module_name)
                 param_store.write(unit.key, packed).result()
@@ -366,7 +363,12 @@ def _wire(
         # fp32 stage-3 shards are their own masters (PartitionedAdam): nothing more to tell the optimizer.
         masters = None if plan.dtype == FP32 else GatedMasters(optimizer, overlap)
         partitioner = Stage3Partitioner(
-            model, unit_map, shards=gated, group=group, cache=cache, masters=masters
+            model,
+            unit_map,
+            shards=_dequantised(plan, gated, cache),
+            group=group,
+            cache=cache,
+            masters=masters,
         )
         partitioner.install()
     else:
@@ -412,13 +414,13 @@ def _wire_frozen(
     module's own parameters at stages 0-2; no gradient path."""
     if plan.stage == 3:
         shard_source = _prefetch_scheduler(plan, param_store, None)
-        shards = shard_source
-        if plan.formats is not None:
-            shards = QuantizedShards(
-                shard_source, {u.key: plan.formats[u.index] for u in plan.units}, cache
-            )
         partitioner = Stage3Partitioner(
-            model, plan.unit_map, shards=shards, group=group, cache=cache, masters=None
+            model,
+            plan.unit_map,
+            shards=_dequantised(plan, shard_source, cache),
+            group=group,
+            cache=cache,
+            masters=None,
         )
         partitioner.install()
         return Runtime(
@@ -434,6 +436,15 @@ def _wire_frozen(
     )
     resident.install()
     return Runtime(plan=plan, unit_map=plan.unit_map, cache=cache, resident=resident)
+
+
+def _dequantised(plan: RuntimePlan, source, cache: TensorCache):
+    """``source``, or, where units rest quantised, a QuantizedShards over it that serves those units
+    dequantised (the others pass through as they are)."""
+    if plan.formats is None:
+        return source
+    formats = {u.key: f for u in plan.units if (f := plan.format_of(u)) is not None}
+    return QuantizedShards(source, formats, cache)
 
 
 def _prefetch_scheduler(

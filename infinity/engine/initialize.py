@@ -7,6 +7,7 @@ inference engine when nothing makes an optimizer at stage 3; both start from
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -84,6 +85,64 @@ def start(
     return group, cfg, compute_device()
 
 
+QUANT_KEYS = (
+    "weight_quantization.quantized_initialization",
+    "zero_optimization.zero_quantized_nontrainable_weights",
+)
+
+
+def check_quantised_base(model: nn.Module, cfg: InfinityConfig) -> None:
+    """[Note: a quantised frozen base] A training engine quantises only what does not train: with
+    weight_quantization.quantized_initialization or zero_quantized_nontrainable_weights, the matrix
+    parameters (2-D and up) with ``requires_grad=False`` when initialize runs rest quantised on NVMe
+    and are dequantised after each read (infinity/weights/quant.py), with no gradient, master, optimizer
+    state or write-back; trainable parameters rest in their dtype. Refused here, before anything is
+    allocated, naming the parameter and the fix: a stage below 3 (no parameter store to quantise in); a
+    trainable matrix under quantized_initialization alone (it asks to quantise every matrix, and a
+    quantised weight cannot be updated); a frozen matrix whose rows (last dimension) do not divide into
+    the groups (groups run along rows, DeepSpeed's group_dim 1)."""
+    zero = cfg.zero_optimization
+    quant = cfg.weight_quantization.quantized_initialization
+    if quant is None and not zero.zero_quantized_nontrainable_weights:
+        return
+    asked = QUANT_KEYS[0] if quant is not None else QUANT_KEYS[1]
+    if zero.stage != 3:
+        raise ConfigError(
+            f"{asked} quantises weights at rest in the stage-3 parameter store, and "
+            f"zero_optimization.stage is {zero.stage}; set the stage to 3"
+        )
+    group = quant.group_size if quant is not None else 64
+    matrices = [(n, p) for n, p in model.named_parameters() if p.dim() >= 2]
+    if not zero.zero_quantized_nontrainable_weights:
+        trained = [n for n, p in matrices if p.requires_grad]
+        if trained:
+            raise ConfigError(
+                f"{asked} quantises every matrix parameter, and {trained[0]!r} trains "
+                f"(requires_grad=True{f', as do {len(trained) - 1} more' if len(trained) > 1 else ''}); "
+                "a quantised weight cannot be updated. Freeze it (requires_grad_(False), as "
+                "peft.get_peft_model does for a LoRA base), or set "
+                "zero_optimization.zero_quantized_nontrainable_weights to true to quantise only the "
+                "frozen weights and train the others in their dtype"
+            )
+    frozen = [(n, p) for n, p in matrices if not p.requires_grad]
+    ragged = [(n, p) for n, p in frozen if p.shape[-1] % group]
+    if ragged:
+        name, p = ragged[0]
+        rows = math.gcd(*(q.shape[-1] for _, q in frozen))
+        fits = [g for g in (256, 128, 64, 32, 16, 8, 4, 2) if rows % g == 0]
+        fix = (
+            f"set weight_quantization.quantized_initialization.group_size to {fits[0]}, which "
+            "divides every frozen matrix's rows"
+            if fits
+            else "no group size of 2 or more divides every frozen matrix's rows: leave "
+            f"{name!r} trainable, or leave {asked} out"
+        )
+        raise ConfigError(
+            f"{asked}: the frozen parameter {name!r} {tuple(p.shape)} has rows of {p.shape[-1]} "
+            f"elements, which do not divide into groups of {group}; {fix}"
+        )
+
+
 def training_engine(
     model: nn.Module,
     cfg: InfinityConfig,
@@ -94,13 +153,7 @@ def training_engine(
     device: torch.device,
 ) -> Engine:
     """The training engine for a loaded config: planned, checked before anything is allocated, built."""
-    quant = cfg.weight_quantization.quantized_initialization
-    if quant is not None:
-        raise ConfigError(
-            "weight_quantization.quantized_initialization keeps weights quantised for inference, and this "
-            "engine trains (an optimizer was passed, configured or made from lr=); drop the section to "
-            "train, or call infinity.initialize with no optimizer at stage 3 for the inference engine"
-        )
+    check_quantised_base(model, cfg)
     # One plan: the pre-flight check reads it, the engine allocates it ([Note: one sizing model]); with an
     # offload device "auto", the placement planner chose where the state rests ([Note: the placement planner]).
     plan, context = plan_runtime_for_rank(model, cfg, group=group, device=device)

@@ -22,6 +22,7 @@ from infinity.estimate.activations import Activations
 from infinity.estimate.breakdown import Breakdown, Item, Phase, Problem
 from infinity.estimate.model import ModelSpec
 from infinity.estimate.runtime_plan import (
+    CACHED_DEQUANT_BUFFERS,
     FP32_NBYTES,
     PoolPlan,
     RuntimePlan,
@@ -413,13 +414,41 @@ class Itemiser:
         self._scheduler(bool(nv), where)
         if self.grad_numels:
             self.add(self._grad_in_flight())
+        self._dequantised_frozen_units()
+
+    def _dequantised_frozen_units(self) -> None:
+        """Training over a quantised frozen base ([Note: a quantised frozen base]): on a CPU device at
+        world size 1 (elsewhere _scheduler counts the gathered units) the frozen units in use are
+        dequantised into buffers of their dtype, and the TensorCache keeps a few for reuse."""
+        rt = self.rt
+        if rt.optimizer is None or rt.formats is None or self.cuda or self.world > 1:
+            return
+        quantised = {u.index for u in self.units if rt.format_of(u) is not None}
+        working = partitioner_working_set(
+            self.spec.module, self.unit_map, lambda u: u.index in quantised, full=True
+        )
+        largest = max((u.full_nbytes for u in self.units if u.index in quantised), default=0)
+        self.add(
+            Item(
+                f"dequantised frozen units ({self.dname})",
+                "device",
+                working + CACHED_DEQUANT_BUFFERS * largest,
+                "train",
+                "the frozen units in use, dequantised after each read (infinity/weights/quant.py), "
+                "and the buffers the TensorCache keeps for reuse",
+                heap=True,
+            )
+        )
 
     def _at_rest_name(self) -> str:
         """How parameter shards rest: their dtype, or the quantised format (weight_quantization)."""
-        if self.rt.formats is None or not self.rt.formats:
+        fmt = next((f for f in self.rt.formats or () if f is not None), None)
+        if fmt is None:
             return self.dname
-        q = self.rt.formats[0].spec
-        return f"int{q.num_bits}, groups of {q.group_size}, {self.dname} elsewhere"
+        q = fmt.spec
+        code = "nf4" if q.quant_type == "nf4" else f"int{q.num_bits}"
+        where = "trainable units and " if self.rt.optimizer is not None else ""
+        return f"{code}, groups of {q.group_size}, {where}{self.dname} elsewhere"
 
     def _scheduler(self, nv: bool, where: str) -> None:
         """RuntimePlan.schedule: DeepSpeed's budgets per rank, the partitioner's working set

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from infinity.aio import DIRECT_ALIGNMENT
-from infinity.config import InfinityConfig, ZeroConfig
+from infinity.config import InfinityConfig, QuantizedInitializationConfig, ZeroConfig
 from infinity.config.zero import NvmePath, OffloadOptimizerConfig, OffloadParamConfig
 from infinity.memory import BufferPool, round_up
 from infinity.optim.partitioned_adam import split_sub_groups
@@ -297,9 +297,10 @@ class RuntimePlan:
     """The pool check initialize refuses on (None: the pool holds every layer)."""
     warnings: tuple[str, ...] = ()
     """What the runtime tells the user about this plan as it allocates it."""
-    formats: tuple[ShardFormat, ...] | None = None
-    """Inference with weight_quantization (stage 3): each unit's shard format at rest, by index ([Note:
-    quantised shards] in infinity/weights/quant.py); None: shards rest in their dtype."""
+    formats: tuple[ShardFormat | None, ...] | None = None
+    """Stage 3 with quantised weights at rest, each unit's shard format, by index ([Note: quantised
+    shards] in infinity/weights/quant.py): every unit's for inference, the frozen units' for training
+    ([Note: a quantised frozen base]); None (the tuple, or a unit's entry): shards rest in their dtype."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step (what the state moves per step depends on it: traffic.py)."""
     chosen: PlacementChoice | None = None
@@ -334,13 +335,14 @@ class RuntimePlan:
         """Elements of this rank's shards that have optimizer state."""
         return sum(u.layout.shard_numel for u in self.trainable_units())
 
+    def format_of(self, unit: ParamUnit) -> ShardFormat | None:
+        """The unit's shard format at rest; None when it rests in its dtype."""
+        return self.formats[unit.index] if self.formats is not None else None
+
     def at_rest_nbytes(self, unit: ParamUnit) -> int:
         """Bytes of the unit's shard as it rests in the parameter store (packed when quantised)."""
-        return (
-            self.formats[unit.index].nbytes
-            if self.formats is not None
-            else unit.layout.shard_nbytes
-        )
+        fmt = self.format_of(unit)
+        return fmt.nbytes if fmt is not None else unit.layout.shard_nbytes
 
     def nvme_units(self) -> list[ParamUnit]:
         """The units whose parameter shard rests on NVMe."""
@@ -470,11 +472,7 @@ def plan_runtime(
         for u in units
     )
     optimizer = _optimizer(trainable, shards, keys, zero) if trainable else None
-    quant = cfg.weight_quantization.quantized_initialization
-    formats = None
-    if not trains and quant is not None and zero.stage == 3:
-        spec = QuantSpec(quant.num_bits, quant.group_size, quant.symmetric)
-        formats = tuple(unit_shard_format(u.layout, rank, spec) for u in units)
+    formats = _formats(cfg, units, rank, trains)
     schedule = (
         _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
     )
@@ -489,6 +487,10 @@ def plan_runtime(
         else None
     )
     largest_flat = max((u.layout.padded_numel for u in units), default=0)
+    largest_quantised = max(
+        (u.layout.padded_numel for u in units if formats and formats[u.index] is not None),
+        default=0,
+    )
     return RuntimePlan(
         stage=zero.stage,
         dtype=dtype,
@@ -503,6 +505,7 @@ def plan_runtime(
         swap_reserves=_swap_reserves(zero, param_store, state_store),
         tensor_cache_cap_nbytes=(
             CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat
+            + CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_quantised
             if trains
             else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_flat
             if formats is not None or world_size > 1
@@ -516,6 +519,35 @@ def plan_runtime(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         zero=zero,
     )
+
+
+def quant_spec(cfg: InfinityConfig, *, trains: bool) -> QuantSpec | None:
+    """The format quantised weights rest in (stage 3), or None: for inference, every matrix with
+    ``weight_quantization.quantized_initialization``; for training, the frozen ones with it or with
+    ``zero_optimization.zero_quantized_nontrainable_weights`` (its default format then: 8 bits, groups
+    of 64, min/max), see [Note: a quantised frozen base]."""
+    zero = cfg.zero_optimization
+    quant = cfg.weight_quantization.quantized_initialization
+    if zero.stage != 3 or (
+        quant is None and not (trains and zero.zero_quantized_nontrainable_weights)
+    ):
+        return None
+    if quant is None:
+        quant = QuantizedInitializationConfig()
+    return QuantSpec(quant.num_bits, quant.group_size, quant.symmetric, quant.quant_type)
+
+
+def _formats(
+    cfg: InfinityConfig, units: Sequence[ParamUnit], rank: int, trains: bool
+) -> tuple[ShardFormat | None, ...] | None:
+    """Each unit's shard format at rest (see RuntimePlan.formats): trainable units stay in their dtype."""
+    spec = quant_spec(cfg, trains=trains)
+    if spec is None:
+        return None
+    formats = tuple(
+        None if trains and u.trainable else unit_shard_format(u.layout, rank, spec) for u in units
+    )
+    return formats if any(f is not None for f in formats) else None
 
 
 def param_homes(
@@ -666,7 +698,7 @@ def _param_store(
     dtype: torch.dtype,
     optimizer: OptimizerPlan | None,
     schedule: SchedulePlan | None,
-    formats: Sequence[ShardFormat] | None = None,
+    formats: Sequence[ShardFormat | None] | None = None,
 ) -> tuple[StorePlan, LayerTooLarge | None]:
     """The parameter store: a pool of offload_param's buffers when any shard rests on NVMe. The pool must
     hold the largest such shard (else initialize refuses), the partitioner's NVMe working set and a
@@ -702,10 +734,12 @@ def _param_store(
             int(off.buffer_size),
             pool.capacity_nbytes,
         )
-    at_rest = [
-        formats[u.index].nbytes if formats is not None else u.layout.shard_nbytes for u in nvme
-    ]
-    store = StorePlan("params", pool, off.nvme_path, sum(at_rest), off.integrity)
+
+    def at_rest(u: ParamUnit) -> int:
+        fmt = formats[u.index] if formats else None
+        return fmt.nbytes if fmt is not None else u.layout.shard_nbytes
+
+    store = StorePlan("params", pool, off.nvme_path, sum(at_rest(u) for u in nvme), off.integrity)
     return store, refusal
 
 

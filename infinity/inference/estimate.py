@@ -157,7 +157,9 @@ class InferenceEstimate:
         p = self.breakdown
         q = p.runtime.formats[0].spec if p.runtime is not None and p.runtime.formats else None
         weights = (
-            f"int{q.num_bits} (groups of {q.group_size}, {'symmetric' if q.symmetric else 'min/max'})"
+            f"nf4 (groups of {q.group_size}, fp32 absmax)"
+            if q and q.quant_type == "nf4"
+            else f"int{q.num_bits} (groups of {q.group_size}, {'symmetric' if q.symmetric else 'min/max'})"
             if q
             else self.dtype
         )

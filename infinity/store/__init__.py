@@ -14,7 +14,7 @@ from infinity.store.errors import (
 )
 from infinity.store.futures import StoreFuture
 from infinity.store.record import KeySpec, Residency
-from infinity.store.stats import StoreStats, TierTraffic
+from infinity.store.stats import KeyTraffic, StoreStats, TierTraffic
 from infinity.store.store import Home, TieredStore
 from infinity.store.swapdir import reclaim_stale
 from infinity.store.tracked import StateEnum, TrackedRecord
@@ -23,6 +23,7 @@ __all__ = [
     "Home",
     "IntegrityError",
     "KeySpec",
+    "KeyTraffic",
     "Residency",
     "StoreError",
     "StoreFuture",

@@ -89,6 +89,9 @@ class StoreState:
         self.h2d = Traffic()
         self.d2h = Traffic()
         self.counts: collections.Counter[str] = collections.Counter()
+        # NVMe bytes moved per key, both directions (stats.KeyTraffic): what a key costs per step
+        self.read_by_key: collections.Counter[Hashable] = collections.Counter()
+        self.written_by_key: collections.Counter[Hashable] = collections.Counter()
         self.evicting_nbytes = 0  # bytes of background write-backs that will free their room
         self.stats_lock = threading.Lock()
         self.wait_s = 0.0

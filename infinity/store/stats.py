@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from infinity.memory import PoolStats
@@ -65,6 +66,24 @@ class Traffic:
     def snapshot(self) -> TierTraffic:
         busy = self.busy_s + (time.monotonic() - self._since if self._active else 0.0)
         return TierTraffic(self.nbytes, self.requests, busy)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyTraffic:
+    """NVMe bytes moved per key (``TieredStore.key_traffic``): a key that never moved has no row."""
+
+    read: Mapping[Hashable, int]
+    """NVMe → host, per key."""
+    written: Mapping[Hashable, int]
+    """Host → NVMe (write, flush, write-back), per key."""
+
+    def since(self, earlier: KeyTraffic) -> KeyTraffic:
+        """What moved after ``earlier`` (a snapshot of the same store), keys that moved nothing left out."""
+
+        def diff(now: Mapping[Hashable, int], then: Mapping[Hashable, int]) -> dict[Hashable, int]:
+            return {k: n - then.get(k, 0) for k, n in now.items() if n != then.get(k, 0)}
+
+        return KeyTraffic(diff(self.read, earlier.read), diff(self.written, earlier.written))
 
 
 @dataclasses.dataclass(frozen=True)

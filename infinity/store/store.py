@@ -54,6 +54,7 @@ under the store lock).
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Hashable, Iterable, Sequence
@@ -73,7 +74,7 @@ from infinity.store.integrity import DEFAULT as integrity_default
 from infinity.store.integrity import checksums
 from infinity.store.record import RESIDENT, KeyRecord, KeySpec, key_label
 from infinity.store.state import StoreState
-from infinity.store.stats import StoreStats
+from infinity.store.stats import KeyTraffic, StoreStats
 from infinity.store.swapdir import new_store_id
 from infinity.store.swapspace import Extent, open_swap
 
@@ -341,9 +342,11 @@ class TieredStore:
                 st.ops.discard(op)
                 if op.kind == "read":
                     st.read.end(op.nbytes)
+                    _count_by_key(st.read_by_key, op, ended)
                     read_path.complete_read(st, op, ended, res)
                 elif op.kind == "write":
                     st.write.end(op.nbytes)
+                    _count_by_key(st.written_by_key, op, ended)
                     write_path.complete_write(st, op, ended, res)
                 else:
                     st.h2d.end(op.nbytes)
@@ -364,6 +367,13 @@ class TieredStore:
         self._st.count_wait(seconds)
 
     # -- stats / close -------------------------------------------------------
+
+    def key_traffic(self) -> KeyTraffic:
+        """NVMe bytes read and written per key since the store opened (successful requests only):
+        what one key costs, where ``stats()`` gives the totals. Copies both tables (O(keys))."""
+        st = self._st
+        with st.lock:
+            return KeyTraffic(dict(st.read_by_key), dict(st.written_by_key))
 
     def stats(self) -> StoreStats:
         st = self._st
@@ -474,6 +484,13 @@ class TieredStore:
         """Asserts the store's invariants (tests call it after every step); returns pool bytes held."""
         with self._st.lock:
             return self._st.check_invariants()
+
+
+def _count_by_key(table: collections.Counter, op: IoOp, ended: Outcome) -> None:
+    """Adds a finished request's bytes to each of its keys' row (a failed one moved nothing)."""
+    if ended.error is None:
+        for rec in op.recs:
+            table[rec.key] += rec.disk_extent().nbytes
 
 
 def _new_record(key: Hashable, shape: Sequence[int], dtype: torch.dtype, home: Home) -> KeyRecord:

@@ -7,7 +7,8 @@ source (the prefetch scheduler): ``acquire`` takes the packed shard (read
 ahead like any other), dequantises it into a buffer of the unit's dtype from
 the TensorCache and gives the packed hold back; ``release`` returns the
 buffer; ``mark_dirty`` (a change made under GatheredParameters) quantises the
-held values back into the store.
+held values back into the store. Keys without a format (a training run's
+trainable units, beside its quantised frozen ones) pass through unchanged.
 
 Threading: the forward thread (the partitioner's); the inner source is thread-safe.
 """
@@ -49,6 +50,8 @@ class QuantizedShards:
         self._held: dict[Hashable, tuple[torch.Tensor, int]] = {}  # key -> (values, holds)
 
     def acquire(self, key: Hashable) -> torch.Tensor:
+        if key not in self.formats:
+            return self.inner.acquire(key)
         held = self._held.get(key)
         if held is not None:
             self._held[key] = (held[0], held[1] + 1)
@@ -64,6 +67,8 @@ class QuantizedShards:
         return values
 
     def release(self, key: Hashable) -> None:
+        if key not in self.formats:
+            return self.inner.release(key)
         values, holds = self._held[key]
         if holds > 1:
             self._held[key] = (values, holds - 1)
@@ -73,6 +78,8 @@ class QuantizedShards:
 
     def mark_dirty(self, key: Hashable) -> None:
         """The held values were changed: they are quantised again into the store."""
+        if key not in self.formats:
+            return self.inner.mark_dirty(key)
         values, _ = self._held[key]
         packed = self.inner.acquire(key)
         try:

@@ -205,6 +205,29 @@ def test_stats_count_what_happened(tier):
         assert st.write.nbytes == 0 and st.read.nbytes == 0
 
 
+def test_key_traffic_counts_each_keys_nvme_bytes(tier):
+    """Per key, as the totals count them: a written key's extent once per write home, a read key's
+    once per read; a key that moved nothing has no row; ``since`` keeps what moved after a snapshot."""
+    store, home = tier
+    for key in ("a", "b"):
+        store.register(key, (1024,), torch.float32, home=home)
+    store.write("a", torch.ones(1024)).result(10)
+    start = store.key_traffic()
+    store.write("b", torch.ones(1024)).result(10)
+    store.evict("b").result(10)
+    store.fetch("b").result(10)
+    store.release("b")
+    now, st = store.key_traffic(), store.stats()
+    moved = now.since(start)
+    if home == "nvme":
+        assert now.written == {"a": 4096, "b": 4096} and now.read == {"b": 4096}
+        assert sum(now.written.values()) == st.write.nbytes
+        assert sum(now.read.values()) == st.read.nbytes
+        assert moved.written == {"b": 4096} and moved.read == {"b": 4096}
+    else:
+        assert now.written == now.read == {} and moved.written == moved.read == {}
+
+
 def test_close_is_idempotent_and_later_calls_are_refused(tier):
     store, home = tier
     store.register("c", (8,), torch.float32, home=home)

@@ -102,3 +102,35 @@ def test_a_group_too_wide_for_fp16_scales_is_named():
         ValueError, match=r"layer\.0: a weight group's range does not fit fp16 scales"
     ):
         quantize_into(fmt, torch.tensor([-1e6, 0.0, 1.0, 1e6]), packed, name="layer.0")
+
+
+@settings(max_examples=60, deadline=None)
+@given(shard=shards(), seed=st.integers(0, 2**16), group_size=st.sampled_from([2, 3, 64]))
+def test_nf4_pieces_hold_each_stretch_as_nf4_does(shard, seed, group_size):
+    """With quant_type "nf4" each quantised piece is its stretch quantised alone (nf4.quantize: the bytes
+    bitsandbytes makes, tests/weights/test_nf4_oracle.py) and comes back as nf4 dequantises it; raw
+    pieces come back bit for bit; the pieces tile the shard in aligned parts as the integer formats'."""
+    from infinity.weights import nf4
+
+    stretches, numel, dtype, _ = shard
+    spec = QuantSpec(4, group_size, True, "nf4")
+    fmt = shard_format(stretches, numel, dtype, spec)
+    assert all(p.offset % PART_ALIGN == 0 for p in fmt.pieces)
+    values = (torch.randn(numel, generator=torch.Generator().manual_seed(seed))).to(dtype)
+    packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    quantize_into(fmt, values, packed)
+    out = torch.empty(numel, dtype=dtype)
+    dequantize_into(fmt, packed, out)
+    for p in fmt.pieces:
+        x, y = values[p.lo : p.hi], out[p.lo : p.hi]
+        if p.quantized:
+            codes, absmax = nf4.quantize(x, group_size)
+            want = nf4.dequantize(codes, absmax, p.numel, group_size, dtype)
+            assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))
+        else:
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
+def test_nf4_needs_four_bits():
+    with pytest.raises(ValueError, match="NF4 stores 4 bits per weight; got num_bits=8"):
+        QuantSpec(8, 64, False, "nf4")

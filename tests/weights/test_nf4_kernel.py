@@ -1,0 +1,110 @@
+"""The NF4 dequantisation kernel gives the same bits on every ISA this CPU runs as on the scalar path,
+for any size, group size (odd ones too: groups that start mid-byte), output dtype and thread count; the
+scalar path is checked against the format's definition written in torch (code[q] · absmax, rounded
+once); bad arguments are refused with the reason. Cheap: also run under ASan/UBSan (.ci/sanitize.sh).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infinity import _adam
+from infinity.optim import kernel
+from infinity.weights import nf4
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CODES = {"scalar": _adam.SCALAR, "avx2": _adam.AVX2, "avx512": _adam.AVX512}
+
+
+def random_packed(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every byte value and scales over many magnitudes (fp16 overflow and subnormals included)."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (nf4.codes_nbytes(n),), generator=g, dtype=torch.uint8)
+    exponent = torch.randint(-30, 30, (nf4.groups(n, group_size),), generator=g).float()
+    absmax = torch.rand(exponent.shape, generator=g) * torch.exp2(exponent)
+    return codes, absmax
+
+
+def by_definition(codes: torch.Tensor, absmax: torch.Tensor, n: int, group_size: int, dtype):
+    q = torch.stack((codes >> 4, codes & 0xF), dim=1).reshape(-1)[:n].long()
+    scale = absmax.repeat_interleave(group_size)[:n]
+    return (nf4.CODE[q] * scale).to(dtype)
+
+
+def run(codes, absmax, n, group_size, dtype, isa: str, threads: int) -> torch.Tensor:
+    out = torch.empty(n, dtype=dtype)
+    nf4.dequantize_into(codes, absmax, out, group_size, isa=CODES[isa], num_threads=threads)
+    return out
+
+
+@pytest.mark.parametrize("isa", kernel.ISAS)
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 5000),
+    group_size=st.sampled_from([1, 3, 5, 32, 63, 64, 65, 128, 4096]),
+    dtype=st.sampled_from(DTYPES),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads, seed):
+    if isa not in kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    codes, absmax = random_packed(n, group_size, seed)
+    got = run(codes, absmax, n, group_size, dtype, isa, threads)
+    want = run(codes, absmax, n, group_size, dtype, "scalar", 1)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    group_size=st.sampled_from([1, 2, 7, 64, 100]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_scalar_kernel_is_the_formats_definition(n, group_size, dtype, seed):
+    codes, absmax = random_packed(n, group_size, seed)
+    got = run(codes, absmax, n, group_size, dtype, "scalar", 1)
+    assert torch.equal(got, by_definition(codes, absmax, n, group_size, dtype))
+
+
+def test_large_inputs_split_over_threads_give_the_same_bits():
+    """Several chunks of the kernel's partitioning, one group straddling each chunk boundary."""
+    n, group_size = 3 * 32768 + 77, 96
+    codes, absmax = random_packed(n, group_size, 7)
+    best = kernel.best_isa()
+    want = run(codes, absmax, n, group_size, torch.bfloat16, "scalar", 1)
+    for threads in (1, 2, 3):
+        got = run(codes, absmax, n, group_size, torch.bfloat16, best, threads)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_bad_arguments_are_refused_with_the_reason():
+    codes, absmax = random_packed(128, 64, 0)
+    with pytest.raises(ValueError, match="need 64 code bytes and 2 scales; got 10"):
+        nf4.dequantize_into(codes[:10], absmax, torch.empty(128), 64)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        nf4.dequantize_into(codes, absmax, torch.empty(128, dtype=torch.float64), 64)
+    with pytest.raises(ValueError, match="not contiguous"):
+        nf4.dequantize_into(codes, absmax, torch.empty(256)[::2], 64)
+    with pytest.raises(ValueError, match="absmax float32"):
+        nf4.dequantize_into(codes, absmax.double(), torch.empty(128), 64)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        nf4.dequantize_into(codes, absmax, torch.empty(128), 0)
+    shared = torch.zeros(1024, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="out overlaps"):
+        _adam.dequantize_nf4(
+            codes=shared.data_ptr(),
+            absmax=absmax.data_ptr(),
+            out=shared.data_ptr() + 16,
+            dtype=_adam.FLOAT32,
+            numel=128,
+            group_size=64,
+            isa=_adam.SCALAR,
+            num_threads=1,
+        )
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        nf4.dequantize_into(codes, absmax, torch.empty(128), 64, num_threads=0)
