@@ -200,6 +200,6 @@ def test_the_nav_hook_drops_only_optional_pages_that_are_missing(tmp_path):
         "typo.md",
     ]
     config = hook.on_config({"nav": nav, "docs_dir": str(tmp_path)})
-    # lora.md exists, tracing.md and monitoring.md do not; typo.md is no optional page: kept, so
-    # that strict mode still refuses it
+    # the LoRA page exists, the tracing and monitoring pages do not; the misspelt name is no
+    # optional page: kept, so that strict mode still refuses it
     assert config["nav"] == [{"Home": "index.md"}, {"Guide": ["training.md", "lora.md"]}, "typo.md"]
