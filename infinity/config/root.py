@@ -23,6 +23,7 @@ from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
 from infinity.config.quantization import WeightQuantizationConfig
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
+from infinity.config.trace import TraceConfig
 from infinity.config.values import (
     check_section,
     hints,
@@ -76,6 +77,8 @@ class InfinityConfig:
     """Weight-only quantisation at rest, for inference (DeepSpeed ZeRO-Inference's keys)."""
     activation_checkpointing: ActivationCheckpointingConfig = knob(ActivationCheckpointingConfig())
     """Where infinity.checkpointing keeps checkpoint inputs (host memory, split across model parallelism)."""
+    trace: TraceConfig = knob(TraceConfig())
+    """infinity: record chosen steps as a timeline (Chrome-trace / Perfetto JSON; docs/tracing.md)."""
     wall_clock_breakdown: bool = knob(False)
     """DeepSpeed: time forward/backward/step."""
     dump_state: bool = knob(False)

@@ -21,21 +21,24 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from infinity.config import ConfigError, InfinityConfig
+from infinity.config import ConfigError, InfinityConfig, TraceConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
 from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
+from infinity.engine.tracing import TraceWindow, output_path, predict_more_budget, trace_settings
 from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
+from infinity.timeline import Timeline
 from infinity.zero.checkpointing import ModelCheckpointing
 from infinity.zero.collectives import DataParallelGroup
 
@@ -86,6 +89,13 @@ class Engine:
         self.group = group or DataParallelGroup()
         self.device = device or torch.device("cpu")
         self.stage = config.zero_optimization.stage
+        # Refused before anything is allocated: a trace file that cannot be written.
+        trace_config = trace_settings(config)
+        trace_path = (
+            output_path(trace_config, self.group.rank, self.group.world_size)
+            if trace_config.enabled
+            else None
+        )
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.dtype = train_dtype(config)
         self.micro_steps = 0
@@ -126,6 +136,28 @@ class Engine:
         # The model's own state_dict() and save_pretrained() give the real weights
         # ([Note: saving a partitioned model] in engine/saving.py).
         self._saving = ModelSaving(self)
+        # The timeline of chosen steps, and spans into a running torch.profiler
+        # ([Note: the tracing window] in engine/tracing.py).
+        self._tracing = self._make_tracing(trace_config, trace_path)
+        self._traced_step = -1  # the optimizer step whose first forward the window was told of
+
+    def _make_tracing(self, settings: TraceConfig, path: Path | None) -> TraceWindow:
+        rt = self.runtime
+        stores = [s for s in (rt.param_store, rt.state_store) if s is not None]
+        return TraceWindow(
+            settings if path is not None else None,
+            path,
+            stores=stores,
+            plan=rt.plan,
+            predict=self._predict_with_more_budget,
+            scheduler_stats=self._trace.stats if self._trace is not None else None,
+            rank=self.group.rank,
+        )
+
+    def _predict_with_more_budget(self) -> dict[str, Any] | None:
+        """The planner's plan with budget enough for the optimizer's state on NVMe ([Note: the
+        tracing window]); None where the placement is not planned within a budget."""
+        return predict_more_budget(self.module, self.config, self.runtime.plan, self.group)
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if self.optimizer is None:
@@ -160,6 +192,11 @@ class Engine:
         """The module's forward. Under stage 3 a forward with its backward is one step of the
         prefetch trace; a forward without grad (evaluation) is a step of its own."""
         self._check_open("engine.forward()")
+        if self._traced_step != self.global_steps:
+            self._traced_step = self.global_steps
+            self._tracing.step_begins(self.global_steps)
+        tl = Timeline.active
+        span = tl.begin("forward", "phase", {"step": self.global_steps}) if tl is not None else None
         trace = self._trace
         if trace is not None and not trace.step_open:
             trace.begin_step()
@@ -170,6 +207,9 @@ class Engine:
             if trace is not None:
                 trace.abort_step()
             raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
         if trace is not None and not torch.is_grad_enabled():
             trace.end_step()
         return out
@@ -189,12 +229,19 @@ class Engine:
         if rt.reducer is not None:
             rt.reducer.begin_micro(last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        tl = Timeline.active
+        span = (
+            tl.begin("backward", "phase", {"step": self.global_steps}) if tl is not None else None
+        )
         try:
             with self.activation_checkpointing.in_force():
                 (loss * scale if scale != 1.0 else loss).backward()
         except BaseException as e:
             self._backward_failed(e)
             raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
         self._window.completed(self.micro_steps, loss)
         trace = self._trace
         if trace is not None and trace.step_open:
@@ -243,6 +290,15 @@ class Engine:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step
         ([Note: the training loop's call order], [Note: non-finite steps])."""
         self._check_open("engine.step()")
+        tl = Timeline.active
+        span = tl.begin("step", "phase", {"step": self.global_steps}) if tl is not None else None
+        try:
+            self._step()
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
+
+    def _step(self) -> None:
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
             if self._window.failed_at is not None:
@@ -259,6 +315,7 @@ class Engine:
             else:
                 outcome = Outcome.NO_GRADIENT  # nothing to train: the update only counts
             self._end_window()
+            self._tracing.step_ended()
             if self._trace is not None:
                 self._trace.prefetch_next_step()  # gated per unit on the step's updates
             if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
@@ -491,6 +548,7 @@ class Engine:
     def synchronize(self) -> None:
         """Waits until an optimizer step running in the background has finished (re-raising its error)."""
         self.runtime.overlap.synchronize()
+        self._tracing.synchronized()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -547,6 +605,11 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        try:
+            if self._tracing.recording:  # the last recorded step's optimizer work, then the file
+                self.runtime.overlap.synchronize()
+        finally:
+            self._tracing.close()
         self._saving.close()
         self.runtime.close()
 
