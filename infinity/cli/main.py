@@ -11,9 +11,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from infinity.cli import bench, demo, doctor, estimate, export, generate, tune
+from infinity.cli import bench, demo, doctor, estimate, export, generate, report, tune
 
-COMMANDS = [demo, bench, tune, estimate, doctor, export, generate]
+COMMANDS = [demo, bench, tune, estimate, doctor, export, generate, report]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,7 +75,7 @@ def trace_events(spans: Iterable[Span], origin: float) -> list[dict[str, Any]]:
         elif nested:
             laned = nested + laned
         if laned:
-            laned.sort(key=lambda s: (s.start, -s.end))
+            laned.sort(key=lambda s: (s.start, s.end))
             lanes = _lanes(laned)
             pairs = list(zip(laned, lanes, strict=True))
             for lane in range(max(lanes) + 1):
