@@ -41,7 +41,9 @@ from infinity.config.trace import ENV, parse_trace_env
 from infinity.estimate.runtime_plan import PARAM, STATE_CLASSES, RuntimePlan
 from infinity.estimate.traffic import expected_traffic
 from infinity.store import TieredStore
-from infinity.timeline import ProfilerRanges, Timeline, profiler_running, write_trace
+from infinity.timeline import ProfilerRanges, Timeline, profiler_running, read_trace, write_trace
+from infinity.timeline.advice import advise
+from infinity.timeline.breakdown import PARTS, mean_breakdown, step_breakdowns
 
 log = logging.getLogger("infinity.engine")
 
@@ -227,7 +229,23 @@ class TraceWindow:
         }
         assert self.path is not None
         self.written = write_trace(self.path, spans, origin, extra)
-        log.info("timeline of steps %d-%d written to %s", self.first, self.last, self.path)
+        log.warning(
+            "timeline of steps %d-%d written to %s (infinity report %s): %s",
+            self.first,
+            self.last,
+            self.path,
+            self.path,
+            summary(self.written),
+        )
+
+
+def summary(path: Path) -> str:
+    """The end-of-window line: where the recorded steps went, and the advice
+    ([Note: where the step went], [Note: advice from the figures])."""
+    doc = read_trace(path)
+    mean = mean_breakdown(step_breakdowns(doc))
+    parts = ", ".join(f"{p} {mean.share(p):.0%}" for p in PARTS)
+    return f"{mean.wall_s:.3f} s/step: {parts}. {advise(mean, doc['infinity'].get('plan', {}))}"
 
 
 def plan_record(plan: RuntimePlan | None, prediction: dict[str, Any] | None) -> dict[str, Any]:
