@@ -77,7 +77,7 @@ from infinity.store.state import StoreState
 from infinity.store.stats import StoreStats
 from infinity.store.swapdir import new_store_id
 from infinity.store.swapspace import Extent, open_swap
-from infinity.timeline import Timeline
+from infinity.timeline import ProfilerRanges, Timeline
 
 log = logging.getLogger("infinity.store")
 
@@ -362,7 +362,9 @@ class TieredStore:
             finally:
                 op.set_finished()
 
-    def _trace_op(self, tl: Timeline, op: IoOp, ended_at: float, err: BaseException | None) -> None:
+    def _trace_op(
+        self, tl: Timeline | ProfilerRanges, op: IoOp, ended_at: float, err: BaseException | None
+    ) -> None:
         """The op as a timeline span: submitted at ``op.t0``, ended when its request was seen done."""
         keys = [r.key for r in op.recs]
         name = f"{op.kind} {keys[0]!r}" if len(keys) == 1 else f"{op.kind} {len(keys)} keys"
