@@ -12,8 +12,9 @@ MICRO_BATCH = 2
 
 
 def config(nvme: str, trace: dict | None, **extra) -> dict:
-    """Parameters and optimizer state on NVMe, a parameter pool of 4 buffers (fewer than the units,
-    so the forward and backward read them), every unit fetched (no persistent ones)."""
+    """Parameters and optimizer state on NVMe, a parameter pool of 3 buffers (fewer than the units,
+    so the forward and backward read them; 2 buffers once left the
+    forward and the optimizer's read thread both waiting 300 s for pool room), every unit fetched."""
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
@@ -26,7 +27,7 @@ def config(nvme: str, trace: dict | None, **extra) -> dict:
             "offload_param": {
                 "device": "nvme",
                 "nvme_path": nvme,
-                "buffer_count": 2,
+                "buffer_count": 3,
                 "buffer_size": 16384,
                 "max_in_cpu": 0,
             },
