@@ -17,6 +17,8 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
                  cache cannot hold what the planner spilled
   no-integrity   "infinity" with the swap-file checksums off ("integrity": false in both offload
                  sections): its step-time ratio to "infinity" is the cost of integrity
+  traced         "infinity" with every timed step recorded on the timeline (the "trace" section,
+                 docs/tracing.md): its step-time ratio to "infinity" is the cost of tracing
   plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
   bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
   deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
@@ -33,6 +35,7 @@ equal plain PyTorch's (bf16: plain-bf16's, within bf16's rounding).
   python bench/train_step.py                      # ~150M, seq 256, 3 repeats, every kind
   python bench/train_step.py --kinds plain,planner-50
   python bench/train_step.py --kinds plain,infinity,no-integrity --repeat 5   # integrity's cost
+  python bench/train_step.py --kinds plain,infinity,traced --repeat 5         # tracing's cost
   python bench/train_step.py --capacity 2e9       # the largest model trained 3 steps, every block
                                                   # checkpointed (and a check against plain at 300M)
   python bench/train_step.py --quick              # seconds: proves it still runs
@@ -62,6 +65,7 @@ KINDS = [
     "infinity",
     "grads-in-host",
     "no-integrity",
+    "traced",
     "planner-100",
     "planner-50",
     "planner-10",
@@ -209,6 +213,13 @@ def _infinity(gpt, corpus, a, out):
         del zero["sub_group_size"]
     for section in ("offload_param", "offload_optimizer"):
         zero[section]["integrity"] = kind != "no-integrity"
+    if kind == "traced":  # every timed step recorded; the file is written at close, untimed
+        cfg["trace"] = {
+            "enabled": True,
+            "output_path": os.path.join(a["nvme"], f"trace-{os.getpid()}.json"),
+            "first_step": a["warmup"],
+            "steps": a["steps"],
+        }
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
     if a.get("checkpointing"):
@@ -547,7 +558,31 @@ def _summary(
             result[kind] = _kind_summary(kind, runs, med, n)
     if "infinity" in runs and "no-integrity" in runs:
         result["integrity_overhead"] = _integrity_summary(runs, med)
+    if "infinity" in runs and "traced" in runs:
+        result["tracing_overhead"] = _tracing_summary(runs, med)
     return result
+
+
+def _tracing_summary(runs: dict[str, list[dict]], med: dict[str, list[float]]) -> dict:
+    """The cost of recording every timed step on the timeline: step time traced over untraced, per
+    repeat (neighbours in time), and the same for CPU time, which load on the machine moves less."""
+    ratios = [on / off for on, off in zip(med["traced"], med["infinity"], strict=True)]
+    cpu = {k: [statistics.median(r["cpus"]) for r in runs[k]] for k in ("traced", "infinity")}
+    cpu_ratios = [on / off for on, off in zip(cpu["traced"], cpu["infinity"], strict=True)]
+    r = {
+        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "cpu_ratio": {"median": statistics.median(cpu_ratios)},
+        "step_s_traced": statistics.median(med["traced"]),
+        "step_s_untraced": statistics.median(med["infinity"]),
+        "same_losses": runs["traced"][0]["losses"] == runs["infinity"][0]["losses"],
+    }
+    pct = ", ".join(f"{(x - 1) * 100:+.1f}%" for x in ratios)
+    print(
+        f"tracing: {r['step_s_traced']:.3f} s/step traced vs {r['step_s_untraced']:.3f} untraced -> "
+        f"{(r['ratio']['median'] - 1) * 100:+.1f}% of the step (per repeat {pct}); CPU time "
+        f"{(r['cpu_ratio']['median'] - 1) * 100:+.1f}%; same losses: {r['same_losses']}"
+    )
+    return r
 
 
 def _kind_summary(

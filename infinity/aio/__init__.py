@@ -1,6 +1,6 @@
 """Python face of the C++ async I/O engine (csrc/aio): AioHandle, AioConfig, buffers, errors.
 
-Imports only infinity.host (and torch, numpy).
+Imports only infinity.host and infinity.timeline (and torch, numpy).
 """
 
 from infinity import _aio

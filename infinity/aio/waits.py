@@ -13,6 +13,10 @@ through ``wait_until``. The wait is cut into slices; after each slice it
 and once a wait that logged ends, one line says how long it took. A wait
 that ends within the first slice costs one call of ``ready`` and nothing
 else. ``INFINITY_WAIT_LOG_S`` sets the interval (seconds).
+A wait given a ``kind`` (what it waits for: a read, a write, pool memory, the
+optimizer, a lock) is a span of the timeline while one records ([Note: the
+timeline] in infinity/timeline/recorder.py), named by ``what``, if it lasts
+at least ``SPAN_MIN_S``.
 
 Threading: ``wait_until`` is called by the waiting thread and keeps no state
 between calls; ``ready``, ``cause`` and ``holder`` run in that thread, must
@@ -29,8 +33,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from infinity.timeline import Timeline
+
 LOG_EVERY_S = float(os.environ.get("INFINITY_WAIT_LOG_S", "5"))
 """Seconds between the log lines of one long wait."""
+
+SPAN_MIN_S = 20e-6
+"""Shorter waits (a free lock, a request already done) are not timeline spans: they are not waits
+anyone would look for, and there are many."""
 
 SLICE_S = 1.0
 """Longest slice between two looks at ``cause`` (shorter when LOG_EVERY_S is)."""
@@ -52,13 +62,40 @@ def wait_until(
     timeout: float | None = None,
     cause: Callable[[], BaseException | None] | None = None,
     holder: Text | None = None,
+    kind: str | None = None,
 ) -> bool:
     """Calls ``ready(slice_s)`` (which blocks up to ``slice_s`` seconds and says whether the wait is
     over) until it returns True, then returns True; False once ``timeout`` seconds have passed.
 
     Raises what ``cause()`` returns as soon as it returns an exception. ``what`` names what is
     awaited ("fetch of key 'w'", "pool space"), ``holder`` who holds it; both may be callables,
-    formatted only when a line is logged."""
+    formatted only when a line is logged. ``kind``: a timeline span of that kind (see above)."""
+    tl = Timeline.active
+    if tl is None or kind is None:
+        return _wait_until(ready, what, log, timeout, cause, holder)
+    if not tl.keeps_spans:  # a profiler's range, opened before the wait
+        token = tl.begin(_text(what), "wait", {"kind": kind})
+        try:
+            return _wait_until(ready, what, log, timeout, cause, holder)
+        finally:
+            tl.end(token)
+    t0 = time.monotonic()
+    try:
+        return _wait_until(ready, what, log, timeout, cause, holder)
+    finally:
+        t1 = time.monotonic()
+        if t1 - t0 >= SPAN_MIN_S:
+            tl.span(_text(what), "wait", t0, t1, args={"kind": kind})
+
+
+def _wait_until(
+    ready: Callable[[float], bool],
+    what: Text,
+    log: logging.Logger,
+    timeout: float | None,
+    cause: Callable[[], BaseException | None] | None,
+    holder: Text | None,
+) -> bool:
     t0 = time.monotonic()
     if ready(_first_slice(timeout)):
         return True
@@ -106,6 +143,7 @@ def result_of(
     what: Text,
     log: logging.Logger,
     cause: Callable[[], BaseException | None] | None = None,
+    kind: str | None = None,
 ) -> Any:
     """``fut.result()`` of a concurrent.futures.Future (work handed to a thread pool), waiting
     as ``wait_until`` does."""
@@ -114,5 +152,6 @@ def result_of(
         what=what,
         log=log,
         cause=cause,
+        kind=kind,
     )
     return fut.result()

@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 
 import infinity
-from infinity.cli import bench, demo, doctor, estimate, export, generate, tune
+from infinity.cli import bench, demo, doctor, estimate, export, generate, report, tune
 
-COMMANDS = [demo, bench, tune, estimate, doctor, export, generate]
+COMMANDS = [demo, bench, tune, estimate, doctor, export, generate, report]
 
 
 def build_parser() -> argparse.ArgumentParser:

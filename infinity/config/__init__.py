@@ -36,6 +36,7 @@ from infinity.config.quantization import QuantizedInitializationConfig, WeightQu
 from infinity.config.root import InfinityConfig
 from infinity.config.summary import describe_config
 from infinity.config.support import NOT_ACTED_ON, OPAQUE, acted_on
+from infinity.config.trace import TraceConfig, parse_trace_env
 from infinity.config.zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TensorBoardConfig",
+    "TraceConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRParams",
     "WarmupLRParams",
@@ -67,6 +69,7 @@ __all__ = [
     "acted_on",
     "describe_config",
     "load_config",
+    "parse_trace_env",
     "read_config_file",
     "training_arguments_values",
 ]

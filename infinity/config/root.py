@@ -24,6 +24,7 @@ from infinity.config.optim import OptimizerConfig, SchedulerConfig
 from infinity.config.precision import BF16Config, FP16Config
 from infinity.config.quantization import WeightQuantizationConfig
 from infinity.config.support import NOT_ACTED_ON, OPAQUE
+from infinity.config.trace import TraceConfig
 from infinity.config.values import (
     check_section,
     hints,
@@ -84,6 +85,8 @@ class InfinityConfig:
     """CSV files of every optimizer step's figures (infinity.monitor)."""
     wandb: WandbConfig = knob(WandbConfig())
     """A Weights & Biases run of every optimizer step's figures (infinity.monitor)."""
+    trace: TraceConfig = knob(TraceConfig())
+    """infinity: record chosen steps as a timeline (Chrome-trace / Perfetto JSON; docs/tracing.md)."""
     wall_clock_breakdown: bool = knob(False)
     """Log forward, backward, step and I/O-wait times of each logged step (every steps_per_print
     steps, or every step when that is unset), with the device synchronised at each boundary."""

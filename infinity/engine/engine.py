@@ -23,23 +23,26 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from infinity.config import ConfigError, InfinityConfig
+from infinity.config import ConfigError, InfinityConfig, TraceConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
 from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
 from infinity.engine.step_record import Counters, StepClock, StepRecord
+from infinity.engine.tracing import TraceWindow, output_path, predict_more_budget, trace_settings
 from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.host import peak_rss_nbytes
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
+from infinity.timeline import Timeline
 from infinity.zero.checkpointing import ModelCheckpointing
 from infinity.zero.collectives import DataParallelGroup
 
@@ -90,6 +93,13 @@ class Engine:
         self.group = group or DataParallelGroup()
         self.device = device or torch.device("cpu")
         self.stage = config.zero_optimization.stage
+        # Refused before anything is allocated: a trace file that cannot be written.
+        trace_config = trace_settings(config)
+        trace_path = (
+            output_path(trace_config, self.group.rank, self.group.world_size)
+            if trace_config.enabled
+            else None
+        )
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.dtype = train_dtype(config)
         self.micro_steps = 0
@@ -135,6 +145,28 @@ class Engine:
         self._step_listeners: list[Callable[[StepRecord], None]] = []
         self._on_close: list[Callable[[], None]] = []
         self.last_step_record: StepRecord | None = None
+        # The timeline of chosen steps, and spans into a running torch.profiler
+        # ([Note: the tracing window] in engine/tracing.py).
+        self._tracing = self._make_tracing(trace_config, trace_path)
+        self._traced_step = -1  # the optimizer step whose first forward the window was told of
+
+    def _make_tracing(self, settings: TraceConfig, path: Path | None) -> TraceWindow:
+        rt = self.runtime
+        stores = [s for s in (rt.param_store, rt.state_store) if s is not None]
+        return TraceWindow(
+            settings if path is not None else None,
+            path,
+            stores=stores,
+            plan=rt.plan,
+            predict=self._predict_with_more_budget,
+            scheduler_stats=self._trace.stats if self._trace is not None else None,
+            rank=self.group.rank,
+        )
+
+    def _predict_with_more_budget(self) -> dict[str, Any] | None:
+        """The planner's plan with budget enough for the optimizer's state on NVMe ([Note: the
+        tracing window]); None where the placement is not planned within a budget."""
+        return predict_more_budget(self.module, self.config, self.runtime.plan, self.group)
 
     def _make_scheduler(self, lr_scheduler: Any) -> Any:
         if self.optimizer is None:
@@ -169,6 +201,11 @@ class Engine:
         """The module's forward. Under stage 3 a forward with its backward is one step of the
         prefetch trace; a forward without grad (evaluation) is a step of its own."""
         self._check_open("engine.forward()")
+        if self._traced_step != self.global_steps:
+            self._traced_step = self.global_steps
+            self._tracing.step_begins(self.global_steps)
+        tl = Timeline.active
+        span = tl.begin("forward", "phase", {"step": self.global_steps}) if tl is not None else None
         trace = self._trace
         self._clock.start()
         t0 = self._now()
@@ -181,6 +218,9 @@ class Engine:
             if trace is not None:
                 trace.abort_step()
             raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
         if trace is not None and not torch.is_grad_enabled():
             trace.end_step()
         self._clock.forward_s += self._now() - t0
@@ -203,12 +243,19 @@ class Engine:
         if rt.reducer is not None:
             rt.reducer.begin_micro(last=boundary)
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        tl = Timeline.active
+        span = (
+            tl.begin("backward", "phase", {"step": self.global_steps}) if tl is not None else None
+        )
         try:
             with self.activation_checkpointing.in_force():
                 (loss * scale if scale != 1.0 else loss).backward()
         except BaseException as e:
             self._backward_failed(e)
             raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
         self._window.completed(self.micro_steps, loss)
         trace = self._trace
         if trace is not None and trace.step_open:
@@ -258,6 +305,15 @@ class Engine:
         """Updates the parameters at the accumulation boundary; otherwise only counts the micro-step
         ([Note: the training loop's call order], [Note: non-finite steps])."""
         self._check_open("engine.step()")
+        tl = Timeline.active
+        span = tl.begin("step", "phase", {"step": self.global_steps}) if tl is not None else None
+        try:
+            self._step()
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
+
+    def _step(self) -> None:
         self.synchronize()
         if self.is_gradient_accumulation_boundary():
             t0 = self._now()
@@ -279,6 +335,7 @@ class Engine:
             else:
                 outcome = Outcome.NO_GRADIENT  # nothing to train: the update only counts
             self._end_window()
+            self._tracing.step_ended()
             if self._trace is not None:
                 self._trace.prefetch_next_step()  # gated per unit on the step's updates
             if self.lr_scheduler is not None and outcome is not Outcome.SKIPPED:
@@ -636,6 +693,7 @@ class Engine:
     def synchronize(self) -> None:
         """Waits until an optimizer step running in the background has finished (re-raising its error)."""
         self.runtime.overlap.synchronize()
+        self._tracing.synchronized()
 
     def train(self, mode: bool = True) -> Engine:
         self.module.train(mode)
@@ -693,11 +751,16 @@ class Engine:
             return
         self._closed = True
         try:
+            if self._tracing.recording:  # the last recorded step's optimizer work, then the file
+                self.runtime.overlap.synchronize()
             for close in self._on_close:
                 close()
         finally:
-            self._saving.close()
-            self.runtime.close()
+            try:
+                self._tracing.close()
+            finally:
+                self._saving.close()
+                self.runtime.close()
 
     @property
     def closed(self) -> bool:

@@ -106,6 +106,7 @@ class StepProgress:
             holder=self._thread_name,
             cause=self._died,
             log=log,
+            kind="optimizer",
         )
 
     def _thread_name(self) -> str:

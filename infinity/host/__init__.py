@@ -6,7 +6,7 @@ of raising: callers print reports and check budgets, and a container that
 hides a file must not stop a run. Each ``parse_*`` takes the file's text, so
 the parsing is tested against fixed samples as well as the live system.
 
-The lowest layer. Imports only the standard library.
+The lowest layer (beside infinity.timeline). Imports only the standard library.
 """
 
 from infinity.host.cgroup import (

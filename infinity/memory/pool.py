@@ -351,6 +351,7 @@ class BufferPool:
                 cause=cause,
                 timeout=timeout,
                 log=log,
+                kind="pool",
             ):
                 with self._cv:
                     raise TimeoutError(self._timeout_message(me, timeout))

@@ -37,6 +37,7 @@ import torch
 from infinity.aio.waits import result_of
 from infinity.optim.functional import AdamHyper, adam_step, sum_squares
 from infinity.store import Home, TieredStore
+from infinity.timeline import Timeline
 
 log = logging.getLogger("infinity.optim")
 
@@ -285,21 +286,46 @@ class PartitionedAdam(torch.optim.Optimizer):
                 what=f"the reads of optimizer sub-group {i} of {len(groups)} "
                 "(issued from thread infinity-optim-reads)",
                 log=log,
+                kind="read",
             )
             pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
-            for s in group:
-                self._update_shard(
-                    s,
-                    {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
-                    grad_scale,
-                    has_grad[s.index],
-                    hyper,
+            tl = Timeline.active
+            span = None
+            if tl is not None:
+                span = tl.begin(
+                    f"Adam sub-group {i} of {len(groups)}",
+                    "optimizer",
+                    {"units": [s.index for s in group], "numel": sum(s.numel for s in group)},
                 )
-                for seg in s.segments:
-                    if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
-                        self.param_steps[seg.param] += 1
-                if on_shard_done is not None:
-                    on_shard_done(s.index)
+            try:
+                self._update_group(group, current, grad_scale, has_grad, hyper, on_shard_done)
+            finally:
+                if span is not None and tl is not None:
+                    tl.end(span)
+
+    def _update_group(
+        self,
+        group: list[ShardSpec],
+        current: dict[tuple[int, str], Any],
+        grad_scale: float,
+        has_grad: Sequence[torch.Tensor],
+        hyper: list[AdamHyper],
+        on_shard_done: Callable[[int], None] | None,
+    ) -> None:
+        """Updates one sub-group's shards, whose reads ``current`` holds."""
+        for s in group:
+            self._update_shard(
+                s,
+                {k[1]: f.result() for k, f in current.items() if k[0] == s.index},
+                grad_scale,
+                has_grad[s.index],
+                hyper,
+            )
+            for seg in s.segments:
+                if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
+                    self.param_steps[seg.param] += 1
+            if on_shard_done is not None:
+                on_shard_done(s.index)
 
     def _issuer(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._issue_pool is None:

@@ -1,6 +1,6 @@
 """The prefetch scheduler: learns the order units are fetched in and reads ahead of it, within byte budgets.
 
-Imports only infinity.store, infinity.memory and infinity.aio (and torch).
+Imports only infinity.store, infinity.memory, infinity.aio and infinity.timeline (and torch).
 See docs/ARCHITECTURE.md, [Note: budgets] and [Note: pool room] in
 scheduler.py, [Note: divergence] in cursor.py and [Note: prefetch and reuse
 distance] in lookahead.py.

@@ -116,6 +116,7 @@ from infinity.schedule.record import DISCRETIONARY, HoldState, UnitRecord
 from infinity.schedule.stats import SchedulerStats, StepCounters, StepStats, total
 from infinity.schedule.trace import Trace
 from infinity.store import Residency, StoreStateError, Tier, TieredStore
+from infinity.timeline import Timeline
 
 log = logging.getLogger("infinity.schedule")
 
@@ -638,8 +639,23 @@ class PrefetchScheduler:
                 e.add_note(f"(while scheduler '{self.name}' served acquire of key {rec.key!r})")
             raise
         finally:
+            now = time.monotonic()
             with self._lock:
-                c.add("stall_s", time.monotonic() - t0)
+                c.add("stall_s", now - t0)
+            tl = Timeline.active
+            if tl is not None:  # the span stall_s counts, to the clock read
+                tl.span(
+                    f"unit {rec.key!r}",
+                    "wait",
+                    t0,
+                    now,
+                    args={
+                        "kind": "read",
+                        "key": repr(rec.key),
+                        "source": "scheduler",
+                        "step": c.step,
+                    },
+                )
 
     def _unuse_failed(self, rec: UnitRecord, fut: Any) -> None:
         """A caller's acquire raised: its hold ends (a failed fetch left no store hold to give back)."""
@@ -698,6 +714,7 @@ class PrefetchScheduler:
         return wait_until(
             lambda s: self._fetch_lock.acquire(timeout=s),
             what=f"scheduler '{self.name}''s fetch lock (another thread is fetching)",
+            kind="lock",
             holder=self._fetch_holder_name,
             cause=self._fetch_holder_died,
             log=log,

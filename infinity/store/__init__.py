@@ -1,6 +1,6 @@
 """The tiered tensor store: keys at rest on NVMe or in host memory, made resident in pool memory and on the device.
 
-Imports only infinity.memory, infinity.aio and infinity.host (and torch). See
+Imports only infinity.memory, infinity.aio, infinity.host and infinity.timeline (and torch). See
 docs/ARCHITECTURE.md and [Note: residency] in record.py.
 """
 

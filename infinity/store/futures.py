@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from infinity.aio.waits import wait_until
+from infinity.timeline import Timeline
 
 log = logging.getLogger("infinity.store")
 
@@ -307,7 +308,11 @@ class StoreFuture:
             for dep in self._deps:
                 dep._drive(_remaining(deadline))
             if not self._done and not wait_until(
-                self._step, what=self._waiting_for, log=log, timeout=_remaining(deadline)
+                self._step,
+                what=self._waiting_for,
+                log=log,
+                timeout=_remaining(deadline),
+                kind=None if Timeline.active is None else self._wait_kind(),
             ):
                 raise TimeoutError(self._timeout_message(timeout))
         finally:
@@ -326,6 +331,13 @@ class StoreFuture:
         # time so a newly attached op gets driven.
         _wait_settled(self, min(slice_s, 0.01))
         return self._done
+
+    def _wait_kind(self) -> str:
+        """What a wait on this future waits for, as the timeline names it (a read, a write...)."""
+        op = self._op
+        if op is None or op.finished:
+            return "pool" if self._store is not None else "other"
+        return op.kind if op.kind in ("read", "write") else "other"
 
     def _waiting_for(self) -> str:
         store = f" in store '{self._store.name}'" if self._store is not None else ""

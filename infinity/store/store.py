@@ -57,7 +57,8 @@ from __future__ import annotations
 import collections
 import logging
 import os
-from collections.abc import Hashable, Iterable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -77,6 +78,7 @@ from infinity.store.state import StoreState
 from infinity.store.stats import KeyTraffic, StoreStats
 from infinity.store.swapdir import new_store_id
 from infinity.store.swapspace import Extent, open_swap
+from infinity.timeline import ProfilerRanges, Timeline
 
 log = logging.getLogger("infinity.store")
 
@@ -335,10 +337,15 @@ class TieredStore:
                 op.wait_finished()
             return
         err = op.wait_error()
+        ended_at = time.monotonic() if Timeline.active is not None else 0.0
         ended = Outcome(err, checksums(st, op, err, caller=wait))
         res: list[Settlement] = []
         try:
             with st.lock:
+                # Beside the counters, under the same lock: the trace's bytes are theirs.
+                tl = Timeline.active
+                if tl is not None:
+                    self._trace_op(tl, op, ended_at, err)
                 st.ops.discard(op)
                 if op.kind == "read":
                     st.read.end(op.nbytes)
@@ -357,6 +364,34 @@ class TieredStore:
                 settle(res)  # before finished: whoever waits on it finds its future settled
             finally:
                 op.set_finished()
+
+    def _trace_op(
+        self, tl: Timeline | ProfilerRanges, op: IoOp, ended_at: float, err: BaseException | None
+    ) -> None:
+        """The op as a timeline span: submitted at ``op.t0``, ended when its request was seen done."""
+        keys = [r.key for r in op.recs]
+        name = f"{op.kind} {keys[0]!r}" if len(keys) == 1 else f"{op.kind} {len(keys)} keys"
+        args = {
+            "keys": [repr(k) for k in keys],
+            "bytes": op.nbytes,
+            "tier": "nvme" if op.kind in ("read", "write") else "device",
+            "store": self.name,
+        }
+        if op.background:
+            args["background"] = True
+        if err is not None:
+            args["error"] = repr(err)
+        cat = op.kind if op.kind in ("read", "write") else "copy"
+        tl.span(name, cat, op.t0, ended_at, track=f"{self.name} {cat}", args=args)
+
+    def traffic_while(self, fn: Callable[[], None]) -> tuple[int, int]:
+        """(bytes read, bytes written) so far, read under the store lock while ``fn()`` runs under it:
+        a timeline that ``fn`` switches on or off holds exactly the requests completed after (before)
+        these counts ([Note: the tracing window] in infinity/engine/tracing.py)."""
+        st = self._st
+        with st.lock:
+            fn()
+            return st.read.nbytes, st.write.nbytes
 
     def _reclaim(self, nbytes: int) -> None:
         """The pool's reclaimer (registered weakly, so it is a method of the facade)."""

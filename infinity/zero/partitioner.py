@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import time
 import weakref
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
@@ -64,6 +65,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from infinity.timeline import Timeline
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
 from infinity.zero.gathered import PARAM_OWNERS, room_refusal
@@ -95,6 +97,7 @@ class ShardSource(Protocol):
 class _Frame:
     module: nn.Module
     units: list[ParamUnit]
+    span: Any = None  # the timeline span of the module's compute, while one records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,7 @@ class Stage3Partitioner:
             tuple[int, int, ParamUnit]
         ] = []  # gathered, non-persistent units by address
         self._backward_units: list[ParamUnit] = []
+        self._backward_since: dict[int, float] = {}  # unit index -> gathered for backward (tracing)
         self._copies: set[int] = (
             set()
         )  # units whose gathered buffer is a user copy (gather_for_user)
@@ -412,11 +416,23 @@ class Stage3Partitioner:
         for unit in self.uses.get(module, ()):
             self._hold(unit)
             frame.units.append(unit)
+        tl = Timeline.active
+        if tl is not None and frame.units:  # after the holds: compute starts once its units are in
+            phase = "recompute" if self._recomputing else "forward"
+            keys = [u.key for u in frame.units]
+            frame.span = tl.begin(
+                f"{phase} {type(module).__name__} {' '.join(keys)}",
+                "compute",
+                {"phase": phase, "units": keys},
+            )
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._frames or self._frames[-1].module is not module:
             return  # a forward that raised before our pre-hook ran
         frame = self._frames.pop()
+        tl = Timeline.active
+        if frame.span is not None and tl is not None:
+            tl.end(frame.span)
         for unit in frame.units:
             if self._recomputing:
                 self._hold_for_backward(unit)  # [Note: recomputation under stage 3]
@@ -479,6 +495,8 @@ class Stage3Partitioner:
         self._hold(unit)
         unit.backward_held = True
         self._backward_units.append(unit)
+        if Timeline.active is not None:
+            self._backward_since[unit.index] = time.monotonic()
 
     # -- backward ---------------------------------------------------------------
 
@@ -495,6 +513,18 @@ class Stage3Partitioner:
         if unit.backward_held:
             unit.backward_held = False
             self._unhold(unit)
+            since = self._backward_since.pop(unit.index, None)
+            tl = Timeline.active
+            if since is not None and tl is not None:
+                # From the unit gathered for backward (its read done) to its gradient reduced.
+                tl.span(
+                    f"backward {unit.key}",
+                    "compute",
+                    since,
+                    time.monotonic(),
+                    track="backward units",
+                    args={"phase": "backward", "units": [unit.key]},
+                )
 
     def abort_backward(self) -> None:
         """After a backward that raised (autograd then drops the callback queued for its end):

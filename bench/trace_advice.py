@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""The trace's advice, followed: a run whose host-memory budget starves the optimizer, traced; the
+budget ``infinity report`` advises; the same run with it. Prints both step times and the advice.
+
+The first run plans with the least budget the run can have (every array the planner may place on
+NVMe goes there: the optimizer's state is read and written every step); its trace is reported as
+``infinity report`` does, and the second run takes the host_memory_budget the advice names (the
+planner's prediction recorded in the trace). Step times are medians over the steps after the
+recorded ones' warm-up; this is a measurement, not a test (tests never assert on timings).
+
+  python bench/trace_advice.py                    # ~10M parameters, 6 steps each
+  python bench/trace_advice.py --params 30e6 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+
+def train(cfg: dict, gpt, steps: int) -> list[float]:
+    import torch
+
+    import infinity
+    from infinity.models import GPT, TextCorpus
+
+    torch.manual_seed(0)
+    with infinity.zero.Init(cfg):
+        model = GPT(gpt)
+    engine = infinity.initialize(model, cfg)
+    corpus = TextCorpus()
+    times = []
+    try:
+        for i in range(steps):
+            x, y = corpus.batch(i, cfg["train_micro_batch_size_per_gpu"], gpt.seq_len)
+            t = time.perf_counter()
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss.item()
+            times.append(time.perf_counter() - t)
+    finally:
+        engine.close()
+    return times
+
+
+def least_budget(cfg: dict, gpt) -> int:
+    """What the run needs with every array the planner may spill on NVMe."""
+    import torch
+
+    import infinity
+    from infinity.config import load_config
+    from infinity.estimate.context import run_context
+    from infinity.estimate.placement import place_in_budget
+    from infinity.models import GPT
+
+    torch.manual_seed(0)
+    with infinity.zero.Init(cfg):
+        model = GPT(gpt)
+    c = load_config(cfg)
+    ctx = run_context(model, c, device="cpu", world_size=1)
+    return place_in_budget(model, c, ctx, budget_nbytes=0, budget_source="bench").chosen.need_nbytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--params", type=float, default=10e6)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--keep", default=None, help="a folder to keep the two trace files in")
+    args = ap.parse_args()
+
+    from infinity.cli.demo import demo_config
+    from infinity.cli.report import describe
+    from infinity.models import GPTConfig
+    from infinity.timeline import read_trace
+    from infinity.timeline.breakdown import step_breakdowns
+
+    gpt = GPTConfig.for_params(args.params, seq_len=args.seq)
+    root = Path(args.nvme_path or Path.home() / ".cache")
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as nvme, tempfile.TemporaryDirectory() as tmp:
+        out = args.keep or tmp
+        largest = max(gpt.vocab_size, 4 * gpt.d_model) * gpt.d_model + 4 * gpt.d_model
+        cfg = demo_config(
+            nvme, lr=3e-4, steps=args.steps, micro_batch=1, bf16=False, largest_unit=largest
+        )
+        del cfg["scheduler"]
+        for section in ("offload_param", "offload_optimizer"):
+            cfg["zero_optimization"][section] = {"device": "auto", "nvme_path": nvme}
+        del cfg["zero_optimization"]["sub_group_size"]
+        cfg["host_memory_budget"] = least_budget(cfg, gpt)
+        trace = Path(out) / "starved.json"
+        cfg["trace"] = {"enabled": True, "output_path": str(trace), "first_step": 2, "steps": 2}
+        starved = train(cfg, gpt, args.steps)
+        doc = read_trace(trace)
+        plan = doc["infinity"]["plan"]
+        print(f"starved run: host_memory_budget {cfg['host_memory_budget'] / 2**30:.3f} GiB")
+        print("\n".join(describe(step_breakdowns(doc), plan)))
+        prediction = plan.get("prediction") or {}
+        if "budget_nbytes" not in prediction:
+            print(f"no budget advised (prediction: {json.dumps(prediction)}); nothing to follow")
+            return 1
+        cfg["host_memory_budget"] = prediction["budget_nbytes"]
+        cfg["trace"] = {
+            "enabled": True,
+            "output_path": str(Path(out) / "fed.json"),
+            "first_step": 2,
+            "steps": 2,
+        }
+        fed = train(cfg, gpt, args.steps)
+        fed_doc = read_trace(Path(out) / "fed.json")
+        print(f"\nfollowed: host_memory_budget {cfg['host_memory_budget'] / 2**30:.3f} GiB")
+        print("\n".join(describe(step_breakdowns(fed_doc), fed_doc["infinity"]["plan"])))
+    a, b = statistics.median(starved[2:]), statistics.median(fed[2:])
+    print(
+        f"\nmedian step (steps 2..{args.steps - 1}): starved {a:.3f} s, advised budget {b:.3f} s "
+        f"({(b - a) / a:+.0%}); machine shared with other work: figures vary run to run"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
