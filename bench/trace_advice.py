@@ -10,6 +10,7 @@ recorded ones' warm-up; this is a measurement, not a test (tests never assert on
 
   python bench/trace_advice.py                    # ~10M parameters, 6 steps each
   python bench/trace_advice.py --params 30e6 --steps 8
+  python bench/trace_advice.py --quick            # ~2M parameters, 4 steps each (the CI smoke run)
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--keep", default=None, help="a folder to keep the two trace files in")
+    ap.add_argument("--quick", action="store_true", help="~2M parameters, sequence 32, 4 steps")
     args = ap.parse_args()
+    if args.quick:  # the least that still records steps 2-3 and has steps after them to time
+        args.params, args.seq, args.steps = 2e6, 32, 4
 
     from infinity.cli.demo import demo_config
     from infinity.cli.report import describe
