@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def train(cfg: dict, gpt, steps: int) -> list[float]:
@@ -77,7 +80,18 @@ def main() -> int:
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--keep", default=None, help="a folder to keep the two trace files in")
     ap.add_argument("--quick", action="store_true", help="~2M parameters, sequence 32, 4 steps")
+    ap.add_argument("--out", default=None, help="JSON output (default below)")
     args = ap.parse_args()
+    results = os.environ.get("INFINITY_BENCH_RESULTS")  # tests/test_benchmarks.py's smoke runs
+    name = f"trace_advice{'-quick' if args.quick else ''}.json"
+    out_path = Path(
+        args.out
+        or (
+            Path(results) / name
+            if results
+            else ROOT / "bench" / ("out" if args.quick else "results") / name
+        )
+    )
     if args.quick:  # the least that still records steps 2-3 and has steps after them to time
         args.params, args.seq, args.steps = 2e6, 32, 4
 
@@ -112,6 +126,8 @@ def main() -> int:
         if "budget_nbytes" not in prediction:
             print(f"no budget advised (prediction: {json.dumps(prediction)}); nothing to follow")
             return 1
+        starved_budget = cfg["host_memory_budget"]
+        advice = describe(step_breakdowns(doc), plan)[-1]
         cfg["host_memory_budget"] = prediction["budget_nbytes"]
         cfg["trace"] = {
             "enabled": True,
@@ -128,6 +144,21 @@ def main() -> int:
         f"\nmedian step (steps 2..{args.steps - 1}): starved {a:.3f} s, advised budget {b:.3f} s "
         f"({(b - a) / a:+.0%}); machine shared with other work: figures vary run to run"
     )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "params": args.params,
+        "seq": args.seq,
+        "steps": args.steps,
+        "starved_budget_nbytes": starved_budget,
+        "advised_budget_nbytes": prediction["budget_nbytes"],
+        "advice": advice,
+        "starved_step_s": starved,
+        "advised_step_s": fed,
+        "starved_median_s": a,
+        "advised_median_s": b,
+    }
+    out_path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out_path}")
     return 0
 
 
