@@ -350,3 +350,27 @@ def test_training_data_with_collate_fn_and_drop_last():
     assert seen == [2, 2, 2, 1] and len(loader) == 4  # dataloader_drop_last defaults to False
     assert batches[0][0].shape == (2, 8)
     engine.destroy()
+
+
+def test_save_16bit_model_writes_deepspeeds_file_and_was_step_applied(tmp_path):
+    torch.manual_seed(0)
+    engine, *_ = deepspeed.initialize(model=models.Regressor(), config=_cfg())
+    applied = []
+    for batch in _batches(4):
+        engine.backward(engine(batch))
+        engine.step()
+        applied.append(engine.was_step_applied())
+    assert applied == [False, True, False, True]  # gradient_accumulation_steps 2
+    gathered = engine.engine.gathered_state_dict()
+    assert engine.save_16bit_model(tmp_path / "bin") is True  # DeepSpeed's default name
+    loaded = torch.load(tmp_path / "bin" / "pytorch_model.bin", weights_only=True)
+    assert loaded.keys() == gathered.keys()
+    assert all(torch.equal(loaded[k], gathered[k]) for k in gathered)
+    engine.save_16bit_model(tmp_path / "st", "model.safetensors")
+    from safetensors.torch import load_file
+
+    streamed = load_file(tmp_path / "st" / "model.safetensors")
+    assert all(torch.equal(streamed[k], gathered[k]) for k in gathered)
+    with pytest.raises(NotImplementedError, match="exclude_frozen_parameters"):
+        engine.save_16bit_model(tmp_path, exclude_frozen_parameters=True)
+    engine.destroy()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from infinity.compat.deepspeed.errors import refuse
@@ -33,6 +34,7 @@ class DeepSpeedEngine(nn.Module):
         self.module = engine.module
         self.__dict__["engine"] = engine  # not a submodule: the model is reached through ``module``
         self.training_dataloader = training_dataloader
+        self._step_applied = False
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -84,7 +86,15 @@ class DeepSpeedEngine(nn.Module):
                 "infinity steps the lr scheduler with no arguments",
                 "step the scheduler yourself, or pass a scheduler that needs none",
             )
-        self.engine.step()
+        engine = self._training("step()")
+        boundary, skipped = engine.is_gradient_accumulation_boundary(), engine.skipped_steps
+        engine.step()
+        self._step_applied = boundary and engine.skipped_steps == skipped
+
+    def was_step_applied(self) -> bool:
+        """Whether the last ``step()`` updated the weights: False between accumulation boundaries
+        and for a step skipped for non-finite gradients, as DeepSpeed's."""
+        return self._step_applied
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -203,6 +213,34 @@ class DeepSpeedEngine(nn.Module):
         self.engine.close()
 
     # -- checkpoints --------------------------------------------------------------------
+
+    def save_16bit_model(
+        self,
+        save_dir: str | os.PathLike,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """The full weights in the training dtype in ``save_dir/save_filename``, as DeepSpeed writes
+        them: a ``torch.save`` of the gathered state dict for a ``.bin`` name (the whole model in
+        host memory on every rank, as DeepSpeed consolidates it; rank 0 writes), streamed into one
+        safetensors file for a ``.safetensors`` name (infinity's ``save_16bit_model``). Every rank
+        must call it. Returns True, as DeepSpeed does."""
+        if exclude_frozen_parameters:
+            raise refuse(
+                "engine.save_16bit_model(exclude_frozen_parameters=True)",
+                "infinity writes every weight of the model",
+                "leave it False and drop the frozen names from the file after loading it",
+            )
+        name = os.fspath(save_filename)
+        if name.endswith(".safetensors"):
+            self.engine.save_16bit_model(save_dir, name, layout="state_dict")
+            return True
+        state = self.engine.gathered_state_dict()
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if rank == 0:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(save_dir) / name)
+        return True
 
     def save_checkpoint(
         self,

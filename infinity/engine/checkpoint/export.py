@@ -606,6 +606,8 @@ def save_16bit_model(
         chosen = _choose_layout(layout, hf_cfg is not None, max_shard_size)
         engine.synchronize()  # the live values are those after an optimizer step still in flight
         if chosen == "state_dict":
+            if out.suffix == ".safetensors" and group.rank == 0:
+                out.parent.mkdir(parents=True, exist_ok=True)  # as DeepSpeed's save_16bit_model
             _check_out_path(out)
         elif not save_filename.endswith(".safetensors"):
             raise ValueError(
