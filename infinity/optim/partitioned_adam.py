@@ -279,29 +279,70 @@ class PartitionedAdam(torch.optim.Optimizer):
         # released here.
         issuer = self._issuer()
         pending = issuer.submit(self._fetch, groups[0]) if groups else None
-        for i, group in enumerate(groups):
-            assert pending is not None  # submitted for every group before its turn
-            current = result_of(
-                pending,
-                what=f"the reads of optimizer sub-group {i} of {len(groups)} "
-                "(issued from thread infinity-optim-reads)",
-                log=log,
-                kind="read",
-            )
-            pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
-            tl = Timeline.active
-            span = None
-            if tl is not None:
-                span = tl.begin(
-                    f"Adam sub-group {i} of {len(groups)}",
-                    "optimizer",
-                    {"units": [s.index for s in group], "numel": sum(s.numel for s in group)},
+        current: dict[tuple[int, str], Any] = {}
+        updated: set[int] = set()  # shards of ``current`` whose keys _update_shard gave back
+        try:
+            for i, group in enumerate(groups):
+                assert pending is not None  # submitted for every group before its turn
+                current, updated = {}, set()
+                current = result_of(
+                    pending,
+                    what=f"the reads of optimizer sub-group {i} of {len(groups)} "
+                    "(issued from thread infinity-optim-reads)",
+                    log=log,
+                    kind="read",
                 )
+                pending = issuer.submit(self._fetch, groups[i + 1]) if i + 1 < len(groups) else None
+                tl = Timeline.active
+                span = None
+                if tl is not None:
+                    span = tl.begin(
+                        f"Adam sub-group {i} of {len(groups)}",
+                        "optimizer",
+                        {"units": [s.index for s in group], "numel": sum(s.numel for s in group)},
+                    )
+                try:
+                    self._update_group(
+                        group, current, grad_scale, has_grad, hyper, on_shard_done, updated
+                    )
+                finally:
+                    if span is not None and tl is not None:
+                        tl.end(span)
+        except BaseException:
+            # A step that raises (Ctrl-C above all) still holds the keys of the sub-group it was
+            # updating and of the next one, read ahead: held, they would stay pinned in the pool
+            # for as long as the store lives (close() warned of them).
+            self._give_back({k: f for k, f in current.items() if k[0] not in updated}, pending)
+            raise
+
+    def _give_back(
+        self, held: dict[tuple[int, str], Any], pending: concurrent.futures.Future | None
+    ) -> None:
+        """Releases the keys a step that raised still holds: ``held`` (fetched, not updated) and
+        those of ``pending``, the next sub-group's reads, once issued. Each read is waited for
+        first (a read in flight cannot be given back); a failed one holds nothing."""
+        if pending is not None:
             try:
-                self._update_group(group, current, grad_scale, has_grad, hyper, on_shard_done)
-            finally:
-                if span is not None and tl is not None:
-                    tl.end(span)
+                held = {
+                    **held,
+                    **result_of(
+                        pending,
+                        what="the reads of the next optimizer sub-group, to give them back",
+                        log=log,
+                    ),
+                }
+            except Exception:
+                log.exception("infinity optimizer: the next sub-group's reads failed")
+        for (index, name), fut in held.items():
+            if name == "param":
+                store, key = self._params_of(self._shard_of[index])
+            else:
+                store, key = self.state_store, (index, name)
+            try:
+                if fut.exception() is None:
+                    store.release(key)
+            except Exception:  # never in place of the error being raised
+                log.exception("infinity optimizer: giving back key %r after a failed step", key)
 
     def _update_group(
         self,
@@ -311,8 +352,10 @@ class PartitionedAdam(torch.optim.Optimizer):
         has_grad: Sequence[torch.Tensor],
         hyper: list[AdamHyper],
         on_shard_done: Callable[[int], None] | None,
+        updated: set[int],
     ) -> None:
-        """Updates one sub-group's shards, whose reads ``current`` holds."""
+        """Updates one sub-group's shards, whose reads ``current`` holds; each shard's index is
+        added to ``updated`` once its keys are given back."""
         for s in group:
             self._update_shard(
                 s,
@@ -321,6 +364,7 @@ class PartitionedAdam(torch.optim.Optimizer):
                 has_grad[s.index],
                 hyper,
             )
+            updated.add(s.index)
             for seg in s.segments:
                 if self._group_of[seg.param] is not None and bool(has_grad[s.index][seg.slot]):
                     self.param_steps[seg.param] += 1
