@@ -122,8 +122,20 @@ def main() -> None:
             model = GPT(cfg)
         num_params = cfg.num_params
     phases = {"built": status()}
+    init_pool = None
+    if spec.get("zero_init"):
+        import weakref
+
+        from infinity.zero.init import init_store_of
+
+        init_store = init_store_of(model.parameters())
+        if init_store is not None:
+            init_pool = weakref.ref(init_store.store.pool)
+        del init_store
     engine = infinity.initialize(model, spec["config"])
     phases["initialized"] = status()
+    # the estimate counts zero.Init's pool in initialize's phase only (itemise.py "zero.Init pool")
+    init_pool_alive = init_pool is not None and init_pool() is not None
     nvme = spec.get("nvme_path")
     swap = disk_nbytes(nvme) if nvme else 0
     g = torch.Generator().manual_seed(0)
@@ -150,6 +162,7 @@ def main() -> None:
                 "losses": losses,
                 "phases": phases,
                 "num_params": num_params,
+                "init_pool_alive": init_pool_alive,
             }
         )
     )
