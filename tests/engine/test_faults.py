@@ -109,3 +109,39 @@ def test_a_wait_for_the_overlapped_step_says_so_and_ends_if_its_thread_is_gone(m
     ov.progress._thread, ov.progress._running = gone, True
     with pytest.raises(RuntimeError, match="ended without finishing the step"):
         ov.synchronize()
+
+
+@pytest.mark.parametrize("failing_call", [2, 9])
+def test_an_optimizer_step_that_raises_gives_back_what_it_read(
+    nvme_dir, monkeypatch, caplog, failing_call
+):
+    """An error inside the optimizer step (the 2nd Adam call: the persistent units', stepped in the
+    main thread; the 9th: the background step's) leaves no key held: the sub-group being updated and
+    the one read ahead are given back, so close() finds nothing pinned in the pools."""
+    import logging
+
+    from infinity.optim import partitioned_adam
+
+    calls = [0]
+    real = partitioned_adam.adam_step
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == failing_call:
+            raise RuntimeError("injected Adam failure")
+        return real(*args, **kwargs)
+
+    torch.manual_seed(0)
+    engine = infinity.initialize(tiny_gpt(), engine_config(3, "nvme", "nvme", nvme_dir, gas=1))
+    try:
+        _train_step(engine, 0)
+        monkeypatch.setattr(partitioned_adam, "adam_step", failing)
+        with pytest.raises(RuntimeError, match="injected Adam failure"):
+            _train_step(engine, 1)
+            engine.synchronize()  # the background step's error
+        assert calls[0] >= failing_call
+    finally:
+        with caplog.at_level(logging.WARNING, logger="infinity.store"):
+            engine.close()
+    held = [r.getMessage() for r in caplog.records if "still held" in r.getMessage()]
+    assert held == []
