@@ -174,6 +174,14 @@ class MultiNodeRun:
             last[r["rank"]] = r
         return dict(sorted(last.items()))
 
+    def restarts(self) -> dict[int, int]:
+        """torchrun's restart count (TORCHELASTIC_RESTART_COUNT) as each node's last report says
+        it: how often that node's agent restarted its workers (a rebooted agent counts afresh)."""
+        last: dict[int, int] = {}
+        for r in self.reports:
+            last[r["node"]] = r["restart_count"]
+        return dict(sorted(last.items()))
+
     def node_dir(self, node: int, path: str | os.PathLike) -> Path:
         """Node ``node``'s own directory behind the shared ``path`` (one of ``node_paths``)."""
         p = Path(path).absolute()
@@ -240,6 +248,10 @@ def run_nodes(
         [str(REPO), *filter(None, base_env.get("PYTHONPATH", "").split(os.pathsep))]
     )
     base_env.setdefault("OMP_NUM_THREADS", "1")
+    # A node that rejoins after a kill waits forever for the next round's MASTER_ADDR when the
+    # agents share their rendezvous TCPStore with the workers (torch 2.13: the surviving rank-0
+    # agent keeps the last round's address and never writes it for the new round).
+    base_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     base_env[_ENV_RESULTS] = str(results)
     base_env[_ENV_PATHS] = os.pathsep.join(map(str, paths))
 

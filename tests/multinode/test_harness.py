@@ -1,5 +1,5 @@
 """The multi-node harness itself: private storage per node, the rank to node mapping, a killed node
-reported."""
+reported, a killed node rebooted and the job restarted by torchrun's --max-restarts."""
 
 from pathlib import Path
 
@@ -56,3 +56,22 @@ def test_a_killed_node_is_reported(nvme_dir):
     assert not any(r.get("total") for r in run.reports)  # nobody finished
     with pytest.raises(AssertionError, match=r"node 1: exit statuses by launch \[-9\]"):
         run.check()
+
+
+def test_a_rebooted_node_rejoins_and_torchrun_restarts_the_job(nvme_dir):
+    run = run_nodes(
+        WORKER,
+        2,
+        1,
+        workdir=nvme_dir,
+        args=["steps", "5"],
+        max_restarts=2,
+        kill=Kill(node=1, marker="step 2", reboot=True),
+        timeout=240,
+    ).check()
+    assert run.nodes[1].kills == 1 and run.nodes[1].returncodes == [-9, 0]
+    assert run.nodes[0].launches == 1  # the survivor's agent lived on and restarted its worker
+    final = run.final()
+    assert [rep["total"] for rep in final.values()] == [10.0, 10.0]  # 5 steps of 2 ranks
+    assert run.restarts()[0] >= 1  # the survivor's workers were restarted by torchrun
+    assert next(rep for rep in final.values() if rep["node"] == 1)["launch"] == 1
