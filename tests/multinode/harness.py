@@ -206,6 +206,7 @@ def run_nodes(
     max_restarts: int = 0,
     kill: Kill | None = None,
     timeout: float = 300.0,
+    module: bool = False,
 ) -> MultiNodeRun:
     """Runs ``script`` (a Python file, with ``args``) on ``nnodes`` nodes of ``nproc_per_node``
     ranks each and waits for every agent to exit (or ``timeout`` seconds: then all are killed and
@@ -215,7 +216,8 @@ def run_nodes(
     under ``<workdir>/node/`` (so the defaults are ``<workdir>/node/nvme`` and
     ``<workdir>/node/ckpt``). They must not lie under ``<workdir>/nodes`` (hidden in every node).
     ``env``: added to the workers' environment (over this process's). ``max_restarts``: torchrun's
-    ``--max-restarts``. ``kill``: one node to kill during the run (see ``Kill``).
+    ``--max-restarts``. ``kill``: one node to kill during the run (see ``Kill``). ``module``:
+    ``script`` is a module name, run as ``python -m`` runs it (torchrun's ``--module``).
     """
     reason = namespaces_unavailable()
     if reason:
@@ -275,6 +277,7 @@ def run_nodes(
             "--rdzv-conf=is_host=false,join_timeout=120",
             f"--max-restarts={max_restarts}",
             "--monitor-interval=0.2",
+            *(["--module"] if module else []),
             os.fspath(script),
             *args,
         ]
