@@ -277,9 +277,9 @@ def node_report(path: Path) -> dict[str, Any]:
     import socket
 
     from infinity.estimate.budget import default_budget
-    from infinity.estimate.machine import machine_view
+    from infinity.estimate.machine import machine_view, ranks_on_this_node
 
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = ranks_on_this_node()
     budget, how = default_budget(machine_view([path]), ranks)
     return {
         "node": int(os.environ.get("GROUP_RANK", "0")),
