@@ -11,6 +11,8 @@ agent per node on loopback (gloo), each inside its own mount and PID namespaces
   hidden under an empty tmpfs inside the namespace, so a rank that reaches for another node's
   files does not find them, as on separate machines. ``MultiNodeRun.node_dir(k, path)`` is node
   k's backing directory of ``path``, for the test to inspect after (or during) the run.
+  Any other path (under the workdir, say) is one directory every node sees: shared storage, as an
+  NFS mount is (the mixed recipe: checkpoints shared, swap node-local).
 - **A node dies as a machine does.** ``Kill(node, marker=..., after_s=...)`` sends SIGKILL to that
   node's agent once a line containing ``marker`` has appeared in the output (of the node
   ``watch``, or of any node), ``after_s`` seconds later. The agent is the init of its PID

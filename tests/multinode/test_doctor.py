@@ -9,6 +9,8 @@ import pytest
 from infinity.cli.doctor import format_node
 from tests.multinode.harness import run_nodes, skip_unless_namespaces
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 @pytest.fixture(autouse=True)
 def _namespaces():

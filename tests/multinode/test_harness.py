@@ -10,6 +10,9 @@ from tests.multinode.harness import Kill, run_nodes, skip_unless_namespaces
 WORKER = Path(__file__).with_name("harness_worker.py")
 
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
 @pytest.fixture(autouse=True)
 def _namespaces():
     skip_unless_namespaces()

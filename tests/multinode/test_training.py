@@ -23,6 +23,9 @@ from tests.multinode.train_worker import GAS, STEPS
 WORKER = Path(__file__).with_name("train_worker.py")
 
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
 @pytest.fixture(autouse=True)
 def _namespaces():
     skip_unless_namespaces()
