@@ -5,6 +5,12 @@ nvme_path (infinity.store.nvme_path, the same refusal and message), O_DIRECT and
 huge pages, the locked-memory limit, CPU SIMD flags, torch and CUDA. Sizes are in binary units
 (GiB, MiB) as everywhere in infinity. Nothing here changes the machine; a probe file is created and
 removed under ``--path``.
+
+Under ``torchrun`` (WORLD_SIZE > 1) it checks every node: local rank 0 of each node collects the
+node's findings (``--path`` as that node sees it: node-local drives differ), with how many ranks
+share the node and the host-memory budget each gets by default (the planner's, budget.py); rank 0
+gathers them over a gloo process group and prints one block per node (``--json``: a list with one
+object per node); the other ranks print nothing.
 """
 
 from __future__ import annotations
@@ -265,7 +271,83 @@ def _view_from(d: dict[str, Any]):
     )
 
 
+def node_report(path: Path) -> dict[str, Any]:
+    """This node as torchrun describes it (GROUP_RANK, LOCAL_WORLD_SIZE), with the host-memory
+    budget each of its ranks gets by default and this node's findings (collect)."""
+    import socket
+
+    from infinity.estimate.budget import default_budget
+    from infinity.estimate.machine import machine_view, ranks_on_this_node
+
+    ranks = ranks_on_this_node()
+    budget, how = default_budget(machine_view([path]), ranks)
+    return {
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "host": socket.gethostname(),
+        "ranks_per_node": ranks,
+        "budget_per_rank_bytes": budget,
+        "budget_per_rank": how,
+        "report": collect(path),
+    }
+
+
+def under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def gather_nodes(path: Path) -> list[dict[str, Any]] | None:
+    """On rank 0, every node's node_report (local rank 0 of each collects it), by node; None on
+    the other ranks. Joins (and leaves) a gloo process group from torchrun's environment."""
+    import torch.distributed as dist
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo")
+    try:
+        mine = node_report(path) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+        mine_ranks = (int(os.environ.get("GROUP_RANK", "0")), dist.get_rank())
+        gathered: list[Any] | None = (
+            [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        )
+        dist.gather_object((mine_ranks, mine), gathered, dst=0)
+    finally:
+        if made:
+            dist.destroy_process_group()
+    if gathered is None:
+        return None
+    nodes: dict[int, dict[str, Any]] = {}
+    ranks: dict[int, list[int]] = {}
+    for (node, rank), report in gathered:
+        ranks.setdefault(node, []).append(rank)
+        if report is not None:
+            nodes[node] = report
+    missing = sorted(set(ranks) - set(nodes))
+    if missing:
+        raise RuntimeError(
+            f"no local rank 0 reported for node(s) {missing}: torchrun's LOCAL_RANK and GROUP_RANK "
+            "are inconsistent; run doctor with torchrun as the job itself is launched"
+        )
+    return [dict(nodes[k], ranks=sorted(ranks[k])) for k in sorted(nodes)]
+
+
+def format_node(n: dict[str, Any]) -> str:
+    head = (
+        f"== node {n['node']} ({n['host']}): ranks {', '.join(map(str, n['ranks']))}; "
+        f"{n['ranks_per_node']} rank(s) share its memory, each planned within {n['budget_per_rank']}"
+    )
+    return head + "\n" + format_report(n["report"])
+
+
 def run(args: argparse.Namespace) -> int:
+    if under_torchrun():
+        nodes = gather_nodes(args.path)
+        if nodes is not None:
+            print(
+                json.dumps(nodes, indent=2)
+                if args.json
+                else "\n\n".join(format_node(n) for n in nodes)
+            )
+        return 0
     report = collect(args.path)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0

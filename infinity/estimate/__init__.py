@@ -44,6 +44,7 @@ from infinity.estimate.machine import (
     MachineView,
     describe_machine,
     machine_view,
+    ranks_on_this_node,
     runtime_baseline_nbytes,
 )
 from infinity.estimate.model import ModelSpec, describe_model
@@ -95,6 +96,7 @@ __all__ = [
     "plan_runtime",
     "plan_runtime_for_rank",
     "preflight",
+    "ranks_on_this_node",
     "runtime_baseline_nbytes",
     "tune",
     "warn_preflight_skipped",

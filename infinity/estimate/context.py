@@ -14,7 +14,6 @@ available memory and ``host_memory_budget`` bounds.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +23,7 @@ from infinity.config import InfinityConfig
 from infinity.estimate.activations import Activations
 from infinity.estimate.breakdown import Breakdown
 from infinity.estimate.itemise import itemise
-from infinity.estimate.machine import runtime_baseline_nbytes
+from infinity.estimate.machine import ranks_on_this_node, runtime_baseline_nbytes
 from infinity.estimate.model import ModelSpec, describe_model
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.estimate.traced import PREFLIGHT_MAX_SEQ, max_context, model_activations
@@ -91,6 +90,6 @@ def run_context(
         activations=acts,
         device_type=device_type,
         world_size=world_size,
-        ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        ranks_per_node=ranks_on_this_node(),
         checkpointing=checkpointing,
     )

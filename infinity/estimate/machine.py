@@ -5,7 +5,8 @@ process's memory cgroup, whose limit caps what is available inside a container; 
 torch.cuda.mem_get_info); nothing is allocated. ``machine_view()`` is what
 the estimator checks settings against and what ``infinity doctor`` prints
 (``describe_machine``). Also here: the process baseline — the resident memory
-of a process that has imported torch and infinity, measured, not assumed.
+of a process that has imported torch and infinity, measured, not assumed; and how many ranks
+share this machine (``ranks_on_this_node``), which divides its memory among them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,23 @@ class MachineView:
     def disk(self, path: str | os.PathLike) -> DiskInfo | None:
         p = os.fspath(path)
         return next((d for d in self.disks if d.path == p), None)
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks share this machine's memory and drives: torchrun's ``LOCAL_WORLD_SIZE``
+    (1 when unset: one process, or a launcher that does not say). The one place it is read: the
+    planner's budget, the pre-flight checks and ``infinity doctor`` all divide the machine by it."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        ranks = int(raw)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE={raw!r} is not a number of ranks on this machine (an integer >= 1); "
+            "launch with torchrun, which sets it, or set it to the number of ranks per machine"
+        )
+    return ranks
 
 
 def runtime_baseline_nbytes() -> int:

@@ -59,6 +59,7 @@ from infinity.estimate import (
     nvme_path_value,
     partitioner_working_set,
     plan_runtime,
+    ranks_on_this_node,
     runtime_baseline_nbytes,
     warn_preflight_skipped,
 )
@@ -500,7 +501,7 @@ def preflight_inference(
         zero_init=zinit,
         runtime=runtime,
     )
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks = ranks_on_this_node()
     view = machine or machine_view(path for path, _ in own.nvme_by_path)
     fit = check_fit(own, view, ranks_per_node=ranks, held_nbytes=held * ranks, engine_checks=True)
     failed = torch.tensor([0 if fit.ok else 1], dtype=torch.int32)
