@@ -48,6 +48,10 @@ class StepBreakdown:
     write_nbytes: int
     read_busy_s: float
     """Seconds with at least one read in flight (the union of the read spans)."""
+    optimizer_io_s: float = 0.0
+    """Seconds the optimizer's work waited for reads, writes or pool memory in the step: the waits
+    on the tracks that run Adam sub-groups, but the driving thread's only inside a sub-group (its
+    other waits are the forward's and backward's). What keeping its state in memory removes."""
 
     def share(self, part: str) -> float:
         return self.parts[part] / self.wall_s if self.wall_s > 0 else 0.0
@@ -112,11 +116,31 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _optimizer_waits(spans: list[dict[str, Any]], driver: int | None) -> list[dict[str, Any]]:
+    """The I/O waits of the optimizer's work (see ``StepBreakdown.optimizer_io_s``)."""
+    adam: dict[int, list[tuple[float, float]]] = {}
+    for e in spans:
+        if e["cat"] == "optimizer":
+            adam.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    out = []
+    for e in spans:
+        if e["cat"] != "wait" or e["tid"] not in adam:
+            continue
+        if _WAIT_PART.get(e["args"].get("kind", "")) not in ("exposed read", "exposed write"):
+            continue
+        a, b = e["ts"], e["ts"] + e["dur"]
+        if e["tid"] == driver and not any(x <= a and b <= y for x, y in adam[e["tid"]]):
+            continue
+        out.append(e)
+    return out
+
+
 def step_breakdowns(doc: dict[str, Any]) -> list[StepBreakdown]:
     """Each recorded step of a trace document, split as [Note: where the step went] says."""
     tid = driving_track(doc)
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     mine = [e for e in spans if e["tid"] == tid]
+    optimizer_waits = _optimizer_waits(spans, tid)
     out = []
     for s in doc["infinity"]["steps"]:
         lo, hi = s["begin"], s["end"]
@@ -127,6 +151,11 @@ def step_breakdowns(doc: dict[str, Any]) -> list[StepBreakdown]:
             e for e in spans if e["cat"] in ("read", "write") and lo <= e["ts"] + e["dur"] < hi
         ]
         reads = [e for e in ended if e["cat"] == "read"]
+        waited: dict[int, list[tuple[float, float]]] = {}
+        for e in optimizer_waits:
+            a, b = max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+            if b > a:
+                waited.setdefault(e["tid"], []).append((a, b))
         out.append(
             StepBreakdown(
                 step=s["step"],
@@ -135,6 +164,7 @@ def step_breakdowns(doc: dict[str, Any]) -> list[StepBreakdown]:
                 read_nbytes=sum(e["args"]["bytes"] for e in reads),
                 write_nbytes=sum(e["args"]["bytes"] for e in ended if e["cat"] == "write"),
                 read_busy_s=_union_us([(e["ts"], e["ts"] + e["dur"]) for e in reads]) / 1e6,
+                optimizer_io_s=sum(_union_us(w) for w in waited.values()) / 1e6,
             )
         )
     return out
@@ -152,4 +182,5 @@ def mean_breakdown(steps: list[StepBreakdown]) -> StepBreakdown:
         read_nbytes=sum(s.read_nbytes for s in steps) // n,
         write_nbytes=sum(s.write_nbytes for s in steps) // n,
         read_busy_s=sum(s.read_busy_s for s in steps) / n,
+        optimizer_io_s=sum(s.optimizer_io_s for s in steps) / n,
     )
