@@ -125,3 +125,25 @@ def _read(path):
     from infinity.timeline import read_trace
 
     return read_trace(path)
+
+
+def test_the_backwards_own_time_outside_every_units_backward_is_autograd(tmp_path):
+    """The backward phase's self time splits by what the units' backward spans (on their own
+    track) cover: covered is compute, the rest autograd; a wait inside stays exposed read."""
+    m = "MainThread"
+    spans = [
+        Span("forward", "phase", 0.0, 0.5, m, None),
+        Span("backward", "phase", 0.5, 1.0, m, None),
+        Span("unit 'p1'", "wait", 0.7, 0.75, m, {"kind": "read"}),
+        Span("backward p1", "compute", 0.6, 0.8, "backward units", {"phase": "backward"}),
+        Span("backward p0", "compute", 0.65, 0.7, "backward units", {"phase": "backward"}),
+    ]
+    steps = [{"step": 0, "begin": 0.0, "end": 1e6}]
+    [s] = step_breakdowns(_read(_trace(tmp_path, spans, steps, PLAN)))
+    assert s.parts["autograd"] == pytest.approx(0.30)  # [0.5, 0.6) and [0.8, 1.0)
+    assert s.parts["compute"] == pytest.approx(0.5 + 0.15)  # the forward, [0.6, 0.7), [0.75, 0.8)
+    assert s.parts["exposed read"] == pytest.approx(0.05)
+    assert sum(s.parts[p] for p in PARTS) == pytest.approx(1.0)
+    # Without any unit's backward span the trace cannot split it: the backward is compute.
+    [s] = step_breakdowns(_read(_trace(tmp_path, spans[:3], steps, PLAN)))
+    assert s.parts["autograd"] == 0.0 and s.parts["compute"] == pytest.approx(0.95)
