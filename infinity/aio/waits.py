@@ -79,14 +79,13 @@ def wait_until(
             return _wait_until(ready, what, log, timeout, cause, holder)
         finally:
             tl.end(token)
-    name = _text(what)  # named as it starts: once it ends, what it waited for has changed
     t0 = time.monotonic()
     try:
         return _wait_until(ready, what, log, timeout, cause, holder)
     finally:
         t1 = time.monotonic()
-        if t1 - t0 >= SPAN_MIN_S:
-            tl.span(name, "wait", t0, t1, args={"kind": kind})
+        if t1 - t0 >= SPAN_MIN_S:  # named once it ends: ``what`` must name what it waited for
+            tl.span(_text(what), "wait", t0, t1, args={"kind": kind})
 
 
 def _wait_until(
