@@ -99,7 +99,8 @@ def main() -> int:
     from infinity.cli.report import describe
     from infinity.models import GPTConfig
     from infinity.timeline import read_trace
-    from infinity.timeline.breakdown import step_breakdowns
+    from infinity.timeline.advice import optimizer_saving_s
+    from infinity.timeline.breakdown import mean_breakdown, step_breakdowns
 
     gpt = GPTConfig.for_params(args.params, seq_len=args.seq)
     root = Path(args.nvme_path or Path.home() / ".cache")
@@ -128,6 +129,8 @@ def main() -> int:
             return 1
         starved_budget = cfg["host_memory_budget"]
         advice = describe(step_breakdowns(doc), plan)[-1]
+        starved_mean = mean_breakdown(step_breakdowns(doc))
+        predicted = optimizer_saving_s(starved_mean, plan)
         cfg["host_memory_budget"] = prediction["budget_nbytes"]
         cfg["trace"] = {
             "enabled": True,
@@ -137,12 +140,23 @@ def main() -> int:
         }
         fed = train(cfg, gpt, args.steps)
         fed_doc = read_trace(Path(out) / "fed.json")
+        fed_mean = mean_breakdown(step_breakdowns(fed_doc))
+        fed_plan = fed_doc["infinity"]["plan"]
+        # The structure the prediction assumed: the followed run keeps on NVMe what it said.
+        fed_nvme = sum(fed_plan["state"][c]["nvme_nbytes"] for c in fed_plan["optimizer_classes"])
+        if fed_nvme != prediction["optimizer_nvme_nbytes"]:
+            raise SystemExit(
+                f"the advised run keeps {fed_nvme} bytes of optimizer state on NVMe, the "
+                f"prediction said {prediction['optimizer_nvme_nbytes']}"
+            )
         print(f"\nfollowed: host_memory_budget {cfg['host_memory_budget'] / 2**30:.3f} GiB")
         print("\n".join(describe(step_breakdowns(fed_doc), fed_doc["infinity"]["plan"])))
     a, b = statistics.median(starved[2:]), statistics.median(fed[2:])
     print(
         f"\nmedian step (steps 2..{args.steps - 1}): starved {a:.3f} s, advised budget {b:.3f} s "
-        f"({(b - a) / a:+.0%}); machine shared with other work: figures vary run to run"
+        f"({(b - a) / a:+.0%}; predicted "
+        f"{'none' if predicted is None else f'-{predicted:.3f} s'}); machine shared with other "
+        "work: figures vary run to run"
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -156,6 +170,12 @@ def main() -> int:
         "advised_step_s": fed,
         "starved_median_s": a,
         "advised_median_s": b,
+        "predicted_saving_s": predicted,
+        "measured_saving_s": a - b,
+        "starved_optimizer_io_s": starved_mean.optimizer_io_s,
+        "advised_optimizer_io_s": fed_mean.optimizer_io_s,
+        "starved_optimizer_wait_s": starved_mean.parts["optimizer"],
+        "advised_optimizer_wait_s": fed_mean.parts["optimizer"],
     }
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out_path}")

@@ -84,7 +84,7 @@ def wait_until(
         return _wait_until(ready, what, log, timeout, cause, holder)
     finally:
         t1 = time.monotonic()
-        if t1 - t0 >= SPAN_MIN_S:
+        if t1 - t0 >= SPAN_MIN_S:  # named once it ends: ``what`` must name what it waited for
             tl.span(_text(what), "wait", t0, t1, args={"kind": kind})
 
 

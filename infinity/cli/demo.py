@@ -7,7 +7,9 @@ NVMe at a local path; trains it on the built-in corpus with a progress bar
 draws two panels in one PNG (``infinity_demo.png`` by default): the loss, and
 each step's time split into compute and exposed I/O (the training thread's
 wait for parameter reads), read from the engine's step records
-(infinity/engine/step_record.py).
+(infinity/engine/step_record.py). It records its last step on the timeline
+(``infinity_demo.trace.json``, docs/tracing.md) and ends its summary with
+where that step went and the advice ``infinity report`` gives for it.
 
 The learning rate warms up linearly over the first quarter of the steps to a
 peak of 3e-4, then decays on a cosine. A 150M GPT trained with batch 1 jumps
@@ -63,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="infinity_demo",
-        help="prefix of the PNG and JSON written: PREFIX.png, PREFIX.json (default infinity_demo)",
+        help="prefix of the files written: PREFIX.png, PREFIX.json, PREFIX.trace.json (default "
+        "infinity_demo)",
     )
     p.add_argument("--config", help="a DeepSpeed-style config to use instead of the demo's own")
 
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     import infinity
     from infinity.config import read_config_file
+    from infinity.engine.tracing import summary as summary_of_trace
     from infinity.host import peak_resident_host_nbytes
     from infinity.models import GPT, GPTConfig, TextCorpus
 
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
             bf16=args.bf16,
             largest_unit=largest_unit,
         )
+    trace_path = _record_last_step(config, args)
     print(
         f"infinity demo: GPT with {gpt.num_params / 1e6:.1f}M parameters ({gpt.n_layer} layers, "
         f"d_model {gpt.d_model}), seq {args.seq}, {args.steps} steps, swap files under {args.nvme_path}"
@@ -221,6 +226,10 @@ def run(args: argparse.Namespace) -> int:
         f"training state {_gib(state_nbytes)} on NVMe, peak RSS {_gib(rss)} "
         f"(the state is {state_nbytes / max(rss, 1):.1f}x the memory used)"
     )
+    if trace_path is not None and trace_path.is_file():
+        # The advice `infinity report` gives, from the same figures ([Note: advice from the figures]).
+        print(f"the last step, recorded in {trace_path} (infinity report {trace_path}):")
+        print("  " + summary_of_trace(trace_path))
     png = Path(f"{args.out}.png")
     fig = draw(
         losses,
@@ -232,6 +241,24 @@ def run(args: argparse.Namespace) -> int:
     Path(f"{args.out}.json").write_text(json.dumps(summary, indent=2))
     print(f"loss and step time: {png}; summary: {args.out}.json")
     return 0
+
+
+def _record_last_step(config: dict, args: argparse.Namespace) -> Path | None:
+    """Records the run's last step on the timeline into PREFIX.trace.json, for the summary's
+    advice; None (and nothing recorded by the demo) where INFINITY_TRACE or the config's own
+    ``trace`` section chooses the steps: the engine then logs that file's advice itself."""
+    from infinity.config.trace import ENV
+
+    if os.environ.get(ENV) or "trace" in config or args.steps < 1:
+        return None
+    path = Path(f"{args.out}.trace.json")
+    config["trace"] = {
+        "enabled": True,
+        "output_path": str(path),
+        "first_step": args.steps - 1,
+        "steps": 1,
+    }
+    return path
 
 
 def draw(losses: list[float], compute_s: list[float], exposed_io_s: list[float], *, title: str):

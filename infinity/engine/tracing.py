@@ -202,9 +202,9 @@ class TraceWindow:
     def _close(self) -> None:
         timeline = self._timeline
         assert timeline is not None
-        spans: list[Any] = []
-        self._counters["end"] = _counted(self._stores, lambda: spans.extend(timeline.stop()))
+        self._counters["end"] = _counted(self._stores, timeline.stop)
         self._timeline = None
+        spans = timeline.spans()  # formatted now, outside the stores' locks
         origin = timeline.started
         steps = [
             {

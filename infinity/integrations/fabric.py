@@ -55,11 +55,12 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.load import _move_state_into
 from torch import nn
 
-from infinity.engine import Engine
+from infinity.engine import Engine, StepRecord
 from infinity.integrations import _lightning_shared as lightning_shared
 from infinity.integrations import _shared
+from infinity.monitor import step_metrics
 
-__all__ = ["InfinityFabricPrecision", "InfinityFabricStrategy"]
+__all__ = ["InfinityFabricPrecision", "InfinityFabricStrategy", "log_steps"]
 
 log = logging.getLogger("infinity.integrations")
 
@@ -471,3 +472,39 @@ class InfinityFabricStrategy(DDPStrategy, _Sharded):
 
 
 lightning_shared.register_names(STRATEGY_REGISTRY, InfinityFabricStrategy)
+
+
+def log_steps(fabric: Any, model: nn.Module | None = None) -> None:
+    """After each optimizer step of ``model``'s engine, ``fabric.log_dict`` of the step's figures
+    (``infinity.monitor.step_metrics``) at ``step`` = the engine's optimizer steps so far: every
+    logger given to ``Fabric(loggers=...)`` gets them (each applies its own rank-zero rule), and
+    each logger's ``save()`` runs when the engine closes. ``model``: what ``fabric.setup``
+    returned, or None when the strategy set up one model. Call it once per model."""
+    strategy = fabric.strategy
+    if not isinstance(strategy, InfinityFabricStrategy):
+        raise TypeError(
+            "log_steps(fabric, ...) needs a Fabric whose strategy is InfinityFabricStrategy, got "
+            f"{type(strategy).__name__}; Fabric's own strategies have no engine to take figures from"
+        )
+    if model is None:
+        engine = strategy._engine_module(None).engine
+    else:
+        inner = getattr(model, "module", model)  # fabric.setup's wrapper holds the user's module
+        engine = _shared.engine_of(inner) or _shared.engine_of(model)
+        if engine is None and isinstance(model, _shared.EngineModule):
+            engine = model.engine
+        if engine is None:
+            raise ValueError(
+                f"log_steps(fabric, model): this {type(model).__name__} is not trained by an infinity "
+                "engine; pass what model, optimizer = fabric.setup(model, optimizer) returned"
+            )
+    fp16 = engine.config.fp16.enabled
+
+    def log(record: StepRecord) -> None:
+        fabric.log_dict(step_metrics(record, fp16=fp16), step=record.step)
+
+    def save() -> None:
+        for logger in fabric.loggers:
+            logger.save()
+
+    engine.add_step_listener(log, on_close=save)

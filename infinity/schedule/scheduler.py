@@ -643,19 +643,8 @@ class PrefetchScheduler:
             with self._lock:
                 c.add("stall_s", now - t0)
             tl = Timeline.active
-            if tl is not None:  # the span stall_s counts, to the clock read
-                tl.span(
-                    f"unit {rec.key!r}",
-                    "wait",
-                    t0,
-                    now,
-                    args={
-                        "kind": "read",
-                        "key": repr(rec.key),
-                        "source": "scheduler",
-                        "step": c.step,
-                    },
-                )
+            if tl is not None:  # the span stall_s counts, to the clock read; formatted later
+                tl.deferred(_acquire_span, (rec.key, t0, now, c.step))
 
     def _unuse_failed(self, rec: UnitRecord, fut: Any) -> None:
         """A caller's acquire raised: its hold ends (a failed fetch left no store hold to give back)."""
@@ -967,3 +956,11 @@ class PrefetchScheduler:
                     return
                 self._drop(victim, "reclaimed")
                 self._evict_idle(victim)
+
+
+def _acquire_span(
+    key: Hashable, start: float, end: float, step: int
+) -> tuple[str, str, float, float, None, dict[str, Any]]:
+    """An acquire's wait as a timeline span (``Timeline.deferred``'s fields), on the caller's track."""
+    args = {"kind": "read", "key": repr(key), "source": "scheduler", "step": step}
+    return f"unit {key!r}", "wait", start, end, None, args

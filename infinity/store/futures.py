@@ -20,6 +20,7 @@ alive by it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -307,12 +308,19 @@ class StoreFuture:
         try:
             for dep in self._deps:
                 dep._drive(_remaining(deadline))
+            traced, op = Timeline.active is not None, self._op
             if not self._done and not wait_until(
                 self._step,
-                what=self._waiting_for,
+                # Traced, the span is named once the wait ends, when its op has finished: what
+                # it waits for is bound now.
+                what=(
+                    functools.partial(self._wait_text, op, op is None or op.finished)
+                    if traced
+                    else self._waiting_for
+                ),
                 log=log,
                 timeout=_remaining(deadline),
-                kind=None if Timeline.active is None else self._wait_kind(),
+                kind=self._wait_kind() if traced else None,
             ):
                 raise TimeoutError(self._timeout_message(timeout))
         finally:
@@ -340,9 +348,13 @@ class StoreFuture:
         return op.kind if op.kind in ("read", "write") else "other"
 
     def _waiting_for(self) -> str:
-        store = f" in store '{self._store.name}'" if self._store is not None else ""
         op = self._op
-        if op is None or op.finished:
+        return self._wait_text(op, op is None or op.finished)
+
+    def _wait_text(self, op: IoOp | None, settled: bool) -> str:
+        """What a wait on this future waits for: ``op``, or (``settled``) another thread."""
+        store = f" in store '{self._store.name}'" if self._store is not None else ""
+        if settled or op is None:
             return (
                 f"{self.label}{store} (settled by another thread: finding pool memory or copying)"
             )

@@ -60,7 +60,7 @@ import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -78,7 +78,7 @@ from infinity.store.state import StoreState
 from infinity.store.stats import KeyTraffic, StoreStats
 from infinity.store.swapdir import new_store_id
 from infinity.store.swapspace import Extent, open_swap
-from infinity.timeline import ProfilerRanges, Timeline
+from infinity.timeline import Timeline
 
 log = logging.getLogger("infinity.store")
 
@@ -342,10 +342,12 @@ class TieredStore:
         res: list[Settlement] = []
         try:
             with st.lock:
-                # Beside the counters, under the same lock: the trace's bytes are theirs.
+                # Beside the counters, under the same lock: the trace's bytes are theirs. One
+                # append here; the span is formatted once the recording is read ([Note:
+                # recording costs no lock] in infinity/timeline/recorder.py).
                 tl = Timeline.active
                 if tl is not None:
-                    self._trace_op(tl, op, ended_at, err)
+                    tl.deferred(_op_span, (self.name, op, ended_at, err))
                 st.ops.discard(op)
                 if op.kind == "read":
                     st.read.end(op.nbytes)
@@ -364,25 +366,6 @@ class TieredStore:
                 settle(res)  # before finished: whoever waits on it finds its future settled
             finally:
                 op.set_finished()
-
-    def _trace_op(
-        self, tl: Timeline | ProfilerRanges, op: IoOp, ended_at: float, err: BaseException | None
-    ) -> None:
-        """The op as a timeline span: submitted at ``op.t0``, ended when its request was seen done."""
-        keys = [r.key for r in op.recs]
-        name = f"{op.kind} {keys[0]!r}" if len(keys) == 1 else f"{op.kind} {len(keys)} keys"
-        args = {
-            "keys": [repr(k) for k in keys],
-            "bytes": op.nbytes,
-            "tier": "nvme" if op.kind in ("read", "write") else "device",
-            "store": self.name,
-        }
-        if op.background:
-            args["background"] = True
-        if err is not None:
-            args["error"] = repr(err)
-        cat = op.kind if op.kind in ("read", "write") else "copy"
-        tl.span(name, cat, op.t0, ended_at, track=f"{self.name} {cat}", args=args)
 
     def traffic_while(self, fn: Callable[[], None]) -> tuple[int, int]:
         """(bytes read, bytes written) so far, read under the store lock while ``fn()`` runs under it:
@@ -564,3 +547,24 @@ def _finalize(st: StoreState) -> None:
     st.io.close()
     if st.swap is not None:
         st.swap.close()
+
+
+def _op_span(
+    store: str, op: IoOp, ended_at: float, err: BaseException | None
+) -> tuple[str, str, float, float, str, dict[str, Any]]:
+    """An op as a timeline span (``Timeline.deferred``'s fields): submitted at ``op.t0``, ended
+    when its request was seen done."""
+    keys = [r.key for r in op.recs]
+    name = f"{op.kind} {keys[0]!r}" if len(keys) == 1 else f"{op.kind} {len(keys)} keys"
+    args: dict[str, Any] = {
+        "keys": [repr(k) for k in keys],
+        "bytes": op.nbytes,
+        "tier": "nvme" if op.kind in ("read", "write") else "device",
+        "store": store,
+    }
+    if op.background:
+        args["background"] = True
+    if err is not None:
+        args["error"] = repr(err)
+    cat = op.kind if op.kind in ("read", "write") else "copy"
+    return name, cat, op.t0, ended_at, f"{store} {cat}", args

@@ -7,9 +7,12 @@ Advice is given only where the figures support it:
 - a saving is quoted only where the plan says what would change: for the
   optimizer, the placement planner's own plan with the budget raised by the
   optimizer state it keeps on NVMe (recorded in the trace when the run was
-  planned within a budget), its NVMe bytes per step against the current
-  plan's, turned into seconds at the read rate this trace measured, and
-  never more than the time the step spent on the optimizer;
+  planned within a budget). What that change removes is the optimizer's
+  waits for its state's reads and writes, as the trace measured them
+  (``StepBreakdown.optimizer_io_s``), in the share of that state the plan
+  brings into memory; never more than the time the step waited for the
+  optimizer (the Adam arithmetic stays). The NVMe bytes per step the planner
+  predicts are quoted beside it;
 - otherwise the advice names the setting and what the trace shows, and says
   that no prediction was made.
 A step that is mostly compute gets no change to make.
@@ -87,15 +90,37 @@ def _optimizer(step: StepBreakdown, share: float, plan: dict[str, Any]) -> str:
         f"{_gib(plan['budget_nbytes'])}) keeps {_gib(kept)} of it in memory"
     )
     saved = now - then
-    rate = step.read_nbytes / step.read_busy_s if step.read_busy_s > 0 else 0.0
-    if saved <= 0 or rate <= 0:
-        return text + "; the planner predicts no fewer NVMe bytes per step, so no saving is quoted."
-    seconds = min(saved / rate, step.parts["optimizer"])
+    if kept <= 0:
+        return text + "; the planner keeps no more of it in memory, so no saving is quoted."
+    bytes_note = f"{_gib(saved)} fewer NVMe bytes per step" if saved > 0 else "no fewer NVMe bytes"
+    if step.optimizer_io_s <= 0:
+        return (
+            text + f" ({bytes_note}), but the trace shows the optimizer never waiting for its "
+            "state's I/O, so no saving is quoted."
+        )
+    kept_share = min(kept / on_nvme, 1.0)
+    seconds = optimizer_saving_s(step, plan)
     return (
-        text + f"; the planner predicts {_gib(saved)} fewer NVMe bytes per step, "
-        f"-{seconds:.2f} s/step at the {rate / 1e9:.2f} GB/s this trace read at "
-        "(at most the time the step waited for the optimizer)."
+        text + f": the optimizer waited {step.optimizer_io_s:.2f} s/step for its state's reads "
+        f"and writes, {kept_share:.0%} of which the change keeps in memory: -{seconds:.2f} s/step "
+        f"(at most the time the step waited for the optimizer; {bytes_note})."
     )
+
+
+def optimizer_saving_s(step: StepBreakdown, plan: dict[str, Any]) -> float | None:
+    """The seconds per step the optimizer advice predicts a budget keeping its state in memory
+    saves (see the note): None where the trace holds no such prediction or no wait it removes."""
+    classes = plan.get("optimizer_classes", [])
+    on_nvme = sum(plan.get("state", {}).get(c, {}).get("nvme_nbytes", 0) for c in classes)
+    pred = plan.get("prediction")
+    if not on_nvme or not plan.get("planned") or not isinstance(pred, dict):
+        return None
+    if "optimizer_nvme_nbytes" not in pred or step.optimizer_io_s <= 0:
+        return None
+    kept = on_nvme - pred["optimizer_nvme_nbytes"]
+    if kept <= 0:
+        return None
+    return min(step.optimizer_io_s * min(kept / on_nvme, 1.0), step.parts["optimizer"])
 
 
 def _reads(step: StepBreakdown, share: float, plan: dict[str, Any]) -> str:

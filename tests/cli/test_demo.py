@@ -10,7 +10,9 @@ import torch
 from infinity.cli import main as cli_main
 from infinity.cli.demo import demo_config, draw, warmup_steps
 from infinity.config import load_config
+from infinity.engine.tracing import summary as trace_summary
 from infinity.optim.lr_schedules import build_scheduler
+from infinity.timeline import read_trace
 
 
 @pytest.mark.parametrize("steps", [20, 200])
@@ -66,4 +68,9 @@ def test_demo_writes_prefix_png_and_json_with_each_steps_times(nvme_dir, tmp_pat
     summary = json.loads((tmp_path / "infinity_demo.json").read_text())
     assert len(summary["losses"]) == len(summary["step_s"]) == len(summary["exposed_io_s"]) == 2
     assert all(0 <= e <= s for e, s in zip(summary["exposed_io_s"], summary["step_s"], strict=True))
-    assert f"{out}.png" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{out}.png" in printed
+    # The summary ends with the advice `infinity report` computes from the last step's trace.
+    trace = tmp_path / "infinity_demo.trace.json"
+    assert [s["step"] for s in read_trace(trace)["infinity"]["steps"]] == [1]
+    assert trace_summary(trace) in printed

@@ -14,9 +14,10 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy as FabricDeepSpeedStrategy
 
-from infinity.integrations.fabric import InfinityFabricPrecision, InfinityFabricStrategy
+from infinity.integrations.fabric import InfinityFabricPrecision, InfinityFabricStrategy, log_steps
 from tests.engine.models import tiny_gpt
 from tests.integrations.lightning_runs import (
+    GAS,
     LIGHTNING_WARNINGS,
     assert_close,
     assert_weights_close,
@@ -24,6 +25,7 @@ from tests.integrations.lightning_runs import (
     engine_config,
     engine_run,
     fabric_run,
+    optimizer_and_schedule,
 )
 
 pytestmark = LIGHTNING_WARNINGS
@@ -183,3 +185,38 @@ def test_arguments_names_and_precision():
     assert isinstance(fabric.strategy, InfinityFabricStrategy)
     assert isinstance(fabric.strategy.precision, InfinityFabricPrecision)
     assert fabric.strategy.precision.precision == "bf16-true"
+
+
+def test_log_steps_sends_each_steps_figures_to_fabrics_loggers(nvme_dir, tmp_path):
+    """log_steps(fabric, model): each optimizer step's figures reach Fabric(loggers=[...]), read
+    back from the CSVLogger's file and compared with the engine's own step records."""
+    import csv
+
+    from lightning.fabric.loggers import CSVLogger
+
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=stage3_nvme(nvme_dir), loggers=[logger])
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module():
+        model = tiny_gpt()
+    opt, _ = optimizer_and_schedule(model.parameters())
+    model, opt = fabric.setup(model, opt)
+    log_steps(fabric, model)
+    records = []
+    fabric.strategy.model.engine.add_step_listener(records.append)
+    for x, y in dataset(1)[: 2 * GAS]:
+        fabric.backward(model(x, y))
+        opt.step()
+    fabric.strategy.model.engine.close()  # flushes the loggers (their save())
+    with open(logger.log_dir + "/metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("Infinity/step_time_s")]
+    assert len(rows) == len(records) == 2
+    for row, record in zip(rows, records, strict=True):
+        assert int(row["step"]) == record.step
+        assert float(row["Infinity/nvme_read_bytes"]) == record.read_nbytes
+        assert float(row["Infinity/nvme_write_bytes"]) == record.write_nbytes
+        assert float(row["Infinity/prefetch_hits"]) == record.prefetch_hits
+        assert float(row["Train/Samples/train_loss"]) == pytest.approx(record.loss, rel=1e-6)
+    with pytest.raises(TypeError, match="InfinityFabricStrategy"):
+        log_steps(Fabric(accelerator="cpu", devices=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -80,6 +81,64 @@ def test_a_recording_is_active_only_between_start_and_stop():
         tok = tl.begin("forward", "phase")
         tl.end(tok, {"step": 3})
     finally:
-        spans = tl.stop()
+        tl.stop()
     assert Timeline.active is None
+    spans = tl.spans()
     assert [(s.name, s.args) for s in spans] == [("forward", {"step": 3})]
+
+
+class _NoLock:
+    """Stands in for the timeline's registration lock: taking it fails the test."""
+
+    def __enter__(self):
+        raise AssertionError("a span emitted by a registered thread took the registration lock")
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_threads_record_without_a_lock_each_on_its_own_track():
+    """[Note: recording costs no lock]: after its first span, a thread's spans take no lock; the
+    spans of threads emitting at once are all kept, each thread's on its track, deferred ones
+    formatted only when read."""
+    tl = Timeline().start()
+    formatted = []
+
+    def fmt(i):
+        formatted.append(i)
+        return f"deferred {i}", "read", float(i), i + 0.5, None, {"i": i}
+
+    go = threading.Barrier(4)
+    registered = threading.Barrier(5)
+
+    def emit(t):
+        tl.span("first", "compute", 0.0, 0.1)  # registers this thread's list
+        registered.wait()
+        go.wait()
+        for i in range(200):
+            tl.span(f"s{i}", "compute", float(i), i + 0.5, args={"i": i})
+            tl.deferred(fmt, (i,))
+
+    threads = [threading.Thread(target=emit, args=(t,), name=f"emitter-{t}") for t in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        registered.wait()
+        tl._register = _NoLock()  # from here on, any lock taken on the emit path fails the test
+        for th in threads:
+            th.join()
+    finally:
+        tl.stop()
+    assert formatted == []  # nothing formatted while recording
+    tl._register = threading.Lock()
+    spans = tl.spans()
+    assert len(spans) == 4 * (1 + 2 * 200)
+    for t in range(4):
+        mine = [s for s in spans if s.track == f"emitter-{t}"]
+        assert sorted(s.name for s in mine if s.name.startswith("s")) == sorted(
+            f"s{i}" for i in range(200)
+        )
+        assert sorted(s.args["i"] for s in mine if s.name.startswith("deferred")) == list(
+            range(200)
+        )
+    assert sorted(formatted) == sorted(list(range(200)) * 4)
