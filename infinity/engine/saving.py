@@ -301,7 +301,8 @@ class ModelSaving:
         self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any
     ) -> None:
         """``PeftModel.save_pretrained``: PEFT's own code, on a state dict whose kept tensors only are gathered."""
-        module: Any = self.module  # a PeftModel: PEFT's methods and attributes, unknown to nn.Module
+        # A PeftModel: PEFT's methods and attributes, unknown to nn.Module.
+        module: Any = self.module
         cls_save = type(module).save_pretrained
         if kwargs.get("state_dict") is not None:
             return cls_save(module, save_directory, *args, **kwargs)
@@ -322,7 +323,8 @@ class ModelSaving:
         from peft.utils import get_peft_model_state_dict
 
         engine = self.engine()
-        module: Any = self.module  # a PeftModel: PEFT's methods and attributes, unknown to nn.Module
+        # A PeftModel: PEFT's methods and attributes, unknown to nn.Module.
+        module: Any = self.module
         live = module.state_dict(keep_vars=True)
         shapes = {
             p: unit.layout.slots[slot].shape
