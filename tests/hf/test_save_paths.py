@@ -157,9 +157,9 @@ def test_peft_save_pretrained_writes_plain_peft_adapters(arch, nvme_dir, tmp_pat
     engine = train(model, arch, nvme_dir)
     gathered = []
 
-    def gather_unit(engine, parts, unit):
+    def gather_unit(group, store, unit):
         gathered.append(unit)
-        return saving_gather_unit(engine, parts, unit)
+        return saving_gather_unit(group, store, unit)
 
     monkeypatch.setattr(saving, "gather_unit", gather_unit)
     try:
