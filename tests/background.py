@@ -13,14 +13,14 @@ ends before it does.
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import signal
 import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests import process_group
 
 NICE = 10
 
@@ -46,27 +46,12 @@ class Background:
         """``args`` in its own process group (killed whole on a timeout or by ``stop``)."""
         if self.stopping.is_set():
             raise RuntimeError(f"the session is ending: {args[0]} is not started")
-        proc = subprocess.Popen(
-            ["nice", "-n", str(nice), *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        proc = process_group.start(["nice", "-n", str(nice), *args], cwd=cwd, env=env)
         self.live.add(proc)
         try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            raise AssertionError(
-                f"{' '.join(args)} ran past {timeout} s:\n{out[-4000:]}\n{err[-8000:]}"
-            ) from None
+            return process_group.finish(proc, timeout=timeout)
         finally:
             self.live.discard(proc)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def start(self, name: str, job: Job) -> None:
         if name not in self.jobs:
@@ -78,10 +63,7 @@ class Background:
     def stop(self) -> None:
         self.stopping.set()
         for proc in list(self.live):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            process_group.kill(proc)
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 

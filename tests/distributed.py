@@ -1,4 +1,13 @@
-"""Run a function on N real processes joined by a gloo process group (world size as the caller says)."""
+"""Run a function on N real processes joined by a gloo process group (world size as the caller says).
+
+[Note: ranks forked from a preloaded server]
+Each rank is a fresh process, as under torchrun, but not a fresh interpreter: ranks are forked by
+multiprocessing's fork server, which has imported torch once for the whole session (most of a
+spawned rank's start-up is that import, seconds each, for every rank of every call). The server
+imports nothing else and runs nothing, so a rank starts as a spawned one would: its own process,
+no threads inherited, the test's module imported anew, and the environment of the caller at the
+call (passed with the call: the server's is the one it started with).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +25,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch"])
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict, fn, args, queue) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -51,11 +66,11 @@ def _plain(x):
 
 def run_distributed(fn, *args, world_size: int = 2, timeout: float = 600.0) -> list:
     """fn(rank, *args) on every rank; returns the results by rank, or raises with each failing rank's traceback."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue = _CONTEXT.Queue()
     port = _free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+        _CONTEXT.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue))
         for r in range(world_size)
     ]
     for p in procs:

@@ -19,13 +19,12 @@ from infinity.config.values import check_section, knob
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorBoardConfig:
-    """``tensorboard``: event files for TensorBoard under ``output_path/job_name``."""
-
-    PATH: ClassVar[str] = "tensorboard"
+class MonitorFilesConfig:
+    """The keys of a monitor that writes files under ``output_path/job_name`` (DeepSpeed's
+    ``TensorBoardConfig`` and ``CSVConfig`` have the same three); a section is one of its subclasses."""
 
     enabled: bool = knob(False)
-    """Write TensorBoard event files (needs the ``tensorboard`` extra)."""
+    """Write the monitor's files."""
     output_path: str = knob("", empty=True)
     """Directory the job's directory is made in ("": the current directory)."""
     job_name: str = knob("DeepSpeedJobName")
@@ -36,20 +35,23 @@ class TensorBoardConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class CSVMonitorConfig:
+class TensorBoardConfig(MonitorFilesConfig):
+    """``tensorboard``: event files for TensorBoard under ``output_path/job_name``."""
+
+    PATH: ClassVar[str] = "tensorboard"
+
+    enabled: bool = knob(False)  # redeclared for its docstring; it keeps its place, first
+    """Write TensorBoard event files (needs the ``tensorboard`` extra)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CSVMonitorConfig(MonitorFilesConfig):
     """``csv_monitor``: one CSV file per event (``step,<name>`` rows) under ``output_path/job_name``."""
 
     PATH: ClassVar[str] = "csv_monitor"
 
-    enabled: bool = knob(False)
+    enabled: bool = knob(False)  # redeclared for its docstring; it keeps its place, first
     """Write CSV files (no extra package needed)."""
-    output_path: str = knob("", empty=True)
-    """Directory the job's directory is made in ("": the current directory)."""
-    job_name: str = knob("DeepSpeedJobName")
-    """The directory, inside ``output_path``, that holds this run's files."""
-
-    def __post_init__(self) -> None:
-        check_section(self)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,17 @@ where its value can be filled from `initialize()`'s keyword arguments (see
 
 @functools.cache
 def _attribute_docs(cls: type) -> Mapping[str, str]:
-    """Field name -> the docstring written under it in the class body, whitespace collapsed."""
+    """Field name -> the docstring written under it in the body of the class, or for an inherited
+    field in the body of the nearest base class that declares it; whitespace collapsed."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            out.update(_own_attribute_docs(klass))
+    return MappingProxyType(out)
+
+
+def _own_attribute_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in ``cls``'s own body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     out: dict[str, str] = {}
@@ -71,7 +81,7 @@ def _attribute_docs(cls: type) -> Mapping[str, str]:
             and isinstance(nxt.value.value, str)
         ):
             out[node.target.id] = " ".join(nxt.value.value.split())
-    return MappingProxyType(out)
+    return out
 
 
 def _json(value: Any) -> str:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Hashable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -28,9 +30,9 @@ from infinity.estimate.runtime_plan import RuntimePlan, StorePlan, plan_runtime
 from infinity.memory import BufferPool, trim_heap
 from infinity.optim.partitioned_adam import PartitionedAdam, ShardSegment, ShardSpec
 from infinity.schedule import PrefetchScheduler, ScheduleConfigError
-from infinity.store import TieredStore, nvme_path
+from infinity.store import Home, TieredStore, nvme_path
 from infinity.store.swapspace import drive_nbytes
-from infinity.weights.quant import quantize_into
+from infinity.weights.quant import ShardFormat, quantize_into
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
@@ -42,6 +44,8 @@ from infinity.zero.resident import ResidentParams
 from infinity.zero.shard_source import StoreShardSource  # noqa: F401  (the no-read-ahead source)
 from infinity.zero.unit import ParamUnit
 from infinity.zero.units import UnitMap
+
+T = TypeVar("T")
 
 log = logging.getLogger("infinity.engine")
 
@@ -157,14 +161,14 @@ def build_runtime(
     cache = TensorCache(device, cap_nbytes=plan.tensor_cache_cap_nbytes)
     param_store, state_store = _stores(plan, cfg)
     optimizer = None
-    if plan.optimizer is not None:
+    if plan.optimizer is not None and choice is not None:  # both or neither (checked above)
         flat_params = [p for u in plan.trainable_units() for p in u.params]
         optimizer = PartitionedAdam(
             choice.param_groups,
             choice.defaults,
             flat_params,
             _shard_specs(plan, flat_params),
-            state_store=state_store,
+            state_store=_planned(state_store, "the optimizer's state store"),
             param_store=param_store,
             adamw=choice.adamw,
             sub_group_numel=plan.optimizer.sub_group_numel,
@@ -245,7 +249,7 @@ def _stores(
             raise ConfigError(plan.param_pool_refusal.message())
         param_store = _open_store(plan.param_store, plan.rank, cfg)
         for unit in plan.units:
-            home = plan.shards[unit.index].param_home
+            home: Home = _planned(plan.shards[unit.index].param_home, f"unit {unit.index}'s home")
             fmt = plan.format_of(unit)  # packed: [Note: quantised shards] in weights/quant.py
             if fmt is not None:
                 param_store.register(unit.key, (fmt.nbytes,), torch.uint8, home=home)
@@ -317,11 +321,11 @@ def _move_home(
             if fmt is not None:  # a frozen unit (training) or any unit (inference), quantised
                 packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
                 quantize_into(fmt, shard.to(dtype), packed, name=unit.module_name)
-                param_store.write(unit.key, packed).result()
+                _planned(param_store, "the parameter store").write(unit.key, packed).result()
             elif plan.stage == 3:
                 values = shard.to(dtype)
-                param_store.write(unit.key, values).result()
-                if state:
+                _planned(param_store, "the parameter store").write(unit.key, values).result()
+                if optimizer is not None and state:
                     optimizer.init_state(unit.index, None if dtype == FP32 else shard)
                 files = (
                     [init_store.source(p) for p in unit.params] if init_store is not None else []
@@ -329,7 +333,7 @@ def _move_home(
                 if unit.index not in trained and files and all(f is not None for f in files):
                     sources[unit.index] = source_of(files, values)
             else:
-                if state:
+                if optimizer is not None and state:
                     optimizer.init_state(unit.index, shard)
                 for p in unit.params:
                     p.data = p.data.to(device=plan.device, dtype=dtype)
@@ -438,21 +442,34 @@ def _wire_frozen(
     return Runtime(plan=plan, unit_map=plan.unit_map, cache=cache, resident=resident)
 
 
+def _planned(value: T | None, what: str) -> T:
+    """``value``, which the plan has at this stage (stage 3: a parameter store, a home for each shard
+    and a prefetch schedule; with an optimizer: its state store)."""
+    if value is None:
+        raise ValueError(
+            f"the runtime plan has no {what}, which this stage needs; plan_runtime makes one"
+        )
+    return value
+
+
 def _dequantised(plan: RuntimePlan, source, cache: TensorCache):
     """``source``, or, where units rest quantised, a QuantizedShards over it that serves those units
     dequantised (the others pass through as they are)."""
     if plan.formats is None:
         return source
-    formats = {u.key: f for u in plan.units if (f := plan.format_of(u)) is not None}
+    formats: dict[Hashable, ShardFormat] = {
+        u.key: f for u in plan.units if (f := plan.format_of(u)) is not None
+    }
     return QuantizedShards(source, formats, cache)
 
 
 def _prefetch_scheduler(
-    plan: RuntimePlan, store: TieredStore, progress: StepProgress | None
+    plan: RuntimePlan, store: TieredStore | None, progress: StepProgress | None
 ) -> PrefetchScheduler:
     """The stage-3 shard source: reads ahead of the recorded trace within the plan's budgets (and, with an
     overlapped optimizer step, ``progress``, only what that step has updated)."""
-    sched = plan.schedule
+    sched = _planned(plan.schedule, "the prefetch schedule")
+    store = _planned(store, "the parameter store")
     index_of_key = {u.key: u.index for u in plan.units}
     try:
         return PrefetchScheduler.for_budget(

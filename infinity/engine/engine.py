@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,6 +50,14 @@ from infinity.zero.collectives import DataParallelGroup
 log = logging.getLogger("infinity.engine")
 
 
+def _add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python 3.11+); Python 3.10 has no notes, so there it is logged."""
+    if sys.version_info >= (3, 11):
+        error.add_note(note)
+    else:
+        log.error("%s: %s", type(error).__name__, note)
+
+
 @runtime_checkable
 class StepTrace(Protocol):
     """What the engine asks of a shard source that learns the order of fetches (the prefetch scheduler,
@@ -59,9 +68,11 @@ class StepTrace(Protocol):
 
     def begin_step(self) -> Any: ...
 
-    def end_step(self) -> Any: ...
+    def end_step(self, *, keep_for_next: bool = False) -> Any: ...
 
     def abort_step(self) -> Any: ...
+
+    def prefetch_next_step(self) -> None: ...
 
     def stats(self) -> Any: ...
 
@@ -276,13 +287,14 @@ class Engine:
             if rt.partitioner is not None:
                 rt.partitioner.abort_backward()
         except BaseException as cleanup:
-            error.add_note(
+            _add_note(
+                error,
                 f"infinity: settling the engine after this error failed too ({cleanup!r}); close "
-                "the engine and resume from a checkpoint"
+                "the engine and resume from a checkpoint",
             )
             return
-        error.add_note(
-            self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped)
+        _add_note(
+            error, self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped)
         )
 
     def zero_grad(self) -> None:
@@ -394,7 +406,7 @@ class Engine:
         steps_per_print ([Note: step records])."""
         now = self._now()
         every = self.config.steps_per_print
-        prints = bool(every) and self.global_steps % every == 0 and self.group.rank == 0
+        prints = bool(every and self.global_steps % every == 0) and self.group.rank == 0
         breakdown = self.config.wall_clock_breakdown
         if not (self._step_listeners or breakdown):
             self._clock.close_window(now, self._clock.previous)
@@ -460,6 +472,8 @@ class Engine:
 
     def _partitioned_step(self) -> Outcome:
         rt = self.runtime
+        # step() calls this only with the partitioned Adam, which build.py wires with its reducer.
+        assert rt.optimizer is not None and rt.reducer is not None
         if rt.reducer.deferred:  # stages 0 and 1 reduce the window's gradient once, here
             rt.reducer.reduce_window()
         has_grad = rt.reducer.window_has_grad()  # the same on every rank
@@ -501,13 +515,14 @@ class Engine:
             rest = {u.index for u in rt.unit_map.units if not u.persistent}
             stepped = rest & {s.index for s in rt.optimizer.shards}
             hyper = rt.optimizer.hyperparameters()  # before the lr schedule moves on
+            optimizer = rt.optimizer
 
             def step_rest(done) -> None:
                 for i in sorted(
                     rest - stepped
                 ):  # frozen units: nothing to update, readable at once
                     done(i)
-                rt.optimizer.step(
+                optimizer.step(
                     grad_scale=coef,
                     has_grad=has_grad,
                     only=stepped,
@@ -526,9 +541,11 @@ class Engine:
         return Outcome.APPLIED
 
     def _passthrough_step(self) -> Outcome:
+        passthrough = self.runtime.passthrough
+        assert passthrough is not None  # step() calls this only with the user's optimizer
         with_grad = [p for p in self.runtime.params if p.grad is not None]
-        for p in with_grad:
-            self.group.all_reduce_mean(p.grad)
+        for grad in [p.grad for p in with_grad if p.grad is not None]:
+            self.group.all_reduce_mean(grad)
         if not with_grad:
             self._no_gradient()
             return Outcome.NO_GRADIENT
@@ -544,7 +561,7 @@ class Engine:
         _, bad_losses = self._window.global_norm(self.group, 0.0, 1.0)
         if (not math.isfinite(norm) or bad_losses) and self._nonfinite(norm, bad_losses):
             return Outcome.SKIPPED
-        self.runtime.passthrough.step()
+        passthrough.step()
         return Outcome.APPLIED
 
     def _nonfinite(self, norm: float, bad_losses: int) -> bool:

@@ -59,6 +59,8 @@ from torch import nn
 from infinity.engine.checkpoint.export import gather_unit
 
 if TYPE_CHECKING:
+    from infinity.engine.build import Runtime
+    from infinity.zero.collectives import DataParallelGroup
     from infinity.zero.unit import ParamUnit
 
 
@@ -66,11 +68,26 @@ class EngineToSave(Protocol):
     """What saving needs of an engine (engine.py's ``Engine``, which imports this module, so it is
     named here by what it offers rather than imported)."""
 
-    module: nn.Module
-    runtime: Any
-    checkpoint_parts: Callable[..., Any]
-    save_16bit_model: Callable[..., Any]
-    synchronize: Callable[[], None]
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def group(self) -> DataParallelGroup: ...
+
+    @property
+    def runtime(self) -> Runtime: ...
+
+    def save_16bit_model(
+        self,
+        save_dir: Any,
+        save_filename: str = ...,
+        *,
+        layout: str | None = None,
+        max_shard_size: int | str | None = None,
+        progress: bool | None = None,
+    ) -> Any: ...
+
+    def synchronize(self) -> None: ...
 
     @property
     def closed(self) -> bool: ...
@@ -114,7 +131,8 @@ def full_values(
     """Replaces each ``entries[key]`` whose parameter (``params[key]``) is partitioned with a full copy,
     gathering each unit it needs once, in unit order (the same on every rank)."""
     rt = engine.runtime
-    if rt.param_store is None:
+    store = rt.param_store
+    if store is None:
         return  # stages 0-2: the module holds every parameter whole
     engine.synchronize()  # the values after an optimizer step still in flight
     by_unit: dict[int, tuple[ParamUnit, list[tuple[str, int]]]] = {}
@@ -126,10 +144,9 @@ def full_values(
         if entries[key].shape == unit.layout.slots[slot].shape:
             continue  # resident (a persistent unit, or gathered now): the live tensor is whole
         by_unit.setdefault(unit.index, (unit, []))[1].append((key, slot))
-    parts = engine.checkpoint_parts()
     for index in sorted(by_unit):
         unit, wanted = by_unit[index]
-        full = gather_unit(engine, parts, unit)
+        full = gather_unit(engine.group, store, unit)
         for key, slot in wanted:
             s = unit.layout.slots[slot]
             entries[key] = full[s.offset : s.offset + s.numel].view(s.shape).clone()
@@ -241,7 +258,7 @@ class ModelSaving:
         **kwargs: Any,
     ) -> None:
         """``PreTrainedModel.save_pretrained``, streamed by ``engine.save_16bit_model`` (Hugging Face layout)."""
-        module = self.module
+        module: Any = self.module  # a PreTrainedModel: transformers' methods, unknown to nn.Module
         cls_save = type(module).save_pretrained
         if state_dict is not None or getattr(module, "_hf_peft_config_loaded", False):
             # The caller's own dict, or transformers' adapters (which save their own part): transformers
@@ -284,7 +301,8 @@ class ModelSaving:
         self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any
     ) -> None:
         """``PeftModel.save_pretrained``: PEFT's own code, on a state dict whose kept tensors only are gathered."""
-        module = self.module
+        # A PeftModel: PEFT's methods and attributes, unknown to nn.Module.
+        module: Any = self.module
         cls_save = type(module).save_pretrained
         if kwargs.get("state_dict") is not None:
             return cls_save(module, save_directory, *args, **kwargs)
@@ -305,7 +323,8 @@ class ModelSaving:
         from peft.utils import get_peft_model_state_dict
 
         engine = self.engine()
-        module = self.module
+        # A PeftModel: PEFT's methods and attributes, unknown to nn.Module.
+        module: Any = self.module
         live = module.state_dict(keep_vars=True)
         shapes = {
             p: unit.layout.slots[slot].shape
@@ -347,7 +366,8 @@ def save_pretrained(engine: EngineToSave, save_directory: str | os.PathLike, **k
     state_dict name, streamed). Returns the directory."""
     module = engine.module
     if _is_peft_model(module) or _is_transformers_model(module):
-        save = module.__dict__.get("save_pretrained") or module.save_pretrained
+        framework_model: Any = module  # its save_pretrained is transformers' or PEFT's
+        save = module.__dict__.get("save_pretrained") or framework_model.save_pretrained
         save(save_directory, **kwargs)
         return Path(save_directory)
     if kwargs:

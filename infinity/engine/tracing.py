@@ -79,7 +79,7 @@ def output_path(settings: TraceConfig, rank: int, world_size: int) -> Path:
     return path
 
 
-def _counted(stores: list[TieredStore], switch: Callable[[], None]) -> dict[str, dict[str, int]]:
+def _counted(stores: list[TieredStore], switch: Callable[[], object]) -> dict[str, dict[str, int]]:
     """Each store's bytes read and written, taken under all their locks while ``switch()`` runs."""
     if not stores:
         switch()

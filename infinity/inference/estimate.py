@@ -373,40 +373,97 @@ def inference_config(
     return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationSize:
+    """What generate is asked to make: ``batch`` sequences of ``prompt`` tokens, each grown by ``gen``
+    new tokens."""
+
+    batch: int = 1
+    prompt: int = 128
+    gen: int = 16
+
+    def __post_init__(self) -> None:
+        for name, v in (("batch", self.batch), ("prompt", self.prompt), ("gen", self.gen)):
+            if v < (0 if name != "prompt" else 1):
+                raise ValueError(
+                    f"{name} must be {'>= 1' if name == 'prompt' else '>= 0'}; got {v}"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceOptions:
+    """What an inference estimate is asked (see estimate_inference for each option's meaning)."""
+
+    config: Any = None
+    """A DeepSpeed-style config at stage 3 (path, dict or InfinityConfig)."""
+    size: GenerationSize = GenerationSize()
+    model_config: GPTConfig | None = None
+    """The shape of a parameter count's GPT stand-in."""
+    precision: str | None = None
+    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+    device: str = "auto"
+    world_size: int = 1
+    zero_init: bool | None = None
+    baseline_nbytes: int | None = None
+    machine: MachineView | bool = True
+    max_batch: int = 1 << 16
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> InferenceOptions:
+        """The options from estimate_inference's keywords: ``batch``, ``prompt`` and ``gen`` (the
+        GenerationSize), and every other field by its name."""
+        size = {k: keywords.pop(k) for k in ("batch", "prompt", "gen") if k in keywords}
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "size"]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise TypeError(
+                f"estimate_inference got unknown keyword(s) {', '.join(unknown)}; it takes "
+                f"{', '.join(['batch', 'prompt', 'gen', *names])}"
+            )
+        return cls(size=GenerationSize(**size), **keywords)
+
+
 def estimate_inference(
     model_or_param_count: nn.Module | int | float | GPTConfig,
-    *,
-    config: Any = None,
-    batch: int = 1,
-    prompt: int = 128,
-    gen: int = 16,
-    model_config: GPTConfig | None = None,
-    precision: str | None = None,
-    nvme_path: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-    device: str = "auto",
-    world_size: int = 1,
-    zero_init: bool | None = None,
-    baseline_nbytes: int | None = None,
-    machine: MachineView | bool = True,
-    max_batch: int = 1 << 16,
+    options: InferenceOptions | None = None,
+    /,
+    **keywords: Any,
 ) -> InferenceEstimate:
     """Per-rank bytes of generating ``batch`` × (``prompt`` + ``gen``) tokens with the weights streamed from
     NVMe, checked against this machine, and the largest batch that fits (up to ``max_batch``).
 
     ``model_or_param_count``: an nn.Module (an HF model, on the meta device or built; not modified), a
-    GPTConfig, or a parameter count (a GPT-shaped stand-in). ``config``: a DeepSpeed-style config at stage 3
-    (default: the weights on NVMe at ``nvme_path``, DeepSpeed's sizes). ``precision``: the weights'
-    dtype (default: the config's, else the model's as loaded; bf16 for a count).
+    GPTConfig, or a parameter count (a GPT-shaped stand-in of that size, shaped by ``model_config``
+    when given). The options: an InferenceOptions, or these keywords (not both): ``config``: a
+    DeepSpeed-style config at stage 3 (default: the weights on NVMe at ``nvme_path``, DeepSpeed's
+    sizes). ``batch``, ``prompt``, ``gen``: the GenerationSize (default 1, 128, 16).
+    ``precision``: the weights' dtype (default: the config's, else the model's as loaded; bf16 for a
+    count). ``device``: "auto" (CUDA when available), "cpu" or "cuda". ``world_size``: the ranks
+    sharing the weights. ``zero_init``: the model is built under infinity.zero.Init (default:
+    detected for a module, assumed for a count). ``baseline_nbytes``: the process baseline (default:
+    measured in this process, less the model). ``machine``: True to read this machine, a
+    MachineView, or False for no fit check. ``max_batch``: the largest batch tried.
     """
-    for name, v in (("batch", batch), ("prompt", prompt), ("gen", gen)):
-        if v < (0 if name != "prompt" else 1):
-            raise ValueError(f"{name} must be {'>= 1' if name == 'prompt' else '>= 0'}; got {v}")
+    if options is not None and keywords:
+        raise TypeError("estimate_inference takes an InferenceOptions or keywords, not both")
+    return _estimate(model_or_param_count, options or InferenceOptions.from_keywords(**keywords))
+
+
+def _estimate(
+    model_or_param_count: nn.Module | int | float | GPTConfig, opts: InferenceOptions
+) -> InferenceEstimate:
+    config, model_config, precision = opts.config, opts.model_config, opts.precision
+    device, world_size, zero_init = opts.device, opts.world_size, opts.zero_init
+    baseline_nbytes, machine = opts.baseline_nbytes, opts.machine
+    batch, prompt, gen = opts.size.batch, opts.size.prompt, opts.size.gen
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = describe_model(model_or_param_count, model_config=model_config)
     if precision is None and not isinstance(model_or_param_count, nn.Module) and config is None:
         precision = "bf16"
-    cfg = inference_config(config, world_size=world_size, precision=precision, nvme_path=nvme_path)
+    cfg = inference_config(
+        config, world_size=world_size, precision=precision, nvme_path=opts.nvme_path
+    )
     shape = decoder_shape(spec.gpt if spec.gpt is not None else model_or_param_count)
     if zero_init is None:  # [Note: a model on the meta device] in infinity/estimate/model.py
         zero_init = spec.built_under_zero_init()
@@ -437,7 +494,7 @@ def estimate_inference(
     largest = None
     if view is not None and shape is not None:
         largest = _largest_batch(
-            lambda b: check_fit(itemise(b), view, ranks_per_node=1).ok, max_batch
+            lambda b: check_fit(itemise(b), view, ranks_per_node=1).ok, opts.max_batch
         )
     return InferenceEstimate(
         model=spec.description,

@@ -1,10 +1,12 @@
-"""What every framework adapter shares (Lightning's Trainer, Fabric, Accelerate); nothing framework-specific.
+"""What every framework adapter shares (Lightning's Trainer, Fabric, Accelerate, transformers' Trainer);
+nothing framework-specific.
 
 - ``read_config``: a DeepSpeed-style ``config=`` (a dict, copied, or a JSON path read as DeepSpeed
   reads it); ``make_default_nvme_path``, ``zero_stage``, ``is_auto``: reading such a config.
 - ``build_engine``: ``infinity.initialize`` for an adapter, refusing a module another engine already
   trains; the trained module keeps its engine (``engine_of``, see [Note: a module's engine]).
-- ``EngineModule``: the engine as the ``nn.Module`` a framework calls ([Note: one backward per step]).
+- ``EngineModule``: the engine as the ``nn.Module`` a framework calls ([Note: one backward per step]);
+  transformers' Trainer calls it as ``model_wrapped``.
 - Checkpoints with a framework's state as the engine checkpoint's ``client_state`` under the tag
   ``checkpoint`` (Lightning's DeepSpeed layout ``<path>/checkpoint/``, which Fabric shares), with
   the errors a user needs when a path is not one.
@@ -137,8 +139,9 @@ def build_engine(
 
 
 class EngineModule(nn.Module):
-    """The engine as an ``nn.Module``: ``forward`` is ``engine(...)``; the trained module is its child
-    ``module`` (so ``train()`` / ``eval()`` reach it)."""
+    """The engine as an ``nn.Module``: ``forward`` is ``engine(...)`` (so every forward opens the
+    stage-3 prefetch step ``engine.backward`` closes); the trained module is its child ``module`` (so
+    ``train()`` / ``eval()`` reach it)."""
 
     def __init__(self, engine: Engine):
         super().__init__()
@@ -163,6 +166,10 @@ class EngineModule(nn.Module):
     def step(self) -> None:
         self.engine.step()
         self._backward_pending = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the engine drops its gradient at each update (a framework calls this after
+        ``optimizer.step()``; ``engine.zero_grad()`` drops a window's gradient before its update)."""
 
 
 # -- checkpoints --------------------------------------------------------------------

@@ -65,7 +65,7 @@ import infinity
 from infinity.config import ConfigError
 from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine, StepRecord
-from infinity.integrations._shared import read_config
+from infinity.integrations._shared import EngineModule, read_config
 from infinity.monitor import step_metrics
 
 if not hasattr(Trainer, "_prepare_for_training"):
@@ -78,24 +78,6 @@ if not hasattr(Trainer, "_prepare_for_training"):
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
 __all__ = ["ENGINE_TAG", "InfinityTrainer"]
-
-
-class EngineModel(nn.Module):
-    """The engine as the model the Trainer calls (``model_wrapped``): ``forward`` is ``engine(...)``
-    (so every forward opens the stage-3 prefetch step ``engine.backward`` closes); the trained model
-    is its child ``module``, so ``train()`` / ``eval()`` reach it."""
-
-    def __init__(self, engine: Engine):
-        super().__init__()
-        self.engine = engine
-        self.module = engine.module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: the engine drops its gradient at each update (the Trainer calls this after
-        ``optimizer.step()``)."""
 
 
 # [Note: the update the Trainer asks for]
@@ -171,7 +153,7 @@ class InfinityTrainer(Trainer):
             )
         self._infinity_config = read_config(infinity_config, argument="infinity_config")
         self._engine: Engine | None = None
-        self._engine_model: EngineModel | None = None
+        self._engine_model: EngineModule | None = None
         self._last_record: StepRecord | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
@@ -252,7 +234,7 @@ class InfinityTrainer(Trainer):
             )
             raise
         engine.add_step_listener(self._keep_record)
-        self._engine_model = EngineModel(engine)
+        self._engine_model = EngineModule(engine)
         self.optimizer = EngineOptimizer(engine)  # type: ignore[assignment]
         self.lr_scheduler = EngineSchedule(self.optimizer)  # type: ignore[assignment]
         return engine

@@ -26,10 +26,18 @@ from tests.checkpoint.helpers import (
 PACKAGE = Path(checkpoint.__file__).parent
 
 
+def written_members() -> set[str]:
+    """The members checkpointing may set: the protocol's plain attributes (the others are
+    read-only properties and methods)."""
+    return set(CheckpointTarget.__annotations__)
+
+
 def protocol_members() -> set[str]:
-    names = set(CheckpointTarget.__annotations__)
-    names |= {n for n, v in vars(CheckpointTarget).items() if callable(v) and not n.startswith("_")}
-    return names
+    return written_members() | {
+        n
+        for n, v in vars(CheckpointTarget).items()
+        if (callable(v) or isinstance(v, property)) and not n.startswith("_")
+    }
 
 
 class OnlyTheProtocol:
@@ -38,6 +46,7 @@ class OnlyTheProtocol:
     def __init__(self, engine):
         object.__setattr__(self, "_engine", engine)
         object.__setattr__(self, "_allowed", protocol_members())
+        object.__setattr__(self, "_written", written_members())
 
     def __getattr__(self, name):
         if name not in self._allowed:
@@ -47,14 +56,15 @@ class OnlyTheProtocol:
         return getattr(self._engine, name)
 
     def __setattr__(self, name, value):
-        if name not in self._allowed:
+        if name not in self._written:
             raise AttributeError(
-                f"checkpointing set engine.{name}, which CheckpointTarget does not name"
+                f"checkpointing set engine.{name}, which CheckpointTarget does not name as written"
             )
         setattr(self._engine, name, value)
 
 
 def test_protocol_names_what_checkpointing_needs():
+    assert written_members() == {"global_steps", "micro_steps", "skipped_steps"}
     assert protocol_members() == {
         "module",
         "config",

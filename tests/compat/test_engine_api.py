@@ -39,6 +39,26 @@ def _batches(n, seed=5):
     return [(torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)) for _ in range(n)]
 
 
+def _assert_trains_as(engine, ref, ropt, batches, *, after_step=None):
+    """The engine's loss on every micro-batch is plain torch's: ``ref`` trained by ``ropt`` with
+    _cfg's accumulation of 2 (then ``after_step()``, a scheduler's step, say)."""
+    losses, expected = [], []
+    for i, batch in enumerate(batches):
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        rl = ref(batch)
+        (rl / 2).backward()
+        expected.append(rl.item())
+        if i % 2 == 1:
+            ropt.step()
+            ropt.zero_grad()
+            if after_step is not None:
+                after_step()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+
+
 def test_initialize_returns_deepspeeds_tuple_and_the_engine_answers_its_queries():
     torch.manual_seed(0)
     model = models.Regressor()
@@ -122,20 +142,7 @@ def test_model_parameters_param_groups_and_callable_scheduler_are_honoured():
         weight_decay=0.1,
     )
     rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.5)
-    losses, expected = [], []
-    for i, batch in enumerate(_batches(6)):
-        loss = engine(batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        rl = ref(batch)
-        (rl / 2).backward()
-        expected.append(rl.item())
-        if i % 2 == 1:
-            ropt.step()
-            ropt.zero_grad()
-            rsched.step()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    _assert_trains_as(engine, ref, ropt, _batches(6), after_step=rsched.step)
     assert engine.get_lr() == rsched.get_last_lr()
     with deepspeed.zero.GatheredParameters(second.bias):
         torch.testing.assert_close(second.bias.data, ref.net[2].bias.data)  # never updated
@@ -152,19 +159,7 @@ def test_deepspeed_adam_in_adam_mode_is_torchs_adam_with_l2(cls):
     cfg = {k: v for k, v in _cfg().items() if k != "optimizer"}
     engine, returned, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     ropt = torch.optim.Adam(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, expected = [], []
-    for i, batch in enumerate(_batches(4)):
-        loss = engine(batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        rl = ref(batch)
-        (rl / 2).backward()
-        expected.append(rl.item())
-        if i % 2 == 1:
-            ropt.step()
-            ropt.zero_grad()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    _assert_trains_as(engine, ref, ropt, _batches(4))
     engine.destroy()
 
 

@@ -17,6 +17,26 @@ from tests.engine.models import MODELS, batch
 LR, BETAS, EPS, WD, CLIP = 3e-3, (0.9, 0.95), 1e-6, 0.1, 0.05
 
 
+def trainable_adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch's AdamW (foreach=False) with the constants above over the parameters that require grad:
+    a frozen parameter gets no state, as in the engine."""
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        foreach=False,
+    )
+
+
+def update(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """One optimizer step after the window's backward: the gradient clipped to CLIP, stepped, dropped."""
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def eval_loss(forward, model_name: str, step: int) -> float:
     """An eval forward under no_grad between training steps (the same batch on every rank)."""
     x, y = batch(step, 99, 0)
@@ -41,9 +61,7 @@ def reference_run(model_name: str, *, steps: int, gas: int, world_size: int, see
                 loss = model(x, y)
                 (loss / gas / world_size).backward()
                 losses[(step, micro, rank)] = loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(model, opt)
         model.eval()
         losses[(step, "eval")] = eval_loss(model, model_name, step)
         model.train()

@@ -18,7 +18,7 @@ from infinity.estimate import ZeroSetting, estimate_memory
 from infinity.estimate.rules import swap_dir_overhead_nbytes, swap_nbytes
 from infinity.zero.gathered import GatheredParameters
 from tests.engine.models import batch, tiny_gpt
-from tests.engine.reference import BETAS, CLIP, EPS, LR, WD, engine_config
+from tests.engine.reference import engine_config, trainable_adamw, update
 
 STEPS, GAS = 4, 2
 FROZEN = ("wte.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight")
@@ -37,23 +37,14 @@ def frozen_gpt(names=FROZEN, *, seed: int = 0):
 
 def reference(steps: int = STEPS):
     model = frozen_gpt()
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        foreach=False,
-    )
+    opt = trainable_adamw(model)
     losses = []
     for step in range(steps):
         for micro in range(GAS):
             loss = model(*batch(step, micro, 0))
             (loss / GAS).backward()
             losses.append(loss.item())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(model, opt)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

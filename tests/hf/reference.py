@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from tests.engine.reference import BETAS, CLIP, EPS, LR, WD, CorrectlyRoundedSqrt, clip_in_float64
+from tests.engine.reference import (
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    WD,
+    CorrectlyRoundedSqrt,
+    clip_in_float64,
+    trainable_adamw,
+    update,
+)
 from tests.hf.models import batch, build
 
 EVAL_STEP = 99  # the eval batch's seed offset
@@ -75,16 +85,17 @@ def mixed_run(arch: str, dtype: torch.dtype, *, steps: int) -> tuple[dict, dict]
     return losses, {n: m.detach().clone() for n, m in zip(names, masters, strict=True)}
 
 
-def plain_trained(model: torch.nn.Module, arch: str, *, steps: int) -> torch.nn.Module:
-    """``model`` after ``steps`` of plain_run's training (torch AdamW, foreach=False, clipping; no eval
-    forwards), each forward after ``torch.manual_seed(step)``; only parameters with requires_grad train."""
+def plain_train(model: torch.nn.Module, arch: str, *, steps: int) -> list[float]:
+    """Trains ``model`` in place for ``steps`` of plain_run's training (torch AdamW, foreach=False,
+    clipping; no eval forwards), each forward after ``torch.manual_seed(step)``; only parameters with
+    requires_grad train. Returns each step's loss."""
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    opt = trainable_adamw(model)
+    losses = []
     for step in range(steps):
         torch.manual_seed(step)
-        model(**batch(arch, step)).loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return model
+        loss = model(**batch(arch, step)).loss
+        loss.backward()
+        update(model, opt)
+        losses.append(loss.item())
+    return losses

@@ -11,50 +11,14 @@ holds trainable units only).
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
-import torch
 
 import infinity
 from infinity.zero.gathered import GatheredParameters
-from tests.engine.reference import BETAS, CLIP, EPS, LR, WD
+from tests.hf.lora import lora, plain_peft
 from tests.hf.models import batch, build, build_under_init, ds_config
 
 STEPS = 3
-TARGETS = ["q_proj", "v_proj"]
-
-
-def lora(model, *, seed: int = 1):
-    import peft
-
-    torch.manual_seed(seed)  # the adapters' starting values, the same in both runs
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS)
-    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated attribute
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
-        return peft.get_peft_model(model, config)
-
-
-def plain_peft(steps: int = STEPS):
-    model = lora(build("llama", seed=0))
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        foreach=False,
-    )
-    losses = []
-    for step in range(steps):
-        loss = model(**batch("llama", step)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return losses, trained
 
 
 @pytest.mark.parametrize("under_init", [True, False])
@@ -113,7 +77,7 @@ def test_lora_trains_as_plain_peft_and_a_frozen_parameter_costs_only_its_bytes_a
     assert homes == {"nvme"}, "max_in_cpu 0: every frozen shard rests on NVMe"
     assert moved.written, "the adapters' shards are written home (the counter counts)"
 
-    ref_losses, ref_weights = plain_peft()
+    ref_losses, ref_weights = plain_peft(steps=STEPS)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert weights.keys() == ref_weights.keys()
     for n, ref in ref_weights.items():

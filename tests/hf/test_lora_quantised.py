@@ -18,9 +18,8 @@ import infinity
 from infinity.config import ConfigError
 from infinity.weights.quant import QuantSpec, dequantize_into, quantize_into, shard_format
 from infinity.zero.gathered import GatheredParameters
-from tests.engine.reference import BETAS, CLIP, EPS, LR, WD
+from tests.hf.lora import lora, plain_peft
 from tests.hf.models import batch, build, build_under_init, ds_config
-from tests.hf.test_lora_footprint import lora
 
 STEPS = 3
 GROUP = 32  # the tiny Llama's rows are 32 or 64 elements long
@@ -53,28 +52,13 @@ def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def plain_peft_on_dequantised_base(kind: str):
-    model = lora(build("llama", seed=0))
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad and p.dim() >= 2:
-                p.copy_(dequantised(p, kind))
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        foreach=False,
-    )
-    losses = []
-    for step in range(STEPS):
-        loss = model(**batch("llama", step)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    def dequantise_base(model: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.requires_grad and p.dim() >= 2:
+                    p.copy_(dequantised(p, kind))
+
+    return plain_peft(steps=STEPS, prepare=dequantise_base)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])

@@ -13,7 +13,6 @@ for the files' sizes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import warnings
 
@@ -25,8 +24,9 @@ from safetensors.torch import load_file
 import infinity
 from infinity.engine import saving
 from infinity.zero.gathered import GatheredParameters
+from tests.hf.lora import lora, peft_quietly
 from tests.hf.models import ARCHS, batch, build, ds_config
-from tests.hf.reference import plain_trained
+from tests.hf.reference import plain_train
 from tests.hf.saved_files import claimed_nbytes, folder_nbytes
 
 STEPS = 3
@@ -34,26 +34,6 @@ STEPS = 3
 # largest value (on elements whose gradient is near zero, where eps dominates the update).
 ADAMW_NOISE = 5e-4
 saving_gather_unit = saving.gather_unit
-LORA_TARGETS = {"llama": ["q_proj", "v_proj"], "gpt2": ["c_attn"]}
-
-
-def lora(model: torch.nn.Module, arch: str) -> peft.PeftModel:
-    torch.manual_seed(5)  # LoRA's A matrices are drawn at random
-    cfg = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=LORA_TARGETS[arch], fan_in_fan_out=arch == "gpt2"
-    )
-    with peft_quietly():
-        return peft.get_peft_model(model, cfg)
-
-
-@contextlib.contextmanager
-def peft_quietly():
-    """peft 0.21 reads transformers 5's deprecated ``is_gradient_checkpointing`` as it wraps a model."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
-        )
-        yield
 
 
 def train(model: torch.nn.Module, arch: str, nvme_dir):
@@ -119,7 +99,8 @@ def test_state_dict_and_torch_save_hold_the_trained_weights(arch, nvme_dir, tmp_
     assert_equal(sub, {k.removeprefix(prefix): v for k, v in want.items() if k.startswith(prefix)})
     plain = build(arch)
     plain.load_state_dict(loaded, strict=True)  # plain torch takes it as it is
-    assert_within_adamw_noise(want, plain_trained(build(arch), arch, steps=STEPS).state_dict())
+    plain_train(plain := build(arch), arch, steps=STEPS)
+    assert_within_adamw_noise(want, plain.state_dict())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -153,13 +134,13 @@ def test_save_pretrained_writes_what_from_pretrained_loads(arch, nvme_dir, tmp_p
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_peft_save_pretrained_writes_plain_peft_adapters(arch, nvme_dir, tmp_path, monkeypatch):
-    model = lora(build(arch), arch)
+    model = lora(build(arch), arch, seed=5)
     engine = train(model, arch, nvme_dir)
     gathered = []
 
-    def gather_unit(engine, parts, unit):
+    def gather_unit(group, store, unit):
         gathered.append(unit)
-        return saving_gather_unit(engine, parts, unit)
+        return saving_gather_unit(group, store, unit)
 
     monkeypatch.setattr(saving, "gather_unit", gather_unit)
     try:
@@ -171,7 +152,8 @@ def test_peft_save_pretrained_writes_plain_peft_adapters(arch, nvme_dir, tmp_pat
     want = peft.get_peft_model_state_dict(model, state_dict=want_all)
     # only the adapters were gathered, each once: the frozen base (most of the model) was never read
     assert sorted(u.index for u in gathered) == sorted(u.index for u in trainable) and trainable
-    plain = plain_trained(lora(build(arch), arch), arch, steps=STEPS)
+    plain = lora(build(arch), arch, seed=5)
+    plain_train(plain, arch, steps=STEPS)
     plain.save_pretrained(tmp_path / "plain")
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == sorted(
         p.name for p in (tmp_path / "plain").iterdir()

@@ -14,7 +14,7 @@ import pytest
 
 import infinity
 from infinity.cli.main import main
-from infinity.inference import estimate_inference
+from infinity.inference import GenerationSize, InferenceOptions, estimate_inference
 from tests.inference.models import PAD, inference_config, pair, prompts
 
 TRAINING_WORDS = ("optimizer", "Adam", "master", "gradient")
@@ -138,3 +138,19 @@ def test_the_cli_refuses_trainings_arguments_with_inference(capsys, tmp_path):
         ]
     )
     assert code == 2 and "--inference takes --batch, --prompt and --gen" in capsys.readouterr().err
+
+
+def test_options_are_the_keywords_in_one_object_and_bad_ones_are_refused(tmp_path):
+    # the baseline fixed: measured, it is this process's RSS at each call
+    fixed = dict(nvme_path=str(tmp_path), machine=False, baseline_nbytes=1 << 28)
+    kw = dict(batch=3, prompt=16, gen=4, **fixed)
+    by_keywords = estimate_inference(20e6, **kw)
+    options = InferenceOptions(size=GenerationSize(batch=3, prompt=16, gen=4), **fixed)
+    assert estimate_inference(20e6, options) == by_keywords
+    assert InferenceOptions.from_keywords(**kw) == options
+    with pytest.raises(TypeError, match="an InferenceOptions or keywords, not both"):
+        estimate_inference(20e6, options, batch=2)
+    with pytest.raises(TypeError, match="unknown keyword.*micro_batch.*it takes batch, prompt"):
+        estimate_inference(20e6, micro_batch=2)
+    with pytest.raises(ValueError, match="prompt must be >= 1; got 0"):
+        GenerationSize(prompt=0)

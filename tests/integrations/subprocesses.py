@@ -1,10 +1,11 @@
 """Running a script the way a user does (a fresh interpreter), with deepspeed made unimportable."""
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from tests import process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_VARIABLES = (
@@ -41,28 +42,14 @@ def run(
 ) -> subprocess.CompletedProcess:
     """``python *args``; the launch and every rank it starts form one process group, all killed if
     it outlives ``timeout`` (a safety net for a hung rank on a loaded machine, not a timing check)."""
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    r = process_group.finish(
+        process_group.start([sys.executable, *args], cwd=cwd, env=env), timeout=timeout
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(
-            f"{args} ran past {timeout} s and was killed:\n{out[-4000:]}\n{err[-8000:]}"
-        ) from None
-    assert proc.returncode == 0, (
-        f"{args} exited with {proc.returncode}:\n{out[-4000:]}\n{err[-8000:]}"
+    assert r.returncode == 0, (
+        f"{args} exited with {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-8000:]}"
     )
-    assert "deepspeed was imported" not in err
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert "deepspeed was imported" not in r.stderr
+    return r
 
 
 def leave_process_group() -> None:

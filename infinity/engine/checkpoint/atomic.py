@@ -279,7 +279,7 @@ def warn_leftovers(root: Path) -> None:
         )
 
 
-def resolve(path: Path | str, tag: str | None, *, warn: bool = True) -> Path:
+def resolve(path: str | os.PathLike[str], tag: str | None, *, warn: bool = True) -> Path:
     """The checkpoint directory that ``path`` (a root with ``latest``, or a checkpoint itself) and
     ``tag`` name; ``warn``: log the leftovers of interrupted saves found there. Raises
     CheckpointNotFoundError / CheckpointIncompleteError saying what is there."""

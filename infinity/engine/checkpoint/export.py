@@ -30,7 +30,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -61,6 +61,11 @@ from infinity.weights.hf_layout import (
     names_from_config,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from infinity.store import TieredStore
+    from infinity.zero.collectives import DataParallelGroup
+    from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
 
@@ -287,6 +292,7 @@ def _names_for_export(
 ) -> tuple[HfNames, Any, Path | None, str | None]:
     """The HF names to write, the transformers config (or None), the directory holding config.json and the
     model class it describes (or None)."""
+    config_dir: Path | None
     if config is not None:
         config_dir = Path(config)
         if config_dir.is_file():
@@ -651,9 +657,10 @@ def save_16bit_model(
                     append(b.detach().cpu().contiguous())
                 output.commit()
                 if hf_cfg is not None and chosen == "hf":
+                    can_generate = getattr(module, "can_generate", None)
                     generation = (
                         getattr(module, "generation_config", None)
-                        if module.can_generate()
+                        if callable(can_generate) and can_generate()
                         else None
                     )
                     _write_config_files(
@@ -715,7 +722,7 @@ def _live_values(
     """Each output parameter's values on CPU in output order; under stage 3 a unit is gathered once for
     its run of consecutive slots (every rank runs the same gathers)."""
     units = parts.units
-    full, held = None, None
+    full, held = torch.empty(0), None
     for ui, k in slots:
         if ui is None:
             yield k.detach().cpu().contiguous()
@@ -725,19 +732,20 @@ def _live_values(
             yield unit.params[k].detach().cpu().contiguous()
             continue
         if held != ui:
-            full = gather_unit(engine, parts, unit)
+            full = gather_unit(engine.group, parts.param_store, unit)
             held = ui
         s = unit.layout.slots[k]
         yield full[s.offset : s.offset + s.numel]
 
 
-def gather_unit(engine: CheckpointTarget, parts: TrainingParts, unit: Any) -> torch.Tensor:
-    store = parts.param_store
-    device = collective_device(engine.group)
+def gather_unit(group: DataParallelGroup, store: TieredStore, unit: ParamUnit) -> torch.Tensor:
+    """Stage 3: ``unit``'s full flat values on CPU, every rank's shard of ``store`` gathered (a
+    collective: every rank calls it for the same unit)."""
+    device = collective_device(group)
     shard = store.fetch(unit.key).result()
     try:
         full = torch.empty(unit.layout.padded_numel, dtype=unit.layout.dtype, device=device)
-        engine.group.all_gather(full, shard.to(device))
+        group.all_gather(full, shard.to(device))
     finally:
         store.release(unit.key)
     return full.cpu()

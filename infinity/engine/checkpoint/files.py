@@ -83,9 +83,8 @@ def read_tensors(
     def combine(block: bool) -> None:
         while parts and (block or parts[0][0].done()):
             crc, i, n, last = parts.popleft()
-            running[i] = (
-                crc.result() if running[i] is None else crc32c_combine(running[i], crc.result(), n)
-            )
+            before = running[i]
+            running[i] = crc.result() if before is None else crc32c_combine(before, crc.result(), n)
             c = checks[i]
             if last and running[i] != c.crc:
                 raise CheckpointCorruptError(
@@ -105,8 +104,8 @@ def read_tensors(
                 f"reading tensor {c.entry.name!r} from '{c.path}' failed: {e}", path=c.path
             ) from e
         data = ring[slot][:n]
-        busy[slot] = checksummer.submit(data)
-        parts.append((busy[slot], i, n, off + n == c.entry.nbytes))
+        crc = busy[slot] = checksummer.submit(data)
+        parts.append((crc, i, n, off + n == c.entry.nbytes))
         if on_chunk is not None:
             on_chunk(i, off, data)
         progress.update(n)
@@ -118,8 +117,9 @@ def read_tensors(
             if len(pending) == len(ring):
                 finish()
             slot = k % len(ring)
-            if busy[slot] is not None:
-                busy[slot].result()  # its last chunk's checksum is done with the buffer
+            last_crc = busy[slot]
+            if last_crc is not None:
+                last_crc.result()  # its last chunk's checksum is done with the buffer
             c = checks[i]
             pending.append(
                 (handle.pread(ring[slot][:n], c.file, c.entry.begin + off), slot, (i, off, n))

@@ -74,7 +74,7 @@ from infinity.engine.checkpoint.state import (
     restore_scheduler,
 )
 from infinity.engine.checkpoint.stream import LoadGroup, LoadItem, Piece, read_into
-from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
+from infinity.engine.checkpoint.target import CheckpointTarget, ShardOptimizer, TrainingParts
 from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.values import decode
 from infinity.engine.checkpoint.window import StoreRef
@@ -133,6 +133,8 @@ def load_checkpoint(
         err = e
     try:
         agree(group, err, "checking the checkpoint")
+        # agree() raised, had this rank failed to open them.
+        assert reader is not None and handle is not None
         total = (
             sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0
         ) + plan.apply_nbytes
@@ -218,9 +220,9 @@ def _plan(
         _check_scheduler(es, engine.lr_scheduler)
     writes: list[StoreFuture] = []
     source_checks: list[Callable[[], None]] = []
-    if passthrough:
+    if parts.passthrough is not None:
         groups, checks, nbytes, optimizer_state = _plan_passthrough(
-            parts, reader, handle, names, scope
+            parts, parts.passthrough, reader, handle, names, scope
         )
     else:
         groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
@@ -275,7 +277,11 @@ def _what_is_used(
     said = messages(
         hyper,
         schedule=None if scheduler is None else type(scheduler).__qualname__,
-        schedule_used=schedule_differences(lr_state, scheduler.state_dict()) if restored else [],
+        schedule_used=(
+            schedule_differences(lr_state, scheduler.state_dict())
+            if lr_state is not None and scheduler is not None
+            else []
+        ),
         schedule_kept=not scope.lr_scheduler_states
         and not scope.module_only
         and scheduler is not None
@@ -319,7 +325,7 @@ def _param_steps(
 ) -> list[int]:
     """This rank's step counts: its own when the partitioning is unchanged, else the largest over the
     saved ranks (a parameter's count is kept by the ranks holding part of it, 0 elsewhere)."""
-    n = len(parts.optimizer.param_steps)
+    n = len(_partitioned(parts).param_steps)
     same = (
         own
         and reader.partitions == partitions_of(parts)
@@ -347,7 +353,10 @@ def _plan_units(
 ) -> tuple[list[LoadGroup], list[Check], int, list[StoreFuture]]:
     rank = 0 if engine.stage == 0 else engine.group.rank
     p_old = reader.partitions
-    groups, checks, nbytes, writes = [], {}, 0, []
+    groups: list[LoadGroup] = []
+    checks: dict[tuple[int, str], Check] = {}
+    nbytes = 0
+    writes: list[StoreFuture] = []
     for unit, saved in zip(parts.units, reader.units, strict=True):
         if not unit.trainable:
             continue  # _plan_frozen
@@ -420,7 +429,8 @@ def _plan_frozen(
     own = engine.group.rank < reader.world_size
     saved_crcs = (reader.rank(engine.group.rank)[0].get("frozen_crc32c") or {}) if own else {}
     live_crcs = frozen_shard_crcs(engine, parts) if any(s.source for _, s in frozen) else {}
-    whole = parts.param_store is None  # stages 0-2: every rank holds the whole unit
+    store = parts.param_store
+    whole = store is None  # stages 0-2: every rank holds the whole unit
     for unit, saved in frozen:
         same = (
             reader.partitions == unit.layout.world_size
@@ -433,7 +443,7 @@ def _plan_frozen(
         dtype, isz = unit.layout.dtype, unit.layout.itemsize
         n_dest = unit.layout.numel if whole else unit.layout.shard_numel
         dest = torch.empty(n_dest, dtype=dtype) if whole else None
-        ref = None if whole else StoreRef(parts.param_store, unit.key)
+        ref = None if store is None else StoreRef(store, unit.key)
         after = _to_params(unit) if whole else None
         name = f"u{unit.index}.param"
         if saved.source is None:
@@ -546,14 +556,34 @@ def _after_master(parts: TrainingParts, unit: ParamUnit, writes: list[StoreFutur
                 writes.append(store.evict(unit.key))
 
         return to_param_shard
-    on_updated = parts.optimizer.on_updated
+    on_updated = _partitioned(parts).on_updated
     if on_updated is None:
         return None
     return lambda dests: on_updated(unit.index, dests[0])
 
 
+def _copy_to(p: torch.nn.Parameter) -> Callable[[list[torch.Tensor]], None]:
+    """A parameter not read into directly (off the CPU, or not contiguous): its loaded values copied in."""
+
+    def copy(dests: list[torch.Tensor]) -> None:
+        p.data.copy_(dests[0])
+
+    return copy
+
+
+def _partitioned(parts: TrainingParts) -> ShardOptimizer:
+    """The partitioned Adam, which steps every engine that trains without a passthrough optimizer."""
+    if parts.optimizer is None:
+        raise CheckpointMismatchError(
+            "this engine has no optimizer (no parameter requires grad), so the checkpoint's optimizer "
+            "state has nowhere to go; load it into an engine that trains the same parameters"
+        )
+    return parts.optimizer
+
+
 def _plan_passthrough(
     parts: TrainingParts,
+    optimizer: torch.optim.Optimizer,
     reader: CheckpointReader,
     handle: AioHandle,
     param_names: list[str],
@@ -571,7 +601,7 @@ def _plan_passthrough(
                 f"parameter {name!r} has shape {saved[name]['shape']} in the checkpoint but {list(p.shape)} in this model"
             )
     es = reader.engine_state()
-    live_type = type(parts.passthrough).__qualname__
+    live_type = type(optimizer).__qualname__
     if scope.optimizer_states and es.get("optimizer_type") != live_type:
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer is a {es.get('optimizer_type')} and this engine's a {live_type}; use the same optimizer"
@@ -598,7 +628,7 @@ def _plan_passthrough(
         groups.append(
             LoadGroup(
                 [item(f"param.{name}", dest)],
-                None if direct else (lambda d, p=p: p.data.copy_(d[0])),
+                None if direct else _copy_to(p),
             )
         )
         nbytes += dest.numel() * dest.element_size()
@@ -611,7 +641,7 @@ def _plan_passthrough(
             groups.append(LoadGroup([item(name, tensors[name])]))
             nbytes += e.nbytes
     state = decode(es["optimizer_state"], tensors, "optimizer state")
-    live = parts.passthrough.state_dict()["param_groups"]
+    live = optimizer.state_dict()["param_groups"]
     if [len(g["params"]) for g in state["param_groups"]] != [len(g["params"]) for g in live]:
         raise CheckpointMismatchError(
             "the checkpoint's optimizer param groups hold other parameters than this engine's"
@@ -657,9 +687,10 @@ def _apply(
         elif not scope.module_only:
             parts.passthrough.state.clear()  # momentum and the like start afresh
     elif scope.optimizer_states:
-        parts.optimizer.param_steps[:] = s["param_steps"]
+        _partitioned(parts).param_steps[:] = s["param_steps"]
     elif not scope.module_only:
-        parts.optimizer.param_steps[:] = [0] * len(parts.optimizer.param_steps)
+        steps = _partitioned(parts).param_steps
+        steps[:] = [0] * len(steps)
     for g, old, values in zip(
         engine.optimizer.param_groups, before, s["hyper"].values, strict=True
     ):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -109,7 +110,7 @@ def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str,
 
 
 def describe_units(
-    module: nn.Module, units: list[ParamUnit], sources: dict[int, dict[str, Any]] | None = None
+    module: nn.Module, units: Sequence[ParamUnit], sources: dict[int, dict[str, Any]] | None = None
 ) -> list[UnitInfo]:
     """UnitInfo of every live ParamUnit; aliases from the module's state_dict; ``sources``: the references
     of the frozen units saved as one."""

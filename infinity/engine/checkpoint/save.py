@@ -81,12 +81,15 @@ def unit_state_refs(parts: TrainingParts, unit: ParamUnit) -> list[tuple[str, St
     """(role, where it lives) of a unit shard's fp32 state: the master (in the parameter store when the
     fp32 stage-3 shard is its own master), exp_avg and exp_avg_sq."""
     ss = parts.state_store
+    if ss is None:
+        raise ValueError(
+            f"unit {unit.index} has optimizer state, and the engine no state store to hold it"
+        )
     i = unit.index
-    master = (
-        StoreRef(ss, (i, "master"))
-        if (i, "master") in ss
-        else StoreRef(parts.param_store, unit.key)
-    )
+    if (i, "master") in ss or parts.param_store is None:
+        master = StoreRef(ss, (i, "master"))
+    else:
+        master = StoreRef(parts.param_store, unit.key)
     return [
         ("master", master),
         ("exp_avg", StoreRef(ss, (i, "m"))),
@@ -185,7 +188,7 @@ def referenced_units(parts: TrainingParts, crcs: dict[int, int]) -> list[int]:
 
 
 def _plan_passthrough(
-    parts: TrainingParts, param_names: list[str]
+    parts: TrainingParts, optimizer: torch.optim.Optimizer, param_names: list[str]
 ) -> tuple[list[list[_Planned]], Any]:
     """Stage 0 with a torch optimizer of the user's: the parameters whole, and the optimizer's tensors."""
     groups = [
@@ -193,7 +196,7 @@ def _plan_passthrough(
         for n, p in zip(param_names, parts.params, strict=True)
     ]
     sink = TensorSink("optim.", copy=False)
-    skeleton = encode(parts.passthrough.state_dict(), sink, "optimizer.state_dict()")
+    skeleton = encode(optimizer.state_dict(), sink, "optimizer.state_dict()")
     groups += [[_Planned(n, t.dtype, tuple(t.shape), tensor=t)] for n, t in sink.tensors.items()]
     return groups, skeleton
 
@@ -306,7 +309,9 @@ def _prepare(
     partitions = partitions_of(parts)
     writes_part = rank < partitions
     if parts.passthrough is not None:
-        groups, skeleton = _plan_passthrough(parts, names) if writes_part else ([], None)
+        groups, skeleton = (
+            _plan_passthrough(parts, parts.passthrough, names) if writes_part else ([], None)
+        )
         extra = {
             "optimizer_state": skeleton,
             "optimizer_type": type(parts.passthrough).__qualname__,
@@ -441,25 +446,28 @@ def save_checkpoint(
     group = engine.group
     root = Path(save_dir)
     t0 = time.perf_counter()
-    prep, err, parts, crcs, flags = None, None, None, {}, []
+    prep: _Prepared | None = None
+    err: Exception | None = None
+    crcs: dict[int, int] = {}
+    flags: list[int] = []
+    parts = engine.checkpoint_parts()  # the pieces; their values are read after the step below
     try:
         # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
         # checkpoint holds the state after it. Updated shards it left cached and dirty in the store are
         # read through the store (window.py), so their current values are saved, and stay cached.
         engine.synchronize()
-        parts = engine.checkpoint_parts()
         crcs = frozen_shard_crcs(engine, parts)
         flags = referenced_units(parts, crcs)
     except Exception as e:
         err = e
-    n_units = len(parts.units) if parts is not None else len(engine.checkpoint_parts().units)
-    rows = agree(group, err, "checking the frozen units", flags or [0] * n_units)
+    rows = agree(group, err, "checking the frozen units", flags or [0] * len(parts.units))
     referenced = {u.index for k, u in enumerate(parts.units) if all(row[k] for row in rows)}
     try:
         prep = _prepare(engine, parts, client_state, crcs, referenced)
     except Exception as e:
         err = e
     agree(group, err, "preparing the checkpoint")
+    assert prep is not None  # agree() raised, had this rank failed to prepare
 
     nonce = shared_nonce(group)
     tmp = atomic.partial_dir(root, tag, nonce)

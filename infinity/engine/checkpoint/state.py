@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def restore_rng(data: Any, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def param_group_of(
-    param_groups: list[dict[str, Any]], params: list[torch.nn.Parameter]
+    param_groups: list[dict[str, Any]], params: Sequence[torch.nn.Parameter]
 ) -> list[int | None]:
     where = {id(p): gi for gi, g in enumerate(param_groups) for p in g["params"]}
     return [where.get(id(p)) for p in params]

@@ -60,6 +60,13 @@ class SaveItem:
     tensor: torch.Tensor | None = None
 
 
+def _host_tensor(tensor: torch.Tensor | None, name: str) -> torch.Tensor:
+    """An item's host tensor, where it has no store key."""
+    if tensor is None:
+        raise ValueError(f"{name}: an item needs a store key or a host tensor, and has neither")
+    return tensor
+
+
 def create_allocated(path: Path, nbytes: int, what: str) -> None:
     """Creates ``path`` with ``nbytes`` allocated on disk, so that a full disk is found before any write."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
@@ -105,7 +112,11 @@ def write_part(
             pending = {}
             try:
                 for it in group:
-                    t = next(views) if it.ref is not None else it.tensor.detach().cpu().contiguous()
+                    t = (
+                        next(views)
+                        if it.ref is not None
+                        else _host_tensor(it.tensor, it.entry.name).detach().cpu().contiguous()
+                    )
                     b = as_bytes(t)
                     if b.numel() != it.entry.nbytes:
                         raise RuntimeError(
@@ -246,8 +257,11 @@ def read_into(
             holding = Holding(refs, overwrite=True) if refs else None
             try:
                 views = iter(holding.views()) if holding is not None else iter(())
-                dests = [next(views) if it.ref is not None else it.tensor for it in group.items]
-                reads = []
+                dests = [
+                    next(views) if it.ref is not None else _host_tensor(it.tensor, it.name)
+                    for it in group.items
+                ]
+                reads: list[tuple[torch.Tensor, AioFile, int]] = []
                 for it, d in zip(group.items, dests, strict=True):
                     b = as_bytes(d)
                     if b.numel() != it.nbytes:

@@ -98,19 +98,40 @@ class TrainingParts:
 class CheckpointTarget(Protocol):
     """Everything checkpointing reads and writes of an engine (see [Note: the checkpoint's view of an engine])."""
 
-    module: nn.Module
-    config: InfinityConfig
-    group: DataParallelGroup
-    stage: int
-    dtype: torch.dtype
-    gradient_accumulation_steps: int
+    # Read only (properties, so that an engine's narrower types match): checkpointing never sets these.
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def config(self) -> InfinityConfig: ...
+
+    @property
+    def group(self) -> DataParallelGroup: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def gradient_accumulation_steps(self) -> int: ...
+
+    @property
+    def optimizer(self) -> Any:
+        """What the user steps and schedulers change: ``param_groups`` with lr, betas, eps,
+        weight_decay."""
+
+    @property
+    def lr_scheduler(self) -> HasState | None: ...
+
+    @property
+    def loss_scaler(self) -> HasState: ...
+
+    # Written back by a load.
     global_steps: int
     micro_steps: int
     skipped_steps: int
-    optimizer: Any
-    """What the user steps and schedulers change: ``param_groups`` with lr, betas, eps, weight_decay."""
-    lr_scheduler: HasState | None
-    loss_scaler: HasState
 
     def synchronize(self) -> None: ...
 

@@ -146,6 +146,9 @@ class Job:
     def done(self) -> bool:
         return self.request is None or self.request.done()
 
+    def follow_done(self) -> bool:
+        return self.follow is None or self.follow.done()
+
 
 class Window:
     """Jobs in flight, completed in order (see [Note: pool room]). A job whose ``on_done`` hands back a
@@ -171,7 +174,7 @@ class Window:
 
     def _step(self) -> None:
         """Finishes the oldest follow-up if the oldest job has none to wait for, else retires that job."""
-        if self.checking and (not self.jobs or self.checking[0].follow.done()):
+        if self.checking and (not self.jobs or self.checking[0].follow_done()):
             self._complete(self.checking.popleft())
         else:
             self.retire_oldest()
@@ -206,7 +209,8 @@ class Window:
 
     def _complete(self, job: Job) -> None:
         try:
-            job.follow.complete()
+            if job.follow is not None:
+                job.follow.complete()
         finally:
             self._forget(job)
 
@@ -214,7 +218,7 @@ class Window:
         while True:
             if self.jobs and self.jobs[0].done():
                 self.retire_oldest()
-            elif self.checking and self.checking[0].follow.done():
+            elif self.checking and self.checking[0].follow_done():
                 self._complete(self.checking.popleft())
             else:
                 return
