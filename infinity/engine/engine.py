@@ -577,7 +577,6 @@ class Engine:
         ``client_state``: JSON values and tensors (no pickle). Every rank must call it, at an
         accumulation boundary. Returns the checkpoint's directory."""
         self._check_open("engine.save_checkpoint()")
-        self._check_base_at_rest("engine.save_checkpoint()")
         return checkpoint.save_checkpoint(
             self, save_dir, tag, client_state, save_latest=save_latest, progress=progress
         )
@@ -601,7 +600,6 @@ class Engine:
         engine is left as it was (``verify=False`` halves the reads but gives up that promise for corrupt
         data found mid-load). Every rank must call it."""
         self._check_open("engine.load_checkpoint()")
-        self._check_base_at_rest("engine.load_checkpoint()")
         client_state = checkpoint.load_checkpoint(
             self,
             load_dir,
@@ -631,7 +629,6 @@ class Engine:
         ``save_dir/save_filename``, one file ``model.load_state_dict(safetensors.torch.load_file(path))``
         takes; returns its path. Every rank must call it."""
         self._check_open("engine.save_16bit_model()")
-        self._check_base_at_rest("engine.save_16bit_model()")
         return checkpoint.save_16bit_model(
             self,
             save_dir,
@@ -659,19 +656,6 @@ class Engine:
         self._check_open("engine.save_pretrained()")
         return save_pretrained(self, save_directory, **kwargs)
 
-    def _check_base_at_rest(self, action: str) -> None:
-        """Checkpoints and full-weight exports read and write parameter shards as they rest; a
-        quantised frozen base rests packed ([Note: a quantised frozen base] in initialize.py), which
-        those files do not hold yet: refused rather than written wrong."""
-        plan = self.runtime.plan
-        if plan is not None and plan.optimizer is not None and plan.formats is not None:
-            raise NotImplementedError(
-                f"{action} with the frozen base quantised at rest (zero_optimization."
-                "zero_quantized_nontrainable_weights / weight_quantization) is not supported yet; "
-                "save the adapters with engine.save_pretrained() (a PEFT model writes its adapter "
-                "files), or train with the base in its dtype to checkpoint the whole run"
-            )
-
     def checkpoint_parts(self) -> checkpoint.TrainingParts:
         """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace
         (see [Note: the checkpoint's view of an engine] in infinity/engine/checkpoint/target.py)."""
@@ -686,6 +670,11 @@ class Engine:
             partitioner=rt.partitioner,
             trace=self._trace,
             sources=rt.sources,
+            formats={
+                u.index: f
+                for u in rt.unit_map.units
+                if not u.trainable and rt.plan is not None and (f := rt.plan.format_of(u))
+            },
         )
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------

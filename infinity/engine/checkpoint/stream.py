@@ -168,9 +168,14 @@ class LoadItem:
     nbytes: int
     pieces: list[Piece]
     ref: StoreRef | None = None
-    tensor: torch.Tensor | None = None
+    tensor: torch.Tensor | Callable[[], torch.Tensor] | None = None
+    """A host tensor, or what makes one when the group's turn comes (host memory held only while the
+    group is in flight)."""
     crc: int | None = None
     path: str = ""
+
+    def destination(self) -> torch.Tensor | None:
+        return self.tensor() if callable(self.tensor) else self.tensor
 
 
 @dataclasses.dataclass
@@ -246,7 +251,9 @@ def read_into(
             holding = Holding(refs, overwrite=True) if refs else None
             try:
                 views = iter(holding.views()) if holding is not None else iter(())
-                dests = [next(views) if it.ref is not None else it.tensor for it in group.items]
+                dests = [
+                    next(views) if it.ref is not None else it.destination() for it in group.items
+                ]
                 reads = []
                 for it, d in zip(group.items, dests, strict=True):
                     b = as_bytes(d)
