@@ -638,6 +638,22 @@ class Engine:
             progress=progress,
         )
 
+    def save_merged(
+        self,
+        save_dir: Any,
+        *,
+        max_shard_size: int | str | None = None,
+        progress: bool | None = None,
+    ) -> Any:
+        """A PEFT LoRA model's base with its active adapters merged in (PEFT's ``merge_and_unload()``:
+        W + scaling · B·A), written unit by unit to ``save_dir`` as ``from_pretrained`` reads it, in the
+        training dtype (a base quantised at rest: its dequantised values plus the delta). Returns the
+        directory. Every rank must call it ([Note: merged export] in engine/checkpoint/merged.py)."""
+        self._check_open("engine.save_merged()")
+        return checkpoint.save_merged(
+            self, save_dir, max_shard_size=max_shard_size, progress=progress
+        )
+
     def gathered_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
         """The model's ``state_dict()`` entries named by ``keys`` (default: all) as full tensors on CPU,
         gathered unit by unit: only the units holding the keys asked are read. The dict holds what it
