@@ -318,12 +318,12 @@ def _move_home(
             lo, hi = unit.layout.shard_range(plan.shard_rank)
             shard = full[lo:hi]
             fmt = plan.format_of(unit) if plan.stage == 3 else None
-            if fmt is not None:  # a frozen unit (training) or any unit (inference), quantised
-                packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
-                quantize_into(fmt, shard.to(dtype), packed, name=unit.module_name)
-                _planned(param_store, "the parameter store").write(unit.key, packed).result()
-            elif plan.stage == 3:
-                values = shard.to(dtype)
+            if plan.stage == 3:
+                if fmt is not None:  # a frozen unit (training) or any unit (inference), quantised
+                    values = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+                    quantize_into(fmt, shard.to(dtype), values, name=unit.module_name)
+                else:
+                    values = shard.to(dtype)
                 _planned(param_store, "the parameter store").write(unit.key, values).result()
                 if optimizer is not None and state:
                     optimizer.init_state(unit.index, None if dtype == FP32 else shard)
@@ -331,6 +331,8 @@ def _move_home(
                     [init_store.source(p) for p in unit.params] if init_store is not None else []
                 )
                 if unit.index not in trained and files and all(f is not None for f in files):
+                    # a quantised unit's CRC32C is its packed shard's ([Note: a quantised base in a
+                    # checkpoint] in engine/checkpoint/quantised.py)
                     sources[unit.index] = source_of(files, values)
             else:
                 if optimizer is not None and state:

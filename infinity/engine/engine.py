@@ -594,7 +594,6 @@ class Engine:
         ``client_state``: JSON values and tensors (no pickle). Every rank must call it, at an
         accumulation boundary. Returns the checkpoint's directory."""
         self._check_open("engine.save_checkpoint()")
-        self._check_base_at_rest("engine.save_checkpoint()")
         return checkpoint.save_checkpoint(
             self, save_dir, tag, client_state, save_latest=save_latest, progress=progress
         )
@@ -618,7 +617,6 @@ class Engine:
         engine is left as it was (``verify=False`` halves the reads but gives up that promise for corrupt
         data found mid-load). Every rank must call it."""
         self._check_open("engine.load_checkpoint()")
-        self._check_base_at_rest("engine.load_checkpoint()")
         client_state = checkpoint.load_checkpoint(
             self,
             load_dir,
@@ -648,7 +646,6 @@ class Engine:
         ``save_dir/save_filename``, one file ``model.load_state_dict(safetensors.torch.load_file(path))``
         takes; returns its path. Every rank must call it."""
         self._check_open("engine.save_16bit_model()")
-        self._check_base_at_rest("engine.save_16bit_model()")
         return checkpoint.save_16bit_model(
             self,
             save_dir,
@@ -656,6 +653,22 @@ class Engine:
             layout=layout,
             max_shard_size=max_shard_size,
             progress=progress,
+        )
+
+    def save_merged(
+        self,
+        save_dir: Any,
+        *,
+        max_shard_size: int | str | None = None,
+        progress: bool | None = None,
+    ) -> Any:
+        """A PEFT LoRA model's base with its active adapters merged in (PEFT's ``merge_and_unload()``:
+        W + scaling · B·A), written unit by unit to ``save_dir`` as ``from_pretrained`` reads it, in the
+        training dtype (a base quantised at rest: its dequantised values plus the delta). Returns the
+        directory. Every rank must call it ([Note: merged export] in engine/checkpoint/merged.py)."""
+        self._check_open("engine.save_merged()")
+        return checkpoint.save_merged(
+            self, save_dir, max_shard_size=max_shard_size, progress=progress
         )
 
     def gathered_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]:
@@ -676,19 +689,6 @@ class Engine:
         self._check_open("engine.save_pretrained()")
         return save_pretrained(self, save_directory, **kwargs)
 
-    def _check_base_at_rest(self, action: str) -> None:
-        """Checkpoints and full-weight exports read and write parameter shards as they rest; a
-        quantised frozen base rests packed ([Note: a quantised frozen base] in initialize.py), which
-        those files do not hold yet: refused rather than written wrong."""
-        plan = self.runtime.plan
-        if plan is not None and plan.optimizer is not None and plan.formats is not None:
-            raise NotImplementedError(
-                f"{action} with the frozen base quantised at rest (zero_optimization."
-                "zero_quantized_nontrainable_weights / weight_quantization) is not supported yet; "
-                "save the adapters with engine.save_pretrained() (a PEFT model writes its adapter "
-                "files), or train with the base in its dtype to checkpoint the whole run"
-            )
-
     def checkpoint_parts(self) -> checkpoint.TrainingParts:
         """The runtime pieces a checkpoint moves: units, stores, optimizer, partitioner, prefetch trace
         (see [Note: the checkpoint's view of an engine] in infinity/engine/checkpoint/target.py)."""
@@ -703,6 +703,11 @@ class Engine:
             partitioner=rt.partitioner,
             trace=self._trace,
             sources=rt.sources,
+            formats={
+                u.index: f
+                for u in rt.unit_map.units
+                if not u.trainable and rt.plan is not None and (f := rt.plan.format_of(u))
+            },
         )
 
     # -- the rest of DeepSpeed's engine surface ----------------------------------

@@ -146,7 +146,8 @@ def full_values(
         by_unit.setdefault(unit.index, (unit, []))[1].append((key, slot))
     for index in sorted(by_unit):
         unit, wanted = by_unit[index]
-        full = gather_unit(engine.group, store, unit)
+        fmt = rt.plan.format_of(unit) if rt.plan is not None and not unit.trainable else None
+        full = gather_unit(engine.group, store, unit, fmt)  # a quantised base: dequantised
         for key, slot in wanted:
             s = unit.layout.slots[slot]
             entries[key] = full[s.offset : s.offset + s.numel].view(s.shape).clone()

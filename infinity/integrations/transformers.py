@@ -77,7 +77,7 @@ if not hasattr(Trainer, "_prepare_for_training"):
 
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
-__all__ = ["ENGINE_TAG", "InfinityTrainer"]
+__all__ = ["ENGINE_TAG", "InfinityTrainer", "InfinityTrainerMixin", "infinity_trainer"]
 
 
 # [Note: the update the Trainer asks for]
@@ -140,10 +140,9 @@ class EngineSchedule:
         raise RuntimeError("the lr schedule is the engine's: it is saved by engine.save_checkpoint")
 
 
-class InfinityTrainer(Trainer):
-    """``transformers.Trainer`` training through an infinity engine built from ``infinity_config``
-    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. Every other
-    argument is the Trainer's. The engine is ``trainer.engine`` once ``train()`` has built it."""
+class InfinityTrainerMixin:
+    """What makes a ``Trainer`` (or a subclass of it) train through an infinity engine: put before the
+    Trainer class in the bases (``InfinityTrainer``; ``infinity_trainer(cls)`` for any subclass)."""
 
     def __init__(self, *args: Any, infinity_config: Any = None, **kwargs: Any):
         if infinity_config is None:
@@ -183,6 +182,12 @@ class InfinityTrainer(Trainer):
             raise ValueError(
                 "load_best_model_at_end=True is not supported by InfinityTrainer: load the best "
                 "checkpoint-N/ with from_pretrained (its weights are in the HF layout)"
+            )
+        if getattr(args, "activation_offloading", False):
+            raise ValueError(
+                "activation_offloading=True wraps the Trainer's training_step, which the engine's "
+                "takes the place of: leave it unset (the engine's activation_checkpointing section "
+                "bounds activation memory)"
             )
         if args.world_size > 1:
             raise ValueError(
@@ -405,3 +410,38 @@ class InfinityTrainer(Trainer):
         elif tokenizer is not None:
             tokenizer.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+
+
+class InfinityTrainer(InfinityTrainerMixin, Trainer):
+    """``transformers.Trainer`` training through an infinity engine built from ``infinity_config``
+    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. Every other
+    argument is the Trainer's. The engine is ``trainer.engine`` once ``train()`` has built it."""
+
+
+# [Note: Trainer subclasses on the engine]
+# Libraries build on the Trainer by subclassing it (TRL's SFTTrainer, DPOTrainer, ...): their
+# compute_loss, data preparation and logging are theirs, the model's forward and backward and the
+# optimizer's step the Trainer's. infinity_trainer(cls) puts InfinityTrainerMixin before ``cls``, so
+# the mixin's overrides (the engine built in _prepare_for_training, training_step with
+# engine.backward, the engine's checkpoints and save) take the Trainer's place and ``cls``'s own
+# compute_loss and log run on the engine's forward. A subclass that overrides training_step for
+# more than a context around it (SFTTrainer's activation offloading) loses that override: its
+# option is refused where it exists.
+
+
+def infinity_trainer(trainer_class: type[Trainer]) -> type[Trainer]:
+    """``trainer_class`` (a ``transformers.Trainer`` subclass, e.g. ``trl.SFTTrainer``) training
+    through an infinity engine, as ``InfinityTrainer`` does for the Trainer: the new class takes the
+    same arguments plus ``infinity_config=`` ([Note: Trainer subclasses on the engine])."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, Trainer)):
+        raise TypeError(
+            f"infinity_trainer takes a transformers.Trainer subclass (e.g. trl.SFTTrainer); got "
+            f"{trainer_class!r}"
+        )
+    if issubclass(trainer_class, InfinityTrainerMixin):
+        return trainer_class
+    return type(
+        f"Infinity{trainer_class.__name__}",
+        (InfinityTrainerMixin, trainer_class),
+        {"__module__": __name__, "__doc__": infinity_trainer.__doc__},
+    )

@@ -138,9 +138,9 @@ def test_peft_save_pretrained_writes_plain_peft_adapters(arch, nvme_dir, tmp_pat
     engine = train(model, arch, nvme_dir)
     gathered = []
 
-    def gather_unit(group, store, unit):
+    def gather_unit(group, store, unit, fmt=None):
         gathered.append(unit)
-        return saving_gather_unit(group, store, unit)
+        return saving_gather_unit(group, store, unit, fmt)
 
     monkeypatch.setattr(saving, "gather_unit", gather_unit)
     try:

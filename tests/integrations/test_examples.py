@@ -89,3 +89,21 @@ def test_hf_trainer_example_trains_resumes_and_saves(tmp_path, nvme_dir):
     again = _summary(run([*args, "--resume", "--steps", "8"], cwd=tmp_path, env=env).stdout)
     assert again["steps"] == 8, again
     assert again["first_loss"] < first["first_loss"] - 0.2, (first, again)
+
+
+def test_qlora_sft_trl_trains_adapters_over_an_nf4_base_and_merges_them(tmp_path, nvme_dir):
+    """TRL's SFTTrainer on the engine with the frozen base in NF4 on NVMe: the loss falls, the
+    checkpoint refers to the base's files (it is smaller than the base), and the merged model,
+    reloaded with from_pretrained, gives the trained model's loss (W + s·B·A rounded once: fp32)."""
+    args = [
+        str(ROOT / "examples" / "qlora_sft_trl.py"),
+        "--quick",
+        "--nvme-path",
+        str(nvme_dir),
+        "--out",
+        "out",
+    ]
+    got = _summary(run(args, cwd=tmp_path, env=without_deepspeed(tmp_path)).stdout)
+    assert got["steps"] == 6 and got["last_loss"] < got["first_loss"] - 0.1, got
+    assert got["checkpoint_nbytes"] < got["base_nbytes"], got
+    assert got["merged_loss"] == pytest.approx(got["trained_loss"], rel=1e-5), got

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from infinity.aio import AioConfig, AioHandle
+from infinity.aio import AioConfig, AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
 from infinity.engine.checkpoint.collective import agree, collective_device
-from infinity.engine.checkpoint.errors import CheckpointMismatchError
+from infinity.engine.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, read_tensors
 from infinity.engine.checkpoint.format import parse_dtype_name
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
@@ -47,6 +47,7 @@ from infinity.engine.checkpoint.model_files import (
     adapter_file_name,
 )
 from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.quantised import dequantised, partition_format, spec_of
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.sources import SourceFiles, check_files
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
@@ -61,6 +62,7 @@ from infinity.weights.hf_layout import (
     names_from_config,
     parse_size,
 )
+from infinity.weights.quant import ShardFormat, quantize_into
 
 if TYPE_CHECKING:
     from infinity.store import TieredStore
@@ -459,6 +461,14 @@ def _stream_units(
     files = SourceFiles()
     try:
         for u in units:
+            if u.quant is not None:
+                flush()
+                for q in range(reader.partitions):
+                    values = _quantised_partition(reader, handle, u, q, files)
+                    n = max(0, min(u.shard_numel, u.numel - q * u.shard_numel))
+                    output.append(conv(values[:n]))
+                    bar.update(n * u.dtype.itemsize)
+                continue
             if u.source is not None:
                 flush()
                 _stream_source(reader, u, files, output, conv, bar)
@@ -503,10 +513,50 @@ def _stream_source(
             bar.update((hi - lo) * t.dtype.itemsize)
 
 
+def _quantised_partition(
+    reader: CheckpointReader, handle: AioHandle, unit: Any, q: int, files: SourceFiles
+) -> torch.Tensor:
+    """Partition ``q`` of a frozen unit that rested quantised, dequantised: from its packed bytes in
+    the part file (checked against their CRC32C), or from the files it refers to, quantised as it
+    was ([Note: a quantised base in a checkpoint] in quantised.py)."""
+    spec = spec_of(unit.quant)
+    s = unit.shard_numel
+    fmt = partition_format(unit.slots, q, s, unit.dtype, spec)
+    packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+    if unit.source is not None:
+        tensors = [(str(p), str(n)) for p, n in unit.source["tensors"]]
+        saved = reader.manifest.get("source_files") or {}
+        check_files({p: saved[p] for p, _ in tensors}, unit.name)
+        values = torch.empty(s, dtype=unit.dtype)
+        files.read_unit(tensors, unit.slots, q * s, (q + 1) * s, values)
+        quantize_into(fmt, values, packed, name=unit.name)
+    else:
+        e = reader.entry(q, unit.saved_as, torch.uint8, fmt.nbytes)
+        handle.sync_pread(packed, reader.open_part(q, handle), e.begin)
+        if crc32c(packed) != reader.part_crc(q, unit.saved_as):
+            path = reader.part_path(q)
+            raise CheckpointCorruptError(
+                f"tensor {unit.saved_as!r} in '{path}' does not match its CRC32C: the file is corrupt; "
+                "restore it or export another checkpoint",
+                path=str(path),
+            )
+    return dequantised(fmt, packed)
+
+
 def _read_flat(
     reader: CheckpointReader, handle: AioHandle, unit: Any, lo: int, hi: int
 ) -> Iterator[torch.Tensor]:
     """Flat elements [lo, hi) of a unit's saved weights, in chunks (already checksummed by _stream_units)."""
+    if unit.quant is not None:
+        files = SourceFiles()
+        try:
+            s = unit.shard_numel
+            for q in range(lo // s, -(-hi // s)):
+                values = _quantised_partition(reader, handle, unit, q, files)
+                yield values[max(lo, q * s) - q * s : min(hi, (q + 1) * s) - q * s]
+        finally:
+            files.close()
+        return
     if unit.source is not None:
         files = SourceFiles()
         try:
@@ -732,20 +782,24 @@ def _live_values(
             yield unit.params[k].detach().cpu().contiguous()
             continue
         if held != ui:
-            full = gather_unit(engine.group, parts.param_store, unit)
+            full = gather_unit(engine.group, parts.param_store, unit, parts.formats.get(unit.index))
             held = ui
         s = unit.layout.slots[k]
         yield full[s.offset : s.offset + s.numel]
 
 
-def gather_unit(group: DataParallelGroup, store: TieredStore, unit: ParamUnit) -> torch.Tensor:
+def gather_unit(
+    group: DataParallelGroup, store: TieredStore, unit: ParamUnit, fmt: ShardFormat | None = None
+) -> torch.Tensor:
     """Stage 3: ``unit``'s full flat values on CPU, every rank's shard of ``store`` gathered (a
-    collective: every rank calls it for the same unit)."""
+    collective: every rank calls it for the same unit). ``fmt``: the format a quantised frozen unit
+    rests in; its shard is dequantised first (the values training saw)."""
     device = collective_device(group)
     shard = store.fetch(unit.key).result()
     try:
+        values = shard if fmt is None else dequantised(fmt, shard)
         full = torch.empty(unit.layout.padded_numel, dtype=unit.layout.dtype, device=device)
-        group.all_gather(full, shard.to(device))
+        group.all_gather(full, values.to(device))
     finally:
         store.release(unit.key)
     return full.cpu()

@@ -32,6 +32,7 @@ threshold); optimizer step counts then come from every saved rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from infinity.engine.checkpoint.model import (
     state_dict_names,
 )
 from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.quantised import check_same_format, partition_format, spec_of
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import (
     frozen_shard_crcs,
@@ -79,6 +81,7 @@ from infinity.engine.checkpoint.threads import torch_threads
 from infinity.engine.checkpoint.values import decode
 from infinity.engine.checkpoint.window import StoreRef
 from infinity.store import StoreFuture
+from infinity.weights.quant import ShardFormat, quantize_into
 from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
@@ -226,7 +229,7 @@ def _plan(
         )
     else:
         groups, checks, nbytes, writes = _plan_units(engine, parts, reader, handle, scope)
-        frozen = _plan_frozen(engine, parts, reader, handle, sources)
+        frozen = _plan_frozen(engine, parts, reader, handle, sources, writes)
         groups += frozen.groups
         checks += frozen.checks
         nbytes += frozen.nbytes
@@ -415,11 +418,14 @@ def _plan_frozen(
     reader: CheckpointReader,
     handle: AioHandle,
     files: SourceFiles,
+    writes: list[StoreFuture],
 ) -> _FrozenPlan:
     """The frozen units' weights ([Note: frozen units in a checkpoint] in sources.py): read from the part
     files where saved, else from the files the checkpoint refers to (after checking that they are there,
     unchanged), or left as they are where this engine's unit comes from the same files with the same
-    values. Loaded whatever the switches say: they are the module's weights."""
+    values. Loaded whatever the switches say: they are the module's weights. A unit resting quantised
+    is made again in this engine's format ([Note: a quantised base in a checkpoint] in quantised.py);
+    the shards quantised here are written home during the apply (``writes``)."""
     rank = shard_rank(engine)
     out = _FrozenPlan([], [], 0, [])
     frozen = [(u, s) for u, s in zip(parts.units, reader.units, strict=True) if not u.trainable]
@@ -446,6 +452,36 @@ def _plan_frozen(
         ref = None if store is None else StoreRef(store, unit.key)
         after = _to_params(unit) if whole else None
         name = f"u{unit.index}.param"
+        live_fmt = parts.formats.get(unit.index)
+        live_spec = live_fmt.spec if live_fmt is not None else None
+        saved_spec = spec_of(saved.quant)
+        if live_fmt is not None:  # values land in host memory and are quantised into the store
+            dest, ref = functools.partial(torch.empty, n_dest, dtype=dtype), None
+            after = _to_packed(parts, unit, live_fmt, writes)
+        if saved.source is None and saved_spec is not None:
+            check_same_format(saved.name, saved_spec, live_spec, same and not whole)
+            assert live_fmt is not None  # check_same_format: the same format
+            entry = reader.entry(rank, name, torch.uint8, live_fmt.nbytes)
+            f = reader.open_part(rank, handle)
+            crc = reader.part_crc(rank, name)
+            out.checks.append(Check(reader.part_path(rank), f, entry, crc))
+            piece = Piece(f, entry.begin, 0, live_fmt.nbytes)
+            out.groups.append(
+                LoadGroup(
+                    [
+                        LoadItem(
+                            name,
+                            live_fmt.nbytes,
+                            [piece],
+                            ref=StoreRef(parts.param_store, unit.key),
+                            crc=crc,
+                            path=reader.part_path(rank),
+                        )
+                    ]
+                )
+            )
+            out.nbytes += live_fmt.nbytes
+            continue
         if saved.source is None:
             pieces = []
             for q in range(reader.partitions) if whole or not same else [rank]:
@@ -492,6 +528,7 @@ def _plan_frozen(
         if (
             want is not None
             and live is not None
+            and saved_spec == live_spec
             and [list(t) for t in live.tensors] == [list(t) for t in tensors]
             and live_crcs.get(unit.index) == int(want)
         ):
@@ -500,10 +537,21 @@ def _plan_frozen(
         def read(out_t: torch.Tensor, tensors=tensors, unit=unit, lo_new=lo_new) -> None:
             files.read_unit(tensors, unit.layout.slots, lo_new, lo_new + out_t.numel(), out_t)
 
-        def check(tensors=tensors, unit=unit, want=want, lo=lo, hi=hi) -> None:
+        def saved_crc(shard: torch.Tensor, unit=unit, spec=saved_spec) -> int:
+            """The CRC32C of the shard as it rested when saved: its packed bytes where quantised."""
+            if spec is None:
+                return shard_crc(shard)
+            fmt = partition_format(
+                unit.layout.slots, rank, unit.layout.shard_numel, unit.layout.dtype, spec
+            )
+            packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+            quantize_into(fmt, shard, packed, name=unit.module_name)
+            return shard_crc(packed)
+
+        def check(tensors=tensors, unit=unit, want=want, lo=lo, hi=hi, saved_crc=saved_crc) -> None:
             shard = torch.empty(hi - lo, dtype=unit.layout.dtype)
             files.read_unit(tensors, unit.layout.slots, lo, hi, shard)
-            if shard_crc(shard) != int(want):
+            if saved_crc(shard) != int(want):
                 paths = sorted({p for p, _ in tensors})
                 raise CheckpointMismatchError(
                     f"the frozen weights of {unit.module_name!r} read from {', '.join(repr(p) for p in paths)} "
@@ -514,10 +562,17 @@ def _plan_frozen(
         if want is not None:
             out.source_checks.append(check)
 
-        def fill(dests: list[torch.Tensor], read=read, after=after, check=check, want=want) -> None:
+        def fill(
+            dests: list[torch.Tensor],
+            read=read,
+            after=after,
+            check=check,
+            want=want,
+            saved_crc=saved_crc,
+        ) -> None:
             read(dests[0])
             if want is not None and not whole:
-                if shard_crc(dests[0]) != int(want):
+                if saved_crc(dests[0]) != int(want):
                     check()  # raises naming the files
             if after is not None:
                 after(dests)
@@ -533,6 +588,26 @@ def _to_params(unit: ParamUnit) -> Callable[[list[torch.Tensor]], None]:
     def write(dests: list[torch.Tensor]) -> None:
         for p, s in zip(unit.params, unit.layout.slots, strict=True):
             p.data.view(-1).copy_(dests[0][s.offset : s.offset + s.numel])
+
+    return write
+
+
+def _to_packed(
+    parts: TrainingParts, unit: ParamUnit, fmt: ShardFormat, writes: list[StoreFuture]
+) -> Callable[[list[torch.Tensor]], None]:
+    """A frozen unit resting quantised: its loaded shard values quantised into its store key."""
+    store = parts.param_store
+
+    def write(dests: list[torch.Tensor]) -> None:
+        t = store.fetch(unit.key, overwrite=True).result()
+        try:
+            t.zero_()  # the gaps between parts too: the same bytes as initialize's
+            quantize_into(fmt, dests[0], t, name=unit.module_name)
+        finally:
+            store.release(unit.key)
+        spec = store.spec(unit.key)
+        if spec.home == "nvme" and spec.holds == 0:
+            writes.append(store.evict(unit.key))
 
     return write
 

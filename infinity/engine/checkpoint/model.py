@@ -47,6 +47,9 @@ class UnitInfo:
     source: dict[str, Any] | None = None
     """A frozen unit's reference to the files holding its weights, None where its weights are saved
     ([Note: frozen units in a checkpoint] in sources.py)."""
+    quant: dict[str, Any] | None = None
+    """A frozen unit resting quantised: its QuantSpec's fields; its saved shard and CRC32C are of the
+    packed bytes ([Note: a quantised base in a checkpoint] in quantised.py)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -57,6 +60,7 @@ class UnitInfo:
             "shard_numel": self.shard_numel,
             "trainable": self.trainable,
             "source": self.source,
+            "quant": self.quant,
             "slots": [
                 {
                     "name": s.name,
@@ -94,6 +98,7 @@ class UnitInfo:
             slots,
             bool(d.get("trainable", True)),
             d.get("source"),
+            d.get("quant"),
         )
 
 
@@ -110,10 +115,13 @@ def state_dict_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[str,
 
 
 def describe_units(
-    module: nn.Module, units: Sequence[ParamUnit], sources: dict[int, dict[str, Any]] | None = None
+    module: nn.Module,
+    units: Sequence[ParamUnit],
+    sources: dict[int, dict[str, Any]] | None = None,
+    quant: dict[int, dict[str, Any]] | None = None,
 ) -> list[UnitInfo]:
     """UnitInfo of every live ParamUnit; aliases from the module's state_dict; ``sources``: the references
-    of the frozen units saved as one."""
+    of the frozen units saved as one; ``quant``: the formats of the frozen units resting quantised."""
     names, _ = state_dict_names(module)
     out = []
     for u in units:
@@ -132,6 +140,7 @@ def describe_units(
                 tuple(slots),
                 u.trainable,
                 (sources or {}).get(u.index),
+                (quant or {}).get(u.index),
             )
         )
     return out

@@ -46,6 +46,7 @@ from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.model_files import model_files
 from infinity.engine.checkpoint.progress import Progress
+from infinity.engine.checkpoint.quantised import spec_json
 from infinity.engine.checkpoint.sources import shard_crc
 from infinity.engine.checkpoint.state import (
     capture_hyperparameters,
@@ -116,12 +117,13 @@ def _plan_units(parts: TrainingParts, referenced: set[int], rank: int) -> list[l
             )
         elif u.index not in referenced:
             if parts.param_store is not None:
+                fmt = parts.formats.get(u.index)  # packed: [Note: a quantised base in a checkpoint]
                 groups.append(
                     [
                         _Planned(
                             f"u{u.index}.param",
-                            u.layout.dtype,
-                            shape,
+                            u.layout.dtype if fmt is None else torch.uint8,
+                            shape if fmt is None else (fmt.nbytes,),
                             ref=StoreRef(parts.param_store, u.key),
                         )
                     ]
@@ -574,7 +576,13 @@ def _manifest(
         "micro_steps": engine.micro_steps,
         "skipped_steps": engine.skipped_steps,
         "units": [
-            u.to_json() for u in describe_units(engine.module, parts.units, extra.get("references"))
+            u.to_json()
+            for u in describe_units(
+                engine.module,
+                parts.units,
+                extra.get("references"),
+                {i: spec_json(f.spec) for i, f in parts.formats.items()},
+            )
         ],
         "source_files": extra.get("source_files", {}),
         "peft": extra.get(

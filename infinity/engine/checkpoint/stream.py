@@ -179,9 +179,14 @@ class LoadItem:
     nbytes: int
     pieces: list[Piece]
     ref: StoreRef | None = None
-    tensor: torch.Tensor | None = None
+    tensor: torch.Tensor | Callable[[], torch.Tensor] | None = None
+    """A host tensor, or what makes one when the group's turn comes (host memory held only while the
+    group is in flight)."""
     crc: int | None = None
     path: str = ""
+
+    def destination(self) -> torch.Tensor | None:
+        return self.tensor() if callable(self.tensor) else self.tensor
 
 
 @dataclasses.dataclass
@@ -258,7 +263,7 @@ def read_into(
             try:
                 views = iter(holding.views()) if holding is not None else iter(())
                 dests = [
-                    next(views) if it.ref is not None else _host_tensor(it.tensor, it.name)
+                    next(views) if it.ref is not None else _host_tensor(it.destination(), it.name)
                     for it in group.items
                 ]
                 reads: list[tuple[torch.Tensor, AioFile, int]] = []

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from infinity.config import InfinityConfig
     from infinity.engine.checkpoint.sources import UnitSource
     from infinity.store import TieredStore
+    from infinity.weights.quant import ShardFormat
     from infinity.zero.collectives import DataParallelGroup
     from infinity.zero.unit import ParamUnit
 
@@ -93,6 +94,9 @@ class TrainingParts:
     sources: Mapping[int, UnitSource] = dataclasses.field(default_factory=dict)
     """Frozen units whose weights are a pretrained file's, by unit index ([Note: frozen units in a
     checkpoint] in sources.py)."""
+    formats: Mapping[int, ShardFormat] = dataclasses.field(default_factory=dict)
+    """Frozen units resting quantised (stage 3): this rank's shard format, by unit index ([Note: a
+    quantised base in a checkpoint] in quantised.py)."""
 
 
 class CheckpointTarget(Protocol):

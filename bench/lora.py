@@ -1,0 +1,391 @@
+"""LoRA fine-tuning with the frozen base streamed read-only from NVMe (issue 24): capacity, speed, kernel.
+
+Contenders, each in a fresh subprocess (a memory cgroup where this process may make one, caches
+dropped before it starts where it may), interleaved round by round:
+- ``peft``: plain PEFT in RAM, the reference: the base loaded whole with ``from_pretrained``, torch's
+  AdamW over the adapters;
+- ``infinity-bf16`` / ``infinity-nf4``: the base built under ``zero.Init`` and read with
+  ``load_pretrained`` (never whole), stage 3 with parameters and optimizer state on NVMe, the frozen
+  base at rest in bf16 or NF4 (``zero_quantized_nontrainable_weights`` + ``weight_quantization``).
+Each reports its losses, step times, NVMe bytes read and written per step (the engine's counters)
+against the base's bytes at rest (the least a step can read: the base once for the forward and once
+for the backward), the peak RSS and the cgroup's peak. The base is a random Llama written once by the
+bench as a sharded safetensors directory (tensor by tensor: never a whole model in memory).
+
+    python bench/lora.py --quick      # a tiny Llama, 2 steps, every contender: seconds (CI)
+    python bench/lora.py --capacity   # 7B-shaped Llama (hidden 4096, 32 layers, MLP 11008), LoRA r 16
+                                      #   on the attention projections, seq 128, 3 steps, NF4 and bf16,
+                                      #   each inside a 4 GiB memory cgroup
+    python bench/lora.py --speed      # ~1B Llama, bf16: infinity with the base on NVMe in a cgroup of a
+                                      #   quarter of the base, against PEFT in RAM, interleaved rounds
+    python bench/lora.py --kernel     # NF4 dequantisation GB/s against a copy of the same bytes
+                                      #   (bench/dequant.py's measurement)
+
+Writes a JSON into bench/results/ (INFINITY_BENCH_RESULTS overrides the folder). DeepSpeed's ZeRO-3
+with NVMe offload + PEFT is not a contender yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _cgroup
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHAPES = {
+    # hidden, layers, MLP, heads, kv heads, vocabulary
+    "tiny": (64, 2, 128, 4, 4, 256),
+    "1b": (2048, 22, 5632, 32, 4, 32000),
+    "7b": (4096, 32, 11008, 32, 32, 32000),
+}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+SHARD_NBYTES = 2 << 30
+
+
+def llama_config(shape: str):
+    from transformers import LlamaConfig
+
+    h, n, mlp, heads, kv, vocab = SHAPES[shape]
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=mlp,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=2048,
+        torch_dtype="bfloat16",
+    )
+
+
+def write_base(path: Path, shape: str) -> int:
+    """A random bf16 Llama of ``shape`` as save_pretrained lays it out (shards and their index), written
+    one tensor at a time from the meta-device model's names and shapes; returns its bytes."""
+    import safetensors.torch
+    import torch
+    from transformers import LlamaForCausalLM
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["metadata"]["total_size"]
+    path.mkdir(parents=True, exist_ok=True)
+    config = llama_config(shape)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for name, p in meta.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        t = (
+            torch.ones(p.shape, dtype=torch.bfloat16)
+            if p.dim() == 1
+            else (torch.randn(p.shape, generator=g) * 0.02).to(torch.bfloat16)
+        )
+        if sizes[-1] and sizes[-1] + t.nbytes > SHARD_NBYTES:
+            _flush(path, shards, len(shards))
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = t
+        sizes[-1] += t.nbytes
+    _flush(path, shards, len(shards))
+    weight_map = {}
+    total = sum(sizes)
+    n = len(shards)
+    for i in range(n):
+        old = path / f"part-{i + 1}.safetensors"
+        new = path / f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        old.rename(new)
+        with safetensors.safe_open(new, "pt") as f:
+            weight_map.update({k: new.name for k in f.keys()})
+    config.save_pretrained(path)
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
+def _flush(path: Path, shards: list, i: int) -> None:
+    import safetensors.torch
+
+    if shards[-1]:
+        safetensors.torch.save_file(shards[-1], str(path / f"part-{i}.safetensors"))
+        shards[-1].clear()  # its tensors' memory goes back before the next shard
+
+
+def _lora(model, r: int):
+    import warnings
+
+    import peft
+
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated attribute
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def _batch(step: int, seq: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(3, vocab, (1, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def child(a: dict) -> dict:
+    """One contender's run (in its own process, in the parent's cgroup where there is one)."""
+    import torch
+
+    from infinity.host import peak_rss_nbytes
+
+    torch.manual_seed(0)
+    base = Path(a["base"])
+    config = llama_config(a["shape"])
+    steps, seq = a["steps"], a["seq"]
+    losses, times, reads, writes, base_reads, base_writes = [], [], [], [], [], []
+    t_load = time.perf_counter()
+    if a["kind"] == "peft":
+        from transformers import LlamaForCausalLM
+
+        model = _lora(LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16), a["r"])
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        load_s = time.perf_counter() - t_load
+        for step in range(steps):
+            t0 = time.perf_counter()
+            loss = model(**_batch(step, seq, config.vocab_size)).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.item())
+        at_rest = None
+    else:
+        from transformers import LlamaForCausalLM
+
+        import infinity
+
+        nvme = str(Path(a["nvme"]))
+        os.makedirs(nvme, exist_ok=True)
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+            "bf16": {"enabled": True},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": nvme},
+                "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+            },
+        }
+        if a["kind"] == "infinity-nf4":
+            cfg["zero_optimization"]["zero_quantized_nontrainable_weights"] = True
+            cfg["weight_quantization"] = {
+                "quantized_initialization": {"num_bits": 4, "group_size": 64, "quant_type": "nf4"}
+            }
+        with infinity.zero.Init(cfg):
+            model = LlamaForCausalLM(config)
+        infinity.zero.load_pretrained(model, base)
+        engine = infinity.initialize(_lora(model, a["r"]), cfg)
+        load_s = time.perf_counter() - t_load
+        rt = engine.runtime
+        frozen = {u.key for u in rt.unit_map.units if not u.trainable}
+        at_rest = sum(rt.plan.at_rest_nbytes(u) for u in rt.unit_map.units if not u.trainable)
+        for step in range(steps):
+            before = engine.io_stats()
+            keys_before = rt.param_store.key_traffic()
+            t0 = time.perf_counter()
+            loss = engine(**_batch(step, seq, config.vocab_size)).loss
+            engine.backward(loss)
+            engine.step()
+            engine.synchronize()
+            times.append(time.perf_counter() - t0)
+            after = engine.io_stats()
+            reads.append(after["read_nbytes"] - before["read_nbytes"])
+            writes.append(after["write_nbytes"] - before["write_nbytes"])
+            moved = rt.param_store.key_traffic().since(keys_before)
+            base_reads.append(sum(n for k, n in moved.read.items() if k in frozen))
+            base_writes.append(sum(n for k, n in moved.written.items() if k in frozen))
+            losses.append(loss.item())
+        engine.close()
+    return {
+        "kind": a["kind"],
+        "losses": losses,
+        "step_s": times,
+        "load_s": load_s,
+        "read_nbytes_per_step": reads,
+        "write_nbytes_per_step": writes,
+        "base_read_nbytes_per_step": base_reads,
+        "base_write_nbytes_per_step": base_writes,
+        "base_at_rest_nbytes": at_rest,
+        "peak_rss_nbytes": peak_rss_nbytes(),
+        "cgroup_peak_nbytes": _cgroup.peak(a.get("cgroup")),
+    }
+
+
+def run_child(spec: dict, limit_nbytes: int | None, timeout_s: float, notes: list[str]) -> dict:
+    cgroup = _cgroup.make(f"infinity-bench-lora-{os.getpid()}") if limit_nbytes else None
+    try:
+        if limit_nbytes:
+            if cgroup is None:
+                notes.append(f"{spec['kind']}: no memory cgroup could be made; ran unbounded")
+            else:
+                _cgroup.limit(cgroup, limit_nbytes)
+        _cgroup.drop_caches()
+        r = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps({**spec, "cgroup": cgroup})],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if r.returncode != 0:
+            return {"kind": spec["kind"], "failed": r.stderr[-2000:], "rc": r.returncode}
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return {"kind": spec["kind"], "failed": f"timed out after {timeout_s:.0f} s"}
+    finally:
+        _cgroup.remove(cgroup)
+
+
+def kernel(quick: bool, out: Path) -> dict:
+    """bench/dequant.py's measurement: the NF4 kernel's GB/s over a copy of the same bytes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dequant
+
+    argv = ["--out", str(out)] + (["--quick"] if quick else [])
+    dequant.main(argv)
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a tiny Llama, 2 steps: seconds (CI)")
+    mode.add_argument("--capacity", action="store_true", help="7B-shaped, 4 GiB cgroup, 3 steps")
+    mode.add_argument("--speed", action="store_true", help="~1B bf16 against PEFT in RAM")
+    mode.add_argument("--kernel", action="store_true", help="NF4 dequantisation GB/s")
+    ap.add_argument("--rounds", type=int, default=2, help="--speed: interleaved rounds")
+    ap.add_argument("--limit-gib", type=float, default=4.0, help="--capacity: the cgroup's limit")
+    ap.add_argument(
+        "--base-dir",
+        default=os.path.join(Path.home(), ".cache", "infinity-bench-lora"),
+        help="the model files and the swap files (one file system, a local NVMe)",
+    )
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per contender run")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is not None:
+        return _cgroup.serve_child(args.child, child)
+    results = Path(os.environ.get("INFINITY_BENCH_RESULTS", ROOT / "bench" / "results"))
+    results.mkdir(parents=True, exist_ok=True)
+    name = (
+        "lora-quick"
+        if args.quick
+        else "lora-capacity"
+        if args.capacity
+        else "lora-kernel"
+        if args.kernel
+        else "lora-speed"
+    )
+    out_path = results / f"{name}.json"
+    machine = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    if args.kernel:
+        kernel(False, out_path)
+        print(out_path)
+        return 0
+    notes: list[str] = []
+    if args.quick:
+        base_dir = Path(os.path.abspath("infinity_nvme_bench_lora"))
+        shape, steps, seq, r, rounds = "tiny", 2, 16, 4, 1
+        kinds, limits = ["peft", "infinity-bf16", "infinity-nf4"], {}
+    elif args.capacity:
+        base_dir = Path(args.base_dir)
+        shape, steps, seq, r, rounds = "7b", 3, 128, 16, 1
+        limit = int(args.limit_gib * 2**30)
+        kinds, limits = (
+            ["infinity-nf4", "infinity-bf16"],
+            {"infinity-nf4": limit, "infinity-bf16": limit},
+        )
+    else:
+        base_dir = Path(args.base_dir)
+        shape, steps, seq, r, rounds = "1b", 4, 512, 16, args.rounds
+        kinds, limits = ["peft", "infinity-bf16"], {}
+    base = base_dir / f"llama-{shape}"
+    base_nbytes = write_base(base, shape)
+    if args.speed:
+        limits = {"infinity-bf16": base_nbytes // 4}
+    if limits and _cgroup.root() is None:
+        notes.append("no memory cgroup could be made (needs root and a memory controller)")
+    runs = []
+    for rnd in range(rounds):
+        for kind in kinds:
+            spec = {
+                "kind": kind,
+                "shape": shape,
+                "steps": steps,
+                "seq": seq,
+                "r": r,
+                "base": str(base),
+                "nvme": str(base_dir / "swap"),
+            }
+            row = run_child(spec, limits.get(kind), args.timeout, notes)
+            row["round"] = rnd
+            row["limit_nbytes"] = limits.get(kind)
+            runs.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "failed"}), flush=True)
+    summary = {}
+    ref = next((r_["losses"] for r_ in runs if r_["kind"] == "peft" and "losses" in r_), None)
+    for kind in kinds:
+        done = [r_ for r_ in runs if r_["kind"] == kind and "step_s" in r_]
+        if not done:
+            continue
+        steady = [min(r_["step_s"][1:] or r_["step_s"]) for r_ in done]
+        row = {"step_s": min(steady), "peak_rss_nbytes": max(r_["peak_rss_nbytes"] for r_ in done)}
+        if ref is not None and kind != "peft":
+            row["max_rel_loss_diff_vs_peft"] = max(
+                abs(a - b) / abs(b) for a, b in zip(done[0]["losses"], ref, strict=True)
+            )
+        if done[0]["read_nbytes_per_step"]:
+            least = 2 * done[0]["base_at_rest_nbytes"]  # the base read for the forward and backward
+            row["read_nbytes_per_step"] = done[0]["read_nbytes_per_step"][-1]
+            row["write_nbytes_per_step"] = done[0]["write_nbytes_per_step"][-1]
+            row["base_read_nbytes_per_step"] = done[0]["base_read_nbytes_per_step"][-1]
+            row["base_read_over_least"] = row["base_read_nbytes_per_step"] / least
+            row["base_write_nbytes_per_step"] = done[0]["base_write_nbytes_per_step"][-1]
+        summary[kind] = row
+    if "peft" in summary and "infinity-bf16" in summary:
+        summary["step_time_ratio_bf16_vs_peft"] = (
+            summary["infinity-bf16"]["step_s"] / summary["peft"]["step_s"]
+        )
+    out = {
+        "bench": "lora",
+        "mode": name,
+        "shape": shape,
+        "base_nbytes": base_nbytes,
+        "steps": steps,
+        "seq": seq,
+        "r": r,
+        "machine": machine,
+        "notes": notes,
+        "summary": summary,
+        "runs": runs,
+    }
+    out_path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(summary, indent=1))
+    print(out_path)
+    return 0 if all("failed" not in r_ for r_ in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

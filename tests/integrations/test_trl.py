@@ -1,0 +1,129 @@
+"""TRL's SFTTrainer on the engine: ``infinity_trainer(trl.SFTTrainer)`` ([Note: Trainer subclasses on
+the engine] in infinity/integrations/transformers.py), a tiny Llama with PEFT LoRA, stage 3 on NVMe.
+
+Oracles: SFTTrainer's own loss (its fused LM head, ``trl.trainer.utils.add_fused_lm_head``) on a plain
+PEFT model trained by torch's AdamW over the batches SFTTrainer's collator made, and plain
+SFTTrainer's losses.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+tokenizers = pytest.importorskip("tokenizers")
+
+import trl  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+
+from infinity.integrations.transformers import infinity_trainer  # noqa: E402
+from tests.hf.models import SEQ, VOCAB, build, build_under_init, ds_config  # noqa: E402
+from tests.hf.lora import lora  # noqa: E402
+
+LR = 1e-3
+STEPS = 3
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
+def dataset():
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, VOCAB, (2 * STEPS, SEQ), generator=g)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def arguments(out) -> trl.SFTConfig:
+    with warnings.catch_warnings():  # SFTConfig sets TrainingArguments' deprecated name itself
+        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+        return _arguments(out)
+
+
+def _arguments(out) -> trl.SFTConfig:
+    return trl.SFTConfig(
+        output_dir=str(out),
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def infinity_config(nvme_dir) -> dict:
+    cfg = ds_config(nvme_dir)
+    del cfg["optimizer"]  # the Trainer's AdamW, mapped onto the engine's (as InfinityTrainer does)
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "gradient_clipping",
+    ):
+        cfg[key] = "auto"
+    return cfg
+
+
+def test_sft_trainer_on_the_engine_trains_with_sft_losses(nvme_dir, tmp_path):
+    cls = infinity_trainer(trl.SFTTrainer)
+    assert issubclass(cls, trl.SFTTrainer) and cls.__name__ == "InfinitySFTTrainer"
+    cfg = infinity_config(nvme_dir)
+    batches = []
+    trainer = cls(
+        model=lora(build_under_init("llama", cfg, seed=0)),
+        args=arguments(tmp_path / "run"),
+        train_dataset=dataset(),
+        processing_class=tokenizer(),
+        infinity_config=cfg,
+    )
+    compute_loss = trainer.compute_loss
+
+    def recorded(model, inputs, *args, **kwargs):
+        batches.append({k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    got = losses(trainer)
+    assert trainer.engine is not None and trainer.engine.global_steps == STEPS
+    trainer.engine.close()
+
+    # SFTTrainer's loss (the fused head's mean token NLL) on plain PEFT with torch's AdamW
+    model = lora(build("llama", seed=0))
+    add_fused_lm_head(model.get_base_model())
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0, foreach=False
+    )
+    want = []
+    for b in batches:
+        out = model(**b, use_cache=False, fused_lm_head=True)
+        loss = -out.log_probs.sum() / out.label_mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(loss.item())
+    assert len(batches) == STEPS
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_infinity_trainer_refuses_what_is_not_a_trainer():
+    with pytest.raises(TypeError, match="takes a transformers.Trainer subclass"):
+        infinity_trainer(torch.nn.Module)
