@@ -284,8 +284,10 @@ class Engine:
         self._check_open("engine.train_batch()")
         batches = self._micro_batches(micro_batches, data_iter)
         g = len(batches)
-        if self._window.backwards or self._window.failed_at is not None or (
-            self.micro_steps % self.gradient_accumulation_steps
+        if (
+            self._window.backwards
+            or self._window.failed_at is not None
+            or (self.micro_steps % self.gradient_accumulation_steps)
         ):
             raise RuntimeError(
                 "engine.train_batch() runs a whole accumulation window, but this one already has "

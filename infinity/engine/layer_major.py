@@ -130,9 +130,7 @@ class LayerMajorForward:
     # -- the training thread -------------------------------------------------------
 
     def run(self) -> ForwardResult:
-        handles = [
-            m.register_forward_pre_hook(self._meet, prepend=True) for m in self.meeting
-        ]
+        handles = [m.register_forward_pre_hook(self._meet, prepend=True) for m in self.meeting]
         if self.partitioner is not None:
             self.partitioner.on_gather = self._hold_for_round
         threads = []
@@ -147,7 +145,9 @@ class LayerMajorForward:
                 threads.append(t)
                 t.start()
             try:
-                self._wait(lambda: all(r.finished for r in self.runners), "every micro-batch's forward")
+                self._wait(
+                    lambda: all(r.finished for r in self.runners), "every micro-batch's forward"
+                )
             except BaseException:  # Ctrl-C: each forward stops at its next meeting point
                 with self._cv:
                     self._cancelled = True
@@ -297,9 +297,7 @@ class _ThreadState:
 
 def _thread_state() -> _ThreadState:
     autocast = [
-        (d, torch.get_autocast_dtype(d))
-        for d in ("cpu", "cuda")
-        if torch.is_autocast_enabled(d)
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
     ]
     return _ThreadState(
         grad=torch.is_grad_enabled(),

@@ -289,7 +289,9 @@ class Stage3Partitioner:
         """One more hold on a gathered unit, kept across forwards until ``unhold`` (layer-major
         accumulation keeps a unit until every micro-batch has passed through it)."""
         if unit.state is not UnitState.GATHERED:
-            raise RuntimeError(f"unit {unit.key!r} is not gathered: only a gathered unit can be held")
+            raise RuntimeError(
+                f"unit {unit.key!r} is not gathered: only a gathered unit can be held"
+            )
         self._hold(unit)
 
     def unhold(self, unit: ParamUnit) -> None:
