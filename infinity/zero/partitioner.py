@@ -51,6 +51,11 @@ the optimizer's fp32 masters; see masters.py).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
+What a running forward has open (its frames, saved-tensor hooks) is per thread
+(``_ForwardState``): engine.train_batch runs one micro-batch's forward per
+thread, one thread at a time ([Note: layer-major accumulation] in
+infinity/engine/layer_major.py); ``on_gather`` and ``hold``/``unhold`` let it
+keep a unit gathered across those forwards.
 """
 
 from __future__ import annotations
