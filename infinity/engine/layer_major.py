@@ -125,6 +125,7 @@ class LayerMajorForward:
         self._round_held: list[ParamUnit] = []
         self._sequential: str | None = None  # set on divergence: why
         self._cancelled = False
+        self._moves = 0  # times the baton changed hands (waits are cut at each)
         self._local = threading.local()  # .runner: the micro-batch this thread runs
 
     # -- the training thread -------------------------------------------------------
@@ -172,11 +173,29 @@ class LayerMajorForward:
         return ForwardResult([r.output for r in self.runners], self._sequential)
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
-        def ready(slice_s: float) -> bool:
+        """Waits until ``done()``, one move of the baton at a time: only a micro-batch that holds
+        the turn for long (one unit's compute, or a stall) makes the wait say so, not the g
+        forwards' total ([Note: no silent waits])."""
+        while True:
             with self._cv:
-                return done() or (self._cv.wait(slice_s) and done()) or done()
+                if done():
+                    return
+                seen = self._moves
 
-        wait_until(ready, what=what, log=log)
+            def ready(slice_s: float, seen: int = seen) -> bool:
+                with self._cv:
+                    if self._moves == seen and not done():
+                        self._cv.wait(slice_s)
+                    return self._moves != seen or done()
+
+            wait_until(
+                ready,
+                what=lambda: (
+                    f"{what}: micro-batch {self._turn} holds the turn, running up to the "
+                    "next unit it gathers"
+                ),
+                log=log,
+            )
 
     # -- the micro-batch threads ----------------------------------------------------
 
@@ -204,13 +223,7 @@ class LayerMajorForward:
         self._wait_turn(r)
 
     def _wait_turn(self, r: _Runner) -> None:
-        def ready(slice_s: float) -> bool:
-            with self._cv:
-                if self._turn != r.index:
-                    self._cv.wait(slice_s)
-                return self._turn == r.index
-
-        wait_until(ready, what=f"micro-batch {r.index}'s turn through the model", log=log)
+        self._wait(lambda: self._turn == r.index, f"micro-batch {r.index}'s turn")
         if self._cancelled:
             raise _Cancelled
 
@@ -231,6 +244,7 @@ class LayerMajorForward:
             if self._sequential is not None and not r.finished:
                 nxt = r.index  # running to the end: keep the baton
             self._turn = -1 if nxt is None else nxt
+            self._moves += 1
             self._cv.notify_all()
 
     def _next_after(self, index: int) -> int | None:
