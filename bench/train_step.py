@@ -21,6 +21,9 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
                  docs/tracing.md): its step-time ratio to "infinity" is the cost of tracing
   plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
   bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
+  layer-major    "planner-10" driven by engine.train_batch: the --gas micro-batches of a step
+                 layer-major, each unit read once per step (docs/layer-major.md); the other
+                 infinity kinds run the micro-batch loop (micro-batch-major)
   deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
                  (with stage3_max_reuse_distance 0 and the initial weights copied in after its
                  zero.Init, which drops the model's own initialisation)
@@ -38,7 +41,12 @@ equal plain PyTorch's (bf16: plain-bf16's, within bf16's rounding).
   python bench/train_step.py --kinds plain,infinity,traced --repeat 5         # tracing's cost
   python bench/train_step.py --capacity 2e9       # the largest model trained 3 steps, every block
                                                   # checkpointed (and a check against plain at 300M)
+  python bench/train_step.py --kinds plain,planner-10,layer-major --gas 8 --seq 32   # disk-bound
+  python bench/train_step.py --kinds plain,planner-10,layer-major --gas 8             # compute-bound
   python bench/train_step.py --quick              # seconds: proves it still runs
+
+--gas G: every kind's optimizer step takes G micro-batches (plain PyTorch accumulates their
+gradients, loss / G each); step times and bytes are per optimizer step.
 """
 
 from __future__ import annotations
@@ -71,10 +79,18 @@ KINDS = [
     "planner-10",
     "plain-bf16",
     "bf16",
+    "layer-major",
     "deepspeed",
 ]
-QUICK_KINDS = ["plain", "infinity", "planner-10"]
-BUDGETS = {"planner-100": 1.0, "planner-50": 0.5, "planner-10": 0.1, "bf16": 0.1, "planner-0": 0.0}
+QUICK_KINDS = ["plain", "infinity", "planner-10", "layer-major"]
+BUDGETS = {
+    "planner-100": 1.0,
+    "planner-50": 0.5,
+    "planner-10": 0.1,
+    "bf16": 0.1,
+    "layer-major": 0.1,
+    "planner-0": 0.0,
+}
 """Share of the training state the planner may keep in host memory, on top of what the run needs with
 every array on NVMe (planner-0: the capacity runs)."""
 
@@ -162,10 +178,15 @@ def _plain(gpt, corpus, a, *, bf16: bool):
         masters = params
         opt = torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 
+    gas = a.get("gas", 1)
+
     def step(i):
-        x, y = corpus.batch(i, a["micro_batch"], a["seq"])
-        loss = model(x, y)
-        loss.backward()
+        total = 0.0
+        for j in range(gas):
+            x, y = corpus.batch(i * gas + j, a["micro_batch"], a["seq"])
+            loss = model(x, y)
+            (loss / gas if gas > 1 else loss).backward()
+            total += loss.item()
         if bf16:
             for m, p in zip(masters, params, strict=True):
                 m.grad = p.grad.float()
@@ -177,7 +198,7 @@ def _plain(gpt, corpus, a, *, bf16: bool):
             with torch.no_grad():
                 for m, p in zip(masters, params, strict=True):
                     p.copy_(m)
-        return loss.item()
+        return total / gas
 
     return step, lambda: {
         "read_nbytes": 0,
@@ -205,6 +226,8 @@ def _infinity(gpt, corpus, a, out):
         largest_unit=largest,
     )
     del cfg["scheduler"]
+    gas = a.get("gas", 1)
+    cfg["gradient_accumulation_steps"] = gas
     zero = cfg["zero_optimization"]
     zero["offload_optimizer"]["grads_in_host"] = kind == "grads-in-host"
     if kind in BUDGETS:  # the planner decides; it sizes the pools and sub-groups itself
@@ -234,14 +257,21 @@ def _infinity(gpt, corpus, a, out):
             cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)),
         )
     engine = infinity.initialize(model, cfg)
-    out.update(_plan_record(engine.runtime.plan))
+    out.update(_plan_record(engine.runtime.plan, layer_major=kind == "layer-major"))
+
+    def batches(i):
+        return [corpus.batch(i * gas + j, a["micro_batch"], a["seq"]) for j in range(gas)]
 
     def step(i):
-        x, y = corpus.batch(i, a["micro_batch"], a["seq"])
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
+        if kind == "layer-major":
+            return engine.train_batch(batches(i)).item()
+        total = 0.0
+        for x, y in batches(i):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        return total / gas
 
     return step, engine.io_stats, engine
 
@@ -264,13 +294,15 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
     return floor + int(share * state), floor, state
 
 
-def _plan_record(plan) -> dict:
-    """Where the plan put each state class, and the bytes per step it should move."""
+def _plan_record(plan, *, layer_major: bool = False) -> dict:
+    """Where the plan put each state class, and the bytes per step it should move (layer-major:
+    each array read and written once per step, as with one micro-batch)."""
     from infinity.estimate.placement import describe_placement
     from infinity.estimate.runtime_plan import STATE_CLASSES
     from infinity.estimate.traffic import expected_traffic, worst_case_traffic
 
-    t, w = expected_traffic(plan), worst_case_traffic(plan)
+    t = expected_traffic(plan, layer_major=layer_major)
+    w = worst_case_traffic(plan, layer_major=layer_major)
     classes = [
         c
         for c in STATE_CLASSES
@@ -367,6 +399,7 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
         "nvme": nvme,
         "cgroup": cgroup,
         "checkpointing": args.checkpointing,
+        "gas": args.gas,
     }
     try:
         r = subprocess.run(
@@ -389,6 +422,12 @@ def main() -> int:
     ap.add_argument("--params", type=float, default=150e6)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument(
+        "--gas",
+        type=int,
+        default=None,
+        help="micro-batches per optimizer step (gradient accumulation; default 1, --quick 2)",
+    )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
@@ -425,6 +464,10 @@ def main() -> int:
     if args.quick:
         args.params, args.seq, args.steps, args.warmup, args.repeat = 2e6, 64, 2, 1, 1
         kinds = args.kinds.split(",") if args.kinds else QUICK_KINDS
+        args.gas = args.gas or 2
+    args.gas = args.gas or 1
+    if args.gas < 1:
+        ap.error("--gas must be at least 1")
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or "plain" not in kinds:
         ap.error(
@@ -534,6 +577,7 @@ def _summary(
         "params": n,
         "seq": args.seq,
         "micro_batch": args.micro_batch,
+        "gas": args.gas,
         "steps": args.steps,
         "warmup": args.warmup,
         "repeat": args.repeat,
@@ -550,7 +594,7 @@ def _summary(
         "peak_rss": {k: max(r["hwm"] for r in v) for k, v in runs.items()},
     }
     print(
-        f"\nGPT {n / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}: plain PyTorch "
+        f"\nGPT {n / 1e6:.0f}M, seq {args.seq} x {args.micro_batch}, gas {args.gas}: plain PyTorch "
         f"{result['step_s']['plain']:.2f} s/step, peak RSS {result['peak_rss']['plain'] / 2**30:.2f} GiB"
     )
     for kind in kinds:

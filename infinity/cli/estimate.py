@@ -162,6 +162,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count activations as with every transformer block checkpointed",
     )
+    p.add_argument(
+        "--layer-major",
+        action="store_true",
+        help="training by engine.train_batch: count the activations of gradient_accumulation_steps "
+        "micro-batches at once, and each array on NVMe moved once per step",
+    )
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
     g = p.add_argument_group("inference (--inference)")
     g.add_argument(
@@ -196,9 +202,10 @@ def run(args: argparse.Namespace) -> int:
                 args.micro_batch is not None
                 or args.seq is not None
                 or args.activation_checkpointing
+                or args.layer_major
             ):
                 raise ValueError(
-                    "--micro-batch, --seq and --activation-checkpointing are training's; "
+                    "--micro-batch, --seq, --activation-checkpointing and --layer-major are training's; "
                     "--inference takes --batch, --prompt and --gen"
                 )
             est = estimate_inference(
@@ -225,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
             nvme_path=args.nvme_path,
             device=args.device,
             activation_checkpointing=args.activation_checkpointing,
+            layer_major=args.layer_major,
         )
     except (ConfigError, ValueError) as e:
         print(f"infinity estimate: {e}", file=sys.stderr)

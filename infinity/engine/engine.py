@@ -23,7 +23,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +33,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, TraceConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
+from infinity.engine.layer_major import LayerMajorForward, call_module
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.optimizers import choose_optimizer
 from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
@@ -274,6 +275,159 @@ class Engine:
             # it starts with stays held and is read ahead for ([Note: across the step boundary]).
             trace.end_step(keep_for_next=not boundary)
         self._clock.backward_s += self._now() - t0
+
+    def train_batch(
+        self,
+        micro_batches: Iterable[Any] | None = None,
+        *,
+        data_iter: Iterator[Any] | None = None,
+        return_losses: bool = False,
+    ) -> Any:
+        """One optimizer step over gradient_accumulation_steps micro-batches, run layer-major: each
+        unit is read once per step, not once per micro-batch ([Note: layer-major accumulation] in
+        engine/layer_major.py). ``micro_batches``, or as many drawn from ``data_iter``; each is
+        passed to the model as ``engine(batch)`` would not unpack it: a tuple or list as positional
+        arguments, a mapping as keyword arguments, anything else as the one argument. The model
+        returns a scalar loss (or an output with ``.loss``, as transformers models do given
+        labels). Returns the mean loss (a 0-d tensor), and with ``return_losses=True`` also the
+        list of each micro-batch's loss. The same training as ``engine.backward(engine(batch));
+        engine.step()`` for each micro-batch."""
+        self._check_open("engine.train_batch()")
+        batches = self._micro_batches(micro_batches, data_iter)
+        g = len(batches)
+        if (
+            self._window.backwards
+            or self._window.failed_at is not None
+            or (self.micro_steps % self.gradient_accumulation_steps)
+        ):
+            raise RuntimeError(
+                "engine.train_batch() runs a whole accumulation window, but this one already has "
+                f"{self._window.backwards} backward() call(s) (micro-step {self.micro_steps}); "
+                "finish it with engine.step() (or drop it with engine.zero_grad()) first"
+            )
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "engine.train_batch() was called under torch.no_grad() (or inference_mode): it trains; "
+                "call it with gradients enabled"
+            )
+        rt = self.runtime
+        if self._traced_step != self.global_steps:
+            self._traced_step = self.global_steps
+            self._tracing.step_begins(self.global_steps)
+        trace = self._trace
+        tl = Timeline.active
+        self._clock.start()
+        t0 = self._now()
+        if trace is not None and not trace.step_open:
+            trace.begin_step()
+        span = tl.begin("forward", "phase", {"step": self.global_steps}) if tl is not None else None
+        try:
+            with self.activation_checkpointing.in_force():
+                result = LayerMajorForward(
+                    lambda batch: call_module(self.module, batch),
+                    batches,
+                    meeting=list(rt.unit_map.uses) if rt.partitioner is not None else [],
+                    partitioner=rt.partitioner,
+                ).run()
+            losses = [_loss_of(out, i) for i, out in enumerate(result.outputs)]
+        except BaseException:
+            if trace is not None:
+                trace.abort_step()
+            raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
+        if result.diverged is not None:
+            log.warning(
+                "engine.train_batch() ran step %d micro-batch-major (each unit read once per "
+                "micro-batch): %s",
+                self.global_steps,
+                result.diverged,
+            )
+        t1 = self._now()
+        self._clock.forward_s += t1 - t0
+        self._backward_all(losses, layer_major=result.diverged is None)
+        self._clock.backward_s += self._now() - t1
+        self.micro_steps += g - 1  # the step below counts the last one
+        self.step()
+        mean = torch.stack([loss.detach() for loss in losses]).mean()
+        return (mean, [loss.detach() for loss in losses]) if return_losses else mean
+
+    def _micro_batches(self, micro_batches: Any, data_iter: Any) -> list[Any]:
+        g = self.gradient_accumulation_steps
+        if (micro_batches is None) == (data_iter is None):
+            raise TypeError(
+                "engine.train_batch() takes the micro-batches either as a list or as data_iter=, "
+                "not both and not neither"
+            )
+        if data_iter is not None:
+            batches = []
+            for _ in range(g):
+                try:
+                    batches.append(next(data_iter))
+                except StopIteration:
+                    if not batches:
+                        raise
+                    raise ValueError(
+                        f"data_iter ended after {len(batches)} of the {g} micro-batches of one step "
+                        "(gradient_accumulation_steps); drop the last partial batch (drop_last=True) "
+                        "or step it with engine.backward()/engine.step()"
+                    ) from None
+            return batches
+        if isinstance(micro_batches, (torch.Tensor, dict)) or not isinstance(
+            micro_batches, Iterable
+        ):
+            raise TypeError(
+                "engine.train_batch(micro_batches) takes a list of micro-batches, got "
+                f"{type(micro_batches).__name__}"
+            )
+        batches = list(micro_batches)
+        if len(batches) != g:
+            raise ValueError(
+                f"engine.train_batch() got {len(batches)} micro-batches; one optimizer step takes "
+                f"gradient_accumulation_steps = {g} of them (set gradient_accumulation_steps in the "
+                "config to the number of micro-batches per step)"
+            )
+        return batches
+
+    def _backward_all(self, losses: list[torch.Tensor], *, layer_major: bool) -> None:
+        """The backward of every micro-batch's loss, each scaled as backward() scales it: in one
+        autograd call (layer-major), or one after another."""
+        self.synchronize()
+        rt = self.runtime
+        scale = self.loss_scaler.scale / self.gradient_accumulation_steps
+        tl = Timeline.active
+        span = (
+            tl.begin("backward", "phase", {"step": self.global_steps}) if tl is not None else None
+        )
+        done = 0
+        try:
+            with self.activation_checkpointing.in_force():
+                if layer_major:
+                    if rt.reducer is not None:
+                        rt.reducer.begin_micro(last=True)
+                    torch.autograd.backward(
+                        losses, grad_tensors=[torch.full_like(loss, scale) for loss in losses]
+                    )
+                    done = len(losses)
+                else:
+                    for i, loss in enumerate(losses):
+                        if rt.reducer is not None:
+                            rt.reducer.begin_micro(last=i == len(losses) - 1)
+                        (loss * scale if scale != 1.0 else loss).backward()
+                        done += 1
+        except BaseException as e:
+            for i, loss in enumerate(losses[:done]):
+                self._window.completed(self.micro_steps + i, loss)
+            self._backward_failed(e)
+            raise
+        finally:
+            if span is not None and tl is not None:
+                tl.end(span)
+        for i, loss in enumerate(losses):
+            self._window.completed(self.micro_steps + i, loss)
+        if self._trace is not None and self._trace.step_open:
+            self._trace.end_step()
 
     def _backward_failed(self, error: BaseException) -> None:
         """Settles what a backward that raised left behind, and says in ``error`` what state that is."""
@@ -802,3 +956,20 @@ class Engine:
         for store in (self.runtime.param_store, self.runtime.state_store):
             if store is not None:
                 store.check_writebacks(call)
+
+
+def _loss_of(output: Any, index: int) -> torch.Tensor:
+    """The scalar loss a model returned: a 0-d tensor, or an output with ``.loss`` / ``["loss"]``."""
+    loss = output
+    if not isinstance(loss, torch.Tensor):
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, dict):
+            loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(output).__name__
+        raise ValueError(
+            f"engine.train_batch() needs the model to return a scalar loss for each micro-batch "
+            f"(a 0-d tensor, or an output with .loss as transformers models give with labels); "
+            f"micro-batch {index} gave {got}"
+        )
+    return loss

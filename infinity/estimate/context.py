@@ -44,6 +44,8 @@ class RunContext:
     checkpointing: bool = False
     """Activations counted as with every transformer block checkpointed (as the model is set up, or the
     estimate's option)."""
+    layer_major: bool = False
+    """Trained by engine.train_batch: the window's micro-batches' activations alive at once."""
 
     def itemise(
         self,
@@ -59,6 +61,7 @@ class RunContext:
             baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
             activations=self.activations,
             checkpointing=self.checkpointing,
+            layer_major=self.layer_major,
             zero_init=self.zero_init,
             changes=changes,
             runtime=runtime,

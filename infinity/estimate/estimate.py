@@ -87,6 +87,10 @@ class ActivationOptions:
     inputs: Inputs | None = None
     """``(micro_batch, seq) -> (args, kwargs)`` for a model whose forward takes other than infinity GPT's
     or a transformers LM's inputs."""
+    layer_major: bool = False
+    """Training by ``engine.train_batch``: the saved activations of the config's
+    gradient_accumulation_steps micro-batches are alive at once ([Note: layer-major accumulation]
+    in infinity/engine/layer_major.py), and each array moves once per step."""
 
     @property
     def counted(self) -> bool:
@@ -144,6 +148,7 @@ _KEYWORDS: dict[str, tuple[str, str]] = {
     "seq": ("activations", "seq"),
     "activation_checkpointing": ("activations", "checkpointing"),
     "inputs": ("activations", "inputs"),
+    "layer_major": ("activations", "layer_major"),
     "model_config": ("", "model_config"),
     "precision": ("", "precision"),
     "nvme_path": ("", "nvme_path"),
@@ -308,7 +313,9 @@ def estimate_memory(
     model whose forward takes other than infinity GPT's or a transformers LM's inputs), a GPT stand-in's
     from measured coefficients. ``activation_checkpointing``: count them with every layer checkpointed
     (True) or none (False); None: as the module is set up (transformers' gradient checkpointing, torch
-    or infinity.checkpointing calls), none for a stand-in.
+    or infinity.checkpointing calls), none for a stand-in. ``layer_major``: training by
+    ``engine.train_batch``: gradient_accumulation_steps micro-batches' saved activations at once, and
+    each array on NVMe moved once per step.
     ``device``: "auto" (CUDA when available), "cpu" or "cuda". ``zero_init``: the
     model is built under infinity.zero.Init at stage 3 (default: detected for a
     module, assumed for a count). ``baseline_nbytes``: the process baseline
@@ -371,6 +378,7 @@ def _estimate(
         world_size=world_size,
         ranks_per_node=gpus_per_node,
         checkpointing=checkpointing,
+        layer_major=act.layer_major,
     )
     machine = opts.machine
 

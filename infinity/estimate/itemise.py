@@ -57,12 +57,15 @@ def itemise(
     activations: Activations | None,
     checkpointing: bool,
     zero_init: bool,
+    layer_major: bool = False,
     changes: Sequence[tuple[str, int, int]] = (),
     runtime: RuntimePlan | None = None,
 ) -> Breakdown:
     """Itemises what ``cfg`` (one setting) allocates per rank (see the module docstring).
     ``changes``: the sizing keys tune.py changed (recorded in the breakdown). ``runtime``: the setting's
-    RuntimePlan when one is made already (initialize's); else plan_runtime's for rank 0."""
+    RuntimePlan when one is made already (initialize's); else plan_runtime's for rank 0.
+    ``layer_major``: trained by engine.train_batch (activations of every micro-batch of the window at
+    once; each array on NVMe moved once per step)."""
     runtime = runtime or plan_runtime(spec.module, cfg, world_size=world_size)
     p = Itemiser(spec, cfg, runtime, device_type)
     p.add(
@@ -83,7 +86,11 @@ def itemise(
         p.resident_parameters()
     p.flat_buffers_and_init()
     if activations is not None:
-        p.activations(activations, checkpointing)
+        p.activations(
+            activations,
+            checkpointing,
+            micro_batches=cfg.gradient_accumulation_steps if layer_major else 1,
+        )
     p.overheads()
     zero = cfg.zero_optimization
     return Breakdown(
@@ -98,7 +105,7 @@ def itemise(
         problems=tuple(p.problems),
         device_type=device_type,
         nvme_by_path=tuple(p.nvme_paths.items()),
-        nvme_traffic_nbytes=worst_case_traffic(runtime).nbytes,
+        nvme_traffic_nbytes=worst_case_traffic(runtime, layer_major=layer_major).nbytes,
         changes=tuple(changes),
         runtime=runtime,
     )
@@ -596,9 +603,17 @@ class Itemiser:
             )
         )
 
-    def activations(self, a: Activations, checkpointing: bool) -> None:
+    def activations(self, a: Activations, checkpointing: bool, *, micro_batches: int = 1) -> None:
+        """``micro_batches``: how many micro-batches' saved activations are alive at once
+        (engine.train_batch runs every forward of the window before its backward)."""
         saved, other = (
             (a.saved_checkpointed, a.saved) if checkpointing else (a.saved, a.saved_checkpointed)
+        )
+        saved, other = saved * micro_batches, other * micro_batches
+        alive = (
+            f"{micro_batches} micro-batches at once (engine.train_batch), "
+            if micro_batches > 1
+            else ""
         )
         self.add(
             Item(
@@ -606,7 +621,8 @@ class Itemiser:
                 "device",
                 saved,
                 "train",
-                f"micro-batch {a.micro_batch} × seq {a.seq}, "
+                alive
+                + f"micro-batch {a.micro_batch} × seq {a.seq}, "
                 + ("every block checkpointed" if checkpointing else "no checkpointing")
                 + f" ({'without' if checkpointing else 'with'} checkpointing: {format_nbytes(other)})",
                 "train_micro_batch_size_per_gpu",

@@ -26,6 +26,11 @@ step's first; each turn finds up to the pool's free capacity (its capacity
 less the partitioner's working set) still resident. That saving is the same
 whichever units are spilled (as long as more is spilled than the pool holds),
 so it does not change which placement is cheapest.
+
+Trained by ``engine.train_batch`` (``layer_major``), a step runs every
+micro-batch through each unit while it is resident and reduces each gradient
+once ([Note: layer-major accumulation] in infinity/engine/layer_major.py):
+every array moves as with gas = 1, whatever the window's micro-batches.
 """
 
 from __future__ import annotations
@@ -70,9 +75,10 @@ def _own_master(plan: RuntimePlan) -> bool:
     return plan.optimizer is not None and "master" not in plan.optimizer.state_keys
 
 
-def worst_case_traffic(plan: RuntimePlan) -> Traffic:
-    """The plan's traffic with no cache hits: the sum of ``spill_cost`` over its arrays on NVMe."""
-    gas = plan.gradient_accumulation_steps
+def worst_case_traffic(plan: RuntimePlan, *, layer_major: bool = False) -> Traffic:
+    """The plan's traffic with no cache hits: the sum of ``spill_cost`` over its arrays on NVMe
+    (``layer_major``: trained by engine.train_batch, see the note)."""
+    gas = 1 if layer_major else plan.gradient_accumulation_steps
     total = Traffic()
     own = _own_master(plan)
     trainable = {u.index for u in plan.trainable_units()}
@@ -98,12 +104,13 @@ def pool_turn_nbytes(plan: RuntimePlan) -> int:
     return max(0, min(nvme, free))
 
 
-def expected_traffic(plan: RuntimePlan) -> Traffic:
+def expected_traffic(plan: RuntimePlan, *, layer_major: bool = False) -> Traffic:
     """The least the plan moves per step (the note): the worst case less the parameter reads the pool
     saves at each turn — the forward-to-backward turn of every micro-batch, the backward-to-forward turn
-    between micro-batches, and for fp32 shards the backward-to-step turn."""
-    gas = plan.gradient_accumulation_steps
-    worst = worst_case_traffic(plan)
+    between micro-batches, and for fp32 shards the backward-to-step turn (``layer_major``: as with one
+    micro-batch, see the note)."""
+    gas = 1 if layer_major else plan.gradient_accumulation_steps
+    worst = worst_case_traffic(plan, layer_major=layer_major)
     # Each read pass over the NVMe shards follows a turn: the backward of every micro-batch (gas), the
     # forward of every micro-batch after the first (gas - 1), and for fp32 shards the step.
     turns = 2 * gas if _own_master(plan) else 2 * gas - 1

@@ -51,15 +51,21 @@ the optimizer's fp32 masters; see masters.py).
 
 Threading: all hooks run on the thread doing forward or backward; the shard
 source (store or prefetch scheduler) is the only part shared with I/O threads.
+What a running forward has open (its frames, saved-tensor hooks) is per thread
+(``_ForwardState``): engine.train_batch runs one micro-batch's forward per
+thread, one thread at a time ([Note: layer-major accumulation] in
+infinity/engine/layer_major.py); ``on_gather`` and ``hold``/``unhold`` let it
+keep a unit gathered across those forwards.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 import time
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -98,6 +104,16 @@ class _Frame:
     module: nn.Module
     units: list[ParamUnit]
     span: Any = None  # the timeline span of the module's compute, while one records
+
+
+class _ForwardState(threading.local):
+    """What the forward running in a thread has open: its frames, whether it is a recomputation,
+    its saved-tensor hooks (torch keeps those per thread too)."""
+
+    def __init__(self) -> None:
+        self.frames: list[_Frame] = []
+        self.recomputing = False  # the running forward is a recomputation inside backward
+        self.saved_hooks: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +182,12 @@ class Stage3Partitioner:
         self.group = group
         self.cache = cache
         self.masters = masters
-        self._frames: list[_Frame] = []
-        self._recomputing = False  # the running forward is a recomputation inside backward
-        self._saved_hooks: Any = None
+        # Per thread: the forward running in it ([Note: layer-major accumulation] runs one
+        # micro-batch's forward per thread).
+        self._fw = _ForwardState()
+        # Called with each unit gathered in forward, while set (layer-major accumulation holds it
+        # until every micro-batch has passed).
+        self.on_gather: Callable[[ParamUnit], None] | None = None
         self._ranges: list[
             tuple[int, int, ParamUnit]
         ] = []  # gathered, non-persistent units by address
@@ -230,6 +249,8 @@ class Stage3Partitioner:
         if not unit.persistent:
             start = full.data_ptr()
             bisect.insort(self._ranges, (start, start + unit.full_nbytes, unit), key=lambda r: r[0])
+            if self.on_gather is not None and self._fw.frames:
+                self.on_gather(unit)
 
     def _gather_copy(self, unit: ParamUnit) -> None:
         """Gathers ``unit`` into memory of its own, giving its pool buffer back at once
@@ -269,6 +290,18 @@ class Stage3Partitioner:
         if unit.holds == 0:
             self._ungather(unit)
 
+    def hold(self, unit: ParamUnit) -> None:
+        """One more hold on a gathered unit, kept across forwards until ``unhold`` (layer-major
+        accumulation keeps a unit until every micro-batch has passed through it)."""
+        if unit.state is not UnitState.GATHERED:
+            raise RuntimeError(
+                f"unit {unit.key!r} is not gathered: only a gathered unit can be held"
+            )
+        self._hold(unit)
+
+    def unhold(self, unit: ParamUnit) -> None:
+        self._unhold(unit)
+
     def release_persistent(self) -> None:
         """Before an optimizer step: persistent units let go of their shards, so no device copy
         is held while the step updates the host copy (it is read afresh by gather_persistent)."""
@@ -291,8 +324,8 @@ class Stage3Partitioner:
 
     def release_all(self) -> None:
         """Drops every hold (an aborted forward, or engine shutdown)."""
-        while self._frames:
-            frame = self._frames.pop()
+        while self._fw.frames:
+            frame = self._fw.frames.pop()
             for unit in frame.units:
                 self._unhold(unit)
         for unit in self._backward_units:
@@ -300,10 +333,10 @@ class Stage3Partitioner:
                 unit.backward_held = False
                 self._unhold(unit)
         self._backward_units.clear()
-        self._recomputing = False
-        if self._saved_hooks is not None:
-            self._saved_hooks.__exit__(None, None, None)
-            self._saved_hooks = None
+        self._fw.recomputing = False
+        if self._fw.saved_hooks is not None:
+            self._fw.saved_hooks.__exit__(None, None, None)
+            self._fw.saved_hooks = None
 
     # -- GatheredParameters (ParamOwner) -------------------------------------------
 
@@ -402,23 +435,23 @@ class Stage3Partitioner:
     # -- forward hooks ------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._frames:
-            self._recomputing = _in_backward()
-            if not self._recomputing:
+        if not self._fw.frames:
+            self._fw.recomputing = _in_backward()
+            if not self._fw.recomputing:
                 # The outermost module entered: from here until it returns, tensors
                 # autograd saves that view gathered parameters are packed by reference.
-                self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._fw.saved_hooks = torch.autograd.graph.saved_tensors_hooks(
                     self._pack, self._unpack
                 )
-                self._saved_hooks.__enter__()
+                self._fw.saved_hooks.__enter__()
         frame = _Frame(module, [])
-        self._frames.append(frame)
+        self._fw.frames.append(frame)
         for unit in self.uses.get(module, ()):
             self._hold(unit)
             frame.units.append(unit)
         tl = Timeline.active
         if tl is not None and frame.units:  # after the holds: compute starts once its units are in
-            phase = "recompute" if self._recomputing else "forward"
+            phase = "recompute" if self._fw.recomputing else "forward"
             keys = [u.key for u in frame.units]
             frame.span = tl.begin(
                 f"{phase} {type(module).__name__} {' '.join(keys)}",
@@ -427,24 +460,24 @@ class Stage3Partitioner:
             )
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._frames or self._frames[-1].module is not module:
+        if not self._fw.frames or self._fw.frames[-1].module is not module:
             return  # a forward that raised before our pre-hook ran
-        frame = self._frames.pop()
+        frame = self._fw.frames.pop()
         tl = Timeline.active
         if frame.span is not None and tl is not None:
             tl.end(frame.span)
         for unit in frame.units:
-            if self._recomputing:
+            if self._fw.recomputing:
                 self._hold_for_backward(unit)  # [Note: recomputation under stage 3]
             self._unhold(unit)
-        if not self._frames:
-            self._recomputing = False
-            if self._saved_hooks is not None:
-                self._saved_hooks.__exit__(None, None, None)
-                self._saved_hooks = None
+        if not self._fw.frames:
+            self._fw.recomputing = False
+            if self._fw.saved_hooks is not None:
+                self._fw.saved_hooks.__exit__(None, None, None)
+                self._fw.saved_hooks = None
 
     def _on_param_read(self, p: nn.Parameter) -> None:
-        if not self._frames and not _in_backward():
+        if not self._fw.frames and not _in_backward():
             return
         entry = self.unit_of.get(p)
         if entry is None:
@@ -452,11 +485,11 @@ class Stage3Partitioner:
         unit = entry[0]
         if unit.persistent or unit.state is UnitState.GATHERED:
             return
-        if not self._frames:
+        if not self._fw.frames:
             self._hold_for_backward(unit)  # read by a recomputation outside any module's forward
             return
         self._hold(unit)
-        self._frames[-1].units.append(unit)
+        self._fw.frames[-1].units.append(unit)
 
     # -- saved tensors ------------------------------------------------------------
 

@@ -1,0 +1,321 @@
+"""Layer-major accumulation: the forwards of one optimizer step's micro-batches, interleaved unit by unit.
+
+[Note: layer-major accumulation]
+``engine.train_batch`` runs g micro-batches as one optimizer step, reading each
+fetch unit once per step instead of 2g - 1 times:
+- Forward: one thread per micro-batch, each running the whole model's
+  forward, and a baton, so that exactly one runs at a time (the partitioner
+  stays single-threaded in effect; its per-forward state is per thread,
+  ``_ForwardState`` in infinity/zero/partitioner.py). The threads meet at
+  every module that gathers units (a pre-hook put in front of the
+  partitioner's): a *round* is every micro-batch running, in order, from one
+  such point to the next. A unit gathered in a round gets one more hold
+  (the partitioner's ``on_gather``), dropped when the round ends, so the
+  unit is gathered by the first micro-batch and released after the last.
+  Every micro-batch must reach the same point (the same module, or the end
+  of forward) in each round; one that does not (a branch, a finished
+  forward, a module called a different number of times) makes the rest of
+  the step *micro-batch-major*: the round holds are dropped, each unfinished
+  forward runs to its end in turn, each backward runs alone, and one warning
+  says so. The numbers are the same either way (holds only keep memory);
+  only the reads differ.
+- What is thread-local in torch is carried into each thread: grad mode,
+  autocast, the innermost saved-tensor hooks, context variables (the
+  engine's checkpoint settings). Autograd numbers its nodes per thread: a
+  fresh thread per micro-batch numbers the same forward the same way.
+- Backward: one ``torch.autograd.backward`` of the g losses (each scaled
+  by loss_scale / g, as the micro-batch loop's ``engine.backward`` scales
+  it). The CPU ready queue runs the highest sequence number first, so the g
+  graphs, numbered alike, are walked together, layer by layer: a unit is
+  gathered for the first micro-batch's backward through it and, holding
+  until its grads are reduced (GradHooks' ``on_unit_done``), serves the
+  others. AccumulateGrad runs once per parameter with the sum over the g
+  micro-batches: each gradient is reduced, and written, once. With 16-bit
+  weights that sum is taken in the training dtype (the micro-batch loop
+  sums the g gradients in fp32), a difference within the dtype's rounding.
+- The prefetch trace records one step for the whole batch: forward and
+  backward in layer-major order, the same every step, so it replays.
+- Dropout draws from the one generator in the order the interleaving runs,
+  so its masks differ from the micro-batch loop's (same distribution).
+- An error in one micro-batch's forward cancels the others (each stops at
+  its next meeting point, in turn, unwinding its partitioner frames) and is
+  raised with a note naming the micro-batch.
+
+Threading: ``LayerMajorForward.run`` is called by the training thread, which
+waits while the micro-batch threads take turns; everything they share is
+under ``_cv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from infinity.aio.waits import wait_until
+from infinity.zero.partitioner import Stage3Partitioner
+from infinity.zero.unit import ParamUnit
+
+log = logging.getLogger("infinity.engine")
+
+_END = "the end of its forward"
+"""The meeting point a micro-batch reaches when its forward returns (or raises)."""
+
+
+class _Cancelled(Exception):
+    """Another micro-batch's forward failed (or the training thread was interrupted): stop here.
+    An Exception, not a BaseException: modules run their always-called forward hooks (the
+    partitioner's releases) only for an Exception."""
+
+
+@dataclasses.dataclass
+class _Runner:
+    index: int
+    batch: Any
+    output: Any = None
+    error: BaseException | None = None
+    finished: bool = False
+    at: Any = None  # the meeting point reached: a module, or _END
+
+
+@dataclasses.dataclass
+class ForwardResult:
+    outputs: list[Any]
+    diverged: str | None
+    """Why the micro-batches stopped meeting (the step then ran micro-batch-major), or None."""
+
+
+def call_module(module: Callable[..., Any], batch: Any) -> Any:
+    """A micro-batch given to the model: a tuple or list as positional arguments, a mapping
+    (a dict, a tokenizer's BatchEncoding) as keyword arguments, anything else as the one argument."""
+    if isinstance(batch, (tuple, list)):
+        return module(*batch)
+    if isinstance(batch, dict) or (hasattr(batch, "keys") and hasattr(batch, "__getitem__")):
+        return module(**batch)
+    return module(batch)
+
+
+class LayerMajorForward:
+    """The forwards of ``batches`` through ``forward``, interleaved at the modules of ``meeting``
+    ([Note: layer-major accumulation])."""
+
+    def __init__(
+        self,
+        forward: Callable[[Any], Any],
+        batches: Sequence[Any],
+        *,
+        meeting: Sequence[nn.Module],
+        partitioner: Stage3Partitioner | None,
+    ):
+        self.forward = forward
+        self.runners = [_Runner(i, b) for i, b in enumerate(batches)]
+        self.meeting = list(dict.fromkeys(meeting))
+        self.partitioner = partitioner
+        self._cv = threading.Condition(threading.Lock())
+        self._turn = 0
+        self._leader = 0  # the runner whose point every other one must match in this round
+        self._expected: Any = None
+        self._round_held: list[ParamUnit] = []
+        self._sequential: str | None = None  # set on divergence: why
+        self._cancelled = False
+        self._moves = 0  # times the baton changed hands (waits are cut at each)
+        self._local = threading.local()  # .runner: the micro-batch this thread runs
+
+    # -- the training thread -------------------------------------------------------
+
+    def run(self) -> ForwardResult:
+        handles = [m.register_forward_pre_hook(self._meet, prepend=True) for m in self.meeting]
+        if self.partitioner is not None:
+            self.partitioner.on_gather = self._hold_for_round
+        threads = []
+        try:
+            for r in self.runners:
+                t = threading.Thread(
+                    target=self._work,
+                    args=(r, _thread_state()),
+                    name=f"infinity-microbatch-{r.index}",
+                    daemon=True,
+                )
+                threads.append(t)
+                t.start()
+            try:
+                self._wait(
+                    lambda: all(r.finished for r in self.runners), "every micro-batch's forward"
+                )
+            except BaseException:  # Ctrl-C: each forward stops at its next meeting point
+                with self._cv:
+                    self._cancelled = True
+                    self._cv.notify_all()
+                self._wait(lambda: all(r.finished for r in self.runners), "the forwards to stop")
+                raise
+        finally:
+            for t in threads:
+                t.join()
+            for h in handles:
+                h.remove()
+            if self.partitioner is not None:
+                self.partitioner.on_gather = None
+            self._drop_round_holds()
+        for r in self.runners:
+            if r.error is not None:
+                r.error.add_note(
+                    f"infinity: raised by the forward of micro-batch {r.index} of "
+                    f"{len(self.runners)} in engine.train_batch()"
+                )
+                raise r.error
+        return ForwardResult([r.output for r in self.runners], self._sequential)
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        """Waits until ``done()``, one move of the baton at a time: only a micro-batch that holds
+        the turn for long (one unit's compute, or a stall) makes the wait say so, not the g
+        forwards' total ([Note: no silent waits])."""
+        while True:
+            with self._cv:
+                if done():
+                    return
+                seen = self._moves
+
+            def ready(slice_s: float, seen: int = seen) -> bool:
+                with self._cv:
+                    if self._moves == seen and not done():
+                        self._cv.wait(slice_s)
+                    return self._moves != seen or done()
+
+            wait_until(
+                ready,
+                what=lambda: (
+                    f"{what}: micro-batch {self._turn} holds the turn, running up to the "
+                    "next unit it gathers"
+                ),
+                log=log,
+            )
+
+    # -- the micro-batch threads ----------------------------------------------------
+
+    def _work(self, r: _Runner, start: _ThreadState) -> None:
+        self._local.runner = r
+        try:
+            self._wait_turn(r)
+            with start.applied():
+                r.output = start.context.run(self.forward, r.batch)
+        except _Cancelled:
+            pass
+        except BaseException as e:
+            r.error = e
+            with self._cv:
+                self._cancelled = True
+        finally:
+            self._arrive(r, _END)
+
+    def _meet(self, module: nn.Module, args: Any) -> None:
+        """A meeting point (a module that gathers units): hand the baton on, wait for it back."""
+        r = getattr(self._local, "runner", None)
+        if r is None or self._sequential is not None:
+            return  # not a micro-batch thread (a nested engine call), or running to the end
+        self._arrive(r, module)
+        self._wait_turn(r)
+
+    def _wait_turn(self, r: _Runner) -> None:
+        self._wait(lambda: self._turn == r.index, f"micro-batch {r.index}'s turn")
+        if self._cancelled:
+            raise _Cancelled
+
+    def _arrive(self, r: _Runner, point: Any) -> None:
+        """``r`` reached ``point`` (and holds the baton): check it against the round, pass it on."""
+        with self._cv:
+            r.at = point
+            if point is _END:
+                r.finished = True
+            if self._sequential is None and not self._cancelled:
+                if r.index == self._leader:
+                    self._expected = point
+                elif point is not self._expected:
+                    self._diverge(r, point)
+            nxt = self._next_after(r.index)
+            if nxt is not None and self._sequential is None and nxt <= r.index:
+                self._end_round(nxt)
+            if self._sequential is not None and not r.finished:
+                nxt = r.index  # running to the end: keep the baton
+            self._turn = -1 if nxt is None else nxt
+            self._moves += 1
+            self._cv.notify_all()
+
+    def _next_after(self, index: int) -> int | None:
+        n = len(self.runners)
+        for k in range(1, n + 1):
+            j = (index + k) % n
+            if not self.runners[j].finished:
+                return j
+        return None
+
+    def _end_round(self, leader: int) -> None:
+        """Every unfinished micro-batch ran this round: its units may go."""
+        self._drop_round_holds()
+        self._leader = leader
+        self._expected = None
+
+    def _diverge(self, r: _Runner, point: Any) -> None:
+        leader = self.runners[self._leader]
+        self._sequential = (
+            f"micro-batch {r.index} reached {_describe(point)} where micro-batch "
+            f"{leader.index} reached {_describe(self._expected)}"
+        )
+        self._drop_round_holds()
+        if self.partitioner is not None:
+            self.partitioner.on_gather = None
+
+    def _hold_for_round(self, unit: ParamUnit) -> None:
+        if self._sequential is None and self.partitioner is not None:
+            self.partitioner.hold(unit)
+            self._round_held.append(unit)
+
+    def _drop_round_holds(self) -> None:
+        held, self._round_held = self._round_held, []
+        if self.partitioner is not None:
+            for unit in held:
+                self.partitioner.unhold(unit)
+
+
+def _describe(point: Any) -> str:
+    if point is _END or point is None:
+        return _END
+    return f"module {type(point).__name__}"
+
+
+@dataclasses.dataclass
+class _ThreadState:
+    """What torch and Python keep per thread, as the training thread has it, for each micro-batch thread."""
+
+    grad: bool
+    autocast: list[tuple[str, torch.dtype]]
+    saved_hooks: Any
+    context: contextvars.Context
+
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device_type, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            if self.saved_hooks is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
+            yield
+
+
+def _thread_state() -> _ThreadState:
+    autocast = [
+        (d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)
+    ]
+    return _ThreadState(
+        grad=torch.is_grad_enabled(),
+        autocast=autocast,
+        saved_hooks=torch._C._autograd._top_saved_tensors_default_hooks(False),
+        context=contextvars.copy_context(),
+    )
