@@ -43,7 +43,7 @@ def __getattr__(name: str) -> object:
     module, attr = _LAZY[name]
     mod = importlib.import_module(module)
     value = mod if attr is None else getattr(mod, attr)
-    if name == "__version__":
+    if callable(value) and name == "__version__":
         value = value()
     globals()[name] = value
     return value

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -35,6 +34,7 @@ from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
 from infinity.engine.layer_major import LayerMajorForward, call_module
 from infinity.engine.loss_scaler import LossScaler
+from infinity.engine.notes import add_note
 from infinity.engine.optimizers import choose_optimizer
 from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretrained
 from infinity.engine.step_record import Counters, StepClock, StepRecord
@@ -49,14 +49,6 @@ from infinity.zero.checkpointing import ModelCheckpointing
 from infinity.zero.collectives import DataParallelGroup
 
 log = logging.getLogger("infinity.engine")
-
-
-def _add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)`` (Python 3.11+); Python 3.10 has no notes, so there it is logged."""
-    if sys.version_info >= (3, 11):
-        error.add_note(note)
-    else:
-        log.error("%s: %s", type(error).__name__, note)
 
 
 @runtime_checkable
@@ -441,13 +433,13 @@ class Engine:
             if rt.partitioner is not None:
                 rt.partitioner.abort_backward()
         except BaseException as cleanup:
-            _add_note(
+            add_note(
                 error,
                 f"infinity: settling the engine after this error failed too ({cleanup!r}); close "
                 "the engine and resume from a checkpoint",
             )
             return
-        _add_note(
+        add_note(
             error, self._window.failed(self.micro_steps, updates=self.global_steps, dropped=dropped)
         )
 

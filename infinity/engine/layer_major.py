@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from infinity.aio.waits import wait_until
+from infinity.engine.notes import add_note
 from infinity.zero.partitioner import Stage3Partitioner
 from infinity.zero.unit import ParamUnit
 
@@ -165,9 +166,10 @@ class LayerMajorForward:
             self._drop_round_holds()
         for r in self.runners:
             if r.error is not None:
-                r.error.add_note(
+                add_note(
+                    r.error,
                     f"infinity: raised by the forward of micro-batch {r.index} of "
-                    f"{len(self.runners)} in engine.train_batch()"
+                    f"{len(self.runners)} in engine.train_batch()",
                 )
                 raise r.error
         return ForwardResult([r.output for r in self.runners], self._sequential)

@@ -17,8 +17,8 @@ import transformers
 
 import infinity
 from tests.engine.reference import BETAS, CLIP, EPS, LR, WD
-from tests.hf.models import batch, build, build_under_init, ds_config
 from tests.hf.lora import lora
+from tests.hf.models import batch, build, build_under_init, ds_config
 from tests.hf.test_lora_quantised import dequantised
 from tests.hf.test_lora_quantised_checkpoint import make_engine, train
 

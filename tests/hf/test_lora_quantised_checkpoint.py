@@ -22,8 +22,8 @@ import torch
 
 import infinity
 from infinity.engine.checkpoint import CheckpointMismatchError, export_checkpoint
-from tests.hf.models import batch, build, build_under_init
 from tests.hf.lora import lora
+from tests.hf.models import batch, build, build_under_init
 from tests.hf.test_lora_quantised import config, dequantised
 
 ROOT = Path(__file__).resolve().parents[2]

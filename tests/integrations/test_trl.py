@@ -22,8 +22,8 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from infinity.integrations.transformers import infinity_trainer  # noqa: E402
-from tests.hf.models import SEQ, VOCAB, build, build_under_init, ds_config  # noqa: E402
 from tests.hf.lora import lora  # noqa: E402
+from tests.hf.models import SEQ, VOCAB, build, build_under_init, ds_config  # noqa: E402
 
 LR = 1e-3
 STEPS = 3

@@ -520,6 +520,7 @@ def _quantised_partition(
     the part file (checked against their CRC32C), or from the files it refers to, quantised as it
     was ([Note: a quantised base in a checkpoint] in quantised.py)."""
     spec = spec_of(unit.quant)
+    assert spec is not None  # called for the units the manifest says rested quantised
     s = unit.shard_numel
     fmt = partition_format(unit.slots, q, s, unit.dtype, spec)
     packed = torch.zeros(fmt.nbytes, dtype=torch.uint8)

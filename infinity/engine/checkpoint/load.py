@@ -448,7 +448,9 @@ def _plan_frozen(
         )
         dtype, isz = unit.layout.dtype, unit.layout.itemsize
         n_dest = unit.layout.numel if whole else unit.layout.shard_numel
-        dest = torch.empty(n_dest, dtype=dtype) if whole else None
+        dest: torch.Tensor | Callable[[], torch.Tensor] | None = (
+            torch.empty(n_dest, dtype=dtype) if whole else None
+        )
         ref = None if store is None else StoreRef(store, unit.key)
         after = _to_params(unit) if whole else None
         name = f"u{unit.index}.param"
@@ -461,10 +463,11 @@ def _plan_frozen(
         if saved.source is None and saved_spec is not None:
             check_same_format(saved.name, saved_spec, live_spec, same and not whole)
             assert live_fmt is not None  # check_same_format: the same format
+            assert store is not None  # a quantised unit rests in the parameter store (stage 3)
             entry = reader.entry(rank, name, torch.uint8, live_fmt.nbytes)
             f = reader.open_part(rank, handle)
-            crc = reader.part_crc(rank, name)
-            out.checks.append(Check(reader.part_path(rank), f, entry, crc))
+            packed_crc = reader.part_crc(rank, name)
+            out.checks.append(Check(reader.part_path(rank), f, entry, packed_crc))
             piece = Piece(f, entry.begin, 0, live_fmt.nbytes)
             out.groups.append(
                 LoadGroup(
@@ -473,8 +476,8 @@ def _plan_frozen(
                             name,
                             live_fmt.nbytes,
                             [piece],
-                            ref=StoreRef(parts.param_store, unit.key),
-                            crc=crc,
+                            ref=StoreRef(store, unit.key),
+                            crc=packed_crc,
                             path=reader.part_path(rank),
                         )
                     ]
@@ -597,6 +600,7 @@ def _to_packed(
 ) -> Callable[[list[torch.Tensor]], None]:
     """A frozen unit resting quantised: its loaded shard values quantised into its store key."""
     store = parts.param_store
+    assert store is not None  # a quantised unit rests in the parameter store (stage 3)
 
     def write(dests: list[torch.Tensor]) -> None:
         t = store.fetch(unit.key, overwrite=True).result()

@@ -21,7 +21,7 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -79,21 +79,28 @@ def _base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
 
+class MergeTarget(CheckpointTarget, Protocol):
+    """What a merged export needs of an engine: the checkpoint's view, and the adapters gathered."""
+
+    def gathered_state_dict(self, keys: Any = None) -> dict[str, torch.Tensor]: ...
+
+
 def _peft_base(module: nn.Module) -> nn.Module:
     try:
         from peft import PeftModel
     except ImportError:
-        PeftModel = None  # noqa: N806
-    if PeftModel is None or not isinstance(module, PeftModel):
-        raise ValueError(
-            f"save_merged merges a PEFT model's LoRA adapters into its base; this engine trains a "
-            f"{type(module).__name__}: use engine.save_16bit_model() to write its weights"
-        )
-    return module.get_base_model()
+        pass
+    else:
+        if isinstance(module, PeftModel):
+            return module.get_base_model()
+    raise ValueError(
+        f"save_merged merges a PEFT model's LoRA adapters into its base; this engine trains a "
+        f"{type(module).__name__}: use engine.save_16bit_model() to write its weights"
+    )
 
 
 def save_merged(
-    engine: CheckpointTarget,
+    engine: MergeTarget,
     save_dir: str | os.PathLike,
     *,
     max_shard_size: int | str | None = None,
@@ -162,9 +169,10 @@ def save_merged(
                 for _, b in buffers:
                     output.append(b.detach().cpu().contiguous())
                 output.commit()
+                can_generate = getattr(base, "can_generate", None)
                 generation = (
                     getattr(base, "generation_config", None)
-                    if hasattr(base, "can_generate") and base.can_generate()
+                    if callable(can_generate) and can_generate()
                     else None
                 )
                 cfg = hf_config(base)
@@ -210,7 +218,7 @@ def _merged_values(
 ) -> Iterator[torch.Tensor]:
     """Each kept parameter's values in output order, a LoRA layer's weight with its delta added; a unit
     is gathered once for its run of consecutive slots."""
-    full, held = None, None
+    full, held = torch.empty(0), None
     for ui, k, name in kept:
         unit = parts.units[ui]
         if held != ui:
