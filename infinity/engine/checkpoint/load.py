@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from infinity.aio import AioHandle
+from infinity.engine.checkpoint import nodes
 from infinity.engine.checkpoint.collective import agree
 from infinity.engine.checkpoint.errors import CheckpointMismatchError
 from infinity.engine.checkpoint.files import Check, verify
@@ -126,13 +127,19 @@ def load_checkpoint(
         )
         engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
-        reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
-        parts = engine.checkpoint_parts()
-        plan = _plan(engine, parts, reader, handle, scope, sources)
     except Exception as e:
         err = e
     try:
+        # Collective: every rank takes part whatever failed above ([Note: node-local checkpoints]).
+        reader = nodes.open_checkpoint(group, load_dir, tag, warn=group.rank == 0)
+        if err is None:
+            parts = engine.checkpoint_parts()
+            plan = _plan(engine, parts, reader, handle, scope, sources)
+    except Exception as e:
+        err = err or e
+    try:
         agree(group, err, "checking the checkpoint")
+        nodes.fetch_tensors(reader)
         total = (
             sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0
         ) + plan.apply_nbytes
@@ -151,7 +158,7 @@ def load_checkpoint(
     finally:
         sources.close()
         if reader is not None:
-            reader.close()
+            nodes.close(reader)
         if handle is not None:
             handle.close()
     if group.rank == 0:
