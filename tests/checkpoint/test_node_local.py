@@ -10,6 +10,10 @@ checkpoint every other test covers). Then:
   2 x 2 -> 1 x 3 (one node holding both nodes' files): every rank trains on with the losses and
   weights of the same three ranks loading the shared-directory copy, bit for bit; the loaded weights
   are the saved ones.
+- A later save published on one node only (its `latest` moved there) is passed over for the newest
+  checkpoint complete on every node.
+- Export under the process group (as `infinity export` under torchrun): rank 0 gathers the weights
+  from the node-local checkpoint, equal to the export of the shared copy.
 - Bad input, refused with an error naming the node, rank and file, with every engine unchanged: a
   part no rank holds; two nodes holding copies of two different saves under one tag.
 """
@@ -22,10 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from infinity.engine.checkpoint import (
     CheckpointIncompleteError,
     CheckpointMismatchError,
+    export_checkpoint,
 )
 from tests.checkpoint.helpers import (
     assert_same,
@@ -97,7 +103,17 @@ def _resume_3(rank: int, base: str):
             engine.close()
 
     os.environ["GROUP_RANK"] = str(rank)  # 3 x 1: node 2 is a new machine with nothing on it
+    # `infinity export` under torchrun: rank 0 gathers the weights onto its node.
+    export_checkpoint(_node_dir(base, rank), base / "export-3x1.safetensors", progress=False)
     out["3x1"] = run("3x1", _node_dir(base, rank))
+    # A later save that node 0 published (and moved its `latest` to) but node 1 did not: the
+    # newest checkpoint complete on every node is loaded, on every rank.
+    engine = _engine(base, rank, seed=1)
+    try:
+        engine.load_checkpoint(base / "half" / f"node{rank}")
+        assert engine.global_steps == N_STEPS
+    finally:
+        engine.close()
     assert not any(p.name.startswith(".") for p in _node_dir(base, 2).iterdir()), (
         "the copies fetched from other nodes are removed after the load"
     )
@@ -175,7 +191,22 @@ def test_node_local_save_loads_on_any_topology(base):
     # Node 0 from one save, node 1 from a later save under the same tag.
     shutil.copytree(n0, base / "mixed" / "node0" / TAG)
     shutil.copytree(base / "other" / "node1" / TAG, base / "mixed" / "node1" / TAG)
+    # Half-published: node 0 has a later save as `latest`, node 1 only its hidden directory.
+    half = base / "half"
+    for node, n in ((0, n0), (1, n1)):
+        shutil.copytree(n, half / f"node{node}" / TAG)
+        (half / f"node{node}" / "latest").write_text(f"{TAG}\n")
+    shutil.copytree(base / "other" / "node0" / TAG, half / "node0" / "step3")
+    (half / "node0" / "latest").write_text("step3\n")
+    shutil.copytree(base / "other" / "node1" / TAG, half / "node1" / ".step3.partial-0123")
     resumed = run_distributed(_resume_3, str(base), world_size=3)
+    # The export gathered on rank 0 is the single-process export of the shared copy.
+    export_checkpoint(base / "shared", base / "export-shared.safetensors", progress=False)
+    gathered = load_file(str(base / "export-3x1.safetensors"))
+    single = load_file(str(base / "export-shared.safetensors"))
+    assert gathered.keys() == single.keys()
+    for name, t in single.items():
+        assert torch.equal(gathered[name], t), name
     at_save = saved[0]["at_save"]
     for rank, runs in enumerate(resumed):
         for layout in ("3x1", "1x3", "shared"):
