@@ -25,7 +25,7 @@ from tests.multinode.harness import Kill, run_nodes, skip_unless_namespaces
 WORKER = Path(__file__).with_name("node_kill_worker.py")
 STEPS = 3
 TRIALS = 10
-SIDE_BY_SIDE = int(os.environ.get("INFINITY_TEST_KILL_TRIALS_AT_ONCE", "4"))
+SIDE_BY_SIDE = int(os.environ.get("INFINITY_TEST_KILL_TRIALS_AT_ONCE", "6"))
 
 pytestmark = pytest.mark.distributed
 
@@ -73,6 +73,9 @@ def _save_ids(run, node: int) -> dict[str, str]:
     return out
 
 
+@pytest.mark.timeout(
+    1800
+)  # 11 torchrun jobs of two nodes, each restarted once: minutes, not seconds
 def test_kill_a_node_mid_save_and_resume(nvme_dir):
     skip_unless_namespaces()
     seeds = [None, *range(TRIALS)]

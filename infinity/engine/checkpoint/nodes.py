@@ -255,7 +255,11 @@ def locate(
     if group.world_size == 1:
         if local_err is not None:
             raise local_err
-        return Located(root, str(found), root / str(found), {}, {}, rank)
+        here = root / str(found)
+        problem, _ = _verdict(str(found), [_inspect(here)], topo, root, check_files=False)
+        if problem is not None:
+            raise problem
+        return Located(root, str(found), here, {}, {}, rank)
     candidates = sorted({t for t in named if t is not None})
     if not candidates:
         assert local_err is not None
@@ -300,9 +304,16 @@ def _age(tag: str, views: list[dict[str, Any]]) -> tuple[int, float]:
 
 
 def _verdict(
-    tag: str, infos: list[dict[str, Any] | None], topo: Topology, root: Path
+    tag: str,
+    infos: list[dict[str, Any] | None],
+    topo: Topology,
+    root: Path,
+    *,
+    check_files: bool = True,
 ) -> tuple[CheckpointError | None, dict[str, list[int]]]:
-    """(what makes ``tag`` unloadable on this run, or None; each file's holders)."""
+    """(what makes ``tag`` unloadable on this run, or None; each file's holders). ``check_files``
+    False: only what is wrong with the manifests found; missing files are left to the reader (one
+    rank: it names the file as the single-node loader always has)."""
     where = f"'{root / tag}'"
     have = [(r, i) for r, i in enumerate(infos) if i is not None]
     if not have:
@@ -331,6 +342,8 @@ def _verdict(
             "while it replaced that tag, or the nodes hold checkpoints of different runs: load another "
             "tag, or make every node's copy one save's"
         ), {}
+    if not check_files:
+        return None, {}
     files = have[0][1]["files"]
     holders = {MANIFEST: [r for r, i in have if MANIFEST in i["held"]]}
     for name in files:
