@@ -1,9 +1,11 @@
-"""SIGKILL of one node at random points in a node-local save, then torchrun --max-restarts 1 resumes.
+"""SIGKILL at random points in a node-local save, then torchrun --max-restarts 1 resumes.
 
 Each trial is one job of two nodes x one rank under the multi-node harness (each node its own
-storage; tests/multinode/harness.py) that saves after every step (node_kill_worker.py). One node's
-agent is killed a random time after the line its rank prints just before a save, and rebooted;
-torchrun restarts the job, which resumes from the newest checkpoint complete on both nodes. Every
+storage; tests/multinode/harness.py) that saves after every step (node_kill_worker.py). One rank
+is killed (SIGKILL, sent by itself from a timer) a random time into one of the saves; torchrun
+restarts every node's workers, which resume from the newest checkpoint complete on both nodes.
+(Killing a node's agent from the harness instead lands seconds late on a busy machine, after the
+save: the harness acts on the output lines it reads.) Every
 trial must: finish; resume at the step of the save under way or the one before it (never anything
 half-written, never from scratch); give every step the losses of an uninterrupted run, bit for
 bit; and leave on each node a `latest` naming a checkpoint of the same save as the other node's.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multinode.harness import Kill, run_nodes, skip_unless_namespaces
+from tests.multinode.harness import run_nodes, skip_unless_namespaces
 
 WORKER = Path(__file__).with_name("node_kill_worker.py")
 STEPS = 3
@@ -31,25 +33,17 @@ pytestmark = pytest.mark.distributed
 
 
 def _trial(workdir: Path, seed: int | None):
-    kill = None
+    kill = (0, 0, 0.0)  # (step, rank, delay): none
     if seed is not None:
         rng = random.Random(seed)
-        step = rng.randint(1, STEPS - 1)
-        kill = Kill(
-            node=rng.randint(0, 1),
-            marker=f"saving {step}",
-            watch=0,
-            after_s=rng.uniform(0.0, 0.4),
-            reboot=True,
-        )
+        kill = (rng.randint(1, STEPS - 1), rng.randint(0, 1), rng.uniform(0.0, 0.3))
     run = run_nodes(
         WORKER,
         2,
         1,
         workdir=workdir,
-        args=[str(STEPS)],
+        args=[str(STEPS), *map(str, kill)],
         max_restarts=1,
-        kill=kill,
         timeout=600,
     )
     return run, kill
@@ -86,15 +80,11 @@ def test_kill_a_node_mid_save_and_resume(nvme_dir):
     want = _losses(plain)
     assert len(want) == 2 * STEPS
     for seed, (run, kill) in zip(range(TRIALS), trials, strict=True):
-        where = f"trial {seed} ({kill})"
+        where = f"trial {seed} (step, rank, delay: {kill})"
         run.check()
-        assert run.nodes[kill.node].kills == 1, where
-        step = int(kill.marker.split()[-1])
-        resumed = [
-            r["resumed"]
-            for r in run.reports
-            if "resumed" in r and r["restart_count"] + r["launch"] > 0
-        ]
+        assert max(run.restarts().values()) == 1, where  # killed once, restarted once
+        step = kill[0]
+        resumed = [r["resumed"] for r in run.reports if "resumed" in r and r["restart_count"] > 0]
         assert resumed and set(resumed) <= {step - 1, step} and len(set(resumed)) == 1, (
             where,
             resumed,

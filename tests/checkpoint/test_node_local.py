@@ -156,6 +156,7 @@ def _files(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()}
 
 
+@pytest.mark.timeout(1200)  # seven processes (4 ranks, then 3), each building engines: not seconds
 def test_node_local_save_loads_on_any_topology(base):
     saved = run_distributed(_save_2x2, str(base), world_size=4)
     n0, n1 = _node_dir(base, 0) / TAG, _node_dir(base, 1) / TAG
