@@ -8,15 +8,21 @@ puts into the plain PyTorch model; a directory gets the Hugging Face layout
 that ``from_pretrained`` reads (shards of ``--max-shard-size`` with their
 index, ``config.json`` as the checkpoint saved it, or ``--config`` checked
 against the weights' shapes); a PEFT checkpoint's directory is the adapter
-folder ``PeftModel.from_pretrained`` reads.
+folder ``PeftModel.from_pretrained`` reads. Under ``torchrun`` (node-local
+checkpoints: each node holds its own ranks' files), every rank runs it: rank 0
+writes ``OUT`` on its node, fetching the weights other nodes hold from their
+ranks; the others serve them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+
+import torch.distributed as dist
 
 from infinity.engine.checkpoint import CheckpointError, export_checkpoint
 from infinity.engine.checkpoint.format import DTYPE_NAMES
@@ -72,6 +78,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    started = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")  # torchrun's environment: gather from every node
+        started = True
+    try:
+        return _run(args, t0)
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, t0: float) -> int:
     try:
         out = export_checkpoint(
             args.checkpoint,
@@ -85,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, OSError, ValueError) as e:
         print(f"infinity export: {e}", file=sys.stderr)
         return 1
+    if dist.is_initialized() and dist.get_rank() != 0:
+        print(f"rank {dist.get_rank()}: served this node's part of the checkpoint to rank 0")
+        return 0
     dt = time.perf_counter() - t0
     files = sorted(out.glob("*.safetensors")) if out.is_dir() else [out]
     size = sum(f.stat().st_size for f in files)

@@ -17,6 +17,7 @@ Imports only infinity.aio (and torch, hjson).
 from infinity.aio.config import AioConfig
 from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.arguments import TRAINING_ARGUMENTS, training_arguments_values
+from infinity.config.checkpoint import CheckpointConfig
 from infinity.config.errors import ConfigError
 from infinity.config.jsonfile import read_config_file
 from infinity.config.loader import load_config
@@ -50,6 +51,7 @@ __all__ = [
     "AioConfig",
     "BF16Config",
     "CSVMonitorConfig",
+    "CheckpointConfig",
     "ConfigError",
     "FP16Config",
     "InfinityConfig",

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from infinity.aio.config import AioConfig
 from infinity.config.activation import ActivationCheckpointingConfig
 from infinity.config.budget import HostMemoryBudget, parse_host_memory_budget
+from infinity.config.checkpoint import CheckpointConfig
 from infinity.config.errors import ConfigError
 from infinity.config.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from infinity.config.optim import OptimizerConfig, SchedulerConfig
@@ -85,6 +86,8 @@ class InfinityConfig:
     """CSV files of every optimizer step's figures (infinity.monitor)."""
     wandb: WandbConfig = knob(WandbConfig())
     """A Weights & Biases run of every optimizer step's figures (infinity.monitor)."""
+    checkpoint: CheckpointConfig = knob(CheckpointConfig())
+    """How engine checkpoints are written (node-local storage: docs/node-local-checkpoints.md)."""
     trace: TraceConfig = knob(TraceConfig())
     """infinity: record chosen steps as a timeline (Chrome-trace / Perfetto JSON; docs/tracing.md)."""
     wall_clock_breakdown: bool = knob(False)

@@ -95,6 +95,12 @@ NOT_ACTED_ON: frozenset[str] = frozenset(
         #   per-checkpoint timing through DeepSpeed's timers, which infinity does not have (its
         #   wall_clock_breakdown times the whole forward, backward and step)
         "activation_checkpointing.profile",
+        # checkpoint: every rank saves under the tag rank 0 chose (the tag travels with the save's
+        #   agreement), so there is nothing to validate
+        "checkpoint.tag_validation",
+        #   infinity's checkpoints load on any number of ranks and nodes as saved; there is no
+        #   offline-converted format to ask for
+        "checkpoint.load_universal",
     }
 )
 
@@ -104,7 +110,7 @@ OPAQUE: frozenset[str] = frozenset(
         "aim",
         "amp",
         "autotuning",
-        "checkpoint",
+        "checkpoint.parallel_write",
         "comet",
         "comms_logger",
         "compile",

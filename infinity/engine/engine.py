@@ -734,14 +734,23 @@ class Engine:
         *,
         save_latest: bool = True,
         progress: bool | None = None,
+        node_local: bool | None = None,
     ) -> Any:
         """Saves the full training state to ``save_dir/tag`` (default tag ``global_step<N>``), atomically,
         and points ``save_dir/latest`` at it (unless ``save_latest=False``, as in DeepSpeed).
-        ``client_state``: JSON values and tensors (no pickle). Every rank must call it, at an
+        ``client_state``: JSON values and tensors (no pickle). ``node_local`` (default: the config's
+        ``checkpoint.use_node_local_storage``): ``save_dir`` is each node's own directory, on storage
+        the other nodes need not see (docs/node-local-checkpoints.md). Every rank must call it, at an
         accumulation boundary. Returns the checkpoint's directory."""
         self._check_open("engine.save_checkpoint()")
         return checkpoint.save_checkpoint(
-            self, save_dir, tag, client_state, save_latest=save_latest, progress=progress
+            self,
+            save_dir,
+            tag,
+            client_state,
+            save_latest=save_latest,
+            progress=progress,
+            node_local=node_local,
         )
 
     def load_checkpoint(

@@ -360,16 +360,21 @@ class InfinityTrainerMixin:
     # -- checkpoints --------------------------------------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine checkpoint (weights, Adam moments, schedule, step counts) in ``output_dir/infinity/``."""
+        """The engine checkpoint (weights, Adam moments, schedule, step counts) in ``output_dir/infinity/``;
+        with ``save_on_each_node`` each node writes its own ranks' part of it (node-local, as
+        ``checkpoint.use_node_local_storage``)."""
         if self._engine is None:
             raise RuntimeError("no engine to checkpoint: InfinityTrainer builds it in train()")
-        self._engine.save_checkpoint(output_dir, tag=ENGINE_TAG)
+        self._engine.save_checkpoint(
+            output_dir, tag=ENGINE_TAG, node_local=True if self.args.save_on_each_node else None
+        )
 
     def _save_scaler(self, output_dir: str) -> None:
         """The fp16 loss scale is the engine's, saved in its checkpoint."""
 
     def _engine_checkpoint(self, checkpoint: str) -> str:
-        if not (Path(checkpoint) / ENGINE_TAG).is_dir():
+        # Node-local: a node that joined since the save holds nothing; the load fetches its part.
+        if not self.args.save_on_each_node and not (Path(checkpoint) / ENGINE_TAG).is_dir():
             raise FileNotFoundError(
                 f"{str(checkpoint)!r} holds no engine checkpoint ('{ENGINE_TAG}/'): resume_from_checkpoint= takes "
                 "a checkpoint-N folder that InfinityTrainer saved (with save_only_model=False); to start from "

@@ -249,19 +249,27 @@ def test_trainer_matches_plain_trainer_and_own_loop(plain, nvme_dir, tmp_path, l
     trainer.engine.close()
 
 
-def test_resume_equals_continue(nvme_dir, tmp_path):
+@pytest.mark.parametrize("each_node", [False, True], ids=["shared", "save_on_each_node"])
+def test_resume_equals_continue(nvme_dir, tmp_path, each_node):
     """checkpoint-3 (mid-epoch) through the Trainer's own flow; the resumed run's steps 4-6 are the
-    continued run's."""
+    continued run's. ``save_on_each_node``: the engine checkpoint is node-local (a node manifest)."""
     full, trainer = infinity_run(
-        tmp_path / "a", stage3_nvme(nvme_dir), save_strategy="steps", save_steps=3
+        tmp_path / "a",
+        stage3_nvme(nvme_dir),
+        save_strategy="steps",
+        save_steps=3,
+        save_on_each_node=each_node,
     )
     trainer.engine.close()
     checkpoint = tmp_path / "a" / "checkpoint-3"
     assert (checkpoint / ENGINE_TAG).is_dir() and (checkpoint / "trainer_state.json").is_file()
+    assert (checkpoint / ENGINE_TAG / "node-00000.json").is_file() == each_node
     assert (checkpoint / "model.safetensors").is_file() and not (
         checkpoint / "optimizer.pt"
     ).exists()
-    resumed, trainer = infinity_run(tmp_path / "b", stage3_nvme(nvme_dir), resume=str(checkpoint))
+    resumed, trainer = infinity_run(
+        tmp_path / "b", stage3_nvme(nvme_dir), resume=str(checkpoint), save_on_each_node=each_node
+    )
     assert trainer.state.global_step == MAX_STEPS
     assert_close(resumed.losses, full.losses[3:], "resumed vs continued", rtol=1e-6)
     trainer.engine.close()

@@ -50,6 +50,7 @@ log = logging.getLogger("infinity.checkpoint")
 
 PARTIAL = ".partial-"
 REPLACED = ".replaced-"
+FETCHED = ".fetched-"  # a load's copies of files other nodes hold ([Note: node-local checkpoints])
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -228,7 +229,8 @@ def leftovers(root: Path) -> list[Path]:
         found = [
             p
             for p in root.iterdir()
-            if p.name.startswith(".") and (PARTIAL in p.name or REPLACED in p.name)
+            if p.name.startswith(".")
+            and (PARTIAL in p.name or REPLACED in p.name or FETCHED in p.name)
         ]
     except FileNotFoundError:
         return []
@@ -269,6 +271,8 @@ def warn_leftovers(root: Path) -> None:
         kind = (
             "an interrupted save"
             if PARTIAL in p.name
+            else "an interrupted load (its copies of files other nodes hold)"
+            if FETCHED in p.name
             else "an interrupted replacement of a checkpoint"
         )
         log.warning(

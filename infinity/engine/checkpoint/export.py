@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from infinity.aio import AioConfig, AioHandle, crc32c
-from infinity.engine.checkpoint import atomic
+from infinity.engine.checkpoint import atomic, nodes
 from infinity.engine.checkpoint.collective import agree, collective_device
 from infinity.engine.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, read_tensors
@@ -63,10 +64,10 @@ from infinity.weights.hf_layout import (
     parse_size,
 )
 from infinity.weights.quant import ShardFormat, quantize_into
+from infinity.zero.collectives import DataParallelGroup
 
 if TYPE_CHECKING:
     from infinity.store import TieredStore
-    from infinity.zero.collectives import DataParallelGroup
     from infinity.zero.unit import ParamUnit
 
 log = logging.getLogger("infinity.checkpoint")
@@ -178,13 +179,112 @@ def export_checkpoint(
     checkpoint keeps them ([Note: frozen units in a checkpoint] in sources.py)."""
     out = Path(out)
     hf = out.is_dir() or out.suffix == ""
+    group = DataParallelGroup() if dist.is_available() and dist.is_initialized() else None
+    if group is not None and group.world_size > 1:
+        return _export_gathered(
+            group,
+            checkpoint,
+            out,
+            tag=tag,
+            dtype=dtype,
+            aio=aio,
+            progress=progress,
+            max_shard_size=max_shard_size,
+            config=config,
+        )
     if not hf:
         _check_out_path(out)
         _choose_layout("state_dict", False, max_shard_size)
-    with (
-        CheckpointReader(checkpoint, tag) as reader,
-        AioHandle.from_config(aio or AioConfig()) as handle,
-    ):
+    with CheckpointReader(checkpoint, tag) as reader:
+        return _export(
+            reader,
+            out,
+            dtype=dtype,
+            aio=aio,
+            progress=progress,
+            max_shard_size=max_shard_size,
+            config=config,
+        )
+
+
+def _export_gathered(
+    group: DataParallelGroup,
+    checkpoint: str | os.PathLike,
+    out: Path,
+    *,
+    tag: str | None,
+    dtype: torch.dtype,
+    aio: AioConfig | None,
+    progress: bool | None,
+    max_shard_size: int | str | None,
+    config: str | os.PathLike | None,
+) -> Path:
+    """Under torchrun, from node-local checkpoints ([Note: node-local checkpoints] in nodes.py): rank 0
+    writes ``out`` on its node; first it fetches, from the ranks holding them, the saved weights its node
+    lacks (the masters and frozen shards only, never the moments: a chunk of memory at a time, into a
+    hidden copy beside the checkpoint, removed after), then it streams them as a single-node export
+    does. Every rank must call it; every rank returns ``out`` or raises."""
+    err: BaseException | None = None
+    reader = None
+    try:
+        reader = nodes.open_checkpoint(group, checkpoint, tag, warn=group.rank == 0)
+        if group.rank == 0:
+            if not (out.is_dir() or out.suffix == ""):
+                _check_out_path(out)
+                _choose_layout("state_dict", False, max_shard_size)
+            _want_weights(reader)
+    except Exception as e:
+        err = e
+    try:
+        agree(group, err, "opening the checkpoint to export")
+        assert reader is not None  # agree() raised, had any rank failed to open it
+        nodes.fetch_tensors(reader)
+        err = None
+        if group.rank == 0:
+            try:
+                _export(
+                    reader,
+                    out,
+                    dtype=dtype,
+                    aio=aio,
+                    progress=progress,
+                    max_shard_size=max_shard_size,
+                    config=config,
+                )
+            except Exception as e:
+                err = e
+        agree(group, err, f"exporting to '{out}' on rank 0")
+    finally:
+        if reader is not None:
+            nodes.close(reader)
+    return out
+
+
+def _want_weights(reader: CheckpointReader) -> None:
+    """Touches every saved tensor an export reads, so that those of other nodes are fetched."""
+    if reader.manifest.get("optimizer") == "passthrough":
+        for name, e in reader.part(0).entries.items():
+            if name.startswith("param."):
+                reader.entry(0, name, e.dtype, e.numel)
+        return
+    for u in reader.units:
+        if u.source is None:
+            for q in range(reader.partitions):
+                reader.entry(q, u.saved_as, FP32 if u.trainable else u.dtype, u.shard_numel)
+
+
+def _export(
+    reader: CheckpointReader,
+    out: Path,
+    *,
+    dtype: torch.dtype,
+    aio: AioConfig | None,
+    progress: bool | None,
+    max_shard_size: int | str | None,
+    config: str | os.PathLike | None,
+) -> Path:
+    hf = out.is_dir() or out.suffix == ""
+    with AioHandle.from_config(aio or AioConfig()) as handle:
         adapter = reader.manifest.get("peft")
         if hf and adapter is not None:
             return _export_adapter(reader, handle, out, dtype, adapter, progress)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from infinity.aio import AioHandle
+from infinity.engine.checkpoint import nodes
 from infinity.engine.checkpoint.collective import agree
 from infinity.engine.checkpoint.errors import CheckpointMismatchError
 from infinity.engine.checkpoint.files import Check, verify
@@ -129,15 +130,22 @@ def load_checkpoint(
         )
         engine.synchronize()  # an optimizer step still running behind the forward finishes first
         handle = AioHandle.from_config(engine.config.aio)
-        reader = CheckpointReader(load_dir, tag, warn=group.rank == 0)
-        parts = engine.checkpoint_parts()
-        plan = _plan(engine, parts, reader, handle, scope, sources)
     except Exception as e:
         err = e
+    try:
+        # Collective: every rank takes part whatever failed above ([Note: node-local checkpoints]).
+        reader = nodes.open_checkpoint(group, load_dir, tag, warn=group.rank == 0)
+        if err is None:
+            assert handle is not None  # made above, or err says why not
+            parts = engine.checkpoint_parts()
+            plan = _plan(engine, parts, reader, handle, scope, sources)
+    except Exception as e:
+        err = err or e
     try:
         agree(group, err, "checking the checkpoint")
         # agree() raised, had this rank failed to open them.
         assert reader is not None and handle is not None
+        nodes.fetch_tensors(reader)
         total = (
             sum(c.entry.nbytes for c in plan.checks) if verify_checksums else 0
         ) + plan.apply_nbytes
@@ -156,7 +164,7 @@ def load_checkpoint(
     finally:
         sources.close()
         if reader is not None:
-            reader.close()
+            nodes.close(reader)
         if handle is not None:
             handle.close()
     if group.rank == 0:

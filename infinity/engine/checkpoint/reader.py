@@ -17,7 +17,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -56,8 +56,9 @@ _REQUIRED = (
 )
 
 
-def read_manifest(ckpt: Path) -> dict[str, Any]:
-    p = ckpt / MANIFEST
+def read_manifest(ckpt: Path, p: Path | None = None) -> dict[str, Any]:
+    """The manifest of checkpoint ``ckpt``, read from ``p`` (default: ``ckpt/manifest.json``)."""
+    p = ckpt / MANIFEST if p is None else p
     try:
         raw = p.read_bytes()
         doc = json.loads(raw)
@@ -118,10 +119,34 @@ def _check_manifest_crc(p: Path, raw: bytes) -> None:
         )
 
 
+class FileSource(Protocol):
+    """Where a rank reads the files of a checkpoint located over the process group (nodes.Fetcher)."""
+
+    @property
+    def dir(self) -> Path: ...
+
+    def path(self, name: str) -> Path: ...
+
+    def remote(self, name: str) -> bool: ...
+
+
 class CheckpointReader:
-    def __init__(self, path: str | os.PathLike, tag: str | None = None, *, warn: bool = True):
-        self.dir = atomic.resolve(path, tag, warn=warn)
-        self.manifest = read_manifest(self.dir)
+    """``fetcher``: a checkpoint located over the process group, whose files this rank's node may lack
+    ([Note: node-local checkpoints] in nodes.py); the tensors of those that ``entry`` hands out are
+    recorded (``wanted``: (part, name) -> its entry) for the fetcher to fetch."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        tag: str | None = None,
+        *,
+        warn: bool = True,
+        fetcher: FileSource | None = None,
+    ):
+        self.fetcher = fetcher
+        self.dir = fetcher.dir if fetcher is not None else atomic.resolve(path, tag, warn=warn)
+        self.manifest = read_manifest(self.dir, self.path(MANIFEST))
+        self.wanted: dict[tuple[int, str], Entry] = {}
         m = self.manifest
         self.world_size = int(m["world_size"])
         self.stage = int(m["stage"])
@@ -144,11 +169,12 @@ class CheckpointReader:
         return str(self.manifest.get("tag", self.dir.name))
 
     def path(self, name: str) -> Path:
-        return self.dir / name
+        """Where this rank reads file ``name``: in its node's directory, or its copy fetched from a peer."""
+        return self.fetcher.path(name) if self.fetcher is not None else self.dir / name
 
     def _check_size(self, name: str) -> int:
         spec = self.files.get(name)
-        p = self.dir / name
+        p = self.path(name)
         if spec is None:
             raise CheckpointCorruptError(
                 f"'{self.dir / MANIFEST}' does not list '{name}'", path=str(p)
@@ -173,7 +199,7 @@ class CheckpointReader:
         if r in self._ranks:
             return self._ranks[r]
         name = rank_name(r)
-        p = self.dir / name
+        p = self.path(name)
         self._check_size(name)
         blob = p.read_bytes()
         want = int(self.files[name]["crc32c"])
@@ -197,7 +223,7 @@ class CheckpointReader:
     def model_file(self, name: str) -> bytes:
         """A file saved beside the weights (config.json, adapter_config.json: model_files.py), its CRC32C
         checked."""
-        p = self.dir / name
+        p = self.path(name)
         if name not in self.files:
             raise CheckpointNotFoundError(
                 f"the checkpoint '{self.dir}' has no {name}: it was saved without one"
@@ -226,7 +252,7 @@ class CheckpointReader:
         """The parsed header of part ``q``, its CRC32C compared (offsets checked against the file's size)."""
         if q not in self._parts:
             name = part_name(q, self.partitions)
-            p = self.dir / name
+            p = self.path(name)
             self._check_size(name)
             want = self._part_header_crc(q)
             try:
@@ -251,14 +277,14 @@ class CheckpointReader:
         try:
             return int(state["part"]["header_crc32c"])
         except (KeyError, TypeError, ValueError):
-            p = self.dir / rank_name(q)
+            p = self.path(rank_name(q))
             raise CheckpointCorruptError(
                 f"'{p}' has no checksum of the header of its part file", path=str(p)
             ) from None
 
     def entry(self, q: int, name: str, dtype: torch.dtype, numel: int) -> Entry:
         e = self.part(q).entries.get(name)
-        p = self.dir / part_name(q, self.partitions)
+        p = self.path(part_name(q, self.partitions))
         if e is None:
             raise CheckpointCorruptError(
                 f"checkpoint file '{p}' lacks tensor {name!r}", path=str(p)
@@ -268,6 +294,9 @@ class CheckpointReader:
                 f"tensor {name!r} in '{p}' is {e.numel} x {e.dtype}; the manifest implies {numel} x {dtype}",
                 path=str(p),
             )
+        pname = part_name(q, self.partitions)
+        if self.fetcher is not None and self.fetcher.remote(pname):
+            self.wanted[(q, name)] = e
         return e
 
     def part_crc(self, q: int, name: str) -> int:
@@ -276,18 +305,18 @@ class CheckpointReader:
         try:
             return int(state["part"]["crc32c"][name])
         except (KeyError, TypeError):
-            p = self.dir / rank_name(q)
+            p = self.path(rank_name(q))
             raise CheckpointCorruptError(
                 f"'{p}' has no checksum for tensor {name!r}", path=str(p)
             ) from None
 
     def part_path(self, q: int) -> str:
-        return str(self.dir / part_name(q, self.partitions))
+        return str(self.path(part_name(q, self.partitions)))
 
     def open_part(self, q: int, handle: AioHandle) -> AioFile:
         if q not in self._open:
             self.part(q)
-            self._open[q] = handle.open(self.dir / part_name(q, self.partitions), "r", create=False)
+            self._open[q] = handle.open(self.path(part_name(q, self.partitions)), "r", create=False)
         return self._open[q]
 
     def close(self) -> None:

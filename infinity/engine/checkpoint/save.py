@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from infinity.aio import DIRECT_ALIGNMENT, AioHandle, crc32c
 from infinity.engine.checkpoint import atomic
@@ -45,6 +46,12 @@ from infinity.engine.checkpoint.format import (
 from infinity.engine.checkpoint.lock import SaveLock
 from infinity.engine.checkpoint.model import describe_units, state_dict_names
 from infinity.engine.checkpoint.model_files import model_files
+from infinity.engine.checkpoint.nodes import (
+    Topology,
+    node_index,
+    node_manifest_bytes,
+    node_manifest_name,
+)
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.quantised import spec_json
 from infinity.engine.checkpoint.sources import shard_crc
@@ -396,33 +403,68 @@ def _write_files(
     return [prep.layout.file_nbytes if part_file else 0, len(blob), crc32c(blob)]
 
 
-def _publish(
+def _describe(
     engine: CheckpointTarget,
     prep: _Prepared,
-    root: Path,
-    tmp: Path,
     tag: str,
     nonce: str,
     sizes: list[list[int]],
-    save_latest: bool,
-) -> None:
-    """Rank 0: manifest, rename into place, then ``latest`` unless ``save_latest`` is False
-    ([Note: publishing a checkpoint])."""
-    files = {}
+    topo: Topology | None,
+) -> tuple[bytes, dict[str, bytes], dict[str, dict[str, int]]]:
+    """Rank 0: manifest.json's bytes, the model files beside it, and every file's size and CRC32C."""
+    files: dict[str, dict[str, int]] = {}
     for r, (part_nbytes, rank_nbytes, rank_crc) in enumerate(sizes):
         if r < prep.partitions:
             files[part_name(r, prep.partitions)] = {"nbytes": part_nbytes}
         files[rank_name(r)] = {"nbytes": rank_nbytes, "crc32c": rank_crc}
-    _check_files_present(tmp, files)
     for name, blob in prep.model_files.items():
-        atomic.write_durably(tmp / name, blob, name)
         files[name] = {"nbytes": len(blob), "crc32c": crc32c(blob)}
-    manifest = _manifest(engine, prep.parts, tag, prep.partitions, files, prep.small[2])
-    atomic.write_durably(tmp / MANIFEST, manifest_bytes(manifest), MANIFEST)
+    extra = dict(prep.small[2])
+    extra["save_id"] = nonce
+    if topo is not None:
+        extra["nodes"] = {str(n): topo.ranks_of(n) for n in sorted(set(topo.nodes))}
+    manifest = _manifest(engine, prep.parts, tag, prep.partitions, files, extra)
+    return manifest_bytes(manifest), prep.model_files, files
+
+
+def _node_files(
+    files: dict[str, dict[str, int]], ranks: list[int], partitions: int
+) -> dict[str, dict[str, int]]:
+    """The files a node holds: its ranks' part and rank files, and the model files (every node has them)."""
+    own = {rank_name(r) for r in ranks} | {
+        part_name(r, partitions) for r in ranks if r < partitions
+    }
+    return {n: f for n, f in files.items() if n in own or not n.startswith(("part-", "rank-"))}
+
+
+def _make_durable(
+    tmp: Path,
+    described: tuple[bytes, dict[str, bytes], dict[str, dict[str, int]]],
+    *,
+    node: int | None,
+    ranks: list[int],
+    partitions: int,
+    tag: str,
+    nonce: str,
+) -> None:
+    """A node's leader (rank 0 alone on a shared directory): its ranks' files checked, the model files,
+    the node manifest and manifest.json written and fsynced, then the directory fsynced (phase one of
+    [Note: node-local checkpoints]; nothing is published yet)."""
+    blob, model_blobs, files = described
+    held = _node_files(files, ranks, partitions) if node is not None else files
+    _check_files_present(
+        tmp, {n: f for n, f in held.items() if n not in model_blobs}, node_local=node is not None
+    )
+    for name, data in model_blobs.items():
+        atomic.write_durably(tmp / name, data, name)
+    if node is not None:
+        atomic.write_durably(
+            tmp / node_manifest_name(node),
+            node_manifest_bytes(save_id=nonce, tag=tag, node=node, ranks=ranks, files=held),
+            node_manifest_name(node),
+        )
+    atomic.write_durably(tmp / MANIFEST, blob, MANIFEST)
     atomic.fsync_path(tmp, directory=True)
-    atomic.publish(tmp, root / tag, nonce)
-    if save_latest:
-        atomic.write_latest(root, tag, nonce)
 
 
 def save_checkpoint(
@@ -433,10 +475,13 @@ def save_checkpoint(
     *,
     save_latest: bool = True,
     progress: bool | None = None,
+    node_local: bool | None = None,
 ) -> Path:
     """Saves the engine's full training state under ``save_dir/tag`` (default tag: ``global_step<N>``) and
     points ``save_dir/latest`` at it (``save_latest=False``: leaves ``latest`` as it was, DeepSpeed's
-    switch). Every rank must call it. Returns the checkpoint's directory."""
+    switch). ``node_local`` (default: the config's ``checkpoint.use_node_local_storage``): ``save_dir`` is
+    each node's own directory ([Note: node-local checkpoints] in nodes.py). Every rank must call it.
+    Returns the checkpoint's directory."""
     if engine.micro_steps % engine.gradient_accumulation_steps:
         raise RuntimeError(
             f"save_checkpoint() was called in the middle of a gradient accumulation window (micro step "
@@ -445,6 +490,8 @@ def save_checkpoint(
             "an accumulation boundary"
         )
     tag = atomic.validate_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    if node_local is None:
+        node_local = bool(engine.config.checkpoint.use_node_local_storage)
     group = engine.group
     root = Path(save_dir)
     t0 = time.perf_counter()
@@ -452,6 +499,7 @@ def save_checkpoint(
     err: Exception | None = None
     crcs: dict[int, int] = {}
     flags: list[int] = []
+    node = 0
     parts = engine.checkpoint_parts()  # the pieces; their values are read after the step below
     try:
         # The overlapped optimizer step (stage 3) may still be updating shards, counts and moments: the
@@ -460,10 +508,14 @@ def save_checkpoint(
         engine.synchronize()
         crcs = frozen_shard_crcs(engine, parts)
         flags = referenced_units(parts, crcs)
+        node = node_index() if node_local else 0
     except Exception as e:
         err = e
-    rows = agree(group, err, "checking the frozen units", flags or [0] * len(parts.units))
-    referenced = {u.index for k, u in enumerate(parts.units) if all(row[k] for row in rows)}
+    rows = agree(
+        group, err, "checking the frozen units", [node, *(flags or [0] * len(parts.units))]
+    )
+    topo = Topology(tuple(row[0] for row in rows))
+    referenced = {u.index for k, u in enumerate(parts.units) if all(row[1 + k] for row in rows)}
     try:
         prep = _prepare(engine, parts, client_state, crcs, referenced)
     except Exception as e:
@@ -473,15 +525,19 @@ def save_checkpoint(
 
     nonce = shared_nonce(group)
     tmp = atomic.partial_dir(root, tag, nonce)
+    my_node = topo.nodes[group.rank]
+    leader = group.rank == topo.leader(my_node)
     err, save_lock = None, None
-    if group.rank == 0:
+    if leader:
         try:
             save_lock = _make_directory(root, tag, tmp)
         except Exception as e:
             err = e
     try:
-        agree(group, err, f"creating '{tmp}'")
-        sizes = _write_and_publish(engine, prep, root, tmp, tag, nonce, progress, save_latest)
+        agree(group, err, f"creating '{tmp}'" + (" on every node" if node_local else ""))
+        sizes = _write_and_publish(
+            engine, prep, root, tmp, tag, nonce, progress, save_latest, topo if node_local else None
+        )
     finally:
         if save_lock is not None:
             save_lock.release()
@@ -506,9 +562,33 @@ def _write_and_publish(
     nonce: str,
     progress: bool | None,
     save_latest: bool,
+    topo: Topology | None,
 ) -> list[list[int]]:
-    """Phases 3 and 4; returns every rank's [part bytes, rank file bytes, rank file CRC32C]."""
+    """Phases 3 and 4 ([Note: publishing a checkpoint]; node-local: [Note: node-local checkpoints]);
+    returns every rank's [part bytes, rank file bytes, rank file CRC32C]. ``topo``: the nodes of a
+    node-local save, None on a shared directory (rank 0 describes and publishes it alone)."""
     group = engine.group
+    node: int | None = None
+    ranks = list(range(group.world_size))
+    if topo is not None:
+        node = topo.nodes[group.rank]
+        ranks = topo.ranks_of(node)
+    leader = group.rank == ranks[0]
+
+    def step(what: str, fn, *, cleanup: bool = True) -> Any:
+        err, out = None, None
+        try:
+            out = fn()
+        except Exception as e:
+            err = e
+        try:
+            agree(group, err, what)
+        except BaseException:
+            if leader and cleanup:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
     err, info = None, [0, 0, 0]
     try:
         info = _write_files(engine, prep, tmp, tag, progress)
@@ -517,30 +597,64 @@ def _write_and_publish(
     try:
         sizes = agree(group, err, f"writing checkpoint '{tag}'", info)
     except BaseException:
-        if group.rank == 0:
+        if leader:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    described = step(
+        f"describing checkpoint '{tag}'",
+        lambda: _describe(engine, prep, tag, nonce, sizes, topo) if group.rank == 0 else None,
+    )
+    if topo is not None and group.world_size > 1:
+        box = [described]
+        dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group.group)
+        described = box[0]
+    step(
+        f"making checkpoint '{tag}' durable" + (" on every node" if topo is not None else ""),
+        lambda: (
+            _make_durable(
+                tmp,
+                described,
+                node=node,
+                ranks=ranks,
+                partitions=prep.partitions,
+                tag=tag,
+                nonce=nonce,
+            )
+            if leader
+            else None
+        ),
+    )
 
-    err = None
-    if group.rank == 0:
-        try:
-            _publish(engine, prep, root, tmp, tag, nonce, sizes, save_latest)
-        except Exception as e:
-            err = e
-            shutil.rmtree(tmp, ignore_errors=True)
-    agree(group, err, f"publishing checkpoint '{tag}'")
+    def publish() -> None:
+        if leader:
+            atomic.publish(tmp, root / tag, nonce)
+            if save_latest:
+                atomic.write_latest(root, tag, nonce)
+
+    # A node that fails here may have renamed its directory: nothing to remove (loads settle it).
+    step(f"publishing checkpoint '{tag}'", publish, cleanup=False)
     return sizes
 
 
-def _check_files_present(tmp: Path, files: dict[str, dict[str, int]]) -> None:
+def _global_rank(group, rank: int) -> int:
+    return rank if group.group is None else dist.get_global_rank(group.group, rank)
+
+
+def _check_files_present(tmp: Path, files: dict[str, dict[str, int]], *, node_local: bool) -> None:
     for name, f in files.items():
         p = tmp / name
         try:
             size = p.stat().st_size
         except FileNotFoundError:
+            why = (
+                "the ranks of one node (torchrun's GROUP_RANK) must see the same directory"
+                if node_local
+                else "the checkpoint directory must be one directory shared by every rank (a shared file "
+                "system), as in DeepSpeed, or set checkpoint.use_node_local_storage for one directory "
+                "per node"
+            )
             raise FileNotFoundError(
-                f"'{p}' is missing although its rank reported writing it: the checkpoint directory must be one "
-                "directory shared by every rank (a shared file system), as in DeepSpeed"
+                f"'{p}' is missing although its rank reported writing it: {why}"
             ) from None
         if size != f["nbytes"]:
             raise OSError(f"'{p}' has {size} bytes; its rank wrote {f['nbytes']}")
@@ -594,4 +708,8 @@ def _manifest(
         "buffers": extra.get("buffers", {}),
         "files": files,
         "config": json.loads(json.dumps(engine.config.to_dict(), default=str)),
+        "save_id": extra.get("save_id"),  # every file of one save, on every node, names it
+        "nodes": extra.get(
+            "nodes"
+        ),  # node-local: each node's ranks ([Note: node-local checkpoints])
     }
