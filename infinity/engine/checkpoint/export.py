@@ -118,7 +118,7 @@ def _convert(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     return conv
 
 
-def _hf_name(names: HfNames, aliases: list[str] | tuple[str, ...]) -> str | None:
+def hf_name(names: HfNames, aliases: list[str] | tuple[str, ...]) -> str | None:
     kept = names.saved(list(aliases))
     return names.file_name(kept) if kept is not None else None
 
@@ -149,6 +149,21 @@ def _write_config_files(
             "generation_config.json",
             nonce,
         )
+
+
+def write_module_config_files(
+    out: Path, module: Any, config: Any, dtype: torch.dtype, *, nonce: str
+) -> None:
+    """``config.json`` of a live model (and ``generation_config.json`` where it generates)."""
+    can_generate = getattr(module, "can_generate", None)
+    generation = (
+        getattr(module, "generation_config", None)
+        if callable(can_generate) and can_generate()
+        else None
+    )
+    _write_config_files(
+        out, config, dtype, architecture=type(module).__name__, generation=generation, nonce=nonce
+    )
 
 
 # -- from a checkpoint directory --------------------------------------------------
@@ -502,7 +517,7 @@ def _segments_from_checkpoint(reader: CheckpointReader, dtype: torch.dtype, name
     m = reader.manifest
 
     def name(aliases: list[str]) -> str | None:
-        return aliases[0] if names is None else _hf_name(names, aliases)
+        return aliases[0] if names is None else hf_name(names, aliases)
 
     if m.get("optimizer") == "passthrough":
         for p in m["params"]:
@@ -808,19 +823,8 @@ def save_16bit_model(
                     append(b.detach().cpu().contiguous())
                 output.commit()
                 if hf_cfg is not None and chosen == "hf":
-                    can_generate = getattr(module, "can_generate", None)
-                    generation = (
-                        getattr(module, "generation_config", None)
-                        if callable(can_generate) and can_generate()
-                        else None
-                    )
-                    _write_config_files(
-                        Path(save_dir),
-                        hf_cfg,
-                        engine.dtype,
-                        architecture=type(module).__name__,
-                        generation=generation,
-                        nonce=output.nonce,
+                    write_module_config_files(
+                        Path(save_dir), module, hf_cfg, engine.dtype, nonce=output.nonce
                     )
                 output = None
     except Exception as e:
@@ -843,7 +847,7 @@ def _segments_live(engine: CheckpointTarget, parts: TrainingParts, names: HfName
     slots: list[tuple[Any, Any]] = []  # (unit or None, slot index or param) in output order
 
     def name(aliases: list[str]) -> str | None:
-        return aliases[0] if names is None else _hf_name(names, aliases)
+        return aliases[0] if names is None else hf_name(names, aliases)
 
     if parts.passthrough is not None:
         params = [(sd_names.get(id(p), [f"<unnamed {i}>"]), p) for i, p in enumerate(parts.params)]

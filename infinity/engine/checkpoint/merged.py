@@ -30,9 +30,9 @@ from infinity.aio import AioHandle
 from infinity.engine.checkpoint.collective import agree
 from infinity.engine.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
-    _hf_name,
-    _write_config_files,
     gather_unit,
+    hf_name,
+    write_module_config_files,
 )
 from infinity.engine.checkpoint.model import describe_units
 from infinity.engine.checkpoint.progress import Progress
@@ -136,10 +136,10 @@ def save_merged(
                 if s.name in adapter_keys:
                     continue
                 aliases = [_base_name(a) for a in s.aliases]
-                segments.append(Segment(_hf_name(names, aliases), engine.dtype, s.shape))
+                segments.append(Segment(hf_name(names, aliases), engine.dtype, s.shape))
                 kept.append((info.index, k, aliases[0]))
         buffers = _buffers(base)
-        segments += [Segment(_hf_name(names, [n]), b.dtype, tuple(b.shape)) for n, b in buffers]
+        segments += [Segment(hf_name(names, [n]), b.dtype, tuple(b.shape)) for n, b in buffers]
         if group.rank == 0:
             handle = AioHandle.from_config(engine.config.aio)
             out.mkdir(parents=True, exist_ok=True)
@@ -169,22 +169,9 @@ def save_merged(
                 for _, b in buffers:
                     output.append(b.detach().cpu().contiguous())
                 output.commit()
-                can_generate = getattr(base, "can_generate", None)
-                generation = (
-                    getattr(base, "generation_config", None)
-                    if callable(can_generate) and can_generate()
-                    else None
-                )
                 cfg = hf_config(base)
                 if cfg is not None:
-                    _write_config_files(
-                        out,
-                        cfg,
-                        engine.dtype,
-                        architecture=type(base).__name__,
-                        generation=generation,
-                        nonce=output.nonce,
-                    )
+                    write_module_config_files(out, base, cfg, engine.dtype, nonce=output.nonce)
                 output = None
     except Exception as e:
         err = e
