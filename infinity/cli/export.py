@@ -99,6 +99,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
             progress=False if args.no_progress else None,
             max_shard_size=args.max_shard_size,
             config=args.config,
+            gather_nodes=dist.is_initialized(),  # under torchrun: every node serves its part
         )
     except (CheckpointError, OSError, ValueError) as e:
         print(f"infinity export: {e}", file=sys.stderr)

@@ -104,7 +104,9 @@ def _resume_3(rank: int, base: str):
 
     os.environ["GROUP_RANK"] = str(rank)  # 3 x 1: node 2 is a new machine with nothing on it
     # `infinity export` under torchrun: rank 0 gathers the weights onto its node.
-    export_checkpoint(_node_dir(base, rank), base / "export-3x1.safetensors", progress=False)
+    export_checkpoint(
+        _node_dir(base, rank), base / "export-3x1.safetensors", progress=False, gather_nodes=True
+    )
     out["3x1"] = run("3x1", _node_dir(base, rank))
     # A later save that node 0 published (and moved its `latest` to) but node 1 did not: the
     # newest checkpoint complete on every node is loaded, on every rank.

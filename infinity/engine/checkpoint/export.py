@@ -179,6 +179,7 @@ def export_checkpoint(
     progress: bool | None = None,
     max_shard_size: int | str | None = None,
     config: str | os.PathLike | None = None,
+    gather_nodes: bool = False,
 ) -> Path:
     """Writes the full weights of a checkpoint (the fp32 masters, converted to ``dtype``) and its buffers.
     ``checkpoint``: a checkpoint directory, or a root with ``latest`` (or ``tag``). ``out``: a
@@ -191,11 +192,20 @@ def export_checkpoint(
     writes, and its shapes must be the checkpoint's (CheckpointMismatchError naming the tensor). A PEFT
     model's checkpoint exported to a directory gives the adapter folder (adapter_config.json,
     adapter_model.safetensors) that ``PeftModel.from_pretrained`` reads. Frozen units come from where the
-    checkpoint keeps them ([Note: frozen units in a checkpoint] in sources.py)."""
+    checkpoint keeps them ([Note: frozen units in a checkpoint] in sources.py).
+    ``gather_nodes``: a collective of every rank of the initialized process group (what ``infinity
+    export`` under torchrun does), for a node-local checkpoint: each rank serves what its node holds
+    and rank 0 writes ([Note: node-local checkpoints] in nodes.py). Without it, one process reads
+    the checkpoint alone, whatever process group it is in (e.g. rank 0 after training)."""
     out = Path(out)
     hf = out.is_dir() or out.suffix == ""
-    group = DataParallelGroup() if dist.is_available() and dist.is_initialized() else None
-    if group is not None and group.world_size > 1:
+    if gather_nodes:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "export_checkpoint(gather_nodes=True) is a collective of a process group, and none "
+                "is initialized: run it on every rank under torchrun, or drop gather_nodes"
+            )
+        group = DataParallelGroup()
         return _export_gathered(
             group,
             checkpoint,
