@@ -129,7 +129,8 @@ def _rank(rank: int, port: int, work: str, n_layer: int, d_model: int, repeat: i
             for d in ("shared", "node0", "node1", "gathered"):
                 shutil.rmtree(work / d / tag, ignore_errors=True)
         nbytes = rows[-1]["checkpoint_nbytes"]
-        params = sum(p.numel() for p in model.parameters())
+        # the units' sizes: under zero.Init the model's parameters are empty placeholders
+        params = sum(u.layout.numel for u in engine.checkpoint_parts().units)
         if rank == 0:
             q.put({"rows": rows, "params": params, "ckpt_nbytes": nbytes})
     finally:
