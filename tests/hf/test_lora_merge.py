@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import infinity
-from tests.engine.reference import BETAS, CLIP, EPS, LR, WD
+from tests.engine.reference import CLIP, trainable_adamw
 from tests.hf.lora import lora
 from tests.hf.models import batch, build, build_under_init, ds_config
 from tests.hf.test_lora_quantised import dequantised
@@ -74,17 +74,6 @@ def test_save_merged_needs_a_peft_model(nvme_dir, tmp_path):
         engine.close()
 
 
-def plain_adamw(model):
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=LR,
-        betas=BETAS,
-        eps=EPS,
-        weight_decay=WD,
-        foreach=False,
-    )
-
-
 def from_adapter(model, adapter_dir):
     import peft
 
@@ -96,7 +85,7 @@ def from_adapter(model, adapter_dir):
 def test_an_adapter_peft_wrote_continues_training_here_with_plain_peft_losses(nvme_dir, tmp_path):
     adapter_dir = tmp_path / "adapter"
     model = lora(build("llama", seed=0))
-    opt = plain_adamw(model)
+    opt = trainable_adamw(model)
     for step in range(2):  # an adapter with B != 0, as a finished PEFT run leaves it
         model(**batch("llama", step)).loss.backward()
         opt.step()
@@ -113,7 +102,7 @@ def test_an_adapter_peft_wrote_continues_training_here_with_plain_peft_losses(nv
         engine.close()
 
     plain = from_adapter(build("llama", seed=0), adapter_dir)
-    opt = plain_adamw(plain)
+    opt = trainable_adamw(plain)
     ref = []
     for step in range(2, 5):
         loss = plain(**batch("llama", step)).loss

@@ -199,28 +199,8 @@ def export_checkpoint(
     the checkpoint alone, whatever process group it is in (e.g. rank 0 after training)."""
     out = Path(out)
     hf = out.is_dir() or out.suffix == ""
-    if gather_nodes:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "export_checkpoint(gather_nodes=True) is a collective of a process group, and none "
-                "is initialized: run it on every rank under torchrun, or drop gather_nodes"
-            )
-        group = DataParallelGroup()
-        return _export_gathered(
-            group,
-            checkpoint,
-            out,
-            tag=tag,
-            dtype=dtype,
-            aio=aio,
-            progress=progress,
-            max_shard_size=max_shard_size,
-            config=config,
-        )
-    if not hf:
-        _check_out_path(out)
-        _choose_layout("state_dict", False, max_shard_size)
-    with CheckpointReader(checkpoint, tag) as reader:
+
+    def write(reader: CheckpointReader) -> Path:
         return _export(
             reader,
             out,
@@ -231,18 +211,27 @@ def export_checkpoint(
             config=config,
         )
 
+    if gather_nodes:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "export_checkpoint(gather_nodes=True) is a collective of a process group, and none "
+                "is initialized: run it on every rank under torchrun, or drop gather_nodes"
+            )
+        return _export_gathered(DataParallelGroup(), checkpoint, out, tag, max_shard_size, write)
+    if not hf:
+        _check_out_path(out)
+        _choose_layout("state_dict", False, max_shard_size)
+    with CheckpointReader(checkpoint, tag) as reader:
+        return write(reader)
+
 
 def _export_gathered(
     group: DataParallelGroup,
     checkpoint: str | os.PathLike,
     out: Path,
-    *,
     tag: str | None,
-    dtype: torch.dtype,
-    aio: AioConfig | None,
-    progress: bool | None,
     max_shard_size: int | str | None,
-    config: str | os.PathLike | None,
+    write: Callable[[CheckpointReader], Path],
 ) -> Path:
     """Under torchrun, from node-local checkpoints ([Note: node-local checkpoints] in nodes.py): rank 0
     writes ``out`` on its node; first it fetches, from the ranks holding them, the saved weights its node
@@ -267,15 +256,7 @@ def _export_gathered(
         err = None
         if group.rank == 0:
             try:
-                _export(
-                    reader,
-                    out,
-                    dtype=dtype,
-                    aio=aio,
-                    progress=progress,
-                    max_shard_size=max_shard_size,
-                    config=config,
-                )
+                write(reader)
             except Exception as e:
                 err = e
         agree(group, err, f"exporting to '{out}' on rank 0")
