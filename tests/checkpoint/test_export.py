@@ -137,3 +137,8 @@ def test_export_names_what_is_wrong_with_its_arguments(trained, tmp_path):
         export_checkpoint(ckpt, tmp_path / "model.bin")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         export_checkpoint(tmp_path / "nowhere", tmp_path / "m.safetensors")
+    with pytest.raises(
+        ValueError, match="gather_nodes=True.*no.*process group|collective of a process group"
+    ):
+        export_checkpoint(ckpt, tmp_path / "m.safetensors", gather_nodes=True)
+    assert not (tmp_path / "m.safetensors").exists()
