@@ -534,7 +534,9 @@ class InfinityTrainerMixin:
 
 class InfinityTrainer(InfinityTrainerMixin, Trainer):
     """``transformers.Trainer`` training through an infinity engine built from ``infinity_config``
-    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. Every other
+    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. With
+    ``gradient_accumulation_steps`` > 1 each window runs layer-major through
+    ``engine.train_batch`` (``layer_major=False``: micro-batch by micro-batch). Every other
     argument is the Trainer's. The engine is ``trainer.engine`` once ``train()`` has built it."""
 
 
