@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import warnings
 from pathlib import Path
@@ -523,6 +524,30 @@ def test_layer_major_window_equals_the_plain_trainer_and_reads_each_unit_once(nv
     assert read_1 > 0 and written_1 > 0
     assert read_lm <= 1.1 * read_1 and written_lm <= 1.1 * written_1, (lm_traffic, one_traffic)
     assert read_mbm > 1.5 * read_1 and written_mbm > 1.5 * written_1, (mbm_traffic, one_traffic)
+
+
+def test_a_subclass_that_changes_the_batches_runs_micro_batch_major_with_a_warning(
+    nvme_dir, tmp_path, caplog
+):
+    """train_batch would train on the batches get_batch_samples kept, not the ones a subclass
+    hands training_step: such a window runs micro-batch-major (the subclass's batches), saying so."""
+
+    class Copying(InfinityTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return super().training_step(model, dict(inputs), num_items_in_batch)
+
+    trainer = Copying(
+        model=gpt2(),
+        args=arguments(tmp_path, max_steps=2),
+        train_dataset=Tokens(),
+        infinity_config=stage3_nvme(nvme_dir),
+    )
+    with caplog.at_level(logging.WARNING, logger="infinity.integrations"):
+        trainer.train()
+    notices = [r.getMessage() for r in caplog.records if "runs micro-batch-major" in r.getMessage()]
+    assert len(notices) == 2 and "layer_major=False" in notices[0], notices
+    assert trainer.engine.global_steps == trainer.state.global_step == 2
+    trainer.engine.close()
 
 
 def test_refusals(nvme_dir, tmp_path):
