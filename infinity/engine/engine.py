@@ -274,6 +274,7 @@ class Engine:
         *,
         data_iter: Iterator[Any] | None = None,
         return_losses: bool = False,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     ) -> Any:
         """One optimizer step over gradient_accumulation_steps micro-batches, run layer-major: each
         unit is read once per step, not once per micro-batch ([Note: layer-major accumulation] in
@@ -282,8 +283,11 @@ class Engine:
         arguments, a mapping as keyword arguments, anything else as the one argument. The model
         returns a scalar loss (or an output with ``.loss``, as transformers models do given
         labels). Returns the mean loss (a 0-d tensor), and with ``return_losses=True`` also the
-        list of each micro-batch's loss. The same training as ``engine.backward(engine(batch));
-        engine.step()`` for each micro-batch."""
+        list of each micro-batch's loss. ``loss_fn(module, batch)``, when given, takes the model's
+        place: it runs each micro-batch's forward on the engine's module (called as a plain module,
+        inside that micro-batch's thread) and returns its scalar loss, e.g. a Trainer's
+        ``compute_loss``. The same training as ``engine.backward(engine(batch)); engine.step()``
+        (or ``engine.backward(loss_fn(...))``) for each micro-batch."""
         self._check_open("engine.train_batch()")
         batches = self._micro_batches(micro_batches, data_iter)
         g = len(batches)
@@ -315,13 +319,18 @@ class Engine:
         span = tl.begin("forward", "phase", {"step": self.global_steps}) if tl is not None else None
         try:
             with self.activation_checkpointing.in_force():
+                forward = (
+                    (lambda batch: loss_fn(self.module, batch))
+                    if loss_fn is not None
+                    else (lambda batch: call_module(self.module, batch))
+                )
                 result = LayerMajorForward(
-                    lambda batch: call_module(self.module, batch),
+                    forward,
                     batches,
                     meeting=list(rt.unit_map.uses) if rt.partitioner is not None else [],
                     partitioner=rt.partitioner,
                 ).run()
-            losses = [_loss_of(out, i) for i, out in enumerate(result.outputs)]
+            losses = [_loss_of(out, i, loss_fn) for i, out in enumerate(result.outputs)]
         except BaseException:
             if trace is not None:
                 trace.abort_step()
@@ -959,8 +968,17 @@ class Engine:
                 store.check_writebacks(call)
 
 
-def _loss_of(output: Any, index: int) -> torch.Tensor:
-    """The scalar loss a model returned: a 0-d tensor, or an output with ``.loss`` / ``["loss"]``."""
+def _loss_of(output: Any, index: int, loss_fn: Any = None) -> torch.Tensor:
+    """The scalar loss a model returned: a 0-d tensor, or an output with ``.loss`` / ``["loss"]``;
+    what ``loss_fn`` returned: a 0-d tensor."""
+    if loss_fn is not None:
+        if not isinstance(output, torch.Tensor) or output.dim() != 0:
+            got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+            raise ValueError(
+                f"engine.train_batch(loss_fn=...) needs loss_fn to return a scalar loss (a 0-d "
+                f"tensor) for each micro-batch; for micro-batch {index} it returned {got}"
+            )
+        return output
     loss = output
     if not isinstance(loss, torch.Tensor):
         loss = getattr(output, "loss", None)

@@ -17,7 +17,8 @@ the framework calls), ``patch`` (a module of ours replaces a private method on t
 while a context of ours is open, and calls the original for what is not ours), ``call`` (we call
 it), ``attribute`` (we read or write a private field the framework's own code sets or reads; the
 owner is the class, or the module whose code uses it; ``params`` is None), ``import`` (a name
-imported from the framework).
+imported from the framework), ``order`` (a private method we neither define nor call, whose order
+of calls to our overrides we rely on; ``params`` is None).
 
 A public-looking name is listed when it is part of a private API's interface (the type it returns,
 a field of a parameter it is given): ``through`` names that entry.
@@ -80,6 +81,35 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
         "evaluation after training runs through the engine (under stage 3 only it has the weights)",
         ("self", "model", "training", "dataloader"),
         ("integrations.transformers",),
+    ),
+    PrivateApi(
+        "transformers",
+        f"{_T}._run_epoch",
+        "order",
+        "layer-major accumulation relies on its loop: each window's batches collected by "
+        "get_batch_samples before training_step is called for each of them, in order, then one "
+        "optimizer.step() ([Note: the Trainer's window, layer-major])",
+        None,
+        ("integrations.transformers",),
+    ),
+    PrivateApi(
+        "transformers",
+        f"{_T}.get_batch_samples",
+        "override",
+        "keeps the window's batches (and num_items_in_batch) for engine.train_batch",
+        ("self", "epoch_iterator", "num_batches", "device"),
+        ("integrations.transformers",),
+        through=f"{_T}._run_epoch",
+    ),
+    PrivateApi(
+        "transformers",
+        f"{_T}.current_gradient_accumulation_steps",
+        "attribute",
+        "the window's batch count _run_epoch sets before its training_steps: the divisor of a loss "
+        "not normalised by num_items_in_batch (a short last window's too)",
+        None,
+        ("integrations.transformers",),
+        through=f"{_T}._run_epoch",
     ),
     PrivateApi(
         "transformers",

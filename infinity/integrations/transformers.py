@@ -18,12 +18,18 @@ the engine's forward/backward/step, its checkpoints and ``save_pretrained``):
   ``scheduler`` section is the engine's own; without one, the Trainer's
   (``create_scheduler``: ``lr_scheduler_type``, ``warmup_steps``), which the
   engine steps at each update. As HF's DeepSpeed path chooses.
-- The training step: the Trainer's ``compute_loss`` on the engine's forward,
-  the loss normalised as the Trainer normalises it, then ``engine.backward``
-  and ``engine.step`` for every micro-batch. The engine accumulates, clips
-  (``gradient_clipping`` from ``max_grad_norm``) and updates at the window's
-  end, where the Trainer calls ``optimizer.step()`` (see [Note: the update
-  the Trainer asks for]).
+- The training step: with ``gradient_accumulation_steps`` > 1 the window's
+  batches, which the Trainer collects before its per-micro-batch loop, run
+  through ``engine.train_batch`` at the window's first ``training_step``
+  (layer-major: each unit read once per optimizer step), the Trainer's
+  ``compute_loss`` as its ``loss_fn``; the Trainer's per-micro-batch calls get
+  each micro-batch's loss ([Note: the Trainer's window, layer-major]).
+  ``layer_major=False`` (or a window shorter than the config's) runs the
+  Trainer's ``compute_loss`` on the engine's forward, the loss normalised as
+  the Trainer normalises it, then ``engine.backward`` and ``engine.step`` for
+  every micro-batch. The engine accumulates, clips (``gradient_clipping``
+  from ``max_grad_norm``) and updates at the window's end, where the Trainer
+  calls ``optimizer.step()`` (see [Note: the update the Trainer asks for]).
 - Checkpoints go through the Trainer's own flow: ``checkpoint-N/`` holds what
   ``save_model`` writes, the engine checkpoint under ``checkpoint-N/infinity/``
   (weights, Adam moments, schedule, step counts) in place of ``optimizer.pt`` /
@@ -52,6 +58,8 @@ Trainer's training thread only.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -75,6 +83,8 @@ if not hasattr(Trainer, "_prepare_for_training"):
         "[transformers]'"
     )
 
+log = logging.getLogger("infinity.integrations")
+
 ENGINE_TAG = "infinity"  # the engine checkpoint's folder inside the Trainer's checkpoint-N/
 
 __all__ = ["ENGINE_TAG", "InfinityTrainer", "InfinityTrainerMixin", "infinity_trainer"]
@@ -82,12 +92,43 @@ __all__ = ["ENGINE_TAG", "InfinityTrainer", "InfinityTrainerMixin", "infinity_tr
 
 # [Note: the update the Trainer asks for]
 # The Trainer calls optimizer.step() once per accumulation window, after the window's last
-# backward; the engine counts micro-batches and updates when its count reaches
-# gradient_accumulation_steps. training_step calls engine.step() after each backward that is not
-# the window's last (it only counts), and EngineOptimizer.step() calls it for the last one (it
-# updates). The two counts agree because the config's gradient_accumulation_steps is the Trainer's
-# (HF's table) and every window is full (InfinityTrainer refuses a run whose epochs end in a short
-# window); a disagreement is an error, never a silent update at another step.
+# micro-batch; the engine counts micro-batches and updates when its count reaches
+# gradient_accumulation_steps (the config's is the Trainer's: HF's table). Micro-batch-major,
+# training_step calls engine.step() after each backward that is not the window's last (it only
+# counts), and EngineOptimizer.step() calls it for the last one (it updates). An epoch's last window
+# may be short (k of g batches, the Trainer dividing its losses by k): its first training_step
+# counts the g - k micro-batches it lacks first (engine.step() with no backward: a count), so that
+# its last backward ends the engine's window too. Layer-major, engine.train_batch updates at the
+# window's first training_step and EngineOptimizer.step() only takes that update as the window's
+# (``window_stepped``). Either way one update per window, at the Trainer's count; a request at
+# another point is an error, never a silent update at another step.
+
+
+# [Note: the Trainer's window, layer-major]
+# transformers' _run_epoch collects each window's batches (get_batch_samples, with the window's
+# num_items_in_batch) before its per-micro-batch loop of training_step(model, inputs,
+# num_items_in_batch), then calls optimizer.step(). get_batch_samples keeps the window; the first
+# training_step runs the whole window through engine.train_batch (one read of each unit per step)
+# with a loss_fn that is the Trainer's own step for one micro-batch: _prepare_inputs, compute_loss
+# under compute_loss_context_manager on the engine's module, the normalisation for accumulation
+# (num_items_in_batch, or 1/k). Each training_step call, the first included, returns its own
+# micro-batch's loss (detached), so tr_loss, floating_point_ops, the input-token count and the
+# callbacks (on_step_begin, on_substep_end, ...) see what they see micro-batch-major; what differs:
+# the update has happened when the first training_step returns (on_pre_optimizer_step comes after
+# it), and compute_loss runs in a micro-batch's thread ([Note: layer-major accumulation] in
+# infinity/engine/layer_major.py), the g forwards interleaved before any backward (g micro-batches'
+# activations at once). A call that is not the next batch of the window kept (a loop that is not
+# the Trainer's) is refused, naming layer_major=False as the way out.
+
+
+@dataclasses.dataclass
+class _Window:
+    """The accumulation window the Trainer collected (get_batch_samples)."""
+
+    batches: list[Any]
+    num_items: Any
+    next: int = 0  # the batch the next training_step is given
+    losses: list[torch.Tensor] | None = None  # each batch's loss, once train_batch has run them
 
 
 class EngineOptimizer:
@@ -96,6 +137,7 @@ class EngineOptimizer:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.lr_before_step: list[float] = engine.get_lr()
+        self.window_stepped = False  # engine.train_batch updated for the window
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -104,6 +146,9 @@ class EngineOptimizer:
     def step(self, closure: Any = None) -> None:
         if closure is not None:
             raise ValueError("the engine's update takes no closure")
+        if self.window_stepped:  # the window ran layer-major: train_batch made its update
+            self.window_stepped = False
+            return
         if not self.engine.is_gradient_accumulation_boundary():
             raise RuntimeError(
                 f"the Trainer asked for an update at micro-batch {self.engine.micro_steps + 1}, which does not end "
@@ -144,13 +189,22 @@ class InfinityTrainerMixin:
     """What makes a ``Trainer`` (or a subclass of it) train through an infinity engine: put before the
     Trainer class in the bases (``InfinityTrainer``; ``infinity_trainer(cls)`` for any subclass)."""
 
-    def __init__(self, *args: Any, infinity_config: Any = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, infinity_config: Any = None, layer_major: bool = True, **kwargs: Any
+    ):
         if infinity_config is None:
             raise TypeError(
                 "InfinityTrainer needs infinity_config=: a DeepSpeed-style config (a dict or the path "
                 "of a JSON file), as TrainingArguments(deepspeed=...) takes"
             )
         self._infinity_config = read_config(infinity_config, argument="infinity_config")
+        if not isinstance(layer_major, bool):
+            raise TypeError(
+                f"layer_major= takes True (accumulate layer-major through engine.train_batch) or "
+                f"False (micro-batch by micro-batch); got {layer_major!r}"
+            )
+        self.layer_major = layer_major
+        self._window: _Window | None = None
         self._engine: Engine | None = None
         self._engine_model: EngineModule | None = None
         self._last_record: StepRecord | None = None
@@ -244,30 +298,12 @@ class InfinityTrainerMixin:
         self.lr_scheduler = EngineSchedule(self.optimizer)  # type: ignore[assignment]
         return engine
 
-    def _check_windows(self, train_dataloader: Any, max_steps: int) -> None:
-        """Refuses a run that reaches an epoch's end in a short accumulation window (see [Note: the
-        update the Trainer asks for])."""
-        gas = self.args.gradient_accumulation_steps
-        try:
-            batches = len(train_dataloader)
-        except TypeError:
-            return  # an iterable dataset: the Trainer runs max_steps full windows
-        if batches % gas and max_steps * gas > batches:
-            raise ValueError(
-                f"the train dataloader gives {batches} batches per epoch, not a multiple of gradient_accumulation_"
-                f"steps={gas}: the Trainer would update after a short last window, which the engine (counting "
-                f"{gas} micro-batches per update) cannot do; make the batches per epoch a multiple of {gas} "
-                "(dataset size, per_device_train_batch_size, dataloader_drop_last) or train fewer steps than "
-                "one epoch holds"
-            )
-
     def _prepare_for_training(
         self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: Any
     ) -> Any:
         """The Trainer's setup with the engine in place of the accelerator-prepared model and optimizer;
         a resume restores the engine from ``checkpoint-N/infinity/``."""
         if self._engine is None:
-            self._check_windows(train_dataloader, max_steps)
             self._engine = self._build_engine(max_steps)
         assert self._engine_model is not None
         model = self._engine_model
@@ -293,36 +329,115 @@ class InfinityTrainerMixin:
 
     # -- the training step ------------------------------------------------------------
 
+    def get_batch_samples(
+        self, epoch_iterator: Any, num_batches: int, device: Any
+    ) -> tuple[list[Any], Any]:
+        """The Trainer's, keeping the window for training_step ([Note: the Trainer's window,
+        layer-major])."""
+        batches, num_items = super().get_batch_samples(  # type: ignore[misc]
+            epoch_iterator, num_batches, device
+        )
+        self._window = _Window(list(batches), num_items)
+        return batches, num_items
+
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> torch.Tensor:
         """The Trainer's step (compute_loss, the loss normalised for accumulation as the Trainer does)
-        with ``engine.backward`` in place of ``accelerator.backward``."""
+        with the engine in place of ``accelerator.backward``: the whole window through
+        ``engine.train_batch`` at its first micro-batch when it accumulates layer-major, else
+        ``engine.backward`` for this micro-batch."""
         engine = self._engine
         if engine is None:
             raise RuntimeError(
                 "InfinityTrainer.training_step runs inside train(), which builds the engine"
             )
+        gas = engine.gradient_accumulation_steps
+        window = self._current_window(inputs)
+        if window is not None and self.layer_major and gas > 1 and len(window.batches) == gas:
+            return self._layer_major_step(engine, model, window, num_items_in_batch)
+        if window is not None:
+            if window.next == 0 and len(window.batches) < gas:
+                # An epoch's short last window: count the micro-batches it lacks first, so that its
+                # last backward ends the engine's window ([Note: the update the Trainer asks for]).
+                for _ in range(gas - len(window.batches)):
+                    engine.step()
+            window.next += 1
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         del inputs
+        loss = self._normalised(loss, num_items_in_batch)
+        # The loss is already the window's share (as with DeepSpeed's scale_wrt_gas=False); the engine
+        # divides by gradient_accumulation_steps itself, so it gets the loss times that count.
+        engine.backward(loss * gas if gas != 1 else loss)
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # counts the micro-batch; the window's last is the Trainer's optimizer.step()
+        return loss.detach()
+
+    def _current_window(self, inputs: Any) -> _Window | None:
+        """The window kept by get_batch_samples if ``inputs`` is its next batch, else None (the
+        step then runs micro-batch-major); refused in the middle of a window train_batch ran."""
+        window = self._window
+        if window is None:
+            return None
+        if window.next < len(window.batches) and inputs is window.batches[window.next]:
+            return window
+        if window.losses is not None and window.next < len(window.batches):
+            raise RuntimeError(
+                f"training_step was given a batch that is not batch {window.next} of the "
+                f"accumulation window get_batch_samples collected, whose update engine.train_batch "
+                "has already made (layer-major); a loop or subclass that changes the batches "
+                "between them trains with InfinityTrainer(..., layer_major=False)"
+            )
+        if window.next == 0 and self.layer_major and len(window.batches) > 1:
+            log.warning(
+                "InfinityTrainer: training_step was given a batch that is not the first of the "
+                "window get_batch_samples collected (a subclass changed it?): this window runs "
+                "micro-batch-major; pass layer_major=False to say so, or hand training_step the "
+                "Trainer's batch"
+            )
+        self._window = None
+        return None
+
+    def _normalised(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        """The loss as the Trainer's training_step normalises it for accumulation: as it is when
+        compute_loss already divided by the window's item count, else over the window's batches."""
         if self.loss_is_scaled_for_ga is not None:
             scaled_for_ga = self.loss_is_scaled_for_ga
         else:
             scaled_for_ga = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
                 self.compute_loss_func is not None
             )
-        if not scaled_for_ga:
-            loss = loss / self.current_gradient_accumulation_steps
-        # The loss is already the window's share (as with DeepSpeed's scale_wrt_gas=False); the engine
-        # divides by gradient_accumulation_steps itself, so it gets the loss times that count.
-        gas = engine.gradient_accumulation_steps
-        engine.backward(loss * gas if gas != 1 else loss)
-        if not engine.is_gradient_accumulation_boundary():
-            engine.step()  # counts the micro-batch; the window's last is the Trainer's optimizer.step()
-        return loss.detach()
+        return loss if scaled_for_ga else loss / self.current_gradient_accumulation_steps
+
+    def _layer_major_step(
+        self, engine: Engine, model: nn.Module, window: _Window, num_items_in_batch: Any
+    ) -> torch.Tensor:
+        """This micro-batch's loss; the first runs the window through engine.train_batch
+        ([Note: the Trainer's window, layer-major])."""
+        if window.losses is None:
+            gas = engine.gradient_accumulation_steps
+            model.train()
+            prepared = [self._prepare_inputs(batch) for batch in window.batches]
+            normalised: dict[int, torch.Tensor] = {}
+
+            def loss_fn(module: nn.Module, batch: Any) -> torch.Tensor:
+                with self.compute_loss_context_manager():
+                    loss = self.compute_loss(module, batch, num_items_in_batch=num_items_in_batch)
+                loss = self._normalised(loss, num_items_in_batch)
+                normalised[id(batch)] = loss.detach()
+                return loss * gas  # train_batch divides each by gradient_accumulation_steps
+
+            assert isinstance(self.optimizer, EngineOptimizer)
+            self.optimizer.lr_before_step = engine.get_lr()
+            engine.train_batch(prepared, loss_fn=loss_fn)
+            self.optimizer.window_stepped = True
+            window.losses = [normalised[id(batch)] for batch in prepared]
+        loss = window.losses[window.next]
+        window.next += 1
+        return loss
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         """The engine clips at its update (``gradient_clipping`` is ``max_grad_norm``)."""
@@ -419,7 +534,9 @@ class InfinityTrainerMixin:
 
 class InfinityTrainer(InfinityTrainerMixin, Trainer):
     """``transformers.Trainer`` training through an infinity engine built from ``infinity_config``
-    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. Every other
+    (a DeepSpeed-style config: dict or JSON path) and the ``TrainingArguments``. With
+    ``gradient_accumulation_steps`` > 1 each window runs layer-major through
+    ``engine.train_batch`` (``layer_major=False``: micro-batch by micro-batch). Every other
     argument is the Trainer's. The engine is ``trainer.engine`` once ``train()`` has built it."""
 
 

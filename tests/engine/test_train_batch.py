@@ -309,3 +309,63 @@ def test_bad_calls_are_refused(nvme_dir):
         assert engine.global_steps == 1
     finally:
         engine.close()
+
+
+def _token_sum_loss(module, mb):
+    """A per-micro-batch loss of its own (summed over the tokens, divided by a fixed count, as the
+    Trainer's compute_loss does with num_items_in_batch), from the model's logits."""
+    x, y = mb
+    logits = module(x)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), reduction="sum") / 100.0
+
+
+def test_loss_fn_runs_each_micro_batch_and_equals_the_loop(nvme_dir):
+    """``loss_fn(module, batch)`` in the model's place: the loop's oracle is
+    ``engine.backward(loss_fn(engine, batch))`` per micro-batch; train_batch hands loss_fn the
+    engine's module (a plain module: its forward inside the micro-batch's thread)."""
+    cfg = _config(nvme_dir)
+    batches = gpt_batches()
+
+    def run(layer_major):
+        torch.manual_seed(0)
+        model = MODELS["gpt"]()
+        engine = infinity.initialize(model, cfg)
+        seen, losses = [], []
+
+        def loss_fn(module, mb):
+            seen.append(module)
+            return _token_sum_loss(module, mb)
+
+        try:
+            for mbs in batches:
+                if layer_major:
+                    _, each = engine.train_batch(mbs, loss_fn=loss_fn, return_losses=True)
+                    losses += [x.item() for x in each]
+                else:
+                    for mb in mbs:
+                        loss = _token_sum_loss(engine, mb)
+                        engine.backward(loss)
+                        engine.step()
+                        losses.append(loss.item())
+            with GatheredParameters(engine):
+                weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        finally:
+            engine.close()
+        assert all(m is model for m in seen) and len(seen) == (G * STEPS if layer_major else 0)
+        return losses, weights
+
+    assert_same(run(False), run(True))
+
+
+def test_a_loss_fn_that_returns_no_scalar_is_named(nvme_dir):
+    torch.manual_seed(0)
+    engine = infinity.initialize(MODELS["gpt"](), _config(nvme_dir))
+    try:
+        mbs = gpt_batches(steps=1)[0]
+        with pytest.raises(ValueError, match=r"loss_fn to return a scalar.*micro-batch 0.*\(2, 16"):
+            engine.train_batch(mbs, loss_fn=lambda module, mb: module(mb[0]).sum(-1))
+        assert engine.global_steps == 0
+        engine.train_batch(mbs, loss_fn=_token_sum_loss)
+        assert engine.global_steps == 1
+    finally:
+        engine.close()

@@ -98,3 +98,26 @@ def infinity_run(
     lr = opt.param_groups[0]["lr"]
     model.engine.close()
     return losses, weights, lr
+
+
+def layer_major_run(config, *, epochs: int = 2):
+    """infinity_run's training with the accumulation windows layer-major: the prepared loader's
+    batches gradient_accumulation_steps at a time through ``model.engine.train_batch`` (the loop
+    owns the batches, so it hands the engine a window; docs/layer-major.md)."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GAS)
+    torch.manual_seed(0)
+    model = tiny_gpt()
+    opt, sched = optimizer_and_schedule(model.parameters())
+    model, opt, dl, sched = prepare(accelerator, model, opt, loader(), sched, config=config)
+    losses = []
+    for _ in range(epochs):
+        batches = iter(dl)
+        while True:
+            try:
+                _, each = model.engine.train_batch(data_iter=batches, return_losses=True)
+            except StopIteration:
+                break
+            losses += [loss.item() for loss in each]
+    weights = full_weights(model.module)
+    model.engine.close()
+    return losses, weights

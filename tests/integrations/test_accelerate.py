@@ -25,7 +25,13 @@ from infinity.config import ConfigError
 from infinity.integrations.accelerate import prepare, prepare_frozen
 from tests.distributed import run_distributed
 from tests.engine.models import tiny_gpt
-from tests.integrations.accelerate_runs import auto_config, infinity_run, loader, plain_run
+from tests.integrations.accelerate_runs import (
+    auto_config,
+    infinity_run,
+    layer_major_run,
+    loader,
+    plain_run,
+)
 from tests.integrations.lightning_runs import (
     GAS,
     MICRO_PER_EPOCH,
@@ -65,6 +71,16 @@ def test_stage3_nvme_matches_plain_accelerate_and_infinitys_loop(plain, nvme_dir
     own_losses, _, own_weights = engine_run(engine_config(nvme_dir))
     assert_close(own_losses, plain[0], "training loss of infinity's loop")
     assert_weights_close(own_weights, plain[1])
+
+
+def test_windows_of_the_prepared_loader_through_train_batch_match_plain_accelerate(plain, nvme_dir):
+    """An Accelerate loop that hands the engine each window (``model.engine.train_batch``) trains
+    as plain Accelerate's ``accumulate`` loop: the same losses and weights, within the tolerances
+    of the micro-batch-major run above (train_batch's own tolerance, 1e-6, is tighter)."""
+    losses, weights = layer_major_run(auto_config(nvme_dir))
+    assert len(losses) == 2 * MICRO_PER_EPOCH
+    assert_close(losses, plain[0], "training loss")
+    assert_weights_close(weights, plain[1])
 
 
 def test_stage2_cpu_offload_matches_plain_accelerate(plain, nvme_dir):

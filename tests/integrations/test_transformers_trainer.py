@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import threading
 import warnings
 from pathlib import Path
 
@@ -377,6 +379,177 @@ def test_config_disagreeing_with_training_arguments_is_refused(
         infinity_run(tmp_path, config)
 
 
+# -- layer-major accumulation ([Note: the Trainer's window, layer-major]) ------------------------
+
+LM_GAS, LM_BATCH, LM_STEPS = 4, 3, 3  # 11 batches an epoch (the last of 2 samples): windows 4, 4, 3
+
+
+def small_pool(nvme_dir) -> dict:
+    """Stage 3 on NVMe with a parameter pool (2 x 10,000 elements) smaller than the model (about
+    30,000 in 21 units), so a unit used again after others is read again: the reads per step count."""
+    config = stage3_nvme(nvme_dir)
+    zero = config["zero_optimization"]
+    zero.update(stage3_param_persistence_threshold=100, sub_group_size=3000)
+    zero["offload_param"] = {
+        **zero["offload_param"],
+        "buffer_count": 2,
+        "buffer_size": 10_000,
+        "max_in_cpu": 0,
+    }
+    return config
+
+
+class StepTraffic(TrainerCallback):
+    """Per optimizer step: parameter bytes read and gradient bytes written on NVMe (the stores'
+    per-key counters), and the threads compute_loss ran in."""
+
+    def __init__(self):
+        self.trainer = None
+        self.snapshots = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        engine = self.trainer.engine
+        engine.synchronize()
+        rt = engine.runtime
+        self.snapshots.append((rt.param_store.key_traffic(), rt.state_store.key_traffic()))
+
+    def per_step(self) -> list[tuple[int, int]]:
+        steps = []
+        for (p0, s0), (p1, s1) in zip(self.snapshots[:-1], self.snapshots[1:], strict=True):
+            grads = sum(n for key, n in s1.since(s0).written.items() if key[1] == "g")
+            steps.append((sum(p1.since(p0).read.values()), grads))
+        return steps
+
+
+def layer_major_run(out, nvme_dir, *, layer_major, **overrides):
+    traffic, rec = StepTraffic(), Losses()
+    values = dict(
+        per_device_train_batch_size=LM_BATCH,
+        gradient_accumulation_steps=LM_GAS,
+        max_steps=LM_STEPS,
+        adam_epsilon=1e-4,
+    )
+    trainer = InfinityTrainer(
+        model=gpt2(),
+        args=arguments(out, **{**values, **overrides}),
+        train_dataset=Tokens(),
+        callbacks=[rec, traffic],
+        infinity_config=small_pool(nvme_dir),
+        layer_major=layer_major,
+    )
+    traffic.trainer = trainer
+    threads = []
+    compute_loss = trainer.compute_loss
+
+    def recorded(model, inputs, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    with GatheredParameters(trainer.engine):
+        weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.engine.close()
+    return rec.losses, weights, traffic.per_step(), threads
+
+
+def assert_weights_close(got, want, rel, what):
+    for name, ref in want.items():
+        err = (got[name] - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= rel, f"{what}: {name} differs by {err:.2e} of its largest element"
+
+
+def test_layer_major_window_equals_the_plain_trainer_and_reads_each_unit_once(nvme_dir, tmp_path):
+    """gradient_accumulation_steps=4: InfinityTrainer runs each full window through
+    engine.train_batch, compute_loss in the micro-batch threads, and the epoch's short last window
+    (3 batches) micro-batch-major. Oracles: the plain Trainer and InfinityTrainer(layer_major=False).
+
+    Tolerances: the losses as test_trainer_matches_plain_trainer_and_own_loop's (1e-5 relative).
+    The weights after 3 AdamW steps: each gradient is the same fp32 sum taken in another order
+    (within 4 * 2^-24 of its terms' magnitudes), which Adam divides by |g| + eps: with eps = 1e-4
+    that moves an element by ~2e-7 of the largest weight per step (tests/engine/test_train_batch.py
+    explains the bound); against the plain Trainer torch's AdamW and the engine's kernel round
+    differently too, so 1e-5 of the largest element; layer-major against micro-batch-major (the
+    same engine, the same kernel) 1e-6. Bytes: a full window's step reads the parameters and writes
+    the gradients as often as a step of one micro-batch (within 10%), where micro-batch-major reads
+    and writes them more than 1.5 times as often."""
+    rec = Losses()
+    plain = Trainer(
+        model=gpt2(),
+        args=arguments(
+            tmp_path / "plain",
+            per_device_train_batch_size=LM_BATCH,
+            gradient_accumulation_steps=LM_GAS,
+            max_steps=LM_STEPS,
+            adam_epsilon=1e-4,
+        ),
+        train_dataset=Tokens(),
+        callbacks=[rec],
+    )
+    plain.train()
+    plain_weights = {n: p.detach().clone() for n, p in plain.model.named_parameters()}
+    assert len(rec.losses) == LM_STEPS
+
+    (nvme_dir / "lm").mkdir()
+    (nvme_dir / "mbm").mkdir()
+    (nvme_dir / "g1").mkdir()
+    lm_losses, lm_weights, lm_traffic, lm_threads = layer_major_run(
+        tmp_path / "lm", nvme_dir / "lm", layer_major=True
+    )
+    mbm_losses, mbm_weights, mbm_traffic, mbm_threads = layer_major_run(
+        tmp_path / "mbm", nvme_dir / "mbm", layer_major=False
+    )
+    assert_close(lm_losses, rec.losses, "layer-major InfinityTrainer vs plain Trainer")
+    assert_close(mbm_losses, rec.losses, "micro-batch-major InfinityTrainer vs plain Trainer")
+    assert_weights_close(lm_weights, plain_weights, 1e-5, "layer-major vs plain Trainer")
+    assert_weights_close(lm_weights, mbm_weights, 1e-6, "layer-major vs micro-batch-major")
+    # Two full windows in the micro-batch threads, the short one (3 batches) in the Trainer's.
+    assert lm_threads[:8] == [f"infinity-microbatch-{i}" for i in range(4)] * 2, lm_threads
+    assert len(lm_threads) == 11 and not any(
+        "microbatch" in t for t in lm_threads[8:] + mbm_threads
+    )
+
+    _, _, one_traffic, _ = layer_major_run(
+        tmp_path / "g1",
+        nvme_dir / "g1",
+        layer_major=True,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+    )
+    (read_1, written_1), (read_lm, written_lm), (read_mbm, written_mbm) = (
+        one_traffic[0],
+        lm_traffic[0],
+        mbm_traffic[0],  # each run's second step: a full window
+    )
+    assert read_1 > 0 and written_1 > 0
+    assert read_lm <= 1.1 * read_1 and written_lm <= 1.1 * written_1, (lm_traffic, one_traffic)
+    assert read_mbm > 1.5 * read_1 and written_mbm > 1.5 * written_1, (mbm_traffic, one_traffic)
+
+
+def test_a_subclass_that_changes_the_batches_runs_micro_batch_major_with_a_warning(
+    nvme_dir, tmp_path, caplog
+):
+    """train_batch would train on the batches get_batch_samples kept, not the ones a subclass
+    hands training_step: such a window runs micro-batch-major (the subclass's batches), saying so."""
+
+    class Copying(InfinityTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            return super().training_step(model, dict(inputs), num_items_in_batch)
+
+    trainer = Copying(
+        model=gpt2(),
+        args=arguments(tmp_path, max_steps=2),
+        train_dataset=Tokens(),
+        infinity_config=stage3_nvme(nvme_dir),
+    )
+    with caplog.at_level(logging.WARNING, logger="infinity.integrations"):
+        trainer.train()
+    notices = [r.getMessage() for r in caplog.records if "runs micro-batch-major" in r.getMessage()]
+    assert len(notices) == 2 and "layer_major=False" in notices[0], notices
+    assert trainer.engine.global_steps == trainer.state.global_step == 2
+    trainer.engine.close()
+
+
 def test_refusals(nvme_dir, tmp_path):
     with pytest.raises(TypeError, match="infinity_config="):
         InfinityTrainer(model=gpt2(), args=arguments(tmp_path), train_dataset=Tokens())
@@ -393,9 +566,13 @@ def test_refusals(nvme_dir, tmp_path):
             optimizers=(torch.optim.AdamW(model.parameters()), None),
             infinity_config={**stage3_nvme(nvme_dir), "optimizer": {"type": "AdamW"}},
         ).train()
-    # an epoch of 8 batches ends in a short window of accumulation 3, which a run of 4 updates reaches
-    with pytest.raises(ValueError, match="not a multiple of gradient_accumulation_steps=3"):
-        infinity_run(tmp_path, stage3_nvme(nvme_dir), gradient_accumulation_steps=3, max_steps=4)
+    with pytest.raises(TypeError, match="layer_major= takes True"):
+        InfinityTrainer(
+            model=gpt2(),
+            args=arguments(tmp_path),
+            infinity_config=stage3_nvme(nvme_dir),
+            layer_major="yes",
+        )
     # a checkpoint the plain Trainer wrote has no engine state
     plain = Trainer(
         model=gpt2(),

@@ -8,6 +8,7 @@ SFTTrainer's losses.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 from infinity.integrations.transformers import infinity_trainer  # noqa: E402
+from infinity.zero.gathered import GatheredParameters  # noqa: E402
 from tests.hf.lora import lora  # noqa: E402
 from tests.hf.models import SEQ, VOCAB, build, build_under_init, ds_config  # noqa: E402
 
@@ -35,20 +37,20 @@ def tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
 
 
-def dataset():
+def dataset(samples: int = 2 * STEPS):
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, VOCAB, (2 * STEPS, SEQ), generator=g)
+    ids = torch.randint(3, VOCAB, (samples, SEQ), generator=g)
     return datasets.Dataset.from_dict({"input_ids": ids.tolist()})
 
 
-def arguments(out) -> trl.SFTConfig:
+def arguments(out, **overrides) -> trl.SFTConfig:
     with warnings.catch_warnings():  # SFTConfig sets TrainingArguments' deprecated name itself
         warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
-        return _arguments(out)
+        return _arguments(out, **overrides)
 
 
-def _arguments(out) -> trl.SFTConfig:
-    return trl.SFTConfig(
+def _arguments(out, **overrides) -> trl.SFTConfig:
+    values: dict = dict(
         output_dir=str(out),
         max_steps=STEPS,
         per_device_train_batch_size=2,
@@ -63,6 +65,8 @@ def _arguments(out) -> trl.SFTConfig:
         seed=0,
         disable_tqdm=True,
     )
+    values.update(overrides)
+    return trl.SFTConfig(**values)
 
 
 def losses(trainer) -> list[float]:
@@ -121,6 +125,91 @@ def test_sft_trainer_on_the_engine_trains_with_sft_losses(nvme_dir, tmp_path):
         opt.zero_grad(set_to_none=True)
         want.append(loss.item())
     assert len(batches) == STEPS
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+GAS, EPS = 4, 1e-4
+
+
+def _sft_window_run(tmp_path, nvme_dir, *, layer_major):
+    """InfinitySFTTrainer on the LoRA Llama, gradient_accumulation_steps=4 (2 steps): the logged
+    losses, the adapters' weights, and each compute_loss call's batch, num_items_in_batch and thread."""
+    cls = infinity_trainer(trl.SFTTrainer)
+    cfg = infinity_config(nvme_dir)
+    trainer = cls(
+        model=lora(build_under_init("llama", cfg, seed=0)),
+        args=arguments(tmp_path, gradient_accumulation_steps=GAS, max_steps=2, adam_epsilon=EPS),
+        train_dataset=dataset(2 * GAS * 2),
+        processing_class=tokenizer(),
+        infinity_config=cfg,
+        layer_major=layer_major,
+    )
+    calls = []
+    compute_loss = trainer.compute_loss
+
+    def recorded(model, inputs, *args, num_items_in_batch=None, **kwargs):
+        batch = {k: v.clone() for k, v in inputs.items() if torch.is_tensor(v)}
+        calls.append((batch, num_items_in_batch, threading.current_thread().name))
+        return compute_loss(model, inputs, *args, num_items_in_batch=num_items_in_batch, **kwargs)
+
+    trainer.compute_loss = recorded
+    trainer.train()
+    assert trainer.engine.global_steps == 2
+    with GatheredParameters(trainer.engine):
+        weights = {
+            n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad
+        }
+    trainer.engine.close()
+    return losses(trainer), weights, calls
+
+
+def test_sft_trainer_accumulates_layer_major_with_sft_losses(nvme_dir, tmp_path):
+    """gradient_accumulation_steps=4: each window through engine.train_batch, SFTTrainer's
+    compute_loss in the micro-batch threads. Oracles: the same run micro-batch-major
+    (layer_major=False), and SFTTrainer's loss (the fused head's token NLL over the window's
+    num_items_in_batch, or each micro-batch's mean over the window's 4) summed over each window on
+    plain PEFT with torch's AdamW. Tolerances as test_sft_trainer_on_the_engine_trains_with_sft_losses
+    (1e-5 on the losses); the adapters' weights against micro-batch-major 1e-6 of their largest
+    element: the same engine, the gradient the same 4-term sum in another order, which Adam
+    amplifies by |terms| / eps for an element whose terms cancel, so eps = 1e-4 as in
+    tests/engine/test_train_batch.py."""
+    (nvme_dir / "lm").mkdir()
+    (nvme_dir / "mbm").mkdir()
+    got, lm_weights, calls = _sft_window_run(tmp_path / "lm", nvme_dir / "lm", layer_major=True)
+    mbm, mbm_weights, mbm_calls = _sft_window_run(
+        tmp_path / "mbm", nvme_dir / "mbm", layer_major=False
+    )
+    assert [t for *_, t in calls] == [f"infinity-microbatch-{i}" for i in range(GAS)] * 2
+    assert not any("microbatch" in t for *_, t in mbm_calls)
+    assert got == pytest.approx(mbm, rel=1e-6)
+    for name, ref in mbm_weights.items():
+        err = (lm_weights[name] - ref).abs().max().item() / ref.abs().max().item()
+        assert err <= 1e-6, (name, err)
+
+    model = lora(build("llama", seed=0))
+    add_fused_lm_head(model.get_base_model())
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        eps=EPS,
+        weight_decay=0.0,
+        foreach=False,
+    )
+    want = []
+    for start in range(0, len(calls), GAS):
+        step_loss = 0.0
+        for batch, num_items, _ in calls[start : start + GAS]:
+            out = model(**batch, use_cache=False, fused_lm_head=True)
+            if num_items is None:
+                loss = -out.log_probs.sum() / out.label_mask.sum() / GAS
+            else:
+                loss = -out.log_probs.sum() / num_items
+            loss.backward()
+            step_loss += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        want.append(step_loss)
     assert got == pytest.approx(want, rel=1e-5)
 
 
