@@ -177,6 +177,7 @@ def child(a: dict) -> dict:
             "train_micro_batch_size_per_gpu": 1,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "bf16": {"enabled": True},
+            "max_seq_length": seq,
             "zero_optimization": {
                 "stage": 3,
                 "offload_param": {"device": "nvme", "nvme_path": nvme},
@@ -188,8 +189,15 @@ def child(a: dict) -> dict:
             cfg["weight_quantization"] = {
                 "quantized_initialization": {"num_bits": 4, "group_size": 64, "quant_type": "nf4"}
             }
-        with infinity.zero.Init(cfg):
-            model = LlamaForCausalLM(config)
+        # Built in bf16: load_pretrained overwrites every value, and an fp32 build would make
+        # zero.Init write twice the base's bytes (28 GB for the 7B shape) before the first read.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with infinity.zero.Init(cfg):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         infinity.zero.load_pretrained(model, base)
         engine = infinity.initialize(_lora(model, a["r"]), cfg)
         load_s = time.perf_counter() - t_load

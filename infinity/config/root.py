@@ -56,6 +56,10 @@ class InfinityConfig:
     (DeepSpeed's code default is unset)."""
     preflight: bool = knob(True)
     """infinity: check memory and disk against the run before allocating anything."""
+    max_seq_length: int | None = knob(None, ge=1)
+    """infinity: the longest sequence, in tokens, a micro-batch carries: the pre-flight check and the
+    placement planner size activations for it. Unset: the model's context, at most 2048 tokens (a
+    model trained on shorter sequences is then refused for activations it never holds)."""
     skip_nonfinite_steps: bool = knob(False)
     """infinity (DeepSpeed has no such key): skip an optimizer step whose gradient norm or loss is inf
     or NaN, as fp16 skips an overflowing one (parameters, optimizer state and lr schedule stay;

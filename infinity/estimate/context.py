@@ -83,7 +83,7 @@ def run_context(
     acts, checkpointing = model_activations(
         spec,
         micro_batch=cfg.train_micro_batch_size_per_gpu,
-        seq=min(context, PREFLIGHT_MAX_SEQ) if context else None,
+        seq=cfg.max_seq_length or (min(context, PREFLIGHT_MAX_SEQ) if context else None),
         dtype=train_dtype(cfg),
     )
     return RunContext(

@@ -14,8 +14,9 @@ skips it, with a warning.
 With several ranks, every rank checks (ranks on one node share its memory
 and disks: the need is multiplied by LOCAL_WORLD_SIZE) and all refuse
 together (a MAX all-reduce of the verdict), so none is left waiting in a
-collective. Activations are counted for one micro-batch of the config at the
-model's longest context (at most PREFLIGHT_MAX_SEQ tokens), in one forward of
+collective. Activations are counted for one micro-batch of the config at
+``max_seq_length`` tokens, or else the model's longest context (at most
+PREFLIGHT_MAX_SEQ tokens; the fix then names ``max_seq_length``), in one forward of
 the model on fake tensors (infinity/estimate/traced.py), with the model's own
 checkpointing; for a model whose inputs or context are not known they are not
 included, and the message says so.
@@ -105,7 +106,9 @@ def preflight(
             own,
             (),
         )
-    fixes = _fixes(spec, cfg, own, view, itemise, ranks, held, group.world_size)
+    fixes = _seq_fixes(cfg, acts) + _fixes(
+        spec, cfg, own, view, itemise, ranks, held, group.world_size
+    )
     raise PreflightError(
         _refusal(own, fit.reasons, fixes, held, ranks, group.world_size, acts is not None),
         own,
@@ -216,6 +219,16 @@ def _fixes(spec, cfg, own, view, itemise, ranks, held, world_size) -> list[str]:
             f"{'or ' if out else ''}set {best.keys()}: fits ({need(best)} per rank; the fastest setting that does)"
         )
     return out
+
+
+def _seq_fixes(cfg: InfinityConfig, acts) -> list[str]:
+    """Activations were sized for the model's context, a guess: name the key that states the truth."""
+    if acts is None or cfg.max_seq_length is not None:
+        return []
+    return [
+        f"if no micro-batch is {acts.seq} tokens long (the model's context, which activations are "
+        "sized for here), set max_seq_length to the longest sequence you train"
+    ]
 
 
 def _pool_fixes(own: Breakdown, short_nbytes: int, ranks: int) -> list[str]:

@@ -322,3 +322,37 @@ def test_the_refusal_counts_any_models_activations_as_it_checkpoints(nvme_dir, s
     with pytest.raises(PreflightError) as e:
         infinity.initialize(mlp, _config(nvme_dir))
     assert "activations not included: its inputs or context length are not known" in str(e.value)
+
+
+def test_max_seq_length_sizes_the_activations_and_the_refusal_names_it(nvme_dir, small_machine):
+    """Activations are sized for the model's context unless max_seq_length says how long the
+    micro-batches are; a refusal made on the guess names the key, one made on the stated length
+    does not."""
+    transformers = pytest.importorskip("transformers")
+    small_machine(ram=1 << 20)
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+    def activations(cfg):
+        with pytest.raises(PreflightError) as e:
+            infinity.initialize(lm, cfg)
+        item = next(
+            i for i in e.value.breakdown.items if i.name == "activations saved for backward"
+        )
+        return item, str(e.value)
+
+    guessed, msg = activations(_config(nvme_dir))
+    assert "seq 256" in guessed.detail and "set max_seq_length" in msg
+    stated, msg = activations({**_config(nvme_dir), "max_seq_length": 16})
+    assert "seq 16" in stated.detail and "max_seq_length" not in msg
+    assert stated.nbytes * 8 < guessed.nbytes
