@@ -328,7 +328,7 @@ struct Kernels {
     while (i < end) {
       const size_t group = i / g;
       const size_t stop = std::min(end, (group + 1) * g);
-      const float scale = a.absmax[group];
+      const float scale = nf4_group_scale(a, group);
       if constexpr (W > 1) {
         if (i & 1) {
           put_one<D>(a.out, i, kNf4Code[codes[i >> 1] & 0x0f] * scale);
