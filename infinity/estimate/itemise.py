@@ -453,7 +453,7 @@ class Itemiser:
         if fmt is None:
             return self.dname
         q = fmt.spec
-        code = "nf4" if q.quant_type == "nf4" else f"int{q.num_bits}"
+        code = q.name.lower()
         where = "trainable units and " if self.rt.optimizer is not None else ""
         return f"{code}, groups of {q.group_size}, {where}{self.dname} elsewhere"
 

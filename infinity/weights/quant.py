@@ -91,6 +91,13 @@ class QuantSpec:
             )
 
     @property
+    def name(self) -> str:
+        """The format in a word or two, for messages and tables: int8, int4, NF4, NF4+DQ."""
+        if self.quant_type == "nf4":
+            return "NF4+DQ" if self.double_quant else "NF4"
+        return f"int{self.num_bits}"
+
+    @property
     def scale_nbytes(self) -> int:
         """Bytes of one group's scale: fp16, NF4's fp32 absmax, or its uint8 code (double quant)."""
         if self.quant_type == "nf4":
