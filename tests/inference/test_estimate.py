@@ -24,14 +24,16 @@ def _disk_nbytes(d) -> int:
     return sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("bits", [None, 8, "nf4-dq"])
 def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvme_dir):
+    """Also NF4 with double quantisation: the swap files hold the nested scales' format as sized."""
     model, _ = pair("llama")
     cfg = inference_config(nvme_dir)
     if bits:
-        cfg["weight_quantization"] = {
-            "quantized_initialization": {"num_bits": bits, "group_size": 64}
-        }
+        quant = {"num_bits": 8 if bits == 8 else 4, "group_size": 64}
+        if bits == "nf4-dq":
+            quant.update(quant_type="nf4", double_quant=True)
+        cfg["weight_quantization"] = {"quantized_initialization": quant}
         cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216
     est = estimate_inference(model, config=cfg, batch=2, prompt=7, gen=8, machine=False)
     assert not [i for i in est.breakdown.items if any(w in i.name for w in TRAINING_WORDS)]
