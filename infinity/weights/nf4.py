@@ -125,12 +125,11 @@ def quantize_scales(absmax: torch.Tensor) -> NestedScales:
     block_absmax = padded.view(blocks, SCALE_BLOCK).abs().amax(dim=1)
     per_scale = block_absmax.repeat_interleave(SCALE_BLOCK)[:n]
     scaled = torch.clamp(shifted * (1.0 / per_scale), -1, 1)
-    scaled = torch.where(per_scale == 0, 0.0, scaled)  # an all-equal block: code 0, as bitsandbytes
+    scaled = torch.where(per_scale == 0, 0.0, scaled)  # 0 / 0 above: keep the bin in range
     bins = (((scaled + 1.0) * 0.5) * float(_BINS - 1) + 0.5).to(torch.int32)
     codes = _nearest_code_per_bin()[bins.long()]
-    codes = torch.where(
-        per_scale == 0, torch.zeros_like(codes), codes
-    )  # an all-equal block: code 0
+    # a block of equal scales (all at the offset) gets code 0, as bitsandbytes writes it
+    codes = torch.where(per_scale == 0, torch.zeros_like(codes), codes)
     return NestedScales(codes, block_absmax, float(offset))
 
 
