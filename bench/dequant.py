@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="default 5; --quick 3")
     ap.add_argument("--out", type=Path, default=None, help="JSON path")
     args = ap.parse_args(argv)
+    load = os.getloadavg()
     n = args.numel or ((4 << 20) if args.quick else (64 << 20))
     g, rounds = args.group_size, args.rounds or (3 if args.quick else 5)
     torch.set_num_threads(args.threads)
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "isas": list(kernel.supported_isas()),
             "torch": torch.__version__,
+            "loadavg_start": load,  # on a loaded machine the figures are not the kernel's
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
         "results": rows,
