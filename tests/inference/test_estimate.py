@@ -47,6 +47,29 @@ def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvm
         engine.close()
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_quantised_shards_kept_in_host_memory_are_counted_at_their_packed_size(
+    double_quant, nvme_dir
+):
+    """offload_param.max_in_cpu keeps every shard in host memory: the estimate's item is the bytes the
+    engine's parameter store registers for them (packed NF4, with double quantisation fewer)."""
+    model, _ = pair("llama")
+    cfg = inference_config(nvme_dir)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9
+    quant = {"num_bits": 4, "group_size": 64, "quant_type": "nf4", "double_quant": double_quant}
+    cfg["weight_quantization"] = {"quantized_initialization": quant}
+    est = estimate_inference(model, config=cfg, batch=1, prompt=7, gen=2, machine=False)
+    (item,) = [i for i in est.breakdown.items if i.name.startswith("parameter shards in host")]
+    assert ("nf4+dq" if double_quant else "nf4,") in item.name
+    engine = infinity.initialize(model, cfg)
+    try:
+        store = engine.runtime.param_store
+        held = sum(store.spec(u.key).nbytes for u in engine.runtime.unit_map.units)
+    finally:
+        engine.close()
+    assert item.nbytes == held
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_the_kv_cache_item_holds_the_cache_generate_makes(name):
     model, _ = pair(name)
