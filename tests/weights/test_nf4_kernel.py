@@ -92,14 +92,16 @@ def test_scalar_kernel_is_the_formats_definition(n, group_size, dtype, nested, s
 
 
 def test_large_inputs_split_over_threads_give_the_same_bits():
-    """Several chunks of the kernel's partitioning, one group straddling each chunk boundary."""
+    """Several chunks of the kernel's partitioning, one group straddling each chunk boundary; plain and
+    double-quantised scales (several of the kernel's batches of nested scales per chunk)."""
     n, group_size = 3 * 32768 + 77, 96
     codes, absmax = random_packed(n, group_size, 7)
     best = kernel.best_isa()
-    want = run(codes, absmax, n, group_size, torch.bfloat16, "scalar", 1)
-    for threads in (1, 2, 3):
-        got = run(codes, absmax, n, group_size, torch.bfloat16, best, threads)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for scales in (absmax, random_nested(n, group_size, 7)):
+        want = run(codes, scales, n, group_size, torch.bfloat16, "scalar", 1)
+        for threads in (1, 2, 3):
+            got = run(codes, scales, n, group_size, torch.bfloat16, best, threads)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_bad_arguments_are_refused_with_the_reason():
