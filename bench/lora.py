@@ -18,8 +18,11 @@ bench as a sharded safetensors directory (tensor by tensor: never a whole model 
                                       #   each inside a 4 GiB memory cgroup
     python bench/lora.py --speed      # ~1B Llama, bf16: infinity with the base on NVMe in a cgroup of a
                                       #   quarter of the base, against PEFT in RAM, interleaved rounds
-    python bench/lora.py --kernel     # NF4 dequantisation GB/s against a copy of the same bytes
-                                      #   (bench/dequant.py's measurement)
+    python bench/lora.py --kernel     # NF4 dequantisation GB/s (plain and double quant) against a
+                                      #   copy of the same bytes (bench/dequant.py's measurement)
+    python bench/lora.py --quality    # NF4, NF4 + double quant and int8 against bf16 on a Llama with
+                                      #   real-shaped weights: |Δlogit|, greedy agreement
+                                      #   (bench/nf4_quality.py's measurement)
 
 Writes a JSON into bench/results/ (INFINITY_BENCH_RESULTS overrides the folder). DeepSpeed's ZeRO-3
 with NVMe offload + PEFT is not a contender yet.
@@ -270,6 +273,15 @@ def kernel(quick: bool, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def quality(out: Path) -> dict:
+    """bench/nf4_quality.py's measurement: each format's logits and greedy tokens against bf16."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import nf4_quality
+
+    nf4_quality.main(["--out", str(out)])
+    return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group()
@@ -277,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--capacity", action="store_true", help="7B-shaped, 4 GiB cgroup, 3 steps")
     mode.add_argument("--speed", action="store_true", help="~1B bf16 against PEFT in RAM")
     mode.add_argument("--kernel", action="store_true", help="NF4 dequantisation GB/s")
+    mode.add_argument("--quality", action="store_true", help="NF4 / int8 accuracy against bf16")
     ap.add_argument("--rounds", type=int, default=2, help="--speed: interleaved rounds")
     ap.add_argument("--limit-gib", type=float, default=4.0, help="--capacity: the cgroup's limit")
     ap.add_argument(
@@ -298,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.capacity
         else "lora-kernel"
         if args.kernel
+        else "lora-quality"
+        if args.quality
         else "lora-speed"
     )
     out_path = results / f"{name}.json"
@@ -311,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel:
         kernel(False, out_path)
         print(out_path)
+        return 0
+    if args.quality:
+        quality(out_path)
         return 0
     notes: list[str] = []
     if args.quick:

@@ -83,6 +83,11 @@ def dequantize_nf4(
     group_size: int,
     isa: int,
     num_threads: int,
+    scale_codes: int = 0,
+    scale_code: int = 0,
+    scale_absmax: int = 0,
+    scale_offset: float = 0.0,
+    scale_block: int = 256,
 ) -> None: ...
 def bump_step_counts(
     ptrs: list[int], *, is_double: Sequence[int], increment: float

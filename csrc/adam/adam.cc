@@ -303,14 +303,22 @@ void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads
                   [&](size_t t, size_t b, size_t e) { k.stream(tensors[t], b, e); });
 }
 
-void dequantize_nf4(const uint8_t* codes, const float* absmax, void* out, DType dtype,
-                    size_t numel, size_t group_size, Isa isa, int num_threads) {
+void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* nested, void* out,
+                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads) {
   const KernelSet& k = kernels_for(isa);
   check_threads(num_threads);
   if (group_size == 0) throw std::invalid_argument("group_size must be >= 1, got 0");
+  if (nested != nullptr && nested->block_size == 0) {
+    throw std::invalid_argument("the nested scales' block_size must be >= 1, got 0");
+  }
   if (numel == 0) return;
-  if (codes == nullptr || absmax == nullptr || out == nullptr) {
+  if (codes == nullptr || out == nullptr || (nested == nullptr && absmax == nullptr)) {
     throw std::invalid_argument("dequantize_nf4: codes, absmax and out must not be null");
+  }
+  if (nested != nullptr &&
+      (nested->codes == nullptr || nested->code == nullptr || nested->absmax == nullptr)) {
+    throw std::invalid_argument(
+        "dequantize_nf4: the nested scales' codes, code book and absmax must not be null");
   }
   const auto lo = reinterpret_cast<uintptr_t>(out);
   const uintptr_t hi = lo + numel * dtype_size(dtype);
@@ -318,12 +326,18 @@ void dequantize_nf4(const uint8_t* codes, const float* absmax, void* out, DType 
     const auto a = reinterpret_cast<uintptr_t>(p);
     return a < hi && lo < a + nbytes;
   };
-  if (overlaps(codes, (numel + 1) / 2) ||
-      overlaps(absmax, (numel + group_size - 1) / group_size * sizeof(float))) {
+  const size_t groups = (numel + group_size - 1) / group_size;
+  const bool scales_overlap =
+      nested == nullptr
+          ? overlaps(absmax, groups * sizeof(float))
+          : overlaps(nested->codes, groups) || overlaps(nested->code, 256 * sizeof(float)) ||
+                overlaps(nested->absmax,
+                         (groups + nested->block_size - 1) / nested->block_size * sizeof(float));
+  if (overlaps(codes, (numel + 1) / 2) || scales_overlap) {
     throw std::invalid_argument(
         "dequantize_nf4: out overlaps the codes or the scales; give it memory of its own");
   }
-  const Nf4Args args{codes, absmax, out, dtype, group_size};
+  const Nf4Args args{codes, absmax, nested, out, dtype, group_size};
   parallel_ranges({0, numel}, num_threads,
                   [&](size_t, size_t b, size_t e) { k.dequant_nf4(args, b, e); });
 }

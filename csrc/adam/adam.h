@@ -89,11 +89,24 @@ double sum_squares(const float* const* data, const size_t* numel, size_t count, 
 // the same loads, stores, threads and partitioning as adam_step, no Adam math.
 void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads);
 
-// Dequantises `numel` NF4 elements: out[i] = code[nibble i] * absmax[i / group_size] in `dtype`
-// ([Note: NF4 code book] in kernel.h). `codes` holds ceil(numel / 2) bytes, `absmax`
-// ceil(numel / group_size) floats. The same bits on every ISA and thread count. Throws
-// std::invalid_argument on a group_size of 0, a null pointer, or `out` overlapping an input.
-void dequantize_nf4(const uint8_t* codes, const float* absmax, void* out, DType dtype,
-                    size_t numel, size_t group_size, Isa isa, int num_threads);
+// The per-group scales of an NF4 tensor quantised again ([Note: NF4 double quantisation] in
+// kernel.h): group g's scale is code[codes[g]] * absmax[g / block_size] + offset in fp32, the
+// multiply and the add each rounded (bitsandbytes' dequantize_blockwise, then `absmax += offset`).
+struct Nf4Nested {
+  const uint8_t* codes = nullptr;  // one 8-bit code per group
+  const float* code = nullptr;     // the 256 values those codes index
+  const float* absmax = nullptr;   // one fp32 scale per block of block_size groups
+  float offset = 0.0f;             // the mean of the scales, subtracted before quantising them
+  size_t block_size = 256;
+};
+
+// Dequantises `numel` NF4 elements: out[i] = code[nibble i] * scale[i / group_size] in `dtype`
+// ([Note: NF4 code book] in kernel.h), where scale is `absmax` (ceil(numel / group_size) floats)
+// or, when `nested` is given (absmax is then unused), the scales it holds, dequantised in the same
+// pass. `codes` holds ceil(numel / 2) bytes. The same bits on every ISA and thread count. Throws
+// std::invalid_argument on a group_size or block_size of 0, a null pointer, or `out` overlapping
+// an input.
+void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* nested, void* out,
+                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads);
 
 }  // namespace infinity::adam

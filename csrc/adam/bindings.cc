@@ -221,18 +221,30 @@ PYBIND11_MODULE(_adam, m) {
   m.def(
       "dequantize_nf4",
       [](uintptr_t codes, uintptr_t absmax, uintptr_t out, int dtype, size_t numel,
-         size_t group_size, int isa, int num_threads) {
+         size_t group_size, int isa, int num_threads, uintptr_t scale_codes, uintptr_t scale_code,
+         uintptr_t scale_absmax, float scale_offset, size_t scale_block) {
         const ad::DType d = to_dtype(dtype);
         const ad::Isa which = to_isa(isa);
+        ad::Nf4Nested nested;
+        nested.codes = reinterpret_cast<const uint8_t*>(scale_codes);
+        nested.code = reinterpret_cast<const float*>(scale_code);
+        nested.absmax = reinterpret_cast<const float*>(scale_absmax);
+        nested.offset = scale_offset;
+        nested.block_size = scale_block;
         py::gil_scoped_release release;
         ad::dequantize_nf4(reinterpret_cast<const uint8_t*>(codes),
-                           reinterpret_cast<const float*>(absmax), reinterpret_cast<void*>(out), d,
+                           reinterpret_cast<const float*>(absmax),
+                           scale_codes == 0 ? nullptr : &nested, reinterpret_cast<void*>(out), d,
                            numel, group_size, which, num_threads);
       },
       py::kw_only(), py::arg("codes"), py::arg("absmax"), py::arg("out"), py::arg("dtype"),
       py::arg("numel"), py::arg("group_size"), py::arg("isa"), py::arg("num_threads"),
-      "NF4 codes and fp32 absmax scales (data pointers) dequantised into out (see "
-      "infinity.weights.nf4).");
+      py::arg("scale_codes") = 0, py::arg("scale_code") = 0, py::arg("scale_absmax") = 0,
+      py::arg("scale_offset") = 0.0f, py::arg("scale_block") = 256,
+      "NF4 codes and their scales (data pointers) dequantised into out (see "
+      "infinity.weights.nf4): fp32 absmax, or with scale_codes the scales quantised again "
+      "(scale_code: the 256-value code book, scale_absmax: one fp32 per scale_block groups, "
+      "scale_offset: their mean).");
 
   // torch keeps each parameter's step count in its own 0-dim tensor; with
   // hundreds of parameters, reading and bumping them with tensor ops costs more

@@ -53,10 +53,27 @@ inline constexpr float kNf4Code[16] = {
 struct Nf4Args {
   const uint8_t* codes = nullptr;
   const float* absmax = nullptr;
+  const Nf4Nested* nested = nullptr;  // non-null: the scales are quantised (absmax unused)
   void* out = nullptr;
   DType dtype = DType::kFloat32;
   size_t group_size = 64;
 };
+
+// [Note: NF4 double quantisation] QLoRA's "double quant" (bitsandbytes' compress_statistics=True):
+// the fp32 absmax of each group is itself quantised, its mean subtracted (`offset`) and the rest
+// cut into blocks of 256 scales, each block 8-bit blockwise over bitsandbytes' signed dynamic code
+// (create_dynamic_map) with its own fp32 absmax. 0.5 + 1/64 + 4/(64*256) bytes per weight at
+// group 64, against 0.5 + 4/64 without. A group's scale is dequantised once, as bitsandbytes does
+// before its 4-bit pass: one multiply and one add, each rounded (files are compiled with
+// -ffp-contract=off, so nothing fuses them): the same bits on every ISA, equal to bitsandbytes'
+// dequantize_4bit of the nested state (tests/weights/test_nf4_oracle.py). Quantising is Python
+// (infinity/weights/nf4.py quantize_scales), once per weight.
+inline float nf4_group_scale(const Nf4Args& a, size_t group) {
+  if (a.nested == nullptr) return a.absmax[group];
+  const Nf4Nested& s = *a.nested;
+  const float unshifted = s.code[s.codes[group]] * s.absmax[group / s.block_size];
+  return unshifted + s.offset;
+}
 
 struct KernelSet {
   Isa isa;

@@ -320,15 +320,17 @@ struct Kernels {
     }
   }
 
+  // Elements [begin, end) whose groups' scales are scales[group - first_group].
   template <DType D>
-  static void dequant_nf4_as(const Nf4Args& a, size_t begin, size_t end) {
+  static void dequant_nf4_groups(const Nf4Args& a, const float* scales, size_t first_group,
+                                 size_t begin, size_t end) {
     const uint8_t* __restrict codes = a.codes;
     const size_t g = a.group_size;
     size_t i = begin;
     while (i < end) {
       const size_t group = i / g;
       const size_t stop = std::min(end, (group + 1) * g);
-      const float scale = a.absmax[group];
+      const float scale = scales[group - first_group];
       if constexpr (W > 1) {
         if (i & 1) {
           put_one<D>(a.out, i, kNf4Code[codes[i >> 1] & 0x0f] * scale);
@@ -341,6 +343,28 @@ struct Kernels {
         const uint8_t byte = codes[i >> 1];
         put_one<D>(a.out, i, kNf4Code[(i & 1) ? (byte & 0x0f) : (byte >> 4)] * scale);
       }
+    }
+  }
+
+  // Double-quantised scales ([Note: NF4 double quantisation] in kernel.h) are dequantised a batch
+  // of groups ahead into a stack buffer: the dependent loads of each scale then overlap instead of
+  // stalling the start of every group (AVX2, group 64, one thread: 13% slower than plain NF4 with
+  // the scale computed per group, 4% with the batch; a loaded machine, to be measured again).
+  static constexpr size_t kScaleBatch = 256;
+
+  template <DType D>
+  static void dequant_nf4_as(const Nf4Args& a, size_t begin, size_t end) {
+    if (a.nested == nullptr) return dequant_nf4_groups<D>(a, a.absmax, 0, begin, end);
+    const size_t g = a.group_size;
+    alignas(64) float scales[kScaleBatch];
+    size_t i = begin;
+    while (i < end) {
+      const size_t first = i / g;
+      const size_t last = std::min((end - 1) / g + 1, first + kScaleBatch);
+      for (size_t k = first; k < last; ++k) scales[k - first] = nf4_group_scale(a, k);
+      const size_t stop = std::min(end, last * g);
+      dequant_nf4_groups<D>(a, scales, first, i, stop);
+      i = stop;
     }
   }
 

@@ -12,7 +12,8 @@ by the schema with the reason (schema.py REFUSED).
 
 ``quant_type`` (infinity's own key; DeepSpeed's formats are the integer ones)
 "nf4" stores QLoRA's 4-bit NormalFloat instead (num_bits 4; bitsandbytes'
-layout, dequantised by a C++ kernel: infinity/weights/nf4.py).
+layout, dequantised by a C++ kernel: infinity/weights/nf4.py); with ``double_quant``
+its scales are quantised again as QLoRA's double quantisation does.
 
 Training quantises only frozen weights ([Note: a quantised frozen base] in
 infinity/engine/initialize.py): with this section or DeepSpeed's
@@ -47,6 +48,11 @@ class QuantizedInitializationConfig:
     quant_type: Literal["int", "nf4"] = knob("int")
     """"int": DeepSpeed's integer codes; "nf4": QLoRA's 4-bit NormalFloat with an fp32 absmax per group
     (needs num_bits 4; symmetric does not apply)."""
+    double_quant: bool = knob(False)
+    """NF4 only: quantise the absmax scales again, QLoRA's double quantisation (bitsandbytes'
+    ``bnb_4bit_use_double_quant`` / ``compress_statistics``): 8-bit codes in blocks of 256 with an
+    fp32 absmax each and their mean as offset; 0.5 + 1/64 + 4/(64·256) bytes per weight at group 64
+    instead of 0.5 + 4/64."""
 
     def __post_init__(self) -> None:
         check_section(self)
@@ -54,6 +60,11 @@ class QuantizedInitializationConfig:
             raise ConfigError(
                 f'{self.PATH}.quant_type "nf4" stores 4 bits per weight, and num_bits is '
                 f"{self.num_bits}; set num_bits to 4"
+            )
+        if self.double_quant and self.quant_type != "nf4":
+            raise ConfigError(
+                f"{self.PATH}.double_quant quantises NF4 scales again, and quant_type is "
+                f'"{self.quant_type}"; set quant_type to "nf4" or leave double_quant out'
             )
         if self.group_dim != 1:
             raise ConfigError(

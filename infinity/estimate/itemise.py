@@ -351,13 +351,15 @@ class Itemiser:
 
     def parameter_store(self) -> None:
         """Stage 3: RuntimePlan's parameter homes, store and pool, the budgets, what is gathered."""
-        units, b, dname, off = self.units, self.b, self.dname, self.zero.offload_param
+        units, b, off = self.units, self.b, self.zero.offload_param
         store = self.rt.param_store
         assert store is not None  # stage 3 has a parameter store
         homes = {s.index: s.param_home for s in self.rt.shards}
         nv = self.rt.nvme_units()
-        in_host = _sum(units, "shard_nbytes", lambda u: homes[u.index] == "cpu")
-        n_persist = _sum(units, "shard_nbytes", lambda u: u.persistent)
+        # at rest: a quantised unit's packed bytes, as engine/build.py registers it in either home
+        at_rest = self.rt.at_rest_nbytes
+        in_host = sum(at_rest(u) for u in units if homes[u.index] == "cpu")
+        n_persist = sum(at_rest(u) for u in units if u.persistent)
         why = []
         if n_persist:
             why.append(
@@ -369,7 +371,7 @@ class Itemiser:
             why.append(f"{format_nbytes(in_host - n_persist)} kept by the placement planner")
         self.add(
             Item(
-                f"parameter shards in host memory ({dname})",
+                f"parameter shards in host memory ({self._at_rest_name()})",
                 "host",
                 in_host,
                 "run",
@@ -453,7 +455,7 @@ class Itemiser:
         if fmt is None:
             return self.dname
         q = fmt.spec
-        code = "nf4" if q.quant_type == "nf4" else f"int{q.num_bits}"
+        code = q.name.lower()
         where = "trainable units and " if self.rt.optimizer is not None else ""
         return f"{code}, groups of {q.group_size}, {where}{self.dname} elsewhere"
 

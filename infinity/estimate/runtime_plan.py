@@ -534,7 +534,9 @@ def quant_spec(cfg: InfinityConfig, *, trains: bool) -> QuantSpec | None:
         return None
     if quant is None:
         quant = QuantizedInitializationConfig()
-    return QuantSpec(quant.num_bits, quant.group_size, quant.symmetric, quant.quant_type)
+    return QuantSpec(
+        quant.num_bits, quant.group_size, quant.symmetric, quant.quant_type, quant.double_quant
+    )
 
 
 def _formats(

@@ -158,7 +158,8 @@ class InferenceEstimate:
         p = self.breakdown
         q = p.runtime.formats[0].spec if p.runtime is not None and p.runtime.formats else None
         weights = (
-            f"nf4 (groups of {q.group_size}, fp32 absmax)"
+            f"nf4 (groups of {q.group_size}, "
+            + ("absmax double-quantised)" if q.double_quant else "fp32 absmax)")
             if q and q.quant_type == "nf4"
             else f"int{q.num_bits} (groups of {q.group_size}, {'symmetric' if q.symmetric else 'min/max'})"
             if q

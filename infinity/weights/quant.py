@@ -27,7 +27,13 @@ quantised piece out as bitsandbytes does: codes, 4 bits per element with the
 even element in the *high* nibble, then one fp32 absmax per group (no
 offsets); a piece is its own stretch of values, so its last group may be
 shorter, as bitsandbytes' is. 34 B per 64-element group (3.8× fewer than
-bf16). It is dequantised by the C++ kernel (nf4.dequantize_into), the
+bf16). With ``double_quant`` (QLoRA's double quantisation, [Note: NF4 double
+quantisation] in csrc/adam/kernel.h) the fp32 absmax part is replaced by the
+piece's scales quantised again (nf4.quantize_scales): one uint8 code per group,
+then one fp32 part holding the offset (the scales' mean) followed by one fp32
+absmax per block of 256 groups: ~33 B per 64-element group (0.5 + 1/64 +
+4/(64·256) bytes per weight, 3.9× fewer than bf16). It is dequantised by the
+C++ kernel (nf4.dequantize_into, the nested scales in the same pass), the
 integer formats by torch ops.
 
 The unit's shard and its pieces come from zero (``infinity.zero.quantized_shards``
@@ -67,6 +73,8 @@ class QuantSpec:
     symmetric: bool
     quant_type: str = "int"
     """"int": the integer codes above; "nf4": QLoRA's NormalFloat (4 bits, fp32 absmax scales)."""
+    double_quant: bool = False
+    """NF4 only: the absmax scales quantised again (8-bit codes, an fp32 absmax per 256 of them)."""
 
     def __post_init__(self) -> None:
         if self.num_bits not in (4, 8):
@@ -77,11 +85,32 @@ class QuantSpec:
             raise ValueError(f'quant_type must be "int" or "nf4"; got {self.quant_type!r}')
         if self.quant_type == "nf4" and self.num_bits != 4:
             raise ValueError(f"NF4 stores 4 bits per weight; got num_bits={self.num_bits}")
+        if self.double_quant and self.quant_type != "nf4":
+            raise ValueError(
+                f"double quantisation applies to NF4 scales; got quant_type={self.quant_type!r}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The format in a word or two, for messages and tables: int8, int4, NF4, NF4+DQ."""
+        if self.quant_type == "nf4":
+            return "NF4+DQ" if self.double_quant else "NF4"
+        return f"int{self.num_bits}"
 
     @property
     def scale_nbytes(self) -> int:
-        """Bytes of one group's scale: fp16, or NF4's fp32 absmax."""
-        return 4 if self.quant_type == "nf4" else 2
+        """Bytes of one group's scale: fp16, NF4's fp32 absmax, or its uint8 code (double quant)."""
+        if self.quant_type == "nf4":
+            return 1 if self.double_quant else 4
+        return 2
+
+    def meta_nbytes(self, groups: int) -> int:
+        """Bytes of a quantised piece's scales and what follows them (offsets, nested scales), each
+        part at a PART_ALIGN boundary."""
+        scales = _up(groups * self.scale_nbytes)
+        if self.double_quant:
+            return scales + _up(4 * (1 + nf4.scale_blocks(groups)))
+        return scales + (_up(groups * 2) if self.has_offsets else 0)
 
     @property
     def has_offsets(self) -> bool:
@@ -124,7 +153,8 @@ class ShardFormat:
         return -(-p.groups * self.spec.group_size * self.spec.num_bits // 8)
 
     def _parts(self, p: Piece) -> tuple[int, int, int]:
-        """Byte offsets of a quantised piece's codes, scales and offsets."""
+        """Byte offsets of a quantised piece's codes, scales and offsets (double quant: the fp32
+        offset and block absmax of the nested scales)."""
         codes = p.offset
         scales = codes + _up(self._codes_nbytes(p))
         offsets = scales + _up(p.groups * self.spec.scale_nbytes)
@@ -152,7 +182,7 @@ def shard_format(
         if quantized:
             groups = math.ceil((hi - lo) / spec.group_size)
             codes = _up(-(-groups * spec.group_size * spec.num_bits // 8))
-            meta = _up(groups * spec.scale_nbytes) + (_up(groups * 2) if spec.has_offsets else 0)
+            meta = spec.meta_nbytes(groups)
             pieces.append(Piece(lo, hi, True, offset, groups))
             offset += codes + meta
         else:
@@ -195,7 +225,13 @@ def quantize_into(
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
             out[c : c + codes.numel()].copy_(codes)
-            out[so : so + 4 * p.groups].copy_(absmax.view(torch.uint8))
+            if not spec.double_quant:
+                out[so : so + 4 * p.groups].copy_(absmax.view(torch.uint8))
+                continue
+            nested = nf4.quantize_scales(absmax)
+            out[so : so + p.groups].copy_(nested.codes)
+            tail = torch.cat([torch.tensor([nested.offset], dtype=torch.float32), nested.absmax])
+            out[oo : oo + 4 * tail.numel()].copy_(tail.view(torch.uint8))
             continue
         x = torch.zeros(p.groups * g, dtype=torch.float32)
         x[: p.numel] = src.float()
@@ -242,8 +278,8 @@ def dequantize_into(fmt: ShardFormat, packed: torch.Tensor, out: torch.Tensor) -
         c, so, oo = fmt._parts(p)
         codes = packed[c : c + fmt._codes_nbytes(p)]
         if spec.quant_type == "nf4":
-            absmax = packed[so : so + 4 * p.groups].view(torch.float32)
-            nf4.dequantize_into(codes, absmax, flat[p.lo : p.hi], g)
+            scales = _nf4_scales(spec, p.groups, so, oo, packed)
+            nf4.dequantize_into(codes, scales, flat[p.lo : p.hi], g)
             continue
         if spec.num_bits == 4:
             q = torch.stack((codes & 0xF, codes >> 4), dim=1).reshape(p.groups, g)
@@ -257,3 +293,14 @@ def dequantize_into(fmt: ShardFormat, packed: torch.Tensor, out: torch.Tensor) -
             base = packed[oo : oo + 2 * p.groups].view(SCALE_DTYPE).float()
             torch.addcmul(base[:, None], x, scale[:, None], out=x)
         flat[p.lo : p.hi].copy_(x.reshape(-1)[: p.numel])
+
+
+def _nf4_scales(
+    spec: QuantSpec, groups: int, so: int, oo: int, packed: torch.Tensor
+) -> torch.Tensor | nf4.NestedScales:
+    """A packed NF4 piece's scales (its parts at ``so`` and ``oo``) as views of ``packed``: the fp32
+    absmax, or the nested scales."""
+    if not spec.double_quant:
+        return packed[so : so + 4 * groups].view(torch.float32)
+    tail = packed[oo : oo + 4 * (1 + nf4.scale_blocks(groups))].view(torch.float32)
+    return nf4.NestedScales(packed[so : so + groups], tail[1:], float(tail[0]))

@@ -1,8 +1,10 @@
 """LoRA over a quantised frozen base ([Note: a quantised frozen base] in infinity/engine/initialize.py):
-PEFT on a tiny Llama, stage 3 with parameters and optimizer on NVMe, the base at rest in NF4 or int8.
+PEFT on a tiny Llama, stage 3 with parameters and optimizer on NVMe, the base at rest in NF4 (its scales
+quantised again, too: double quantisation) or int8.
 
 Oracles: plain PEFT in plain PyTorch whose frozen matrices hold the dequantised values — for NF4 as
-bitsandbytes' own ``quantize_4bit`` / ``dequantize_4bit`` make them (no one here wrote it), for int8 as
+bitsandbytes' own ``quantize_4bit`` / ``dequantize_4bit`` make them (``compress_statistics=True`` for
+double quantisation; no one here wrote it), for int8 as
 the format's definition (tests/weights/test_quant.py) — trained by torch's AdamW: the same losses and
 adapter weights (fp32, 1e-5 relative). The frozen units rest at their packed size and are never
 written back (the store's per-key counters). Bad input is refused before anything is allocated.
@@ -25,6 +27,7 @@ STEPS = 3
 GROUP = 32  # the tiny Llama's rows are 32 or 64 elements long
 QUANT = {
     "nf4": {"num_bits": 4, "group_size": GROUP, "quant_type": "nf4"},
+    "nf4-dq": {"num_bits": 4, "group_size": GROUP, "quant_type": "nf4", "double_quant": True},
     "int8": {"num_bits": 8, "group_size": GROUP},
 }
 
@@ -38,9 +41,11 @@ def config(nvme_dir, kind: str | None, *, nontrainable: bool = True) -> dict:
 
 
 def dequantised(w: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "nf4":
+    if kind.startswith("nf4"):
         bnb = pytest.importorskip("bitsandbytes.functional")
-        packed, state = bnb.quantize_4bit(w.reshape(-1), blocksize=GROUP, quant_type="nf4")
+        packed, state = bnb.quantize_4bit(
+            w.reshape(-1), blocksize=GROUP, quant_type="nf4", compress_statistics=kind == "nf4-dq"
+        )
         return bnb.dequantize_4bit(packed, state).reshape(w.shape)
     spec = QuantSpec(8, GROUP, False)
     fmt = shard_format([(0, w.numel(), tuple(w.shape))], w.numel(), w.dtype, spec)
@@ -61,7 +66,7 @@ def plain_peft_on_dequantised_base(kind: str):
     return plain_peft(steps=STEPS, prepare=dequantise_base)
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8"])
+@pytest.mark.parametrize("kind", ["nf4", "nf4-dq", "int8"])
 def test_lora_over_a_quantised_base_equals_plain_peft_on_the_dequantised_weights(
     kind, nvme_dir, tmp_path
 ):
@@ -78,7 +83,8 @@ def test_lora_over_a_quantised_base_equals_plain_peft_on_the_dequantised_weights
             spec = rt.param_store.spec(u.key)
             if fmt is not None:  # at rest: the packed bytes, fewer than the shard's
                 assert spec.nbytes == fmt.nbytes and spec.dtype == torch.uint8
-                assert fmt.spec.quant_type == ("nf4" if kind == "nf4" else "int")
+                assert fmt.spec.quant_type == ("int" if kind == "int8" else "nf4")
+                assert fmt.spec.double_quant == (kind == "nf4-dq")
         # (each shard is padded to 4 KiB at rest either way: tiny units save less than the ratio)
         assert sum(rt.plan.format_of(u).nbytes for u in quantised) < sum(
             u.layout.shard_nbytes for u in quantised
@@ -158,6 +164,15 @@ def test_nf4_needs_num_bits_4(nvme_dir):
     cfg = config(nvme_dir, "nf4")
     cfg["weight_quantization"]["quantized_initialization"]["num_bits"] = 8
     with pytest.raises(ConfigError, match='quant_type "nf4" stores 4 bits.*set num_bits to 4'):
+        infinity.initialize(lora(build("llama", seed=0)), cfg)
+
+
+def test_double_quant_needs_nf4(nvme_dir):
+    cfg = config(nvme_dir, "int8")
+    cfg["weight_quantization"]["quantized_initialization"]["double_quant"] = True
+    with pytest.raises(
+        ConfigError, match='double_quant quantises NF4 scales.*set quant_type to "nf4"'
+    ):
         infinity.initialize(lora(build("llama", seed=0)), cfg)
 
 

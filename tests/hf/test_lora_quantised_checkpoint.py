@@ -1,5 +1,6 @@
 """Checkpoints of a LoRA run whose frozen base rests quantised ([Note: a quantised base in a checkpoint]
-in infinity/engine/checkpoint/quantised.py): PEFT on a tiny Llama, stage 3 on NVMe, the base in NF4.
+in infinity/engine/checkpoint/quantised.py): PEFT on a tiny Llama, stage 3 on NVMe, the base in NF4
+(with double quantisation too).
 
 Oracles: the uninterrupted run (a new process that loads the checkpoint continues with its losses),
 bitsandbytes' own ``quantize_4bit`` / ``dequantize_4bit`` for the weights an export writes (what the
@@ -62,27 +63,31 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def frozen_matrices_are_the_dequantised_base(weights: dict, base: torch.nn.Module) -> None:
+def frozen_matrices_are_the_dequantised_base(
+    weights: dict, base: torch.nn.Module, kind: str = "nf4"
+) -> None:
     """The frozen matrices of an exported state dict hold the base's NF4-dequantised values (bitsandbytes'
-    oracle); the rest of the base (norms) its values."""
+    oracle; ``kind`` "nf4-dq": double-quantised); the rest of the base (norms) its values."""
     for name, w in base.state_dict().items():
         key = f"base_model.model.{name}".replace(".weight", ".base_layer.weight")
         got = weights.get(key, weights.get(f"base_model.model.{name}"))
         assert got is not None, name
-        want = dequantised(w, "nf4") if w.dim() >= 2 else w
+        want = dequantised(w, kind) if w.dim() >= 2 else w
         assert torch.equal(got, want), name
 
 
-@pytest.mark.parametrize("source", ["files", "saved"])
+@pytest.mark.parametrize(("source", "kind"), [("files", "nf4"), ("saved", "nf4-dq")])
 def test_a_quantised_base_checkpoints_and_resumes_in_a_new_process_with_the_same_losses(
-    source, nvme_dir, tmp_path
+    source, kind, nvme_dir, tmp_path
 ):
+    """A base from files in NF4; one built in place in NF4 with double quantisation (its packed bytes,
+    nested scales included, saved once and loaded as they are)."""
     pretrained = None
     if source == "files":
         pretrained = tmp_path / "base"
         build("llama", seed=SEED["files"]).save_pretrained(pretrained)
     ckpt = tmp_path / "ckpt"
-    engine = make_engine(nvme_dir / "a", "nf4", pretrained)
+    engine = make_engine(nvme_dir / "a", kind, pretrained)
     try:
         losses = train(engine, 0, 2)
         saved_at = engine.save_checkpoint(ckpt)
@@ -95,6 +100,7 @@ def test_a_quantised_base_checkpoints_and_resumes_in_a_new_process_with_the_same
     manifest = json.loads((Path(saved_at) / "manifest.json").read_text())
     quantised = [u for u in manifest["units"] if u["quant"] is not None]
     assert quantised and all(u["quant"]["quant_type"] == "nf4" for u in quantised)
+    assert all(u["quant"]["double_quant"] == (kind == "nf4-dq") for u in quantised)
     assert not any(u["trainable"] for u in quantised)
     (part,) = sorted(Path(saved_at).glob("part*.safetensors"))
     with safetensors.safe_open(part, "pt") as f:
@@ -109,7 +115,7 @@ def test_a_quantised_base_checkpoints_and_resumes_in_a_new_process_with_the_same
                 assert t.dtype == torch.uint8 and t.numel() == formats[i].nbytes
     # save_16bit_model and export write what training saw: the dequantised base, and the adapters
     written = safetensors.torch.load_file(live)
-    frozen_matrices_are_the_dequantised_base(written, build("llama", seed=SEED[source]))
+    frozen_matrices_are_the_dequantised_base(written, build("llama", seed=SEED[source]), kind)
     exported = safetensors.torch.load_file(
         export_checkpoint(saved_at, tmp_path / "out.safetensors")
     )
@@ -118,7 +124,7 @@ def test_a_quantised_base_checkpoints_and_resumes_in_a_new_process_with_the_same
         assert torch.equal(exported[name], w), name
 
     child = subprocess.run(
-        [sys.executable, "-c", CHILD, str(nvme_dir / "b"), "nf4", str(pretrained or ""), str(ckpt)],
+        [sys.executable, "-c", CHILD, str(nvme_dir / "b"), kind, str(pretrained or ""), str(ckpt)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -153,21 +159,25 @@ def test_a_checkpoint_of_a_16bit_base_loads_under_a_quantised_one(nvme_dir, tmp_
         assert torch.equal(written[n], t), n
 
 
+@pytest.mark.parametrize(
+    ("saved", "live", "names"),
+    [("nf4", "int8", ("NF4", "int8")), ("nf4-dq", "nf4", (r"NF4\+DQ", "NF4"))],
+)
 def test_packed_base_bytes_are_refused_under_another_format_naming_the_unit_and_the_fix(
-    nvme_dir, tmp_path
+    saved, live, names, nvme_dir, tmp_path
 ):
-    engine = make_engine(nvme_dir / "a", "nf4")
+    engine = make_engine(nvme_dir / "a", saved)
     try:
         saved_at = engine.save_checkpoint(tmp_path / "ckpt")
     finally:
         engine.close()
-    engine = make_engine(nvme_dir / "b", "int8")
+    engine = make_engine(nvme_dir / "b", live)
     try:
         with pytest.raises(
             CheckpointMismatchError,
-            match=r"frozen weights of '.*' were saved quantised \(NF4, groups of 32\) as their packed "
-            r"bytes, and this engine keeps it quantised \(int8, groups of 32\); load the checkpoint "
-            r"with the weight_quantization and world size it was saved with",
+            match=rf"frozen weights of '.*' were saved quantised \({names[0]}, groups of 32\) as their "
+            rf"packed bytes, and this engine keeps it quantised \({names[1]}, groups of 32\); load "
+            r"the checkpoint with the weight_quantization and world size it was saved with",
         ):
             engine.load_checkpoint(saved_at)
     finally:

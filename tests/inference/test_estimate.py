@@ -24,14 +24,16 @@ def _disk_nbytes(d) -> int:
     return sum(f.stat().st_blocks * 512 for f in d.rglob("*") if f.is_file())
 
 
-@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("bits", [None, 8, "nf4-dq"])
 def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvme_dir):
+    """Also NF4 with double quantisation: the swap files hold the nested scales' format as sized."""
     model, _ = pair("llama")
     cfg = inference_config(nvme_dir)
     if bits:
-        cfg["weight_quantization"] = {
-            "quantized_initialization": {"num_bits": bits, "group_size": 64}
-        }
+        quant = {"num_bits": 8 if bits == 8 else 4, "group_size": 64}
+        if bits == "nf4-dq":
+            quant.update(quant_type="nf4", double_quant=True)
+        cfg["weight_quantization"] = {"quantized_initialization": quant}
         cfg["zero_optimization"]["offload_param"]["buffer_size"] = 9216
     est = estimate_inference(model, config=cfg, batch=2, prompt=7, gen=8, machine=False)
     assert not [i for i in est.breakdown.items if any(w in i.name for w in TRAINING_WORDS)]
@@ -43,6 +45,29 @@ def test_the_estimate_has_no_training_state_and_the_engines_swap_files(bits, nvm
         assert on_disk <= est.breakdown.nvme_nbytes <= 1.15 * on_disk
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_quantised_shards_kept_in_host_memory_are_counted_at_their_packed_size(
+    double_quant, nvme_dir
+):
+    """offload_param.max_in_cpu keeps every shard in host memory: the estimate's item is the bytes the
+    engine's parameter store registers for them (packed NF4, with double quantisation fewer)."""
+    model, _ = pair("llama")
+    cfg = inference_config(nvme_dir)
+    cfg["zero_optimization"]["offload_param"]["max_in_cpu"] = 10**9
+    quant = {"num_bits": 4, "group_size": 64, "quant_type": "nf4", "double_quant": double_quant}
+    cfg["weight_quantization"] = {"quantized_initialization": quant}
+    est = estimate_inference(model, config=cfg, batch=1, prompt=7, gen=2, machine=False)
+    (item,) = [i for i in est.breakdown.items if i.name.startswith("parameter shards in host")]
+    assert ("nf4+dq" if double_quant else "nf4,") in item.name
+    engine = infinity.initialize(model, cfg)
+    try:
+        store = engine.runtime.param_store
+        held = sum(store.spec(u.key).nbytes for u in engine.runtime.unit_map.units)
+    finally:
+        engine.close()
+    assert item.nbytes == held
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])

@@ -1,7 +1,8 @@
 """The NF4 dequantisation kernel gives the same bits on every ISA this CPU runs as on the scalar path,
 for any size, group size (odd ones too: groups that start mid-byte), output dtype and thread count; the
 scalar path is checked against the format's definition written in torch (code[q] · absmax, rounded
-once); bad arguments are refused with the reason. Cheap: also run under ASan/UBSan (.ci/sanitize.sh).
+once; with double-quantised scales, absmax = code8[c] · block absmax + offset, each step rounded); bad
+arguments are refused with the reason. Cheap: also run under ASan/UBSan (.ci/sanitize.sh).
 """
 
 from __future__ import annotations
@@ -28,15 +29,29 @@ def random_packed(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, tor
     return codes, absmax
 
 
-def by_definition(codes: torch.Tensor, absmax: torch.Tensor, n: int, group_size: int, dtype):
+def random_nested(n: int, group_size: int, seed: int) -> nf4.NestedScales:
+    """Scales quantised again: every 8-bit code, block absmax and offsets over many magnitudes."""
+    g = torch.Generator().manual_seed(seed + 1)
+    groups = nf4.groups(n, group_size)
+    codes = torch.randint(0, 256, (groups,), generator=g, dtype=torch.uint8)
+    exponent = torch.randint(-30, 30, (nf4.scale_blocks(groups),), generator=g).float()
+    absmax = torch.rand(exponent.shape, generator=g) * torch.exp2(exponent)
+    offset = float(
+        torch.rand(1, generator=g) * torch.exp2(torch.randint(-30, 30, (1,), generator=g))
+    )
+    return nf4.NestedScales(codes, absmax, float(torch.tensor(offset, dtype=torch.float32)))
+
+
+def by_definition(codes: torch.Tensor, scales, n: int, group_size: int, dtype):
     q = torch.stack((codes >> 4, codes & 0xF), dim=1).reshape(-1)[:n].long()
-    scale = absmax.repeat_interleave(group_size)[:n]
+    per_group = scales.values() if isinstance(scales, nf4.NestedScales) else scales
+    scale = per_group.repeat_interleave(group_size)[:n]
     return (nf4.CODE[q] * scale).to(dtype)
 
 
-def run(codes, absmax, n, group_size, dtype, isa: str, threads: int) -> torch.Tensor:
+def run(codes, scales, n, group_size, dtype, isa: str, threads: int) -> torch.Tensor:
     out = torch.empty(n, dtype=dtype)
-    nf4.dequantize_into(codes, absmax, out, group_size, isa=CODES[isa], num_threads=threads)
+    nf4.dequantize_into(codes, scales, out, group_size, isa=CODES[isa], num_threads=threads)
     return out
 
 
@@ -47,14 +62,17 @@ def run(codes, absmax, n, group_size, dtype, isa: str, threads: int) -> torch.Te
     group_size=st.sampled_from([1, 3, 5, 32, 63, 64, 65, 128, 4096]),
     dtype=st.sampled_from(DTYPES),
     threads=st.sampled_from([1, 2]),
+    nested=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads, seed):
+def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads, nested, seed):
+    """Plain and double-quantised scales (group counts not multiples of the nested block of 256)."""
     if isa not in kernel.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     codes, absmax = random_packed(n, group_size, seed)
-    got = run(codes, absmax, n, group_size, dtype, isa, threads)
-    want = run(codes, absmax, n, group_size, dtype, "scalar", 1)
+    scales = random_nested(n, group_size, seed) if nested else absmax
+    got = run(codes, scales, n, group_size, dtype, isa, threads)
+    want = run(codes, scales, n, group_size, dtype, "scalar", 1)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -63,23 +81,27 @@ def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads,
     n=st.integers(0, 3000),
     group_size=st.sampled_from([1, 2, 7, 64, 100]),
     dtype=st.sampled_from(DTYPES),
+    nested=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_scalar_kernel_is_the_formats_definition(n, group_size, dtype, seed):
+def test_scalar_kernel_is_the_formats_definition(n, group_size, dtype, nested, seed):
     codes, absmax = random_packed(n, group_size, seed)
-    got = run(codes, absmax, n, group_size, dtype, "scalar", 1)
-    assert torch.equal(got, by_definition(codes, absmax, n, group_size, dtype))
+    scales = random_nested(n, group_size, seed) if nested else absmax
+    got = run(codes, scales, n, group_size, dtype, "scalar", 1)
+    assert torch.equal(got, by_definition(codes, scales, n, group_size, dtype))
 
 
 def test_large_inputs_split_over_threads_give_the_same_bits():
-    """Several chunks of the kernel's partitioning, one group straddling each chunk boundary."""
+    """Several chunks of the kernel's partitioning, one group straddling each chunk boundary; plain and
+    double-quantised scales (several of the kernel's batches of nested scales per chunk)."""
     n, group_size = 3 * 32768 + 77, 96
     codes, absmax = random_packed(n, group_size, 7)
     best = kernel.best_isa()
-    want = run(codes, absmax, n, group_size, torch.bfloat16, "scalar", 1)
-    for threads in (1, 2, 3):
-        got = run(codes, absmax, n, group_size, torch.bfloat16, best, threads)
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for scales in (absmax, random_nested(n, group_size, 7)):
+        want = run(codes, scales, n, group_size, torch.bfloat16, "scalar", 1)
+        for threads in (1, 2, 3):
+            got = run(codes, scales, n, group_size, torch.bfloat16, best, threads)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_bad_arguments_are_refused_with_the_reason():
@@ -108,3 +130,43 @@ def test_bad_arguments_are_refused_with_the_reason():
         )
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
         nf4.dequantize_into(codes, absmax, torch.empty(128), 64, num_threads=0)
+    nested = random_nested(128, 64, 0)
+    with pytest.raises(
+        ValueError, match="2 nested scales need 1 float32 block absmax values; got 0"
+    ):
+        nf4.dequantize_into(
+            codes, nf4.NestedScales(nested.codes, nested.absmax[:0], 0.0), torch.empty(128), 64
+        )
+    with pytest.raises(ValueError, match="nested scales: uint8 codes"):
+        nf4.dequantize_into(
+            codes, nf4.NestedScales(nested.codes.float(), nested.absmax, 0.0), torch.empty(128), 64
+        )
+    with pytest.raises(ValueError, match="out overlaps"):
+        _adam.dequantize_nf4(
+            codes=codes.data_ptr(),
+            absmax=0,
+            out=shared.data_ptr(),
+            dtype=_adam.FLOAT32,
+            numel=128,
+            group_size=64,
+            isa=_adam.SCALAR,
+            num_threads=1,
+            scale_codes=shared.data_ptr() + 8,
+            scale_code=nf4.DYNAMIC_CODE.data_ptr(),
+            scale_absmax=nested.absmax.data_ptr(),
+        )
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        _adam.dequantize_nf4(
+            codes=codes.data_ptr(),
+            absmax=0,
+            out=torch.empty(128).data_ptr(),
+            dtype=_adam.FLOAT32,
+            numel=128,
+            group_size=64,
+            isa=_adam.SCALAR,
+            num_threads=1,
+            scale_codes=nested.codes.data_ptr(),
+            scale_code=nf4.DYNAMIC_CODE.data_ptr(),
+            scale_absmax=nested.absmax.data_ptr(),
+            scale_block=0,
+        )

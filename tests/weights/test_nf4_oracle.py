@@ -1,7 +1,9 @@
 """NF4 against bitsandbytes (an implementation no one here wrote): ``nf4.quantize`` makes the bytes and
 scales ``bitsandbytes.functional.quantize_4bit(..., quant_type="nf4")`` makes, and the kernel dequantises
 bitsandbytes' own packed bytes to exactly what its ``dequantize_4bit`` gives, in fp32, bf16 and fp16, for
-sizes with and without a shorter last group, and weights of any scale (an all-zero group too)."""
+sizes with and without a shorter last group, and weights of any scale (an all-zero group too); with
+double quantisation (``compress_statistics=True``) ``nf4.quantize_scales`` makes bitsandbytes' nested
+state and the kernel gives its ``dequantize_4bit`` values."""
 
 from __future__ import annotations
 
@@ -47,6 +49,39 @@ def test_quantize_and_dequantize_equal_bitsandbytes(n, blocksize, dtype, scale, 
     want = bnb.dequantize_4bit(packed, state).reshape(-1)
     assert want.dtype == dtype
     got = nf4.dequantize(packed.reshape(-1), state.absmax, n, blocksize, dtype)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_dynamic_code_is_bitsandbytes():
+    assert torch.equal(nf4.DYNAMIC_CODE, bnb.create_dynamic_map())
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    groups=st.integers(1, 700),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    scale=st.sampled_from([1e-3, 0.02, 300.0]),
+    zero_groups=st.sampled_from([0, 1, 300]),
+    seed=st.integers(0, 2**16),
+)
+def test_double_quant_equals_bitsandbytes(groups, dtype, scale, zero_groups, seed):
+    """compress_statistics=True: the nested codes, block absmax and offset are bitsandbytes', and the
+    kernel's values (the nested scales dequantised in the same pass) equal its dequantize_4bit bit for
+    bit; group counts not multiples of the nested block of 256, whole nested blocks of zero groups
+    (bitsandbytes' code 0 for an all-equal block) too. Sizes are even (see above: odd ones compile)."""
+    n = groups * 64
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    x[: zero_groups * 64] = 0
+    x = x.to(dtype)
+    packed, state = bnb.quantize_4bit(x, blocksize=64, quant_type="nf4", compress_statistics=True)
+    codes, absmax = nf4.quantize(x, 64)
+    nested = nf4.quantize_scales(absmax)
+    assert torch.equal(codes, packed.reshape(-1))
+    assert torch.equal(nested.codes, state.absmax)
+    assert torch.equal(nested.absmax, state.state2.absmax)
+    assert nested.offset == state.offset.item()
+    want = bnb.dequantize_4bit(packed, state).reshape(-1)
+    got = nf4.dequantize(codes, nested, n, 64, dtype)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 

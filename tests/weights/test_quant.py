@@ -105,15 +105,21 @@ def test_a_group_too_wide_for_fp16_scales_is_named():
 
 
 @settings(max_examples=60, deadline=None)
-@given(shard=shards(), seed=st.integers(0, 2**16), group_size=st.sampled_from([2, 3, 64]))
-def test_nf4_pieces_hold_each_stretch_as_nf4_does(shard, seed, group_size):
+@given(
+    shard=shards(),
+    seed=st.integers(0, 2**16),
+    group_size=st.sampled_from([2, 3, 64]),
+    double_quant=st.booleans(),
+)
+def test_nf4_pieces_hold_each_stretch_as_nf4_does(shard, seed, group_size, double_quant):
     """With quant_type "nf4" each quantised piece is its stretch quantised alone (nf4.quantize: the bytes
-    bitsandbytes makes, tests/weights/test_nf4_oracle.py) and comes back as nf4 dequantises it; raw
-    pieces come back bit for bit; the pieces tile the shard in aligned parts as the integer formats'."""
+    bitsandbytes makes, tests/weights/test_nf4_oracle.py; with double_quant its scales quantised again
+    by nf4.quantize_scales) and comes back as nf4 dequantises it; raw pieces come back bit for bit; the
+    pieces tile the shard in aligned parts as the integer formats'."""
     from infinity.weights import nf4
 
     stretches, numel, dtype, _ = shard
-    spec = QuantSpec(4, group_size, True, "nf4")
+    spec = QuantSpec(4, group_size, True, "nf4", double_quant)
     fmt = shard_format(stretches, numel, dtype, spec)
     assert all(p.offset % PART_ALIGN == 0 for p in fmt.pieces)
     values = (torch.randn(numel, generator=torch.Generator().manual_seed(seed))).to(dtype)
@@ -125,7 +131,8 @@ def test_nf4_pieces_hold_each_stretch_as_nf4_does(shard, seed, group_size):
         x, y = values[p.lo : p.hi], out[p.lo : p.hi]
         if p.quantized:
             codes, absmax = nf4.quantize(x, group_size)
-            want = nf4.dequantize(codes, absmax, p.numel, group_size, dtype)
+            scales = nf4.quantize_scales(absmax) if double_quant else absmax
+            want = nf4.dequantize(codes, scales, p.numel, group_size, dtype)
             assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))
         else:
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
@@ -134,3 +141,20 @@ def test_nf4_pieces_hold_each_stretch_as_nf4_does(shard, seed, group_size):
 def test_nf4_needs_four_bits():
     with pytest.raises(ValueError, match="NF4 stores 4 bits per weight; got num_bits=8"):
         QuantSpec(8, 64, False, "nf4")
+
+
+@pytest.mark.parametrize(
+    ("double_quant", "per_weight"), [(False, 0.5 + 4 / 64), (True, 0.5 + 1 / 64 + 4 / (64 * 256))]
+)
+def test_nf4_at_rest_bytes_per_weight(double_quant, per_weight):
+    """A 4096 x 4096 matrix at rest: codes and scales, nothing else but the parts' alignment."""
+    n = 4096 * 4096
+    fmt = shard_format(
+        [(0, n, (4096, 4096))], n, torch.bfloat16, QuantSpec(4, 64, True, "nf4", double_quant)
+    )
+    assert fmt.nbytes == pytest.approx(n * per_weight, abs=3 * PART_ALIGN + DIRECT_ALIGNMENT)
+
+
+def test_double_quant_is_for_nf4_only():
+    with pytest.raises(ValueError, match="double quantisation applies to NF4 scales"):
+        QuantSpec(4, 64, False, "int", double_quant=True)

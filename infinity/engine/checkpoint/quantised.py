@@ -6,7 +6,8 @@ A frozen unit whose shard rests quantised (a QLoRA run's base: [Note: a quantise
 infinity/engine/initialize.py, laid out as [Note: quantised shards] in infinity/weights/quant.py says)
 is checkpointed by the rules of [Note: frozen units in a checkpoint] (sources.py), with its packed
 shard where a 16-bit unit has its values:
-- the manifest's unit records the format (``quant``: the QuantSpec's fields);
+- the manifest's unit records the format (``quant``: the QuantSpec's fields, ``double_quant``
+  among them);
 - the CRC32C that says the unit still holds its files' values is that of the packed shard as
   initialize quantised it from the files: a reference then means "these files, quantised so", and
   the checkpoint holds nothing of the base but the reference;
@@ -42,14 +43,18 @@ def spec_of(d: dict[str, Any] | None) -> QuantSpec | None:
     if d is None:
         return None
     return QuantSpec(
-        int(d["num_bits"]), int(d["group_size"]), bool(d["symmetric"]), str(d["quant_type"])
+        int(d["num_bits"]),
+        int(d["group_size"]),
+        bool(d["symmetric"]),
+        str(d["quant_type"]),
+        bool(d.get("double_quant", False)),  # absent from manifests written before it existed
     )
 
 
 def describe(spec: QuantSpec | None) -> str:
     if spec is None:
         return "in its dtype"
-    kind = "NF4" if spec.quant_type == "nf4" else f"int{spec.num_bits}"
+    kind = spec.name
     return f"quantised ({kind}, groups of {spec.group_size})"
 
 
