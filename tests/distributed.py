@@ -1,4 +1,5 @@
-"""Run a function on N real processes joined by a gloo process group (world size as the caller says).
+"""Run a function on N real processes joined by a gloo process group (world size as the caller says),
+or in one child process of its own (start_child), both forked from one preloaded server.
 
 [Note: ranks forked from a preloaded server]
 Each rank is a fresh process, as under torchrun, but not a fresh interpreter: ranks are forked by
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,6 +64,25 @@ def _plain(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_plain(v) for v in x)
     return x
+
+
+def _child(env: dict, log: str, fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    with open(log, "w") as f:  # fds 1 and 2: what C++ and a dying process write lands there too
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    fn(*args)
+
+
+def start_child(fn, *args, log: Path) -> mp.process.BaseProcess:
+    """fn(*args) in a fresh process forked from the preloaded server, as run_distributed's ranks are
+    (no process group): for a test whose child must die on its own terms (SIGKILL, an exit code)
+    without paying a spawned interpreter's torch import. Its stdout and stderr go to ``log``; its
+    ``exitcode`` is -N where signal N ended it."""
+    proc = _CONTEXT.Process(target=_child, args=(dict(os.environ), str(log), fn, args))
+    proc.start()
+    return proc
 
 
 def run_distributed(fn, *args, world_size: int = 2, timeout: float = 600.0) -> list:
