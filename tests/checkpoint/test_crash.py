@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from infinity.engine.checkpoint.lock import LOCK_NAME
 from tests.checkpoint.helpers import config, make_engine, train, weights
-from tests.distributed import start_child
+from tests.distributed import Child
 
 
 def _save_and_die(swap: Path, ckpt: Path, point: str) -> None:
@@ -94,20 +94,16 @@ def killed(tmp_path_factory):
     procs = {}
     for point in POINTS:
         (root / point / "swap").mkdir(parents=True, exist_ok=True)
-        procs[point] = start_child(
-            _save_and_die,
-            root / point / "swap",
-            root / point / "ckpt",
-            point,
-            log=root / point / "output.log",
+        procs[point] = Child(
+            _save_and_die, root / point / "swap", root / point / "ckpt", point, logs=root / point
         )
     results = {}
     for point, proc in procs.items():
-        proc.join(timeout=300)
-        if proc.is_alive():
+        rc = proc.wait(timeout=300)
+        if rc is None:  # a hung save: killed here, which must not read as killed at the point
             proc.kill()
-            proc.join()
-        results[point] = (proc.exitcode, (root / point / "output.log").read_text())
+            rc = "still running after 300 s"
+        results[point] = (rc, proc.stdout() + proc.stderr())
     yield root, results
     import shutil
 
