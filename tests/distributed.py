@@ -1,4 +1,5 @@
-"""Run a function on N real processes joined by a gloo process group (world size as the caller says).
+"""Run a function on N real processes joined by a gloo process group (world size as the caller says),
+or in one child process of its own (Child), both forked from one preloaded server.
 
 [Note: ranks forked from a preloaded server]
 Each rank is a fresh process, as under torchrun, but not a fresh interpreter: ranks are forked by
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -62,6 +65,69 @@ def _plain(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_plain(v) for v in x)
     return x
+
+
+def _child(env: dict, out: str, err: str, fn, args) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    # fds 1 and 2, so that what C++, faulthandler and a dying process write lands there too
+    for path, fd in ((out, 1), (err, 2)):
+        with open(path, "w") as f:
+            os.dup2(f.fileno(), fd)
+    fn(*args)
+
+
+class Child:
+    """fn(*args) in one fresh process forked from the preloaded server, as run_distributed's ranks
+    are (no process group): for a test whose child must end on its own terms (a signal, an exit
+    code) without paying a spawned interpreter's torch import. Its stdout and stderr go to files
+    under ``logs``; a KeyboardInterrupt or other exception leaves its traceback last in stderr and
+    exit code 1, SystemExit(n) exit code n, signal N exit code -N (multiprocessing's rules)."""
+
+    def __init__(self, fn, *args, logs: Path):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = logs / "stdout", logs / "stderr"
+        self.process = _CONTEXT.Process(
+            target=_child, args=(dict(os.environ), str(self.out_path), str(self.err_path), fn, args)
+        )
+        self.process.start()
+        self.pid = self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code, or None if it still runs after ``timeout`` seconds."""
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def stdout(self) -> str:
+        return self.out_path.read_text() if self.out_path.exists() else ""
+
+    def stderr(self) -> str:
+        return self.err_path.read_text() if self.err_path.exists() else ""
+
+    def first_line(self, timeout: float) -> str:
+        """The first complete line of its stdout, once written ("" if it exits or ``timeout``
+        passes first: a safety net, not a timing check)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            out = self.stdout()
+            if "\n" in out:
+                return out.split("\n", 1)[0] + "\n"
+            if self.process.exitcode is not None:
+                return ""
+            time.sleep(0.02)
+        return ""
 
 
 def run_distributed(fn, *args, world_size: int = 2, timeout: float = 600.0) -> list:

@@ -11,9 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -22,18 +19,15 @@ from safetensors.torch import load_file
 
 from infinity.engine.checkpoint.lock import LOCK_NAME
 from tests.checkpoint.helpers import config, make_engine, train, weights
+from tests.distributed import Child
 
-ROOT = Path(__file__).resolve().parents[2]
 
-CHILD = textwrap.dedent("""
-    import os, signal, sys
-    from pathlib import Path
+def _save_and_die(swap: Path, ckpt: Path, point: str) -> None:
+    """The child: trains, saves "first", trains a step, and is killed at ``point`` saving "second"."""
     from safetensors.torch import save_file
+
     import infinity.engine.checkpoint.atomic as atomic
     import infinity.engine.checkpoint.window as window
-    from tests.checkpoint.helpers import config, make_engine, train, weights
-
-    swap, ckpt, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
@@ -43,6 +37,7 @@ CHILD = textwrap.dedent("""
             if test(*args, **kwargs):
                 die()
             return fn(*args, **kwargs)
+
         return wrapped
 
     engine, _ = make_engine("gpt", config(3, "nvme", "nvme", swap), seed=0)
@@ -52,23 +47,31 @@ CHILD = textwrap.dedent("""
     train(engine, 1, 1)
     calls = [0]
     if point == "writing-shards":  # some unit shards written, others in flight or not yet read
+
         def counted(*args):
             calls[0] += 1
             return calls[0] == 4
+
         window.Window.add = kill_when(window.Window.add, counted)
     elif point == "before-rank-file":
-        atomic.write_durably = kill_when(atomic.write_durably, lambda path, *a: path.name.startswith("rank-"))
+        atomic.write_durably = kill_when(
+            atomic.write_durably, lambda path, *a: path.name.startswith("rank-")
+        )
     elif point == "before-manifest":
-        atomic.write_durably = kill_when(atomic.write_durably, lambda path, *a: path.name == "manifest.json")
+        atomic.write_durably = kill_when(
+            atomic.write_durably, lambda path, *a: path.name == "manifest.json"
+        )
     elif point == "before-rename":
         atomic.publish = kill_when(atomic.publish, lambda *a: True)
     elif point == "before-latest":
         atomic.write_latest = kill_when(atomic.write_latest, lambda *a: True)
     elif point == "writing-latest":  # the new 'latest' written and fsynced under its temporary name
-        atomic.os.replace = kill_when(atomic.os.replace, lambda src, dst: Path(dst).name == "latest")
+        atomic.os.replace = kill_when(
+            atomic.os.replace, lambda src, dst: Path(dst).name == "latest"
+        )
     engine.save_checkpoint(ckpt, tag="second")
     print("the save was not interrupted")
-""")
+
 
 # point: (whether "second" is complete afterwards, whether temporary files are left)
 POINTS = {
@@ -83,27 +86,24 @@ POINTS = {
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """All children run at once (each waits mostly for its own start-up)."""
+    """All children run at once (each waits mostly for its own start-up). Each is a fresh process
+    forked from tests/distributed.py's server, torch already imported ([Note: ranks forked from a
+    preloaded server]): the module under test is imported anew in each, so its patches are its own."""
     base = Path(os.environ.get("INFINITY_TEST_NVME", Path.home() / ".cache" / "infinity-tests"))
     root = base / f"{os.getpid()}-crash"
     procs = {}
     for point in POINTS:
         (root / point / "swap").mkdir(parents=True, exist_ok=True)
-        procs[point] = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                CHILD,
-                str(root / point / "swap"),
-                str(root / point / "ckpt"),
-                point,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        procs[point] = Child(
+            _save_and_die, root / point / "swap", root / point / "ckpt", point, logs=root / point
         )
-    results = {p: (proc.wait(timeout=300), *proc.communicate()) for p, proc in procs.items()}
+    results = {}
+    for point, proc in procs.items():
+        rc = proc.wait(timeout=300)
+        if rc is None:  # a hung save: killed here, which must not read as killed at the point
+            proc.kill()
+            rc = "still running after 300 s"
+        results[point] = (rc, proc.stdout() + proc.stderr())
     yield root, results
     import shutil
 
@@ -115,9 +115,9 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint_loadable(
     point, killed, tmp_path, caplog
 ):
     root, results = killed
-    rc, out, err = results[point]
+    rc, output = results[point]
     assert rc == -signal.SIGKILL, (
-        f"the child was not killed at {point!r}: rc={rc}\n{out}\n{err[-3000:]}"
+        f"the child was not killed at {point!r}: rc={rc}\n{output[-3000:]}"
     )
     ckpt = root / point / "ckpt"
     second_complete, left = POINTS[point]

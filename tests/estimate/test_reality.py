@@ -74,6 +74,12 @@ CASES = {
     ),
     "57M-stage0-fp32": ("57M", 2, 64, dict(stage=0)),
 }
+# Steps per probe (the optimizer's state appears in the first; the heap keeps growing a little after).
+STEPS = 3
+# bf16 matmuls on a CPU without native bf16 take about a minute a step on one core; this case's
+# peak after two steps was within 1% of its peak after three (VmHWM 673 and 677 MB, the estimate
+# 8% above both), so two steps show the same.
+STEPS_OF = {"13M-stage2-bf16-activations": 2}
 SLOW_CASES = {
     "110M-stage3-fp32-cpu-cpu": ("110M", 2, 128, dict(stage=3, p="cpu", o="cpu")),
 }
@@ -104,7 +110,9 @@ def _probe(spec: dict) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dict]:
+def _run(
+    case: tuple, nvme: Path, *, zero_init: bool = False, steps: int = STEPS
+) -> tuple[dict, dict]:
     size, mb, seq, kw = case
     kw = dict(kw)
     stage = kw.pop("stage")
@@ -122,7 +130,7 @@ def _run(case: tuple, nvme: Path, *, zero_init: bool = False) -> tuple[dict, dic
         "config": cfg,
         "micro_batch": mb,
         "seq": seq,
-        "steps": 3,
+        "steps": steps,
         "nvme_path": str(nvme),
         "zero_init": zero_init,
     }
@@ -267,7 +275,9 @@ def _hf(name: str) -> dict:
 def _run_hf(name: str, nvme: Path) -> tuple[dict, dict]:
     mb, seq = HF_BATCH
     cfg = _config(2, o="cpu", dtype=HF_CASES[name][2], micro_batch=mb, nvme=str(nvme))
-    return cfg, _probe({"hf": _hf(name), "config": cfg, "micro_batch": mb, "seq": seq, "steps": 3})
+    return cfg, _probe(
+        {"hf": _hf(name), "config": cfg, "micro_batch": mb, "seq": seq, "steps": STEPS}
+    )
 
 
 @pytest.mark.slow
@@ -303,7 +313,9 @@ def test_estimate_holds_a_transformers_model(name, probes):
 
 # Each test's probe run: (config, measurement) from its case's name and a swap directory.
 RUNS = {
-    test_estimate_holds_the_measured_peak_within_15_percent: lambda name, d: _run(CASES[name], d),
+    test_estimate_holds_the_measured_peak_within_15_percent: lambda name, d: _run(
+        CASES[name], d, steps=STEPS_OF.get(name, STEPS)
+    ),
     test_estimate_holds_for_a_larger_model: lambda name, d: _run(SLOW_CASES[name], d),
     test_estimate_holds_a_model_built_under_zero_init: lambda name, d: _run(
         ZERO_INIT_CASES[name], d, zero_init=True

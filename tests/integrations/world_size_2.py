@@ -1,9 +1,14 @@
-"""One rank of a two-process run, launched as Lightning launches it (``python world_size_2.py MODE OUT
-NVME``: this process is rank 0 and Lightning starts rank 1 by running the same command). Writes
-OUT/MODE.rank<r>.json: the rank's per-micro-batch losses and evaluation losses.
+"""One rank of a two-process run, launched as Lightning launches it (``python world_size_2.py
+MODES OUT NVME``: this process is rank 0 and Lightning starts rank 1 by running the same command).
+MODES is a comma-separated list run one after the other in the same two processes; the first one's
+strategy launches rank 1, the later ones find the ranks in place (as under torchrun) and join the
+same gloo group. For each mode, writes OUT/MODE.rank<r>.json: the rank's per-micro-batch losses
+and evaluation losses.
 
 MODE: lightning-infinity (InfinityStrategy, stage 3, NVMe), lightning-ddp (plain Lightning DDP),
 fabric-infinity (InfinityFabricStrategy, stage 3, NVMe), fabric-ddp (plain Fabric DDP); all on gloo.
+Each run builds its model from the same seed and reads the same unshuffled batches, so a mode's
+result does not depend on what ran before it in the process.
 """
 
 import json
@@ -60,8 +65,10 @@ def main(mode: str, out: str, nvme: str) -> None:
     Path(out, f"{mode}.rank{rank}.json").write_text(
         json.dumps({"losses": losses, "val_losses": val_losses})
     )
-    leave_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    modes, out, nvme = sys.argv[1:4]
+    for mode in modes.split(","):
+        main(mode, out, nvme)
+    leave_process_group()
