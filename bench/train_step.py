@@ -257,7 +257,7 @@ def _infinity(gpt, corpus, a, out):
             cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)),
         )
     engine = infinity.initialize(model, cfg)
-    out.update(_plan_record(engine.runtime.plan, layer_major=kind == "layer-major"))
+    out.update(_plan_record(engine.runtime.plan))
 
     def batches(i):
         return [corpus.batch(i * gas + j, a["micro_batch"], a["seq"]) for j in range(gas)]
@@ -294,21 +294,24 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
     return floor + int(share * state), floor, state
 
 
-def _plan_record(plan, *, layer_major: bool = False) -> dict:
+def _plan_record(plan) -> dict:
     """Where the plan put each state class, and the bytes per step it should move (layer-major:
-    each array read and written once per step, as with one micro-batch)."""
+    each array read and written once per block, as with one micro-batch)."""
     from infinity.estimate.placement import describe_placement
     from infinity.estimate.runtime_plan import STATE_CLASSES
     from infinity.estimate.traffic import expected_traffic, worst_case_traffic
 
-    t = expected_traffic(plan, layer_major=layer_major)
-    w = worst_case_traffic(plan, layer_major=layer_major)
+    gas, block = plan.gradient_accumulation_steps, plan.layer_major_block
+    blocks = None if block is None else -(-gas // block)
+    t = expected_traffic(plan, blocks=blocks)
+    w = worst_case_traffic(plan, blocks=blocks)
     classes = [
         c
         for c in STATE_CLASSES
         if (c == "param" and plan.stage == 3) or c in plan.optimizer.state_keys
     ]
     return {
+        "layer_major_block": block,
         "expected_read_nbytes": t.read_nbytes,
         "expected_write_nbytes": t.write_nbytes,
         "worst_read_nbytes": w.read_nbytes,

@@ -305,6 +305,10 @@ class RuntimePlan:
     """Micro-batches per optimizer step (what the state moves per step depends on it: traffic.py)."""
     chosen: PlacementChoice | None = None
     """Set when the placement planner chose the "auto" sections' homes (placement.py)."""
+    layer_major_block: int | None = None
+    """The micro-batches engine.train_batch runs layer-major at once, when initialize planned for it
+    (the config's zero_optimization.layer_major; [Note: layer-major blocks] in blocks.py); None:
+    train_batch chooses at its first call."""
     zero: ZeroConfig | None = None
     """The zero_optimization section the plan was made from (with the sizes the planner chose)."""
 
