@@ -2,9 +2,13 @@
 activations of the window's micro-batches are alive at once, and each array on NVMe moves once per
 step, as with one micro-batch ([Note: traffic model])."""
 
-from infinity.estimate import estimate_memory
+import pytest
+
+from infinity.estimate import ZeroSetting, estimate_memory
 from infinity.models import GPT, GPTConfig
 from tests.engine.reference import engine_config
+from tests.estimate.test_reality import _config as reality_config
+from tests.estimate.test_reality import _probe as probe
 
 MODEL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, bias=False)
 
@@ -38,3 +42,51 @@ def test_the_command_takes_layer_major(capsys):
     assert main([*args, "--layer-major"]) == 0
     assert main(["estimate", "--params", "2M", "--inference", "--layer-major"]) == 2
     assert "--layer-major are training's" in capsys.readouterr().err
+
+
+# name: (GPT shape, micro-batch, seq, gradient_accumulation_steps): a wide unit and a large vocabulary
+# (what each micro-batch of a block keeps beyond its saves), and a deeper stack of small units
+REALITY = {
+    "g8-4-layers": (dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256), 2, 64, 8),
+    "g32-vocab-8192": (
+        dict(vocab_size=8192, seq_len=32, n_layer=2, n_head=4, d_model=128),
+        1,
+        32,
+        32,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REALITY))
+def test_the_estimate_holds_train_batchs_peak(name, tmp_path):
+    """train_batch over the window as one block (zero_optimization.layer_major.block = g) in a fresh
+    process: its peak RSS against estimate_memory(layer_major=True), at least it and at most the
+    reality tests' 15% above ([Note: layer-major blocks])."""
+    shape, mb, seq, g = REALITY[name]
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    cfg = reality_config(
+        3, "nvme", "nvme", micro_batch=mb, nvme=str(nvme), sub_group_size=1_000_000
+    )
+    cfg["gradient_accumulation_steps"] = g
+    cfg["zero_optimization"]["layer_major"] = {"block": g}
+    spec = dict(model=shape, config=cfg, micro_batch=mb, seq=seq, steps=2, nvme_path=str(nvme))
+    m = probe({**spec, "train_batch": True})
+    est = estimate_memory(
+        GPTConfig(**shape),
+        config=cfg,
+        micro_batch=mb,
+        seq=seq,
+        device="cpu",
+        zero_init=False,
+        baseline_nbytes=m["baseline"],
+        machine=False,
+        settings=[ZeroSetting(3, "nvme", "nvme")],
+        layer_major=True,
+    )
+    plan = est.settings[0].breakdown
+    assert plan.layer_major_block == g
+    ram, peak = plan.ram_nbytes, m["peak"]
+    line = f"{name}: peak RSS {peak / 2**20:.1f} MiB, estimate {ram / 2**20:.1f} MiB ({ram / peak:.3f})"
+    print(line)
+    assert peak <= ram <= 1.15 * peak, line
