@@ -3,6 +3,7 @@ activations of the window's micro-batches are alive at once, and each array on N
 step, as with one micro-batch ([Note: traffic model])."""
 
 import pytest
+import torch
 
 from infinity.estimate import ZeroSetting, estimate_memory
 from infinity.models import GPT, GPTConfig
@@ -90,3 +91,79 @@ def test_the_estimate_holds_train_batchs_peak(name, tmp_path):
     line = f"{name}: peak RSS {peak / 2**20:.1f} MiB, estimate {ram / 2**20:.1f} MiB ({ram / peak:.3f})"
     print(line)
     assert peak <= ram <= 1.15 * peak, line
+
+
+# A vocabulary large next to the model: each micro-batch's logits dominate what a block keeps.
+BUDGET_MODEL = GPTConfig(vocab_size=4096, seq_len=32, n_layer=2, n_head=2, d_model=32, bias=False)
+
+
+def _config(nvme_dir, gas, device, budget=None):
+    cfg = engine_config(3, "nvme", "nvme", nvme_dir, gas=gas)
+    zero = cfg["zero_optimization"]
+    if device == "auto":
+        for section in ("offload_param", "offload_optimizer"):
+            zero[section] = {"device": "auto", "nvme_path": str(nvme_dir)}
+        del zero["sub_group_size"]
+    zero["layer_major"] = {"block": "auto"}
+    if budget is not None:
+        cfg["host_memory_budget"] = budget
+    return cfg
+
+
+def _least_need(cfg, block):
+    """The least host memory a plan needs with ``block`` micro-batches per block (the planner's
+    with nothing kept in host memory, under "auto")."""
+    import dataclasses
+
+    from infinity.config import load_config
+    from infinity.estimate.context import run_context
+    from infinity.estimate.placement import is_auto, place_in_budget
+    from infinity.estimate.runtime_plan import plan_runtime
+
+    model = GPT(BUDGET_MODEL)
+    c = load_config(cfg)
+    ctx = dataclasses.replace(run_context(model, c, device="cpu", world_size=1), block=block)
+    if is_auto(c):
+        plan = place_in_budget(model, c, ctx, budget_nbytes=0, budget_source="test")
+        return plan.chosen.need_nbytes
+    return ctx.host_need(ctx.itemise(c, plan_runtime(model, c, world_size=1)))
+
+
+@pytest.mark.parametrize("device", ["nvme", "auto"])
+def test_a_budget_too_small_for_the_window_picks_a_smaller_block(device, nvme_dir):
+    """[Note: layer-major blocks]: host_memory_budget between what blocks of 4 and of 8 need (at
+    the least, under "auto"): the block is below 8 and fits — with fixed homes the largest that
+    fits, 4 (fewer blocks move fewer bytes) — and train_batch gives the loop's numbers."""
+    from tests.engine.test_train_batch import assert_same, train
+
+    g = 8
+    four = _least_need(_config(nvme_dir, g, device), 4)
+    eight = _least_need(_config(nvme_dir, g, device), 8)
+    assert eight > four
+    cfg = _config(nvme_dir, g, device, budget=(four + eight) // 2)
+    xs = [torch.randint(0, BUDGET_MODEL.vocab_size, (2, 32)) for _ in range(g)]
+    batches = [[(x, x) for x in xs]]
+    plans = []
+    layer = train(
+        lambda: GPT(BUDGET_MODEL),
+        cfg,
+        batches,
+        layer_major=True,
+        inspect=lambda e: plans.append(e.runtime.plan),
+    )
+    (plan,) = plans
+    assert plan.layer_major_block == 4 if device == "nvme" else plan.layer_major_block < g
+    if device == "auto":
+        assert plan.chosen.need_nbytes <= plan.chosen.budget_nbytes
+    loop = train(lambda: GPT(BUDGET_MODEL), cfg, batches, layer_major=False)
+    assert_same(loop, layer)
+
+
+def test_a_budget_too_small_for_one_micro_batch_is_refused(nvme_dir):
+    import infinity
+    from infinity.config import ConfigError
+
+    cfg = _config(nvme_dir, 8, "auto")
+    cfg["host_memory_budget"] = _least_need(cfg, 1) - (1 << 20)
+    with pytest.raises(ConfigError, match="host_memory_budget"):
+        infinity.initialize(GPT(BUDGET_MODEL), cfg)
