@@ -22,8 +22,10 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
   plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
   bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
   layer-major    "planner-10" driven by engine.train_batch: the --gas micro-batches of a step
-                 layer-major, each unit read once per step (docs/layer-major.md); the other
-                 infinity kinds run the micro-batch loop (micro-batch-major)
+                 layer-major in blocks (zero_optimization.layer_major.block: --layer-major-block,
+                 default "auto": the planner picks the block with the least NVMe bytes whose
+                 activations fit the same budget and cgroup as planner-10's), each unit read once
+                 per block (docs/layer-major.md); the other infinity kinds run the micro-batch loop
   deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
                  (with stage3_max_reuse_distance 0 and the initial weights copied in after its
                  zero.Init, which drops the model's own initialisation)
@@ -243,6 +245,9 @@ def _infinity(gpt, corpus, a, out):
             "first_step": a["warmup"],
             "steps": a["steps"],
         }
+    if kind == "layer-major":  # initialize plans for train_batch: a block's activations counted
+        block = a.get("layer_major_block") or "auto"
+        zero["layer_major"] = {"block": block if block == "auto" else int(block)}
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
     if a.get("checkpointing"):
@@ -403,6 +408,7 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
         "cgroup": cgroup,
         "checkpointing": args.checkpointing,
         "gas": args.gas,
+        "layer_major_block": args.layer_major_block,
     }
     try:
         r = subprocess.run(
@@ -430,6 +436,12 @@ def main() -> int:
         type=int,
         default=None,
         help="micro-batches per optimizer step (gradient accumulation; default 1, --quick 2)",
+    )
+    ap.add_argument(
+        "--layer-major-block",
+        default="auto",
+        metavar="K",
+        help="the layer-major kind's micro-batches per block (default \"auto\": the planner's)",
     )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
@@ -689,6 +701,9 @@ def _kind_summary(
         r["write_over_least"] = write / ew if ew else None
         line += f" (least {er / n:.1f} / {ew / n:.1f})"
     line += f"; waited {wait:.2f} s for I/O" if wait is not None else "; I/O waits not measured"
+    if first.get("layer_major_block") is not None:
+        r["layer_major_block"] = first["layer_major_block"]
+        line += f"; blocks of {first['layer_major_block']} micro-batches"
     line += f"; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
     if "budget_nbytes" in r:
         line += f" (budget {r['budget_nbytes'] / 2**30:.2f} GiB over {r['floor_nbytes'] / 2**30:.2f} needed anyway"
