@@ -167,3 +167,18 @@ def test_a_budget_too_small_for_one_micro_batch_is_refused(nvme_dir):
     cfg["host_memory_budget"] = _least_need(cfg, 1) - (1 << 20)
     with pytest.raises(ConfigError, match="host_memory_budget"):
         infinity.initialize(GPT(BUDGET_MODEL), cfg)
+
+
+def test_the_command_shows_the_block(tmp_path, capsys):
+    import json
+
+    from infinity.cli.main import main
+
+    cfg = engine_config(3, "nvme", "nvme", tmp_path, gas=8)
+    cfg["zero_optimization"]["layer_major"] = {"block": 3}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = ["estimate", "--params", "2M", "--seq", "16", "--config", str(path), "--layer-major"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "engine.train_batch: 3 of the 8 micro-batches per layer-major block, 3 block(s)" in out
