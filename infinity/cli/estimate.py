@@ -166,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--layer-major",
         action="store_true",
         help="training by engine.train_batch in layer-major blocks of micro-batches (the config's "
-        "zero_optimization.layer_major.block; \"auto\": the block with the least NVMe traffic that "
+        'zero_optimization.layer_major.block; "auto": the block with the least NVMe traffic that '
         "fits, shown): a block's activations at once, each array on NVMe moved once per block",
     )
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")

@@ -362,11 +362,12 @@ class Engine:
         """How many micro-batches train_batch runs layer-major at once ([Note: layer-major
         blocks] in infinity/estimate/blocks.py): initialize's choice when the config has
         zero_optimization.layer_major, else chosen at the first call within the memory free now."""
-        if self._block is None:
-            self._block = self.runtime.plan.layer_major_block or block_after_initialize(
-                self.module, self.config, self.runtime.plan, device=self.device, group=self.group
+        plan = self.runtime.plan
+        if self._block is None and plan is not None:
+            self._block = plan.layer_major_block or block_after_initialize(
+                self.module, self.config, plan, device=self.device, group=self.group
             )
-        return min(self._block, g)
+        return min(self._block or g, g)
 
     def _micro_batches(self, micro_batches: Any, data_iter: Any) -> list[Any]:
         g = self.gradient_accumulation_steps

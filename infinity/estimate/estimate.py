@@ -397,13 +397,13 @@ def _estimate(
             assert runtime.chosen is not None
             return ctx_k.itemise(c, runtime, changes), runtime.chosen.need_nbytes <= budget
         b = ctx_k.itemise(c, None, changes)
-        view = machine if isinstance(machine, MachineView) else machine_view() if machine else None
-        budget = resolve_budget(c, view, gpus_per_node)[0] if view and c.host_budget else None
-        fits = view is None or (
+        seen = machine if isinstance(machine, MachineView) else machine_view() if machine else None
+        limit = resolve_budget(c, seen, gpus_per_node)[0] if seen and c.host_budget else None
+        fits = seen is None or (
             check_fit(
-                b, view, ranks_per_node=gpus_per_node, held_nbytes=ctx.held_nbytes * gpus_per_node
+                b, seen, ranks_per_node=gpus_per_node, held_nbytes=ctx.held_nbytes * gpus_per_node
             ).host_ok
-            and (budget is None or ctx.host_need(b) <= budget)
+            and (limit is None or ctx.host_need(b) <= limit)
         )
         return b, fits
 
