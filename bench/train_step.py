@@ -263,6 +263,11 @@ def _infinity(gpt, corpus, a, out):
         )
     engine = infinity.initialize(model, cfg)
     out.update(_plan_record(engine.runtime.plan))
+    if out.get("layer_major_block") is not None:  # on stderr now: it is what a killed run leaves
+        print(
+            f"{kind}: blocks of {out['layer_major_block']}; " + "; ".join(out["plan"]),
+            file=sys.stderr,
+        )
 
     def batches(i):
         return [corpus.batch(i * gas + j, a["micro_batch"], a["seq"]) for j in range(gas)]
