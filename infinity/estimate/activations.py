@@ -28,7 +28,7 @@ Trained by engine.train_batch, a block of k micro-batches keeps k of each
 figure at once (their backwards walk together: k working sets too), and
 each micro-batch beyond that its fp32 logits (``thread``: freed by its
 forward's thread into that thread's own heap, which the others do not reuse)
-and the largest unit's parameters in fp32 (itemise.py; [Note: layer-major
+and the largest layer's parameters in fp32 (itemise.py; [Note: layer-major
 blocks] in blocks.py has the measurements).
 """
 
@@ -70,7 +70,7 @@ class Activations:
 
     def block(self, k: int, *, checkpointing: bool, unit_nbytes: int) -> int:
         """What a layer-major block of ``k`` micro-batches keeps at once (engine.train_batch), given
-        the largest unit's parameter bytes in fp32 ([Note: layer-major blocks] in blocks.py)."""
+        the largest layer's parameter bytes in fp32 ([Note: layer-major blocks] in blocks.py)."""
         return k * (self.peak(checkpointing=checkpointing) + self.thread + unit_nbytes)
 
 

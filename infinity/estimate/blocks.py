@@ -13,7 +13,8 @@ per step; k = 1 is the micro-batch loop's order.
   4 shapes: L 2-8, d 128-512, V 256-8192, B·T 32-128, slopes over k from 4 to
   32 fitted within 6%) its fp32 logits — freed by its forward's thread into
   that thread's own heap, which the other threads do not reuse — and the
-  largest unit's parameters in fp32. ``Activations.block`` counts them;
+  largest layer's parameters in fp32 (a transformer block, or the embedding:
+  ``largest_layer_nbytes``). ``Activations.block`` counts them;
   itemise.py itemises them.
 - Traffic: each array on NVMe moves as with gas = ceil(g/k) (traffic.py).
 - Choice (``zero_optimization.layer_major.block``): an integer is taken as
@@ -110,9 +111,9 @@ def agree(block: int, group: DataParallelGroup) -> int:
     return -int(agreed)
 
 
-def largest_unit_nbytes(plan: RuntimePlan) -> int:
-    """The largest unit's parameters in fp32: what each micro-batch of a block keeps of it (the note)."""
-    return max((u.layout.numel for u in plan.units), default=0) * FP32_NBYTES
+def largest_layer_nbytes(plan: RuntimePlan) -> int:
+    """The largest layer's parameters in fp32: what each micro-batch of a block keeps (the note)."""
+    return plan.largest_layer_numel() * FP32_NBYTES
 
 
 def block_after_initialize(
@@ -143,7 +144,7 @@ def block_after_initialize(
         )
         return agree(gas, group)
     free, source = default_budget(machine or machine_view(), ctx.ranks_per_node)
-    unit = largest_unit_nbytes(plan)
+    unit = largest_layer_nbytes(plan)
     counted = a.peak(checkpointing=ctx.checkpointing)
     fits = [
         k

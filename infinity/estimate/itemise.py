@@ -647,7 +647,7 @@ class Itemiser:
             )
         )
         if block is not None:
-            unit = max((u.layout.numel for u in self.units), default=0) * 4
+            unit = self.rt.largest_layer_numel() * FP32_NBYTES
             self.add(
                 Item(
                     "layer-major block's micro-batches",
@@ -655,7 +655,7 @@ class Itemiser:
                     (a.thread + unit) * k,
                     "train",
                     f"per micro-batch of the block: its forward thread's freed logits "
-                    f"({format_nbytes(a.thread)}) and the largest unit's parameters in fp32 "
+                    f"({format_nbytes(a.thread)}) and the largest layer's parameters in fp32 "
                     f"({format_nbytes(unit)}), measured",
                     "zero_optimization.layer_major.block",
                     heap=True,
