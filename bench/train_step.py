@@ -22,8 +22,10 @@ step time (after warm-up) to plain PyTorch's in the same repeat.
   plain-bf16     mixed precision by hand: a bf16 model for forward/backward, fp32 masters (torch AdamW)
   bf16           infinity in bf16 (16-bit parameter shards, fp32 masters) with the planner at 10%
   layer-major    "planner-10" driven by engine.train_batch: the --gas micro-batches of a step
-                 layer-major, each unit read once per step (docs/layer-major.md); the other
-                 infinity kinds run the micro-batch loop (micro-batch-major)
+                 layer-major in blocks (zero_optimization.layer_major.block: --layer-major-block,
+                 default "auto": the planner picks the block with the least NVMe bytes whose
+                 activations fit the same budget and cgroup as planner-10's), each unit read once
+                 per block (docs/layer-major.md); the other infinity kinds run the micro-batch loop
   deepspeed      DeepSpeed ZeRO-3, params and optimizer on NVMe, where `deepspeed` is importable
                  (with stage3_max_reuse_distance 0 and the initial weights copied in after its
                  zero.Init, which drops the model's own initialisation)
@@ -243,6 +245,9 @@ def _infinity(gpt, corpus, a, out):
             "first_step": a["warmup"],
             "steps": a["steps"],
         }
+    if kind == "layer-major":  # initialize plans for train_batch: a block's activations counted
+        block = a.get("layer_major_block") or "auto"
+        zero["layer_major"] = {"block": block if block == "auto" else int(block)}
     with infinity.zero.Init(cfg):
         model = GPT(gpt)
     if a.get("checkpointing"):
@@ -257,7 +262,12 @@ def _infinity(gpt, corpus, a, out):
             cgroup_limit=_cgroup.enforce(a.get("cgroup"), budget + cgroup_slack_nbytes(budget)),
         )
     engine = infinity.initialize(model, cfg)
-    out.update(_plan_record(engine.runtime.plan, layer_major=kind == "layer-major"))
+    out.update(_plan_record(engine.runtime.plan))
+    if out.get("layer_major_block") is not None:  # on stderr now: it is what a killed run leaves
+        print(
+            f"{kind}: blocks of {out['layer_major_block']}; " + "; ".join(out["plan"]),
+            file=sys.stderr,
+        )
 
     def batches(i):
         return [corpus.batch(i * gas + j, a["micro_batch"], a["seq"]) for j in range(gas)]
@@ -294,21 +304,24 @@ def _planner_budget(model, raw: dict, share: float) -> tuple[int, int, int]:
     return floor + int(share * state), floor, state
 
 
-def _plan_record(plan, *, layer_major: bool = False) -> dict:
+def _plan_record(plan) -> dict:
     """Where the plan put each state class, and the bytes per step it should move (layer-major:
-    each array read and written once per step, as with one micro-batch)."""
+    each array read and written once per block, as with one micro-batch)."""
     from infinity.estimate.placement import describe_placement
     from infinity.estimate.runtime_plan import STATE_CLASSES
     from infinity.estimate.traffic import expected_traffic, worst_case_traffic
 
-    t = expected_traffic(plan, layer_major=layer_major)
-    w = worst_case_traffic(plan, layer_major=layer_major)
+    gas, block = plan.gradient_accumulation_steps, plan.layer_major_block
+    blocks = None if block is None else -(-gas // block)
+    t = expected_traffic(plan, blocks=blocks)
+    w = worst_case_traffic(plan, blocks=blocks)
     classes = [
         c
         for c in STATE_CLASSES
         if (c == "param" and plan.stage == 3) or c in plan.optimizer.state_keys
     ]
     return {
+        "layer_major_block": block,
         "expected_read_nbytes": t.read_nbytes,
         "expected_write_nbytes": t.write_nbytes,
         "worst_read_nbytes": w.read_nbytes,
@@ -400,6 +413,7 @@ def run_child(kind: str, args: argparse.Namespace, nvme: str) -> dict:
         "cgroup": cgroup,
         "checkpointing": args.checkpointing,
         "gas": args.gas,
+        "layer_major_block": args.layer_major_block,
     }
     try:
         r = subprocess.run(
@@ -427,6 +441,12 @@ def main() -> int:
         type=int,
         default=None,
         help="micro-batches per optimizer step (gradient accumulation; default 1, --quick 2)",
+    )
+    ap.add_argument(
+        "--layer-major-block",
+        default="auto",
+        metavar="K",
+        help="the layer-major kind's micro-batches per block (default \"auto\": the planner's)",
     )
     ap.add_argument("--steps", type=int, default=5, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=2)
@@ -686,6 +706,9 @@ def _kind_summary(
         r["write_over_least"] = write / ew if ew else None
         line += f" (least {er / n:.1f} / {ew / n:.1f})"
     line += f"; waited {wait:.2f} s for I/O" if wait is not None else "; I/O waits not measured"
+    if first.get("layer_major_block") is not None:
+        r["layer_major_block"] = first["layer_major_block"]
+        line += f"; blocks of {first['layer_major_block']} micro-batches"
     line += f"; peak RSS {r['peak_rss'] / 2**30:.2f} GiB"
     if "budget_nbytes" in r:
         line += f" (budget {r['budget_nbytes'] / 2**30:.2f} GiB over {r['floor_nbytes'] / 2**30:.2f} needed anyway"

@@ -165,8 +165,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layer-major",
         action="store_true",
-        help="training by engine.train_batch: count the activations of gradient_accumulation_steps "
-        "micro-batches at once, and each array on NVMe moved once per step",
+        help="training by engine.train_batch in layer-major blocks of micro-batches (the config's "
+        'zero_optimization.layer_major.block; "auto": the block with the least NVMe traffic that '
+        "fits, shown): a block's activations at once, each array on NVMe moved once per block",
     )
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
     g = p.add_argument_group("inference (--inference)")

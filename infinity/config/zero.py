@@ -130,6 +130,26 @@ class OffloadOptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerMajorConfig:
+    """``zero_optimization.layer_major`` (infinity; DeepSpeed has none): how ``engine.train_batch``
+    runs a window's micro-batches ([Note: layer-major blocks] in infinity/estimate/blocks.py). With
+    this section in the config, initialize plans for train_batch: the pre-flight check counts a
+    block's micro-batches' activations; without it, train_batch's first call chooses the block
+    within the host memory free then."""
+
+    PATH: ClassVar[str] = "zero_optimization.layer_major"
+
+    block: int | Literal["auto"] = knob("auto", ge=1)
+    """Micro-batches run layer-major at once (each unit read once per block; gradients accumulate
+    over the blocks): an integer (at most gradient_accumulation_steps is used; 1 is the
+    micro-batch loop's order), or "auto": the block with the least predicted step time whose
+    activations fit the host-memory budget."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: how training state is partitioned across ranks and tiers."""
 
@@ -142,6 +162,8 @@ class ZeroConfig:
     """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = knob(OffloadOptimizerConfig())
     """Optimizer-state offload (stages 1-3; nvme is accepted at stages 1 and 2 too, unlike DeepSpeed)."""
+    layer_major: LayerMajorConfig = knob(LayerMajorConfig())
+    """infinity: engine.train_batch's blocks of micro-batches run layer-major."""
     sub_group_size: int = knob(1_000_000_000, ge=1)
     """Elements per optimizer-step tile; with nvme, the unit streamed NVMe <-> CPU."""
     stage3_prefetch_bucket_size: int = knob(50_000_000, ge=0, aliases=("prefetch_bucket_size",))

@@ -40,6 +40,7 @@ from infinity.engine.saving import ModelSaving, gathered_state_dict, save_pretra
 from infinity.engine.step_record import Counters, StepClock, StepRecord
 from infinity.engine.tracing import TraceWindow, output_path, predict_more_budget, trace_settings
 from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
+from infinity.estimate.blocks import block_after_initialize
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.host import peak_rss_nbytes
 from infinity.optim.lr_schedules import build_scheduler
@@ -153,6 +154,7 @@ class Engine:
         # ([Note: the tracing window] in engine/tracing.py).
         self._tracing = self._make_tracing(trace_config, trace_path)
         self._traced_step = -1  # the optimizer step whose first forward the window was told of
+        self._block: int | None = None  # train_batch's micro-batches per layer-major block
 
     def _make_tracing(self, settings: TraceConfig, path: Path | None) -> TraceWindow:
         rt = self.runtime
@@ -306,10 +308,40 @@ class Engine:
                 "engine.train_batch() was called under torch.no_grad() (or inference_mode): it trains; "
                 "call it with gradients enabled"
             )
-        rt = self.runtime
         if self._traced_step != self.global_steps:
             self._traced_step = self.global_steps
             self._tracing.step_begins(self.global_steps)
+        k = self._layer_major_block(g)
+        losses: list[torch.Tensor] = []
+        diverged: str | None = None
+        for first in range(0, g, k):
+            block = batches[first : first + k]
+            out, why = self._forward_block(block, first, g, loss_fn)
+            diverged = diverged or why
+            self._backward_all(out, layer_major=why is None, first=first, last=first + k >= g)
+            losses += out
+        if diverged is not None:
+            log.warning(
+                "engine.train_batch() ran step %d micro-batch-major (each unit read once per "
+                "micro-batch): %s",
+                self.global_steps,
+                diverged,
+            )
+        self.micro_steps += g - 1  # the step below counts the last one
+        self.step()
+        mean = torch.stack([loss.detach() for loss in losses]).mean()
+        return (mean, [loss.detach() for loss in losses]) if return_losses else mean
+
+    def _forward_block(
+        self,
+        block: list[Any],
+        first: int,
+        window: int,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None,
+    ) -> tuple[list[torch.Tensor], str | None]:
+        """The forwards of one block's micro-batches (the ``window``'s from ``first`` on), layer-major:
+        their losses, and why they stopped meeting (the rest ran micro-batch-major), or None."""
+        rt = self.runtime
         trace = self._trace
         tl = Timeline.active
         self._clock.start()
@@ -326,11 +358,13 @@ class Engine:
                 )
                 result = LayerMajorForward(
                     forward,
-                    batches,
+                    block,
                     meeting=list(rt.unit_map.uses) if rt.partitioner is not None else [],
                     partitioner=rt.partitioner,
+                    first=first,
+                    window=window,
                 ).run()
-            losses = [_loss_of(out, i, loss_fn) for i, out in enumerate(result.outputs)]
+            losses = [_loss_of(out, first + i, loss_fn) for i, out in enumerate(result.outputs)]
         except BaseException:
             if trace is not None:
                 trace.abort_step()
@@ -338,21 +372,19 @@ class Engine:
         finally:
             if span is not None and tl is not None:
                 tl.end(span)
-        if result.diverged is not None:
-            log.warning(
-                "engine.train_batch() ran step %d micro-batch-major (each unit read once per "
-                "micro-batch): %s",
-                self.global_steps,
-                result.diverged,
+        self._clock.forward_s += self._now() - t0
+        return losses, result.diverged
+
+    def _layer_major_block(self, g: int) -> int:
+        """How many micro-batches train_batch runs layer-major at once ([Note: layer-major
+        blocks] in infinity/estimate/blocks.py): initialize's choice when the config has
+        zero_optimization.layer_major, else chosen at the first call within the memory free now."""
+        plan = self.runtime.plan
+        if self._block is None and plan is not None:
+            self._block = plan.layer_major_block or block_after_initialize(
+                self.module, self.config, plan, device=self.device, group=self.group
             )
-        t1 = self._now()
-        self._clock.forward_s += t1 - t0
-        self._backward_all(losses, layer_major=result.diverged is None)
-        self._clock.backward_s += self._now() - t1
-        self.micro_steps += g - 1  # the step below counts the last one
-        self.step()
-        mean = torch.stack([loss.detach() for loss in losses]).mean()
-        return (mean, [loss.detach() for loss in losses]) if return_losses else mean
+        return min(self._block or g, g)
 
     def _micro_batches(self, micro_batches: Any, data_iter: Any) -> list[Any]:
         g = self.gradient_accumulation_steps
@@ -391,10 +423,15 @@ class Engine:
             )
         return batches
 
-    def _backward_all(self, losses: list[torch.Tensor], *, layer_major: bool) -> None:
-        """The backward of every micro-batch's loss, each scaled as backward() scales it: in one
-        autograd call (layer-major), or one after another."""
+    def _backward_all(
+        self, losses: list[torch.Tensor], *, layer_major: bool, first: int, last: bool
+    ) -> None:
+        """The backward of one block's losses (micro-batches ``first``... of the window; ``last``:
+        the window's last block), each scaled as backward() scales it: in one autograd call
+        (layer-major), or one after another."""
         self.synchronize()
+        self._clock.start()
+        t0 = self._now()
         rt = self.runtime
         scale = self.loss_scaler.scale / self.gradient_accumulation_steps
         tl = Timeline.active
@@ -406,7 +443,7 @@ class Engine:
             with self.activation_checkpointing.in_force():
                 if layer_major:
                     if rt.reducer is not None:
-                        rt.reducer.begin_micro(last=True)
+                        rt.reducer.begin_micro(last=last)
                     torch.autograd.backward(
                         losses, grad_tensors=[torch.full_like(loss, scale) for loss in losses]
                     )
@@ -414,21 +451,24 @@ class Engine:
                 else:
                     for i, loss in enumerate(losses):
                         if rt.reducer is not None:
-                            rt.reducer.begin_micro(last=i == len(losses) - 1)
+                            rt.reducer.begin_micro(last=last and i == len(losses) - 1)
                         (loss * scale if scale != 1.0 else loss).backward()
                         done += 1
         except BaseException as e:
             for i, loss in enumerate(losses[:done]):
-                self._window.completed(self.micro_steps + i, loss)
+                self._window.completed(self.micro_steps + first + i, loss)
             self._backward_failed(e)
             raise
         finally:
             if span is not None and tl is not None:
                 tl.end(span)
+            self._clock.backward_s += self._now() - t0
         for i, loss in enumerate(losses):
-            self._window.completed(self.micro_steps + i, loss)
+            self._window.completed(self.micro_steps + first + i, loss)
         if self._trace is not None and self._trace.step_open:
-            self._trace.end_step()
+            # as backward() at a micro-batch inside the window: what the next block starts with
+            # stays held ([Note: across the step boundary])
+            self._trace.end_step(keep_for_next=not last)
 
     def _backward_failed(self, error: BaseException) -> None:
         """Settles what a backward that raised left behind, and says in ``error`` what state that is."""

@@ -114,8 +114,12 @@ class LayerMajorForward:
         *,
         meeting: Sequence[nn.Module],
         partitioner: Stage3Partitioner | None,
+        first: int = 0,
+        window: int | None = None,
     ):
         self.forward = forward
+        self.first = first  # the window's index of batches[0] (a block of it), for errors
+        self.window = window if window is not None else len(batches)
         self.runners = [_Runner(i, b) for i, b in enumerate(batches)]
         self.meeting = list(dict.fromkeys(meeting))
         self.partitioner = partitioner
@@ -168,8 +172,8 @@ class LayerMajorForward:
             if r.error is not None:
                 add_note(
                     r.error,
-                    f"infinity: raised by the forward of micro-batch {r.index} of "
-                    f"{len(self.runners)} in engine.train_batch()",
+                    f"infinity: raised by the forward of micro-batch {self.first + r.index} of "
+                    f"{self.window} in engine.train_batch()",
                 )
                 raise r.error
         return ForwardResult([r.output for r in self.runners], self._sequential)

@@ -23,6 +23,13 @@ figures are used.
 Checkpointing every block keeps only each block's input (1 · B·T·d) and
 recomputes one block in backward, which then also holds that block's
 gradients: two blocks' worth.
+
+Trained by engine.train_batch, a block of k micro-batches keeps k of each
+figure at once (their backwards walk together: k working sets too), and
+each micro-batch beyond that its fp32 logits (``thread``: freed by its
+forward's thread into that thread's own heap, which the others do not reuse)
+and the largest layer's parameters in fp32 (itemise.py; [Note: layer-major
+blocks] in blocks.py has the measurements).
 """
 
 from __future__ import annotations
@@ -52,11 +59,19 @@ class Activations:
     """The same with every block checkpointed (block inputs + one recomputed block)."""
     working: int
     """Transient working memory of backward (at its start: the logits' gradients)."""
+    thread: int = 0
+    """Engine.train_batch: what each micro-batch's forward thread keeps beyond its saves (the fp32
+    logits it freed; [Note: layer-major blocks] in blocks.py)."""
     source: str = "infinity.models.GPT's measured coefficients"
     """How the figures were made (the GPT coefficients here, or traced.py's count of one forward)."""
 
     def peak(self, *, checkpointing: bool) -> int:
         return (self.saved_checkpointed if checkpointing else self.saved) + self.working
+
+    def block(self, k: int, *, checkpointing: bool, unit_nbytes: int) -> int:
+        """What a layer-major block of ``k`` micro-batches keeps at once (engine.train_batch), given
+        the largest layer's parameter bytes in fp32 ([Note: layer-major blocks] in blocks.py)."""
+        return k * (self.peak(checkpointing=checkpointing) + self.thread + unit_nbytes)
 
 
 def gpt_activations(cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int) -> Activations:
@@ -76,4 +91,5 @@ def gpt_activations(cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int
         saved=cfg.n_layer * block + top,
         saved_checkpointed=cfg.n_layer * btd + 2 * block + top,
         working=working,
+        thread=LOGSOFTMAX_NBYTES * bt * cfg.vocab_size,
     )

@@ -71,8 +71,17 @@ class Breakdown:
     first key: it depends on where the state rests, not on pool sizes): traffic.worst_case_traffic."""
     changes: tuple[tuple[str, int, int], ...] = ()
     """(config key, the config's value, the value planned) for a tuned setting."""
+    layer_major_block: int | None = None
+    """Trained by engine.train_batch in blocks of this many micro-batches (None: the micro-batch
+    loop); [Note: layer-major blocks] in blocks.py."""
     runtime: RuntimePlan | None = dataclasses.field(default=None, compare=False, repr=False)
     """The RuntimePlan the engine would allocate for this setting, which the items are read from."""
+
+    def layer_major_blocks(self) -> int | None:
+        """Blocks per step under engine.train_batch (None: the micro-batch loop, or no plan)."""
+        if self.layer_major_block is None or self.runtime is None:
+            return None
+        return -(-self.runtime.gradient_accumulation_steps // self.layer_major_block)
 
     def keys(self) -> str:
         """The config keys that select this setting (its stage and offload, plus tuned sizes)."""

@@ -44,8 +44,13 @@ class RunContext:
     checkpointing: bool = False
     """Activations counted as with every transformer block checkpointed (as the model is set up, or the
     estimate's option)."""
-    layer_major: bool = False
-    """Trained by engine.train_batch: the window's micro-batches' activations alive at once."""
+    block: int | None = None
+    """Trained by engine.train_batch in blocks of this many micro-batches, their activations alive at
+    once ([Note: layer-major blocks] in blocks.py); None: by the micro-batch loop."""
+
+    def blocks(self, gas: int) -> int | None:
+        """How many blocks a window of ``gas`` micro-batches runs in (None: the micro-batch loop)."""
+        return None if self.block is None else -(-gas // min(self.block, gas))
 
     def itemise(
         self,
@@ -61,7 +66,7 @@ class RunContext:
             baseline_nbytes=max(0, self.held_nbytes - self.spec.built_nbytes),
             activations=self.activations,
             checkpointing=self.checkpointing,
-            layer_major=self.layer_major,
+            block=self.block,
             zero_init=self.zero_init,
             changes=changes,
             runtime=runtime,

@@ -28,6 +28,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, load_config, read_config_file
 from infinity.config.auto import HIDDEN_SIZE_KEYS
 from infinity.config.zero import NvmePath
+from infinity.estimate.blocks import BlockTrial, block_setting, choose_block
 from infinity.estimate.breakdown import Breakdown
 from infinity.estimate.budget import resolve_budget
 from infinity.estimate.context import RunContext
@@ -88,9 +89,10 @@ class ActivationOptions:
     """``(micro_batch, seq) -> (args, kwargs)`` for a model whose forward takes other than infinity GPT's
     or a transformers LM's inputs."""
     layer_major: bool = False
-    """Training by ``engine.train_batch``: the saved activations of the config's
-    gradient_accumulation_steps micro-batches are alive at once ([Note: layer-major accumulation]
-    in infinity/engine/layer_major.py), and each array moves once per step."""
+    """Training by ``engine.train_batch`` in blocks of micro-batches, each block's alive at once and
+    each array moved once per block; the block as the config's zero_optimization.layer_major.block
+    sets it, "auto" chosen for each setting as initialize would ([Note: layer-major blocks] in
+    infinity/estimate/blocks.py; with no machine and no host_memory_budget, the whole window)."""
 
     @property
     def counted(self) -> bool:
@@ -314,8 +316,9 @@ def estimate_memory(
     from measured coefficients. ``activation_checkpointing``: count them with every layer checkpointed
     (True) or none (False); None: as the module is set up (transformers' gradient checkpointing, torch
     or infinity.checkpointing calls), none for a stand-in. ``layer_major``: training by
-    ``engine.train_batch``: gradient_accumulation_steps micro-batches' saved activations at once, and
-    each array on NVMe moved once per step.
+    ``engine.train_batch`` in blocks of micro-batches (the config's zero_optimization.layer_major.block,
+    "auto" chosen per setting as initialize would): a block's micro-batches alive at once, each array
+    on NVMe moved once per block.
     ``device``: "auto" (CUDA when available), "cpu" or "cuda". ``zero_init``: the
     model is built under infinity.zero.Init at stage 3 (default: detected for a
     module, assumed for a count). ``baseline_nbytes``: the process baseline
@@ -378,19 +381,45 @@ def _estimate(
         world_size=world_size,
         ranks_per_node=gpus_per_node,
         checkpointing=checkpointing,
-        layer_major=act.layer_major,
     )
     machine = opts.machine
 
-    def itemise(c: InfinityConfig, changes=()) -> Breakdown:
+    def itemise_block(c: InfinityConfig, changes, block: int | None) -> tuple[Breakdown, bool]:
+        """The breakdown with ``block`` micro-batches per layer-major block (None: the loop), and
+        whether it fits the budget ("auto" sections) or the machine (fixed ones; no machine: yes)."""
+        ctx_k = dataclasses.replace(ctx, block=block)
         if is_auto(c):  # the placement planner's choice within the budget, on this machine
             view = machine if isinstance(machine, MachineView) else machine_view()
             budget, source = resolve_budget(c, view, gpus_per_node)
             runtime = place_in_budget(
-                spec.module, c, ctx, budget_nbytes=budget, budget_source=source
+                spec.module, c, ctx_k, budget_nbytes=budget, budget_source=source
             )
-            return ctx.itemise(c, runtime, changes)
-        return ctx.itemise(c, None, changes)
+            assert runtime.chosen is not None
+            return ctx_k.itemise(c, runtime, changes), runtime.chosen.need_nbytes <= budget
+        b = ctx_k.itemise(c, None, changes)
+        seen = machine if isinstance(machine, MachineView) else machine_view() if machine else None
+        limit = resolve_budget(c, seen, gpus_per_node)[0] if seen and c.host_budget else None
+        fits = seen is None or (
+            check_fit(
+                b, seen, ranks_per_node=gpus_per_node, held_nbytes=ctx.held_nbytes * gpus_per_node
+            ).host_ok
+            and (limit is None or ctx.host_need(b) <= limit)
+        )
+        return b, fits
+
+    def itemise(c: InfinityConfig, changes=()) -> Breakdown:
+        if not act.layer_major:
+            return itemise_block(c, changes, None)[0]
+        made: dict[int, Breakdown] = {}
+
+        def trial(k: int) -> BlockTrial:
+            b, fits = itemise_block(c, changes, k)
+            made[k] = b
+            assert b.runtime is not None
+            return BlockTrial(k, b.runtime, fits, ctx.host_need(b))
+
+        chosen = choose_block(c.gradient_accumulation_steps, block_setting(c), trial)
+        return made[chosen.block]
 
     wanted = list(opts.settings) if opts.settings is not None else all_settings()
     if (

@@ -57,15 +57,17 @@ def itemise(
     activations: Activations | None,
     checkpointing: bool,
     zero_init: bool,
-    layer_major: bool = False,
+    block: int | None = None,
     changes: Sequence[tuple[str, int, int]] = (),
     runtime: RuntimePlan | None = None,
 ) -> Breakdown:
     """Itemises what ``cfg`` (one setting) allocates per rank (see the module docstring).
     ``changes``: the sizing keys tune.py changed (recorded in the breakdown). ``runtime``: the setting's
     RuntimePlan when one is made already (initialize's); else plan_runtime's for rank 0.
-    ``layer_major``: trained by engine.train_batch (activations of every micro-batch of the window at
-    once; each array on NVMe moved once per step)."""
+    ``block``: trained by engine.train_batch in blocks of that many micro-batches ([Note: layer-major
+    blocks] in blocks.py: a block's activations at once; each array on NVMe moved once per block)."""
+    gas = cfg.gradient_accumulation_steps
+    block = None if block is None else min(block, gas)
     runtime = runtime or plan_runtime(spec.module, cfg, world_size=world_size)
     p = Itemiser(spec, cfg, runtime, device_type)
     p.add(
@@ -86,11 +88,7 @@ def itemise(
         p.resident_parameters()
     p.flat_buffers_and_init()
     if activations is not None:
-        p.activations(
-            activations,
-            checkpointing,
-            micro_batches=cfg.gradient_accumulation_steps if layer_major else 1,
-        )
+        p.activations(activations, checkpointing, block=block, gas=gas)
     p.overheads()
     zero = cfg.zero_optimization
     return Breakdown(
@@ -105,7 +103,10 @@ def itemise(
         problems=tuple(p.problems),
         device_type=device_type,
         nvme_by_path=tuple(p.nvme_paths.items()),
-        nvme_traffic_nbytes=worst_case_traffic(runtime, layer_major=layer_major).nbytes,
+        nvme_traffic_nbytes=worst_case_traffic(
+            runtime, blocks=None if block is None else -(-gas // block)
+        ).nbytes,
+        layer_major_block=block,
         changes=tuple(changes),
         runtime=runtime,
     )
@@ -605,16 +606,21 @@ class Itemiser:
             )
         )
 
-    def activations(self, a: Activations, checkpointing: bool, *, micro_batches: int = 1) -> None:
-        """``micro_batches``: how many micro-batches' saved activations are alive at once
-        (engine.train_batch runs every forward of the window before its backward)."""
+    def activations(
+        self, a: Activations, checkpointing: bool, *, block: int | None = None, gas: int = 1
+    ) -> None:
+        """``block``: engine.train_batch runs the window's ``gas`` micro-batches in blocks of this
+        many, layer-major (None: the micro-batch loop); a block's micro-batches are alive at once:
+        their saved activations, their backward working sets (one autograd call walks their graphs
+        together) and their threads' heaps ([Note: layer-major blocks] in blocks.py)."""
+        k = block or 1
         saved, other = (
             (a.saved_checkpointed, a.saved) if checkpointing else (a.saved, a.saved_checkpointed)
         )
-        saved, other = saved * micro_batches, other * micro_batches
+        saved, other = saved * k, other * k
         alive = (
-            f"{micro_batches} micro-batches at once (engine.train_batch), "
-            if micro_batches > 1
+            f"{k} micro-batches at once (engine.train_batch, blocks of {k} of {gas}), "
+            if block is not None
             else ""
         )
         self.add(
@@ -635,12 +641,28 @@ class Itemiser:
             Item(
                 "backward working memory",
                 "device",
-                a.working,
+                a.working * k,
                 "train",
-                "gradients of the logits and of one block's activations",
+                "gradients of the logits and of one block's activations"
+                + (f", for {k} micro-batches at once" if k > 1 else ""),
                 heap=True,
             )
         )
+        if block is not None:
+            unit = self.rt.largest_layer_numel() * FP32_NBYTES
+            self.add(
+                Item(
+                    "layer-major block's micro-batches",
+                    "device",
+                    (a.thread + unit) * k,
+                    "train",
+                    f"per micro-batch of the block: its forward thread's freed logits "
+                    f"({format_nbytes(a.thread)}) and the largest layer's parameters in fp32 "
+                    f"({format_nbytes(unit)}), measured",
+                    "zero_optimization.layer_major.block",
+                    heap=True,
+                )
+            )
 
     def overheads(self) -> None:
         """Measured, not mirrored (rules.py says where each figure comes from)."""

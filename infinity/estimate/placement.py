@@ -57,6 +57,7 @@ from infinity.estimate.runtime_plan import (
 from infinity.estimate.traffic import (
     expected_traffic,
     frozen_param_cost,
+    passes,
     spill_cost,
     worst_case_traffic,
 )
@@ -149,11 +150,12 @@ class _Choice:
     candidate: Candidate
 
 
-def candidates(plan: RuntimePlan, cfg: InfinityConfig) -> list[_Choice]:
+def candidates(plan: RuntimePlan, cfg: InfinityConfig, blocks: int | None = None) -> list[_Choice]:
     """Every array of an "auto" section that may rest in host memory or on NVMe, with what it costs
-    there (its bytes) and saves (its traffic per step on NVMe)."""
+    there (its bytes) and saves (its traffic per step on NVMe; ``blocks``: trained by
+    engine.train_batch in that many blocks, traffic.py)."""
     zero = cfg.zero_optimization
-    gas = plan.gradient_accumulation_steps
+    gas = passes(plan, blocks)
     own_master = plan.optimizer is not None and "master" not in plan.optimizer.state_keys
     trainable = {u.index for u in plan.trainable_units()}
     out = []
@@ -207,7 +209,8 @@ def place_in_budget(
         return p, ctx.host_need(ctx.itemise(sized, p))
 
     base, _ = make({})
-    choices = candidates(base, sized)
+    blocks = ctx.blocks(sized.gradient_accumulation_steps)
+    choices = candidates(base, sized, blocks)
     solved = []  # (fits, traffic, need, plan) of each pool case's best
     for forced in _pool_cases(choices):
         homes = {(c.index, c.cls): "cpu" for c in forced}
@@ -217,7 +220,9 @@ def place_in_budget(
         if kept:
             homes.update({(free[i].index, free[i].cls): "cpu" for i in kept})
             plan, need = make(homes)
-        solved.append((need <= budget_nbytes, worst_case_traffic(plan).nbytes, need, plan))
+        solved.append(
+            (need <= budget_nbytes, worst_case_traffic(plan, blocks=blocks).nbytes, need, plan)
+        )
     fitting = [x for x in solved if x[0]]
     # The least traffic that fits; if nothing does, the least memory (the refusal then says how much).
     _, _, need, plan = (
@@ -243,8 +248,12 @@ def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
     return cases
 
 
-def describe_placement(plan: RuntimePlan) -> list[str]:
-    """A few lines on where the plan puts each state class and what it moves per step."""
+def describe_placement(plan: RuntimePlan, *, blocks: int | None = None) -> list[str]:
+    """A few lines on where the plan puts each state class and what it moves per step (``blocks``:
+    trained by engine.train_batch in that many blocks; by default the plan's own layer-major block,
+    else the micro-batch loop)."""
+    if blocks is None and plan.layer_major_block is not None:
+        blocks = -(-plan.gradient_accumulation_steps // plan.layer_major_block)
     lines = []
     numel = sum(u.layout.numel for u in plan.units)
     if plan.chosen is not None:
@@ -281,7 +290,8 @@ def describe_placement(plan: RuntimePlan) -> list[str]:
                 else ""
             )
         )
-    worst, expected = worst_case_traffic(plan), expected_traffic(plan)
+    worst = worst_case_traffic(plan, blocks=blocks)
+    expected = expected_traffic(plan, blocks=blocks)
     per = max(1, numel)
     lines.append(
         f"  NVMe per step: read {format_nbytes(expected.read_nbytes)}, write {format_nbytes(expected.write_nbytes)} "

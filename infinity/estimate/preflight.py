@@ -87,6 +87,9 @@ def preflight(
         return None
     group = group or DataParallelGroup()
     ctx = context or run_context(model, cfg, device=device, world_size=group.world_size)
+    if runtime is not None and runtime.layer_major_block is not None:
+        # planned for engine.train_batch: a block's micro-batches ([Note: layer-major blocks])
+        ctx = dataclasses.replace(ctx, block=runtime.layer_major_block)
     spec, held, ranks, acts = ctx.spec, ctx.held_nbytes, ctx.ranks_per_node, ctx.activations
 
     def itemise(c: InfinityConfig, changes=(), runtime: RuntimePlan | None = None) -> Breakdown:

@@ -193,6 +193,12 @@ def render(est: MemoryEstimate, *, items: bool = True) -> str:
             f"{', NVMe ' + format_nbytes(p.nvme_nbytes) if p.nvme_nbytes else ''}"
             " (init: as built + stores; train: stores + training; bracketed sizes are budgets inside other items)"
         )
+        if p.layer_major_block is not None and p.runtime is not None:
+            lines.append(
+                f"  engine.train_batch: {p.layer_major_block} of the "
+                f"{p.runtime.gradient_accumulation_steps} micro-batches per layer-major block, "
+                f"{p.layer_major_blocks()} block(s) per step (zero_optimization.layer_major.block)"
+            )
         if focus.fit is not None and not focus.fit.ok:
             lines += ["  does not fit: " + r for r in focus.fit.reasons]
         if p.runtime is not None and (p.setting.offload_param, p.setting.offload_optimizer) != (
@@ -201,7 +207,9 @@ def render(est: MemoryEstimate, *, items: bool = True) -> str:
         ):
             lines.append("")
             lines.append("where the training state rests, and what it moves per step:")
-            lines += ["  " + ln for ln in describe_placement(p.runtime)]
+            lines += [
+                "  " + ln for ln in describe_placement(p.runtime, blocks=p.layer_major_blocks())
+            ]
     return "\n".join(lines)
 
 
@@ -216,6 +224,7 @@ def _breakdown_dict(p: Breakdown) -> dict[str, Any]:
         "nvme_nbytes": p.nvme_nbytes,
         "nvme_by_path": dict(p.nvme_by_path),
         "nvme_traffic_nbytes_per_step": p.nvme_traffic_nbytes,
+        "layer_major_block": p.layer_major_block,
         **_traffic_dict(p),
         "items": [dataclasses.asdict(i) for i in p.items],
         "problems": [dataclasses.asdict(x) for x in p.problems],
@@ -227,7 +236,7 @@ def _traffic_dict(p: Breakdown) -> dict[str, Any]:
     placement planner chose its homes, its budget and choice."""
     if p.runtime is None:
         return {}
-    t = expected_traffic(p.runtime)
+    t = expected_traffic(p.runtime, blocks=p.layer_major_blocks())
     out: dict[str, Any] = {
         "nvme_read_nbytes_per_step": t.read_nbytes,
         "nvme_write_nbytes_per_step": t.write_nbytes,

@@ -305,12 +305,27 @@ class RuntimePlan:
     """Micro-batches per optimizer step (what the state moves per step depends on it: traffic.py)."""
     chosen: PlacementChoice | None = None
     """Set when the placement planner chose the "auto" sections' homes (placement.py)."""
+    layer_major_block: int | None = None
+    """The micro-batches engine.train_batch runs layer-major at once, when initialize planned for it
+    (the config's zero_optimization.layer_major; [Note: layer-major blocks] in blocks.py); None:
+    train_batch chooses at its first call."""
     zero: ZeroConfig | None = None
     """The zero_optimization section the plan was made from (with the sizes the planner chose)."""
 
     @property
     def units(self) -> list[ParamUnit]:
         return self.unit_map.units
+
+    def largest_layer_numel(self) -> int:
+        """Elements of the largest layer: an element of a module list (a unit's name up to its first
+        index: ``blocks.3``, ``model.layers.5``), or a unit outside any."""
+        layers: dict[str, int] = {}
+        for u in self.units:
+            parts = u.module_name.split(".")
+            cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), len(parts))
+            key = ".".join(parts[:cut])
+            layers[key] = layers.get(key, 0) + u.layout.numel
+        return max(layers.values(), default=0)
 
     @property
     def shard_rank(self) -> int:

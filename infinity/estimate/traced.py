@@ -368,6 +368,7 @@ def traced_activations(
         saved=count.saved + HEAP_MARGIN_QUARTERS * sum(count.layers) // 4,
         saved_checkpointed=saved_checkpointed,
         working=working,
+        thread=count.largest_outside,
         source=f"counted in one forward of {type(model).__name__}"
         + (
             " (its experts as transformers' grouped_mm computes them: the eager loop it is set to"

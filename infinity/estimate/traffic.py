@@ -27,10 +27,12 @@ less the partitioner's working set) still resident. That saving is the same
 whichever units are spilled (as long as more is spilled than the pool holds),
 so it does not change which placement is cheapest.
 
-Trained by ``engine.train_batch`` (``layer_major``), a step runs every
-micro-batch through each unit while it is resident and reduces each gradient
-once ([Note: layer-major accumulation] in infinity/engine/layer_major.py):
-every array moves as with gas = 1, whatever the window's micro-batches.
+Trained by ``engine.train_batch`` in ``blocks`` blocks of micro-batches, a
+block runs every one of its micro-batches through each unit while it is
+resident and reduces each gradient once ([Note: layer-major accumulation] in
+infinity/engine/layer_major.py, [Note: layer-major blocks] in blocks.py):
+every array moves as with gas = blocks, whatever the window's micro-batches
+(one block: as with one micro-batch).
 """
 
 from __future__ import annotations
@@ -75,10 +77,16 @@ def _own_master(plan: RuntimePlan) -> bool:
     return plan.optimizer is not None and "master" not in plan.optimizer.state_keys
 
 
-def worst_case_traffic(plan: RuntimePlan, *, layer_major: bool = False) -> Traffic:
+def passes(plan: RuntimePlan, blocks: int | None) -> int:
+    """How many times a step runs the model through each unit: once per micro-batch, or once per
+    layer-major block (``blocks``: engine.train_batch's, see the note)."""
+    return plan.gradient_accumulation_steps if blocks is None else blocks
+
+
+def worst_case_traffic(plan: RuntimePlan, *, blocks: int | None = None) -> Traffic:
     """The plan's traffic with no cache hits: the sum of ``spill_cost`` over its arrays on NVMe
-    (``layer_major``: trained by engine.train_batch, see the note)."""
-    gas = 1 if layer_major else plan.gradient_accumulation_steps
+    (``blocks``: trained by engine.train_batch in that many blocks, see the note)."""
+    gas = passes(plan, blocks)
     total = Traffic()
     own = _own_master(plan)
     trainable = {u.index for u in plan.trainable_units()}
@@ -104,13 +112,13 @@ def pool_turn_nbytes(plan: RuntimePlan) -> int:
     return max(0, min(nvme, free))
 
 
-def expected_traffic(plan: RuntimePlan, *, layer_major: bool = False) -> Traffic:
+def expected_traffic(plan: RuntimePlan, *, blocks: int | None = None) -> Traffic:
     """The least the plan moves per step (the note): the worst case less the parameter reads the pool
     saves at each turn — the forward-to-backward turn of every micro-batch, the backward-to-forward turn
-    between micro-batches, and for fp32 shards the backward-to-step turn (``layer_major``: as with one
-    micro-batch, see the note)."""
-    gas = 1 if layer_major else plan.gradient_accumulation_steps
-    worst = worst_case_traffic(plan, layer_major=layer_major)
+    between micro-batches, and for fp32 shards the backward-to-step turn (``blocks``: as with that many
+    micro-batches, see the note)."""
+    gas = passes(plan, blocks)
+    worst = worst_case_traffic(plan, blocks=blocks)
     # Each read pass over the NVMe shards follows a turn: the backward of every micro-batch (gas), the
     # forward of every micro-batch after the first (gas - 1), and for fp32 shards the step.
     turns = 2 * gas if _own_master(plan) else 2 * gas - 1

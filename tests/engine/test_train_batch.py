@@ -174,10 +174,12 @@ def _wide_gpt(checkpointing=False):
     return model
 
 
-def _step_traffic(make, nvme_dir, g, *, layer_major):
+def _step_traffic(make, nvme_dir, g, *, layer_major, block=None):
     """NVMe bytes of the second step: parameter bytes read, gradient bytes written. The pool holds
-    six units of the model's eight blocks' 48."""
+    six units of the model's eight blocks' 48. ``block``: train_batch's micro-batches per block."""
     cfg = _config(nvme_dir, gas=g)
+    if block is not None:
+        cfg["zero_optimization"]["layer_major"] = {"block": block}
     largest = max(p.numel() for p in make().parameters())
     cfg["zero_optimization"]["offload_param"].update(buffer_count=6, buffer_size=largest)
     seen = {}
@@ -220,6 +222,40 @@ def test_each_unit_read_and_each_gradient_written_once_per_step(checkpointing, n
     if not checkpointing:  # the loop reads units again for each micro-batch: the test can tell
         loop_read, loop_written = _step_traffic(make, nvme_dir, 2, layer_major=False)
         assert loop_read > 1.5 * read_1 and loop_written > 1.5 * written_1
+
+
+@pytest.mark.parametrize("block", [1, 3, G])
+def test_blocks_of_micro_batches_same_math_as_the_loop(block, nvme_dir):
+    """[Note: layer-major blocks]: the window in blocks of 1 (the loop's order), 3 (which does not
+    divide 4: blocks of 3 and 1) or all 4, gradients accumulated over the blocks."""
+    cfg = _config(nvme_dir)
+    cfg["zero_optimization"]["layer_major"] = {"block": block}
+    batches = gpt_batches()
+    make = MODELS["gpt"]
+    seen = []
+    loop = train(make, cfg, batches, layer_major=False)
+    layer = train(
+        make,
+        cfg,
+        batches,
+        layer_major=True,
+        inspect=lambda e: seen.append(e.runtime.plan.layer_major_block),
+    )
+    assert seen == [block]
+    assert_same(loop, layer)
+
+
+def test_two_blocks_read_as_two_micro_batches_do(nvme_dir):
+    """Each block reads every unit once in its forward and once in its backward, and writes each
+    gradient once: 8 micro-batches in blocks of 4 move what the loop moves for 2 micro-batches."""
+
+    def make():
+        return _wide_gpt(False)
+
+    read_2, written_2 = _step_traffic(make, nvme_dir, 2, layer_major=False)
+    read_blocks, written_blocks = _step_traffic(make, nvme_dir, 8, layer_major=True, block=4)
+    assert read_blocks == pytest.approx(read_2, rel=0.1)
+    assert written_blocks == pytest.approx(written_2, rel=0.1)
 
 
 def test_micro_batches_of_different_lengths(nvme_dir):

@@ -9,7 +9,9 @@ Run as ``python tests/estimate/probe.py '<json spec>'`` (a fresh process, so
 the peak is this run's): prints one JSON line with the resident set after
 ``import torch, infinity`` (the baseline), the peak host memory (VmHWM plus
 hugetlb pages, which VmHWM does not count), the bytes the swap files occupy on
-disk while training, and the losses.
+disk while training, and the losses. With ``"train_batch": true`` each step is one
+``engine.train_batch`` over the config's gradient_accumulation_steps micro-batches (layer-major,
+in blocks as the config's ``layer_major.block`` says).
 """
 
 from __future__ import annotations
@@ -141,11 +143,19 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(spec.get("steps", 2)):
-        x = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"]), generator=g)
-        loss = engine(input_ids=x, labels=x).loss if hf is not None else engine(x, x)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        if spec.get("train_batch"):
+            window = [
+                torch.randint(0, vocab, (spec["micro_batch"], spec["seq"]), generator=g)
+                for _ in range(engine.gradient_accumulation_steps)
+            ]
+            window = [{"input_ids": x, "labels": x} if hf is not None else (x, x) for x in window]
+            losses.append(engine.train_batch(window).item())
+        else:
+            x = torch.randint(0, vocab, (spec["micro_batch"], spec["seq"]), generator=g)
+            loss = engine(input_ids=x, labels=x).loss if hf is not None else engine(x, x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
         phases[f"step{len(losses)}"] = status()
         if nvme:
             swap = max(swap, disk_nbytes(nvme))
