@@ -654,11 +654,13 @@ class Itemiser:
                 Item(
                     "layer-major block's micro-batches",
                     "device",
-                    (a.thread + unit) * k,
+                    a.block(k, checkpointing=checkpointing, unit_nbytes=unit)
+                    - (a.saved_checkpointed if checkpointing else a.saved) * k
+                    - a.working * k,
                     "train",
                     f"per micro-batch of the block: its forward thread's freed logits "
                     f"({format_nbytes(a.thread)}) and the largest layer's parameters in fp32 "
-                    f"({format_nbytes(unit)}), measured",
+                    f"({format_nbytes(unit)}), measured; the block counted 6% high (the fit's range)",
                     "zero_optimization.layer_major.block",
                     heap=True,
                 )
