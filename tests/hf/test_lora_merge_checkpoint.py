@@ -153,3 +153,9 @@ def test_an_adapter_config_that_cannot_merge_is_refused_before_anything_is_writt
     with pytest.raises(error, match=match):
         export_merged(ckpt, tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_gathering_from_the_nodes_outside_a_process_group_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"gather_nodes=True\) is a collective of a process group"):
+        export_merged(tmp_path / "ckpt", tmp_path / "merged", gather_nodes=True)
+    assert not (tmp_path / "merged").exists()
