@@ -6,7 +6,14 @@ dropped before it starts where it may), interleaved round by round:
   AdamW over the adapters;
 - ``infinity-bf16`` / ``infinity-nf4``: the base built under ``zero.Init`` and read with
   ``load_pretrained`` (never whole), stage 3 with parameters and optimizer state on NVMe, the frozen
-  base at rest in bf16 or NF4 (``zero_quantized_nontrainable_weights`` + ``weight_quantization``).
+  base at rest in bf16 or NF4 (``zero_quantized_nontrainable_weights`` + ``weight_quantization``);
+- ``deepspeed``: DeepSpeed ZeRO-3 with ``offload_param`` and ``offload_optimizer`` on NVMe and PEFT's
+  LoRA, set up as its docs set up a Hugging Face model (``HfDeepSpeedConfig``, so that
+  ``from_pretrained`` builds under ``deepspeed.zero.Init``, then ``peft.get_peft_model`` and
+  ``deepspeed.initialize``), where ``deepspeed`` is importable (the environment
+  bench/deepspeed_venv.sh makes; skipped with the reason printed otherwise). ZeRO-3 with PEFT is
+  brittle (DeepSpeed issues #5124, #3000): where it fails, the exception and the phase it failed in
+  are the contender's result, not a crash of the bench.
 Each reports its losses, step times, NVMe bytes read and written per step (the engine's counters)
 against the base's bytes at rest (the least a step can read: the base once for the forward and once
 for the backward), the peak RSS and the cgroup's peak. The base is a random Llama written once by the
@@ -24,13 +31,13 @@ bench as a sharded safetensors directory (tensor by tensor: never a whole model 
                                       #   real-shaped weights: |Δlogit|, greedy agreement
                                       #   (bench/nf4_quality.py's measurement)
 
-Writes a JSON into bench/results/ (INFINITY_BENCH_RESULTS overrides the folder). DeepSpeed's ZeRO-3
-with NVMe offload + PEFT is not a contender yet.
+Writes a JSON into bench/results/ (INFINITY_BENCH_RESULTS overrides the folder).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -40,6 +47,7 @@ import time
 from pathlib import Path
 
 import _cgroup
+import _deepspeed_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,6 +162,8 @@ def child(a: dict) -> dict:
     steps, seq = a["steps"], a["seq"]
     losses, times, reads, writes, base_reads, base_writes = [], [], [], [], [], []
     t_load = time.perf_counter()
+    if a["kind"] == "deepspeed":
+        return _deepspeed(a, config)
     if a["kind"] == "peft":
         from transformers import LlamaForCausalLM
 
@@ -237,6 +247,71 @@ def child(a: dict) -> dict:
         "peak_rss_nbytes": peak_rss_nbytes(),
         "cgroup_peak_nbytes": _cgroup.peak(a.get("cgroup")),
     }
+
+
+def _deepspeed(a: dict, config) -> dict:
+    """DeepSpeed ZeRO-3, parameters and optimizer state on NVMe, PEFT's LoRA over the base built under
+    its zero.Init; its failure (with the phase: load, initialize or step) is the result."""
+    import traceback
+
+    import torch
+
+    from infinity.host import peak_rss_nbytes
+
+    _deepspeed_env.single_process_env()
+    nvme = str(Path(a["nvme"]) / "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": True},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": {"device": "nvme", "nvme_path": nvme},
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+        },
+    }
+    row: dict = {"kind": "deepspeed", "losses": [], "step_s": []}
+    phase = "import"
+    t_load = time.perf_counter()
+    try:
+        import deepspeed
+        from transformers import LlamaForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        row["deepspeed_version"] = deepspeed.__version__
+        phase = "load"
+        keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 -- routes from_pretrained through zero.Init
+        model = _lora(LlamaForCausalLM.from_pretrained(a["base"], dtype=torch.bfloat16), a["r"])
+        phase = "initialize"
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg)[0]
+        row["load_s"] = time.perf_counter() - t_load
+        phase = "step"
+        io = []
+        for step in range(a["steps"]):
+            before = _deepspeed_env.block_io_nbytes()
+            t0 = time.perf_counter()
+            loss = engine(**_batch(step, a["seq"], config.vocab_size)).loss
+            engine.backward(loss)
+            engine.step()
+            row["step_s"].append(time.perf_counter() - t0)
+            row["losses"].append(loss.item())
+            after = _deepspeed_env.block_io_nbytes()
+            io.append({k: after[k] - before[k] for k in after})
+        row["read_nbytes_per_step"] = [d["read_nbytes"] for d in io]
+        row["write_nbytes_per_step"] = [d["write_nbytes"] for d in io]
+        row["io_counted_by"] = "the block layer (/proc/self/io): DeepSpeed counts none of its own"
+    except Exception as e:  # the outcome of this contender, recorded: see the module's docstring
+        row["error"] = {
+            "phase": phase,
+            "exception": f"{type(e).__name__}: {e}"[:2000],
+            "traceback_tail": traceback.format_exc()[-3000:],
+        }
+        row.pop("step_s")  # an incomplete run has no step figures for the summary
+    row["peak_rss_nbytes"] = peak_rss_nbytes()
+    row["cgroup_peak_nbytes"] = _cgroup.peak(a.get("cgroup"))
+    return row
 
 
 def run_child(spec: dict, limit_nbytes: int | None, timeout_s: float, notes: list[str]) -> dict:
@@ -334,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         base_dir = Path(os.path.abspath("infinity_nvme_bench_lora"))
         shape, steps, seq, r, rounds = "tiny", 2, 16, 4, 1
-        kinds, limits = ["peft", "infinity-bf16", "infinity-nf4"], {}
+        kinds, limits = ["peft", "infinity-bf16", "infinity-nf4", "deepspeed"], {}
     elif args.capacity:
         base_dir = Path(args.base_dir)
         shape, steps, seq, r, rounds = "7b", 3, 128, 16, 1
@@ -346,7 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base_dir = Path(args.base_dir)
         shape, steps, seq, r, rounds = "1b", 4, 512, 16, args.rounds
-        kinds, limits = ["peft", "infinity-bf16"], {}
+        kinds, limits = ["peft", "infinity-bf16", "deepspeed"], {}
+    if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
+        kinds.remove("deepspeed")
+        notes.append(
+            "deepspeed: skipped, `deepspeed` is not importable here (it is never a dependency; "
+            "bench/deepspeed_venv.sh makes an environment where it is)"
+        )
+        print(notes[-1], flush=True)
     base = base_dir / f"llama-{shape}"
     base_nbytes = write_base(base, shape)
     if args.speed:
@@ -369,11 +451,17 @@ def main(argv: list[str] | None = None) -> int:
             row["round"] = rnd
             row["limit_nbytes"] = limits.get(kind)
             runs.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "failed"}), flush=True)
+            shown = {k: v for k, v in row.items() if k != "failed"}
+            if "error" in row:
+                shown["error"] = {k: v for k, v in row["error"].items() if k != "traceback_tail"}
+            print(json.dumps(shown), flush=True)
     summary = {}
     ref = next((r_["losses"] for r_ in runs if r_["kind"] == "peft" and "losses" in r_), None)
     for kind in kinds:
         done = [r_ for r_ in runs if r_["kind"] == kind and "step_s" in r_]
+        errors = [r_["error"] for r_ in runs if r_["kind"] == kind and "error" in r_]
+        if errors:  # the contender failed as its runs recorded (DeepSpeed's, see the docstring)
+            summary[kind] = {"error": f"{errors[0]['phase']}: {errors[0]['exception']}"}
         if not done:
             continue
         steady = [min(r_["step_s"][1:] or r_["step_s"]) for r_ in done]
@@ -382,10 +470,11 @@ def main(argv: list[str] | None = None) -> int:
             row["max_rel_loss_diff_vs_peft"] = max(
                 abs(a - b) / abs(b) for a, b in zip(done[0]["losses"], ref, strict=True)
             )
-        if done[0]["read_nbytes_per_step"]:
-            least = 2 * done[0]["base_at_rest_nbytes"]  # the base read for the forward and backward
+        if done[0].get("read_nbytes_per_step"):
             row["read_nbytes_per_step"] = done[0]["read_nbytes_per_step"][-1]
             row["write_nbytes_per_step"] = done[0]["write_nbytes_per_step"][-1]
+        if done[0].get("base_at_rest_nbytes"):  # infinity's own per-key counters
+            least = 2 * done[0]["base_at_rest_nbytes"]  # the base read for the forward and backward
             row["base_read_nbytes_per_step"] = done[0]["base_read_nbytes_per_step"][-1]
             row["base_read_over_least"] = row["base_read_nbytes_per_step"] / least
             row["base_write_nbytes_per_step"] = done[0]["base_write_nbytes_per_step"][-1]

@@ -4,6 +4,15 @@ the engine] in infinity/integrations/transformers.py), a tiny Llama with PEFT Lo
 Oracles: SFTTrainer's own loss (its fused LM head, ``trl.trainer.utils.add_fused_lm_head``) on a plain
 PEFT model trained by torch's AdamW over the batches SFTTrainer's collator made, and plain
 SFTTrainer's losses.
+
+SFTConfig defaults to ``bf16=True``: plain SFTTrainer then runs its forward under bf16 autocast (on the
+CPU too: Accelerate's mixed precision), which put its step-0 loss 3.4e-6 relative off the fp32 loss,
+and more after a step. The engine's precision is its config's (``bf16.enabled``, filled from ``bf16=``
+only where the config says "auto", as DeepSpeed's integration does); the config here trains in fp32,
+so the arguments say ``bf16=False`` and plain SFTTrainer then gives the hand-written losses exactly.
+SFTConfig's default ``gradient_checkpointing=True`` is not the cause: the Trainer turns on the model's
+own activation checkpointing (``activation_checkpointing_enable``) before the engine exists, and it
+recomputes each layer under the engine as in plain PyTorch (checked below: on, and equal losses).
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ def _arguments(out, **overrides) -> trl.SFTConfig:
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        bf16=False,  # SFTConfig's default True autocasts plain SFTTrainer (see the docstring)
     )
     values.update(overrides)
     return trl.SFTConfig(**values)
@@ -126,6 +136,18 @@ def test_sft_trainer_on_the_engine_trains_with_sft_losses(nvme_dir, tmp_path):
         want.append(loss.item())
     assert len(batches) == STEPS
     assert got == pytest.approx(want, rel=1e-5)
+
+    # plain SFTTrainer, with the same arguments (activation checkpointing on: SFTConfig's default)
+    plain = trl.SFTTrainer(
+        model=lora(build("llama", seed=0)),
+        args=arguments(tmp_path / "plain"),
+        train_dataset=dataset(),
+        processing_class=tokenizer(),
+    )
+    plain.train()
+    assert plain.model.get_base_model().is_activation_checkpointing
+    assert trainer.model.get_base_model().is_activation_checkpointing  # the same under the engine
+    assert got == pytest.approx(losses(plain), rel=1e-5)
 
 
 GAS, EPS = 4, 1e-4

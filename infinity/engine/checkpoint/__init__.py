@@ -9,7 +9,8 @@ pretrained files they came from while unchanged, else saved once
 ([Note: frozen units in a checkpoint] in sources.py); a transformers model's
 config.json and a PEFT adapter's config are kept for export (model_files.py). A frozen base
 resting quantised is kept as its reference or its packed bytes ([Note: a quantised base in a
-checkpoint] in quantised.py); a LoRA model's merged weights are streamed out by merged.py.
+checkpoint] in quantised.py); a LoRA model's merged weights are streamed out by merged.py (from a
+live engine) and merged_checkpoint.py (from a checkpoint).
 """
 
 from infinity.engine.checkpoint.errors import (
@@ -26,6 +27,7 @@ from infinity.engine.checkpoint.errors import (
 from infinity.engine.checkpoint.export import export_checkpoint, save_16bit_model
 from infinity.engine.checkpoint.load import load_checkpoint
 from infinity.engine.checkpoint.merged import save_merged
+from infinity.engine.checkpoint.merged_checkpoint import export_merged
 from infinity.engine.checkpoint.reader import CheckpointReader
 from infinity.engine.checkpoint.save import save_checkpoint
 from infinity.engine.checkpoint.target import CheckpointTarget, TrainingParts
@@ -44,6 +46,7 @@ __all__ = [
     "CheckpointTarget",
     "TrainingParts",
     "export_checkpoint",
+    "export_merged",
     "load_checkpoint",
     "save_16bit_model",
     "save_checkpoint",

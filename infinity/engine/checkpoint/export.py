@@ -38,6 +38,7 @@ import torch.distributed as dist
 from infinity.aio import AioConfig, AioHandle, crc32c
 from infinity.engine.checkpoint import atomic, nodes
 from infinity.engine.checkpoint.collective import agree, collective_device
+from infinity.engine.checkpoint.collective_write import Planned, rank0_weight_files
 from infinity.engine.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from infinity.engine.checkpoint.files import CHUNK_NBYTES, Check, read_tensors
 from infinity.engine.checkpoint.format import parse_dtype_name
@@ -217,7 +218,7 @@ def export_checkpoint(
                 "export_checkpoint(gather_nodes=True) is a collective of a process group, and none "
                 "is initialized: run it on every rank under torchrun, or drop gather_nodes"
             )
-        return _export_gathered(DataParallelGroup(), checkpoint, out, tag, max_shard_size, write)
+        return export_gathered(DataParallelGroup(), checkpoint, out, tag, max_shard_size, write)
     if not hf:
         _check_out_path(out)
         _choose_layout("state_dict", False, max_shard_size)
@@ -225,7 +226,7 @@ def export_checkpoint(
         return write(reader)
 
 
-def _export_gathered(
+def export_gathered(
     group: DataParallelGroup,
     checkpoint: str | os.PathLike,
     out: Path,
@@ -447,7 +448,7 @@ def _check_shapes(reader: CheckpointReader, hf_cfg: Any, arch: str, path: Path) 
 
     with torch.device("meta"):
         model = getattr(transformers, arch)(copy.deepcopy(hf_cfg))
-    saved = _checkpoint_shapes(reader)
+    saved = checkpoint_shapes(reader)
     for name, t in model.state_dict(keep_vars=True).items():
         if name in saved and tuple(t.shape) != saved[name]:
             raise CheckpointMismatchError(
@@ -457,7 +458,7 @@ def _check_shapes(reader: CheckpointReader, hf_cfg: Any, arch: str, path: Path) 
             )
 
 
-def _checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(reader: CheckpointReader) -> dict[str, tuple[int, ...]]:
     m = reader.manifest
     if m.get("optimizer") == "passthrough":
         out = {a: tuple(p["shape"]) for p in m["params"] for a in [p["name"], *p["aliases"]]}
@@ -570,7 +571,7 @@ def _stream_units(
             if u.quant is not None:
                 flush()
                 for q in range(reader.partitions):
-                    values = _quantised_partition(reader, handle, u, q, files)
+                    values = quantised_partition(reader, handle, u, q, files)
                     n = max(0, min(u.shard_numel, u.numel - q * u.shard_numel))
                     output.append(conv(values[:n]))
                     bar.update(n * u.dtype.itemsize)
@@ -619,7 +620,7 @@ def _stream_source(
             bar.update((hi - lo) * t.dtype.itemsize)
 
 
-def _quantised_partition(
+def quantised_partition(
     reader: CheckpointReader, handle: AioHandle, unit: Any, q: int, files: SourceFiles
 ) -> torch.Tensor:
     """Partition ``q`` of a frozen unit that rested quantised, dequantised: from its packed bytes in
@@ -659,7 +660,7 @@ def _read_flat(
         try:
             s = unit.shard_numel
             for q in range(lo // s, -(-hi // s)):
-                values = _quantised_partition(reader, handle, unit, q, files)
+                values = quantised_partition(reader, handle, unit, q, files)
                 yield values[max(lo, q * s) - q * s : min(hi, (q + 1) * s) - q * s]
         finally:
             files.close()
@@ -759,17 +760,16 @@ def save_16bit_model(
     ``from_pretrained`` reads and returns it; "state_dict" (the default otherwise) writes the one file
     ``save_dir/save_filename`` and returns its path."""
     module = engine.module
-    group = engine.group
-    err = None
-    output: WeightFiles | None = None
-    handle = None
     hf_cfg = hf_config(module)
     out = Path(save_dir) / save_filename
-    try:
+    chosen: Layout = "state_dict"
+
+    def plan() -> tuple[Planned, tuple[TrainingParts, list[tuple[Any, Any]]]]:
+        nonlocal chosen
         chosen = _choose_layout(layout, hf_cfg is not None, max_shard_size)
         engine.synchronize()  # the live values are those after an optimizer step still in flight
         if chosen == "state_dict":
-            if out.suffix == ".safetensors" and group.rank == 0:
+            if out.suffix == ".safetensors" and engine.group.rank == 0:
                 out.parent.mkdir(parents=True, exist_ok=True)  # as DeepSpeed's save_16bit_model
             _check_out_path(out)
         elif not save_filename.endswith(".safetensors"):
@@ -783,23 +783,15 @@ def save_16bit_model(
         )
         parts = engine.checkpoint_parts()
         segments, slots = _segments_live(engine, parts, names)
-        if group.rank == 0:
-            handle = AioHandle.from_config(engine.config.aio)
-            if chosen == "hf":
-                Path(save_dir).mkdir(parents=True, exist_ok=True)
-            output = WeightFiles(
-                Path(save_dir),
-                handle,
-                segments,
-                weights_name=save_filename,
-                max_shard_nbytes=max_nbytes,
-                replace_stale=chosen == "hf",
-            )
-    except Exception as e:
-        err = e
-    agree(group, err, f"starting to write '{out}'")
-    err = None
-    try:
+        files = Planned(
+            Path(save_dir), segments, save_filename, max_nbytes, replace_stale=chosen == "hf"
+        )
+        return files, (parts, slots)
+
+    with rank0_weight_files(engine.group, engine.config.aio, f"'{out}'", plan) as (
+        (parts, slots),
+        output,
+    ):
         bar = Progress(
             output.total_nbytes if output else 0, f"save {out.name}", progress if output else False
         )
@@ -817,15 +809,6 @@ def save_16bit_model(
                     write_module_config_files(
                         Path(save_dir), module, hf_cfg, engine.dtype, nonce=output.nonce
                     )
-                output = None
-    except Exception as e:
-        err = e
-    finally:
-        if output is not None:
-            output.abort()
-        if handle is not None:
-            handle.close()
-    agree(group, err, f"writing '{out}'")
     return Path(save_dir) if chosen == "hf" else out
 
 

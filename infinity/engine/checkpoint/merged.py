@@ -26,8 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from infinity.aio import AioHandle
-from infinity.engine.checkpoint.collective import agree
+from infinity.engine.checkpoint.collective_write import Planned, rank0_weight_files
 from infinity.engine.checkpoint.export import (
     DEFAULT_MAX_SHARD_SIZE,
     gather_unit,
@@ -38,15 +37,15 @@ from infinity.engine.checkpoint.model import describe_units
 from infinity.engine.checkpoint.progress import Progress
 from infinity.engine.checkpoint.target import CheckpointTarget
 from infinity.engine.checkpoint.threads import torch_threads
-from infinity.engine.checkpoint.weights_out import Segment, WeightFiles
+from infinity.engine.checkpoint.weights_out import Segment
 from infinity.weights.hf_layout import WEIGHTS_NAME, HfNames, hf_config, parse_size
 
 log = logging.getLogger("infinity.checkpoint")
 
 
-def _lora_layers(module: nn.Module) -> dict[str, Any]:
+def lora_layers(module: nn.Module, caller: str) -> dict[str, Any]:
     """The PEFT model's LoRA layers by their base model name (PEFT's ``base_model.model.`` prefix off),
-    each checked mergeable as [Note: merged export] says."""
+    each checked mergeable as [Note: merged export] says (``caller`` names the refusing call)."""
     from peft.tuners.lora import LoraLayer
 
     layers = {}
@@ -67,15 +66,15 @@ def _lora_layers(module: nn.Module) -> dict[str, Any]:
                 what = "a LoRA bias"
             if what is not None:
                 raise ValueError(
-                    f"save_merged merges LoRA over Linear layers; {name!r} (adapter {a!r}) has {what}; "
+                    f"{caller} merges LoRA over Linear layers; {name!r} (adapter {a!r}) has {what}; "
                     "save the adapters with engine.save_pretrained() and merge them with PEFT's "
                     "merge_and_unload() on a model that fits in memory"
                 )
-        layers[_base_name(name)] = m
+        layers[base_name(name)] = m
     return layers
 
 
-def _base_name(name: str) -> str:
+def base_name(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
 
@@ -111,14 +110,12 @@ def save_merged(
     most ``max_shard_size`` with their index), in the dtype the model trains in. Every rank must call
     it; returns the directory."""
     module = engine.module
-    group = engine.group
-    err = None
-    output: WeightFiles | None = None
-    handle = None
     out = Path(save_dir)
-    try:
+    layers: dict[str, Any] = {}
+
+    def plan() -> tuple[Planned, tuple[nn.Module, Any, list, list, list]]:
         base = _peft_base(module)
-        layers = _lora_layers(module)
+        layers.update(lora_layers(module, "save_merged"))
         engine.synchronize()
         parts = engine.checkpoint_parts()
         if parts.passthrough is not None or not parts.units:
@@ -128,34 +125,26 @@ def save_merged(
             )
         names = HfNames.of(base)
         infos = describe_units(module, list(parts.units))
-        adapter_keys = [s.name for info in infos for s in info.slots if _is_adapter(s.name, layers)]
+        adapter_keys = [s.name for info in infos for s in info.slots if is_adapter(s.name, layers)]
         segments: list[Segment] = []
         kept: list[tuple[int, int, str]] = []  # (unit index, slot, base model name) in output order
         for info in infos:
             for k, s in enumerate(info.slots):
                 if s.name in adapter_keys:
                     continue
-                aliases = [_base_name(a) for a in s.aliases]
+                aliases = [base_name(a) for a in s.aliases]
                 segments.append(Segment(hf_name(names, aliases), engine.dtype, s.shape))
                 kept.append((info.index, k, aliases[0]))
         buffers = _buffers(base)
         segments += [Segment(hf_name(names, [n]), b.dtype, tuple(b.shape)) for n, b in buffers]
-        if group.rank == 0:
-            handle = AioHandle.from_config(engine.config.aio)
-            out.mkdir(parents=True, exist_ok=True)
-            output = WeightFiles(
-                out,
-                handle,
-                segments,
-                weights_name=WEIGHTS_NAME,
-                max_shard_nbytes=parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE),
-                replace_stale=True,
-            )
-    except Exception as e:
-        err = e
-    agree(group, err, f"starting to write '{out}'")
-    err = None
-    try:
+        max_nbytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        files = Planned(out, segments, WEIGHTS_NAME, max_nbytes, replace_stale=True)
+        return files, (base, parts, kept, adapter_keys, buffers)
+
+    with rank0_weight_files(engine.group, engine.config.aio, f"'{out}'", plan) as (
+        (base, parts, kept, adapter_keys, buffers),
+        output,
+    ):
         adapters = engine.gathered_state_dict(
             adapter_keys
         )  # every rank: the gathers are collective
@@ -172,22 +161,13 @@ def save_merged(
                 cfg = hf_config(base)
                 if cfg is not None:
                     write_module_config_files(out, base, cfg, engine.dtype, nonce=output.nonce)
-                output = None
-    except Exception as e:
-        err = e
-    finally:
-        if output is not None:
-            output.abort()
-        if handle is not None:
-            handle.close()
-    agree(group, err, f"writing '{out}'")
-    if group.rank == 0:
+    if engine.group.rank == 0:
         log.info("wrote the merged model to '%s' (%d LoRA layers merged)", out, len(layers))
     return out
 
 
-def _is_adapter(name: str, layers: dict[str, Any]) -> bool:
-    return ".lora_" in name and _base_name(name).split(".lora_")[0] in layers
+def is_adapter(name: str, layers: dict[str, Any]) -> bool:
+    return ".lora_" in name and base_name(name).split(".lora_")[0] in layers
 
 
 def _buffers(base: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -215,11 +195,11 @@ def _merged_values(
         values = full[s.offset : s.offset + s.numel].view(s.shape)
         layer = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
         if layer is not None:
-            values = _merge(layer, name.removesuffix(".weight"), values, adapters)
+            values = merge(layer, name.removesuffix(".weight"), values, adapters)
         yield values.reshape(-1)
 
 
-def _merge(
+def merge(
     layer: Any, prefix: str, weight: torch.Tensor, adapters: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """PEFT's merge of every active adapter into ``weight`` (see [Note: merged export])."""
@@ -229,12 +209,8 @@ def _merge(
             continue
         key = f"base_model.model.{prefix}.lora_{{}}.{a}.weight"
         wa, wb = adapters[key.format("A")], adapters[key.format("B")]
-        cast = out.dtype in (torch.float16, torch.bfloat16)
-        if cast:
-            wa, wb = wa.float(), wb.float()
-        delta = wb @ wa
+        delta = wb.float() @ wa.float()  # PEFT casts 16-bit adapters to fp32 for the product
         if layer.fan_in_fan_out:
             delta = delta.T
-        delta = delta * layer.scaling[a]
-        out += delta.to(out.dtype) if cast else delta
+        out += (delta * layer.scaling[a]).to(out.dtype)
     return out
