@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from infinity.aio import AioConfig, AioHandle
 from infinity.engine.checkpoint.collective import agree
@@ -80,7 +80,7 @@ def rank0_weight_files(
     err = None
     done = False
     try:
-        yield planned, output  # type: ignore[misc]  # set: the plan raised otherwise
+        yield cast(T, planned), output  # set: had the plan raised, _agree raised above
         done = True
     except Exception as e:
         err = e
