@@ -57,3 +57,21 @@ def plain_peft(
         prepare(model)
     losses = plain_train(model, "llama", steps=steps)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_loads_as(out, want: torch.nn.Module) -> None:
+    """The directory ``out`` loads with ``from_pretrained`` into ``want``'s class, with its weights
+    and its logits, exactly."""
+    import transformers
+
+    from tests.hf.models import batch
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded) is type(want)
+    ref, got = want.state_dict(), loaded.state_dict()
+    assert got.keys() == ref.keys()
+    for n, w in ref.items():
+        assert torch.equal(got[n], w), n
+    ids = batch("llama", 9)["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want(ids).logits)

@@ -13,11 +13,10 @@ import warnings
 import pytest
 import safetensors.torch
 import torch
-import transformers
 
 import infinity
 from tests.engine.reference import CLIP, trainable_adamw
-from tests.hf.lora import lora
+from tests.hf.lora import assert_loads_as, lora
 from tests.hf.models import batch, build, build_under_init, ds_config
 from tests.hf.test_lora_quantised import dequantised
 from tests.hf.test_lora_quantised_checkpoint import make_engine, train
@@ -50,16 +49,7 @@ def test_the_merged_export_loads_with_from_pretrained_and_is_peft_merge_and_unlo
     want = plain_merged(adapters, kind)
     written = safetensors.torch.load_file(out / "model.safetensors")
     assert not any("lora_" in n or "base_layer" in n for n in written)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(loaded) is type(want)
-    ref = want.state_dict()
-    got = loaded.state_dict()
-    assert got.keys() == ref.keys()
-    for n, w in ref.items():
-        assert torch.equal(got[n], w), n
-    ids = batch("llama", 9)["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, want(ids).logits)
+    assert_loads_as(out, want)
 
 
 def test_save_merged_needs_a_peft_model(nvme_dir, tmp_path):

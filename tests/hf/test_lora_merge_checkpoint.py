@@ -20,8 +20,8 @@ import transformers
 import infinity
 from infinity.cli import main as cli_main
 from infinity.engine.checkpoint import CheckpointMismatchError, export_merged
-from tests.hf.lora import lora
-from tests.hf.models import batch, build, build_under_init, ds_config
+from tests.hf.lora import assert_loads_as, lora
+from tests.hf.models import build, build_under_init, ds_config
 from tests.hf.test_lora_quantised import dequantised
 from tests.hf.test_lora_quantised_checkpoint import SEED, make_engine, train
 
@@ -76,15 +76,7 @@ def test_a_checkpoint_merges_from_the_command_line_as_peft_and_the_live_engine_d
     )
 
     want = peft_merged(build("llama", seed=SEED[source]), adapters, kind)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
-    assert type(loaded) is type(want)
-    ref, got = want.state_dict(), loaded.state_dict()
-    assert got.keys() == ref.keys()
-    for n, w in ref.items():
-        assert torch.equal(got[n], w), n
-    ids = batch("llama", 9)["input_ids"]
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, want(ids).logits)
+    assert_loads_as(out, want)
 
 
 def test_a_16bit_export_of_an_fp32_run_is_the_fp32_merge_rounded_once(nvme_dir, tmp_path):
