@@ -103,10 +103,12 @@ struct Nf4Nested {
 // Dequantises `numel` NF4 elements: out[i] = code[nibble i] * scale[i / group_size] in `dtype`
 // ([Note: NF4 code book] in kernel.h), where scale is `absmax` (ceil(numel / group_size) floats)
 // or, when `nested` is given (absmax is then unused), the scales it holds, dequantised in the same
-// pass. `codes` holds ceil(numel / 2) bytes. The same bits on every ISA and thread count. Throws
-// std::invalid_argument on a group_size or block_size of 0, a null pointer, or `out` overlapping
-// an input.
+// pass. `codes` holds ceil(numel / 2) bytes. Only elements [begin, end) of `out` are written
+// (0 and numel: all of them). The same bits on every ISA and thread count. Throws
+// std::invalid_argument on a group_size or block_size of 0, a null pointer, `out` overlapping an
+// input, or a range not inside [0, numel].
 void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* nested, void* out,
-                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads);
+                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads,
+                    size_t begin, size_t end);
 
 }  // namespace infinity::adam

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "adam/adam.h"
 
@@ -45,6 +46,10 @@ inline constexpr float kNf4Code[16] = {
     0x1.45f5fep-4f,  0x1.4995c6p-3f,  0x1.f809bap-3f,  0x1.5a0674p-2f,
     0x1.c3497p-2f,   0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
 };
+
+// The C++ type of one element stored in `D` (16-bit ones as their bit patterns).
+template <DType D>
+using Stored = std::conditional_t<D == DType::kFloat32, float, uint16_t>;
 
 // One NF4 dequantisation: element i is the nibble i of `codes` (the high
 // nibble of byte i/2 for even i, the low one for odd i, as bitsandbytes packs
@@ -87,7 +92,8 @@ struct KernelSet {
   double (*sum_squares)(const float* x, size_t begin, size_t end);
   void (*stream)(const Buffers& b, size_t begin, size_t end);
   // Elements [begin, end) of an NF4 dequantisation; the same bits on every ISA
-  // (one multiply per element, nothing fused) for any split of the range.
+  // (a group's 16 values one multiply each, nothing fused, its elements looked
+  // up: [Note: NF4 lookup] in kernel_impl.h) for any split of the range.
   void (*dequant_nf4)(const Nf4Args& a, size_t begin, size_t end);
 };
 

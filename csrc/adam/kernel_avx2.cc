@@ -50,20 +50,65 @@ struct Avx2 {
   static void stream_bf16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
   static void stream_f16(uint16_t* p, R x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_f16(x)); }
 
-  // 8 nibbles (4 bytes, high nibble first) as code-book values: two 8-entry permutes, blended on
-  // the index's bit 3.
-  static R nf4(const uint8_t* p) {
-    uint32_t word;
-    std::memcpy(&word, p, sizeof word);
-    const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(word));
+  // [Note: NF4 lookup] in kernel_impl.h. 32 elements a block: the 16 code bytes' nibbles
+  // interleaved high first, the elements' table indices in order, e0..e15 and e16..e31.
+  static constexpr size_t kNf4Block = 32;
+  static void nf4_indices(const uint8_t* p, __m128i& first, __m128i& second) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
     const __m128i lo = _mm_and_si128(bytes, low4);
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
-    const R first = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kNf4Code), idx);
-    const R second = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kNf4Code + 8), idx);
-    const __m256i upper = _mm256_cmpgt_epi32(idx, _mm256_set1_epi32(7));
-    return _mm256_blendv_ps(first, second, _mm256_castsi256_ps(upper));
+    first = _mm_unpacklo_epi8(hi, lo);
+    second = _mm_unpackhi_epi8(hi, lo);
+  }
+
+  // 16-bit outputs: the table's low bytes (a) and high bytes (b), each in both 128-bit lanes
+  // (vpshufb looks up within a lane). fp32: its entries 0-7 (a) and 8-15 (b).
+  struct Nf4Lut {
+    __m256i a, b;
+  };
+  template <DType D>
+  static Nf4Lut nf4_lut(const Stored<D>* table) {
+    if constexpr (D == DType::kFloat32) {
+      return {_mm256_castps_si256(_mm256_load_ps(table)),
+              _mm256_castps_si256(_mm256_load_ps(table + 8))};
+    } else {
+      // two 16-byte loads, as the table was stored: a wider load would miss store forwarding
+      const auto* halves = reinterpret_cast<const __m128i*>(table);
+      const __m256i v = _mm256_set_m128i(_mm_load_si128(halves + 1), _mm_load_si128(halves));
+      // per lane: the low bytes of its 8 entries, then their high bytes
+      const __m256i planes = _mm256_shuffle_epi8(
+          v, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+      return {_mm256_permute4x64_epi64(planes, 0x88),   // qwords 0 2 0 2: low bytes
+              _mm256_permute4x64_epi64(planes, 0xDD)};  // qwords 1 3 1 3: high bytes
+    }
+  }
+  template <DType D>
+  static void nf4_expand(const uint8_t* codes, const Nf4Lut& lut, Stored<D>* out) {
+    __m128i first, second;
+    nf4_indices(codes, first, second);
+    if constexpr (D == DType::kFloat32) {
+      const __m256 lower = _mm256_castsi256_ps(lut.a), upper = _mm256_castsi256_ps(lut.b);
+      const __m128i pieces[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+      for (int k = 0; k < 4; ++k) {
+        const __m256i idx = _mm256_cvtepu8_epi32(pieces[k]);
+        const __m256 from_lower = _mm256_permutevar8x32_ps(lower, idx);
+        const __m256 from_upper = _mm256_permutevar8x32_ps(upper, idx);
+        // blendv takes the sign bit: the index's bit 3 (entries 8-15) moved there
+        const __m256 use_upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+        _mm256_storeu_ps(out + 8 * k, _mm256_blendv_ps(from_lower, from_upper, use_upper));
+      }
+    } else {
+      const __m256i idx = _mm256_set_m128i(second, first);
+      const __m256i low = _mm256_shuffle_epi8(lut.a, idx);
+      const __m256i high = _mm256_shuffle_epi8(lut.b, idx);
+      const __m256i x0 = _mm256_unpacklo_epi8(low, high);  // e0..e7 | e16..e23
+      const __m256i x1 = _mm256_unpackhi_epi8(low, high);  // e8..e15 | e24..e31
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(x0, x1, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
+                          _mm256_permute2x128_si256(x0, x1, 0x31));
+    }
   }
 
   static U zero_u() { return _mm256_setzero_si256(); }

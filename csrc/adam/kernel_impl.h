@@ -10,8 +10,9 @@
 // non-temporal twins stream_bf16/stream_f16 (aligned to 2 * kWidth bytes;
 // kCanStream says whether they differ from the plain stores), kPrefetch
 // (whether software prefetch pays, see [Note: prefetch]),
-// nf4(bytes) (kWidth NF4 code-book values of the kWidth nibbles in kWidth/2
-// bytes, high nibble first; only where kWidth > 1),
+// kNf4Block, nf4_lut<D>(table) and nf4_expand<D>(codes, lut, out) (kNf4Block
+// NF4 elements from kNf4Block/2 bytes, high nibble first, looked up in a group's
+// table of 16 output values; see [Note: NF4 lookup]),
 // U (an integer register) with zero_u, max_abs32 (kWidth fp32 bit patterns
 // with the sign cleared, max-accumulated), max_abs16 (2 * kWidth 16-bit
 // patterns likewise), hmax32, hmax16, and fence() (after streaming stores).
@@ -296,8 +297,15 @@ struct Kernels {
     }
   }
 
-  // [Note: NF4 code book] in kernel.h. Group by group: the vector loop starts on a byte (an even
-  // element) and stays inside the group; the elements around it go one at a time.
+  // [Note: NF4 lookup] ([Note: NF4 code book] in kernel.h) A group has one scale, so its elements
+  // take at most 16 values: code[q] * scale rounded to the output dtype. Each group's 16 are
+  // computed once, by the same fp32 multiply and the same rounding (put) an element alone gets,
+  // into a table; its elements are then table lookups, V::nf4_expand kNf4Block at a time (byte
+  // shuffles and permutes, no arithmetic), the odd element at a range's start and the ones after
+  // the last whole block one at a time. Every output is a copy of a value the format's
+  // definition gives, so every ISA (and any split of the range) gives the same bits by
+  // construction. A run of fewer than 16 elements in a group (tiny groups, range edges) costs
+  // less computed directly, the same multiply and rounding.
   template <DType D>
   static void put(void* out, size_t i, R x) {
     if constexpr (D == DType::kFloat32) {
@@ -310,39 +318,54 @@ struct Kernels {
   }
 
   template <DType D>
-  static void put_one(void* out, size_t i, float x) {
+  static Stored<D> rounded(float x) {
     if constexpr (D == DType::kFloat32) {
-      static_cast<float*>(out)[i] = x;
+      return x;
     } else if constexpr (D == DType::kBFloat16) {
-      static_cast<uint16_t*>(out)[i] = float_to_bf16(x);
+      return float_to_bf16(x);
     } else {
-      static_cast<uint16_t*>(out)[i] = float_to_half(x);
+      return float_to_half(x);
     }
+  }
+
+  static uint8_t nibble(const uint8_t* codes, size_t i) {
+    const uint8_t byte = codes[i >> 1];
+    return (i & 1) ? (byte & 0x0f) : (byte >> 4);
   }
 
   // Elements [begin, end) whose groups' scales are scales[group - first_group].
   template <DType D>
   static void dequant_nf4_groups(const Nf4Args& a, const float* scales, size_t first_group,
                                  size_t begin, size_t end) {
+    static_assert(16 % W == 0, "the table is filled a vector at a time");
+    constexpr size_t kBlock = V::kNf4Block;
+    static_assert(kBlock % 2 == 0, "a block starts and ends on a byte");
     const uint8_t* __restrict codes = a.codes;
+    Stored<D>* __restrict out = static_cast<Stored<D>*>(a.out);
     const size_t g = a.group_size;
+    alignas(64) Stored<D> table[16];
     size_t i = begin;
     while (i < end) {
       const size_t group = i / g;
       const size_t stop = std::min(end, (group + 1) * g);
       const float scale = scales[group - first_group];
-      if constexpr (W > 1) {
-        if (i & 1) {
-          put_one<D>(a.out, i, kNf4Code[codes[i >> 1] & 0x0f] * scale);
-          ++i;
+      if (stop - i < 16) {
+        for (; i < stop; ++i) out[i] = rounded<D>(kNf4Code[nibble(codes, i)] * scale);
+        continue;
+      }
+      const R s = V::set1(scale);
+      for (size_t k = 0; k < 16; k += W) put<D>(table, k, V::mul(V::load(kNf4Code + k), s));
+      if (i & 1) {
+        out[i] = table[codes[i >> 1] & 0x0f];
+        ++i;
+      }
+      if (i + kBlock <= stop) {
+        const auto lut = V::template nf4_lut<D>(table);
+        for (; i + kBlock <= stop; i += kBlock) {
+          V::template nf4_expand<D>(codes + (i >> 1), lut, out + i);
         }
-        const R s = V::set1(scale);
-        for (; i + W <= stop; i += W) put<D>(a.out, i, V::mul(V::nf4(codes + (i >> 1)), s));
       }
-      for (; i < stop; ++i) {
-        const uint8_t byte = codes[i >> 1];
-        put_one<D>(a.out, i, kNf4Code[(i & 1) ? (byte & 0x0f) : (byte >> 4)] * scale);
-      }
+      for (; i < stop; ++i) out[i] = table[nibble(codes, i)];
     }
   }
 

@@ -32,6 +32,20 @@ struct Scalar {
   static void stream_bf16(uint16_t* p, R x) { store_bf16(p, x); }
   static void stream_f16(uint16_t* p, R x) { store_f16(p, x); }
 
+  // [Note: NF4 lookup] in kernel_impl.h: one byte (two elements) a block, from the table itself.
+  static constexpr size_t kNf4Block = 2;
+  template <DType D>
+  using Nf4Lut = const Stored<D>*;
+  template <DType D>
+  static Nf4Lut<D> nf4_lut(const Stored<D>* table) {
+    return table;
+  }
+  template <DType D>
+  static void nf4_expand(const uint8_t* codes, Nf4Lut<D> table, Stored<D>* out) {
+    out[0] = table[codes[0] >> 4];
+    out[1] = table[codes[0] & 0x0f];
+  }
+
   static U zero_u() { return 0; }
   static U max_abs32(U acc, const float* p) {
     const U bits = float_bits(*p) & 0x7fffffffu;
