@@ -346,7 +346,9 @@ void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* 
     throw std::invalid_argument(
         "dequantize_nf4: out overlaps the codes or the scales; give it memory of its own");
   }
-  const Nf4Args args{codes, absmax, nested, out, dtype, group_size};
+  // [Note: NF4 lookup] in kernel_impl.h: stream an output the cache cannot hold anyway.
+  const bool stream = (end - begin) * dtype_size(dtype) > g_stream_min_bytes.load();
+  const Nf4Args args{codes, absmax, nested, out, dtype, group_size, stream};
   // Chunks of whole groups starting on a byte ([Note: NF4 lookup] in kernel_impl.h: a group cut
   // in two builds its table twice, and a range starting mid-byte takes its first element alone),
   // and a multiple of 64 elements (no cache line written by two threads) where the groups allow.

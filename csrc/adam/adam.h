@@ -63,7 +63,8 @@ const char* isa_name(Isa isa);
 const char* threading_backend();
 
 // Steps whose buffers exceed this many bytes (16 per parameter) write the
-// 16-bit copy with non-temporal stores; default: the last-level cache size.
+// 16-bit copy with non-temporal stores, and NF4 dequantisations whose output
+// exceeds it write that; default: the last-level cache size.
 // Process-wide; tests lower it to exercise that path on small tensors.
 size_t stream_min_bytes();
 void set_stream_min_bytes(size_t bytes);

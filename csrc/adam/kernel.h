@@ -62,6 +62,7 @@ struct Nf4Args {
   void* out = nullptr;
   DType dtype = DType::kFloat32;
   size_t group_size = 64;
+  bool stream = false;  // non-temporal stores for the output ([Note: NF4 lookup] in kernel_impl.h)
 };
 
 // [Note: NF4 double quantisation] QLoRA's "double quant" (bitsandbytes' compress_statistics=True):

@@ -53,6 +53,7 @@ struct Avx2 {
   // [Note: NF4 lookup] in kernel_impl.h. 32 elements a block: the 16 code bytes' nibbles
   // interleaved high first, the elements' table indices in order, e0..e15 and e16..e31.
   static constexpr size_t kNf4Block = 32;
+  static constexpr size_t kNf4StreamAlign = 32;  // bytes: vmovntps / vmovntdq
   static void nf4_indices(const uint8_t* p, __m128i& first, __m128i& second) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i low4 = _mm_set1_epi8(0x0f);
@@ -84,7 +85,15 @@ struct Avx2 {
               _mm256_permute4x64_epi64(planes, 0xDD)};  // qwords 1 3 1 3: high bytes
     }
   }
-  template <DType D>
+  template <bool Stream>
+  static void store256(void* p, __m256i x) {
+    if constexpr (Stream) {
+      _mm256_stream_si256(static_cast<__m256i*>(p), x);
+    } else {
+      _mm256_storeu_si256(static_cast<__m256i*>(p), x);
+    }
+  }
+  template <DType D, bool Stream>
   static void nf4_expand(const uint8_t* codes, const Nf4Lut& lut, Stored<D>* out) {
     __m128i first, second;
     nf4_indices(codes, first, second);
@@ -97,7 +106,8 @@ struct Avx2 {
         const __m256 from_upper = _mm256_permutevar8x32_ps(upper, idx);
         // blendv takes the sign bit: the index's bit 3 (entries 8-15) moved there
         const __m256 use_upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
-        _mm256_storeu_ps(out + 8 * k, _mm256_blendv_ps(from_lower, from_upper, use_upper));
+        const __m256 v = _mm256_blendv_ps(from_lower, from_upper, use_upper);
+        store256<Stream>(out + 8 * k, _mm256_castps_si256(v));
       }
     } else {
       const __m256i idx = _mm256_set_m128i(second, first);
@@ -105,9 +115,8 @@ struct Avx2 {
       const __m256i high = _mm256_shuffle_epi8(lut.b, idx);
       const __m256i x0 = _mm256_unpacklo_epi8(low, high);  // e0..e7 | e16..e23
       const __m256i x1 = _mm256_unpackhi_epi8(low, high);  // e8..e15 | e24..e31
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute2x128_si256(x0, x1, 0x20));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
-                          _mm256_permute2x128_si256(x0, x1, 0x31));
+      store256<Stream>(out, _mm256_permute2x128_si256(x0, x1, 0x20));
+      store256<Stream>(out + 16, _mm256_permute2x128_si256(x0, x1, 0x31));
     }
   }
 

@@ -51,6 +51,7 @@ struct Avx512 {
   // [Note: NF4 lookup] in kernel_impl.h. The AVX2 set's structure at twice the width: 64 elements
   // a block, 16 code bytes at a time giving the table indices of e0..e15 and e16..e31 in order.
   static constexpr size_t kNf4Block = 64;
+  static constexpr size_t kNf4StreamAlign = 64;  // bytes: vmovntps / vmovntdq zmm
   static void nf4_indices(const uint8_t* p, __m128i& first, __m128i& second) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i low4 = _mm_set1_epi8(0x0f);
@@ -74,20 +75,28 @@ struct Avx512 {
           _mm256_load_si256(reinterpret_cast<const __m256i*>(table)))};
     }
   }
-  template <DType D>
+  template <bool Stream>
+  static void store512(void* p, __m512i x) {
+    if constexpr (Stream) {
+      _mm512_stream_si512(static_cast<__m512i*>(p), x);
+    } else {
+      _mm512_storeu_si512(p, x);
+    }
+  }
+  template <DType D, bool Stream>
   static void nf4_expand(const uint8_t* codes, const Nf4Lut& lut, Stored<D>* out) {
     for (int half = 0; half < 2; ++half) {
       __m128i first, second;
       nf4_indices(codes + 16 * half, first, second);
       if constexpr (D == DType::kFloat32) {
         const __m512 table = _mm512_castsi512_ps(lut.t);
-        _mm512_storeu_ps(out + 32 * half,
-                         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table));
-        _mm512_storeu_ps(out + 32 * half + 16,
-                         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
+        const __m512 lower = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table);
+        const __m512 upper = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table);
+        store512<Stream>(out + 32 * half, _mm512_castps_si512(lower));
+        store512<Stream>(out + 32 * half + 16, _mm512_castps_si512(upper));
       } else {
         const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(second, first));
-        _mm512_storeu_si512(out + 32 * half, _mm512_permutexvar_epi16(idx, lut.t));
+        store512<Stream>(out + 32 * half, _mm512_permutexvar_epi16(idx, lut.t));
       }
     }
   }

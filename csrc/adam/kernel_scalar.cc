@@ -34,13 +34,14 @@ struct Scalar {
 
   // [Note: NF4 lookup] in kernel_impl.h: one byte (two elements) a block, from the table itself.
   static constexpr size_t kNf4Block = 2;
+  static constexpr size_t kNf4StreamAlign = 1;  // no streaming stores (kCanStream)
   template <DType D>
   using Nf4Lut = const Stored<D>*;
   template <DType D>
   static Nf4Lut<D> nf4_lut(const Stored<D>* table) {
     return table;
   }
-  template <DType D>
+  template <DType D, bool Stream>
   static void nf4_expand(const uint8_t* codes, Nf4Lut<D> table, Stored<D>* out) {
     out[0] = table[codes[0] >> 4];
     out[1] = table[codes[0] & 0x0f];

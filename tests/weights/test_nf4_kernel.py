@@ -9,6 +9,9 @@ under ASan/UBSan (.ci/sanitize.sh).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +23,17 @@ from infinity.weights import nf4
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CODES = {"scalar": _adam.SCALAR, "avx2": _adam.AVX2, "avx512": _adam.AVX512}
+
+
+@contextlib.contextmanager
+def streamed(on: bool) -> Iterator[None]:
+    """Force (or forbid) the kernel's non-temporal stores of the output, whatever its size."""
+    previous = _adam.stream_min_bytes()
+    _adam.set_stream_min_bytes(0 if on else 2**63)
+    try:
+        yield
+    finally:
+        _adam.set_stream_min_bytes(previous)
 
 
 def random_packed(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,16 +79,22 @@ def run(codes, scales, n, group_size, dtype, isa: str, threads: int) -> torch.Te
     dtype=st.sampled_from(DTYPES),
     threads=st.sampled_from([1, 2]),
     nested=st.booleans(),
+    stream=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads, nested, seed):
-    """Plain and double-quantised scales (group counts not multiples of the nested block of 256)."""
+def test_every_isa_equals_scalar_bit_for_bit(
+    isa, n, group_size, dtype, threads, nested, stream, seed
+):
+    """Plain and double-quantised scales (group counts not multiples of the nested block of 256);
+    plain and non-temporal stores of the output."""
     if isa not in kernel.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     codes, absmax = random_packed(n, group_size, seed)
     scales = random_nested(n, group_size, seed) if nested else absmax
-    got = run(codes, scales, n, group_size, dtype, isa, threads)
-    want = run(codes, scales, n, group_size, dtype, "scalar", 1)
+    with streamed(stream):
+        got = run(codes, scales, n, group_size, dtype, isa, threads)
+    with streamed(False):
+        want = run(codes, scales, n, group_size, dtype, "scalar", 1)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
@@ -147,7 +167,8 @@ def test_a_range_of_the_elements_is_those_elements_of_the_whole(
     codes, absmax = random_packed(n, group_size, seed)
     scales = random_nested(n, group_size, seed) if nested else absmax
     whole = run(codes, scales, n, group_size, dtype, "scalar", 1)
-    got = run_range(codes, scales, n, group_size, dtype, isa, 2, begin, end)
+    with streamed(True):
+        got = run_range(codes, scales, n, group_size, dtype, isa, 2, begin, end)
     bits = got.view(torch.int32 if dtype == torch.float32 else torch.int16)
     assert torch.equal(got[begin:end].view(torch.uint8), whole[begin:end].view(torch.uint8))
     assert bool((bits[:begin] == -1).all()) and bool((bits[end:] == -1).all())
