@@ -31,15 +31,19 @@ struct Avx2 {
   static R load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  // Round to nearest even in integers (half.h float_to_bf16), NaN made quiet.
-  static __m128i to_bf16(R x) {
+  // Round to nearest even in integers (half.h float_to_bf16), NaN made quiet; each bf16 in the low
+  // half of its 32-bit lane.
+  static __m256i bf16_lanes(R x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i hi = _mm256_srli_epi32(u, 16);
     const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+  }
+  static __m128i to_bf16(R x) {
+    const __m256i r = bf16_lanes(x);
     // packus works per 128-bit lane: [r0..r3 r0..r3 | r4..r7 r4..r7]; gather qwords 0 and 2.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
     return _mm256_castsi256_si128(packed);
@@ -69,18 +73,24 @@ struct Avx2 {
     __m256i a, b;
   };
   template <DType D>
-  static Nf4Lut nf4_lut(const Stored<D>* table) {
+  static Nf4Lut nf4_lut(const R* products) {
     if constexpr (D == DType::kFloat32) {
-      return {_mm256_castps_si256(_mm256_load_ps(table)),
-              _mm256_castps_si256(_mm256_load_ps(table + 8))};
+      return {_mm256_castps_si256(products[0]), _mm256_castps_si256(products[1])};
     } else {
-      // two 16-byte loads, as the table was stored: a wider load would miss store forwarding
-      const auto* halves = reinterpret_cast<const __m128i*>(table);
-      const __m256i v = _mm256_set_m128i(_mm_load_si128(halves + 1), _mm_load_si128(halves));
+      // the 16 values, 16-bit, in order: the 16-bit stores' roundings
+      __m256i words;
+      if constexpr (D == DType::kBFloat16) {
+        // packus per lane: [t0..t3 t8..t11 | t4..t7 t12..t15]; qwords 0 2 1 3 put them in order
+        const __m256i packed =
+            _mm256_packus_epi32(bf16_lanes(products[0]), bf16_lanes(products[1]));
+        words = _mm256_permute4x64_epi64(packed, 0xD8);
+      } else {
+        words = _mm256_set_m128i(to_f16(products[1]), to_f16(products[0]));
+      }
       // per lane: the low bytes of its 8 entries, then their high bytes
       const __m256i planes = _mm256_shuffle_epi8(
-          v, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
-                              0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+          words, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                  0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
       return {_mm256_permute4x64_epi64(planes, 0x88),   // qwords 0 2 0 2: low bytes
               _mm256_permute4x64_epi64(planes, 0xDD)};  // qwords 1 3 1 3: high bytes
     }

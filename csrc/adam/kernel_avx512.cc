@@ -67,12 +67,13 @@ struct Avx512 {
     __m512i t;
   };
   template <DType D>
-  static Nf4Lut nf4_lut(const Stored<D>* table) {
+  static Nf4Lut nf4_lut(const R* products) {
     if constexpr (D == DType::kFloat32) {
-      return {_mm512_castps_si512(_mm512_load_ps(table))};
+      return {_mm512_castps_si512(products[0])};
+    } else if constexpr (D == DType::kBFloat16) {
+      return {_mm512_zextsi256_si512(to_bf16(products[0]))};
     } else {
-      return {_mm512_zextsi256_si512(
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(table)))};
+      return {_mm512_zextsi256_si512(to_f16(products[0]))};
     }
   }
   template <bool Stream>

@@ -10,10 +10,11 @@
 // non-temporal twins stream_bf16/stream_f16 (aligned to 2 * kWidth bytes;
 // kCanStream says whether they differ from the plain stores), kPrefetch
 // (whether software prefetch pays, see [Note: prefetch]),
-// kNf4Block, nf4_lut<D>(table) and nf4_expand<D, Stream>(codes, lut, out)
-// (kNf4Block NF4 elements from kNf4Block/2 bytes, high nibble first, looked up
-// in a group's table of 16 output values; Stream: non-temporal stores, to an
-// address aligned to kNf4StreamAlign bytes; see [Note: NF4 lookup]),
+// kNf4Block, nf4_lut<D>(products) (a group's table: its 16 fp32 values
+// code[q] * scale, 16 / kWidth registers, rounded to D) and nf4_expand<D,
+// Stream>(codes, lut, out) (kNf4Block NF4 elements from kNf4Block/2 bytes, high
+// nibble first, looked up in it; Stream: non-temporal stores, to an address
+// aligned to kNf4StreamAlign bytes; see [Note: NF4 lookup]),
 // U (an integer register) with zero_u, max_abs32 (kWidth fp32 bit patterns
 // with the sign cleared, max-accumulated), max_abs16 (2 * kWidth 16-bit
 // patterns likewise), hmax32, hmax16, and fence() (after streaming stores).
@@ -299,29 +300,18 @@ struct Kernels {
   }
 
   // [Note: NF4 lookup] ([Note: NF4 code book] in kernel.h) A group has one scale, so its elements
-  // take at most 16 values: code[q] * scale rounded to the output dtype. Each group's 16 are
-  // computed once, by the same fp32 multiply and the same rounding (put) an element alone gets,
-  // into a table; its elements are then table lookups, V::nf4_expand kNf4Block at a time (byte
-  // shuffles and permutes, no arithmetic), the odd element at a range's start and the ones after
-  // the last whole block one at a time. Every output is a copy of a value the format's
-  // definition gives, so every ISA (and any split of the range) gives the same bits by
-  // construction. A run of fewer than 16 elements in a group (tiny groups, range edges) costs
-  // less computed directly, the same multiply and rounding. An output larger than the last-level
+  // take at most 16 values: code[q] * scale rounded to the output dtype. Where a group holds a
+  // whole block of V::kNf4Block elements, its 16 values are computed once, by the fp32 multiply
+  // and the rounding of the ISA's own 16-bit stores (V::nf4_lut, in registers), and its blocks are
+  // table lookups (V::nf4_expand: byte shuffles and permutes, no arithmetic); the elements
+  // outside whole blocks (an odd start, a group's tail, tiny groups) are computed one at a time,
+  // the same multiply and half.h's rounding, which the vector roundings equal bit for bit. Every
+  // output is thus a value the format's definition gives, whatever the ISA or the split of the
+  // range. An output larger than the last-level
   // cache (a.stream, set in adam.cc) is written with non-temporal stores where a block is aligned
   // to them, as the Adam step's 16-bit copy is ([Note: streaming the 16-bit copy]): it would be
   // evicted before its use anyway, and a plain store first reads every line it writes, 4 bytes
   // of traffic per 16-bit element instead of 2 (the codes and scales are 0.56).
-  template <DType D>
-  static void put(void* out, size_t i, R x) {
-    if constexpr (D == DType::kFloat32) {
-      V::store(static_cast<float*>(out) + i, x);
-    } else if constexpr (D == DType::kBFloat16) {
-      V::store_bf16(static_cast<uint16_t*>(out) + i, x);
-    } else {
-      V::store_f16(static_cast<uint16_t*>(out) + i, x);
-    }
-  }
-
   template <DType D>
   static Stored<D> rounded(float x) {
     if constexpr (D == DType::kFloat32) {
@@ -348,24 +338,21 @@ struct Kernels {
     const uint8_t* __restrict codes = a.codes;
     Stored<D>* __restrict out = static_cast<Stored<D>*>(a.out);
     const size_t g = a.group_size;
-    alignas(64) Stored<D> table[16];
     size_t i = begin;
     // one division for the range: per group it would stand in the loop's dependency chain
     for (size_t group = begin / g; i < end; ++group) {
       const size_t stop = std::min(end, (group + 1) * g);
       const float scale = scales[group - first_group];
-      if (stop - i < 16) {
-        for (; i < stop; ++i) out[i] = rounded<D>(kNf4Code[nibble(codes, i)] * scale);
-        continue;
-      }
-      const R s = V::set1(scale);
-      for (size_t k = 0; k < 16; k += W) put<D>(table, k, V::mul(V::load(kNf4Code + k), s));
       if (i & 1) {
-        out[i] = table[codes[i >> 1] & 0x0f];
+        out[i] = rounded<D>(kNf4Code[codes[i >> 1] & 0x0f] * scale);
         ++i;
       }
-      if (i + kBlock <= stop) {
-        const auto lut = V::template nf4_lut<D>(table);
+      // (a table for fewer than its 16 values' worth of elements would cost more than it saves)
+      if (i + std::max<size_t>(kBlock, 16) <= stop) {
+        const R s = V::set1(scale);
+        R products[16 / W];
+        for (size_t k = 0; k < 16 / W; ++k) products[k] = V::mul(V::load(kNf4Code + k * W), s);
+        const auto lut = V::template nf4_lut<D>(products);
         // a block's bytes are a multiple of kNf4StreamAlign: aligned once, aligned throughout
         const bool aligned = reinterpret_cast<uintptr_t>(out + i) % V::kNf4StreamAlign == 0;
         if (V::kCanStream && a.stream && aligned) {
@@ -378,7 +365,7 @@ struct Kernels {
           }
         }
       }
-      for (; i < stop; ++i) out[i] = table[nibble(codes, i)];
+      for (; i < stop; ++i) out[i] = rounded<D>(kNf4Code[nibble(codes, i)] * scale);
     }
   }
 
