@@ -316,9 +316,10 @@ void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* 
     throw std::invalid_argument("the nested scales' block_size must be >= 1, got 0");
   }
   if (begin > end || end > numel) {
-    throw std::invalid_argument("dequantize_nf4: the range [" + std::to_string(begin) + ", " +
-                                std::to_string(end) + ") is not inside the " +
-                                std::to_string(numel) + " elements; give 0 <= begin <= end <= numel");
+    throw std::invalid_argument(
+        "dequantize_nf4: the range [" + std::to_string(begin) + ", " + std::to_string(end) +
+        ") is not inside the " + std::to_string(numel) +
+        " elements; give 0 <= begin <= end <= numel");
   }
   if (begin == end) return;
   if (codes == nullptr || out == nullptr || (nested == nullptr && absmax == nullptr)) {

@@ -109,7 +109,8 @@ struct Avx2 {
     nf4_indices(codes, first, second);
     if constexpr (D == DType::kFloat32) {
       const __m256 lower = _mm256_castsi256_ps(lut.a), upper = _mm256_castsi256_ps(lut.b);
-      const __m128i pieces[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+      const __m128i pieces[4] = {first, _mm_srli_si128(first, 8), second,
+                                 _mm_srli_si128(second, 8)};
       for (int k = 0; k < 4; ++k) {
         const __m256i idx = _mm256_cvtepu8_epi32(pieces[k]);
         const __m256 from_lower = _mm256_permutevar8x32_ps(lower, idx);
