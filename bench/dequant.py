@@ -1,6 +1,7 @@
 """NF4 dequantisation: infinity's kernel (each ISA this CPU runs) vs the memory-bandwidth bound, torch ops
 and bitsandbytes' CPU dequantize_4bit; plain NF4 and NF4 with double quantisation (its scales quantised
-again: the kernel dequantises them in the same pass).
+again: the kernel dequantises them in the same pass); and the widest ISA's kernel with plain stores in
+place of its non-temporal ones (what streaming the output saves).
 
     python bench/dequant.py            # 64M elements into bf16, 2 threads, 5 rounds
     python bench/dequant.py --quick    # seconds: 4M elements, 3 rounds (the CI smoke run)
@@ -57,6 +58,17 @@ def torch_ops(codes: torch.Tensor, absmax: torch.Tensor, n: int, g: int, out: to
     out.copy_(nf4.CODE[q].view(-1, g).mul_(absmax[:, None]).view(-1))
 
 
+def cached_stores(fn: Callable[[], object]) -> None:
+    """``fn`` with the kernel's non-temporal stores of a large output off: what streaming saves
+    (a plain store reads each line of the output before writing it)."""
+    previous = _adam.stream_min_bytes()
+    _adam.set_stream_min_bytes(2**63)
+    try:
+        fn()
+    finally:
+        _adam.set_stream_min_bytes(previous)
+
+
 def contenders(
     codes, absmax, nested: nf4.NestedScales, n, g, out, threads
 ) -> dict[str, tuple[Callable[[], object], int]]:
@@ -78,6 +90,15 @@ def contenders(
             ),
             dq,
         )
+    best = kernel.best_isa()
+    runs[f"infinity {best}, plain stores"] = (
+        lambda: cached_stores(
+            lambda: nf4.dequantize_into(
+                codes, absmax, out, g, isa=ISA_CODES[best], num_threads=threads
+            )
+        ),
+        plain,
+    )
     runs["torch ops"] = (lambda: torch_ops(codes, absmax, n, g, out), plain)
     try:
         import bitsandbytes.functional as bnb  # the bench's own optional contender

@@ -88,6 +88,8 @@ def dequantize_nf4(
     scale_absmax: int = 0,
     scale_offset: float = 0.0,
     scale_block: int = 256,
+    begin: int = 0,
+    end: int | None = None,
 ) -> None: ...
 def bump_step_counts(
     ptrs: list[int], *, is_double: Sequence[int], increment: float

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -174,22 +175,24 @@ int check_threads(int num_threads) {
   return num_threads;
 }
 
-// Calls f(tensor, begin, end) over all elements, split per [Note: partitioning].
+// Calls f(tensor, begin, end) over all elements, split per [Note: partitioning] into chunks of
+// `chunk` elements (a multiple of 64 where writes could share a cache line).
 template <class F>
-void parallel_ranges(const std::vector<size_t>& starts, int num_threads, F&& f) {
+void parallel_ranges(const std::vector<size_t>& starts, int num_threads, F&& f,
+                     size_t chunk = kChunkElements) {
   const size_t count = starts.size() - 1;
   const size_t total = starts.back();
   if (total == 0) return;
   const size_t by_size = std::max<size_t>(1, total / kMinElementsPerThread);
   const size_t wanted = std::min<size_t>(static_cast<size_t>(num_threads), by_size);
-  const size_t chunks = (total + kChunkElements - 1) / kChunkElements;
+  const size_t chunks = (total + chunk - 1) / chunk;
   std::atomic<size_t> next{0};
   parallel_run(static_cast<int>(wanted), [&] {
     for (;;) {
       const size_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks) return;
-      const size_t lo = c * kChunkElements;
-      const size_t hi = std::min(total, lo + kChunkElements);
+      const size_t lo = c * chunk;
+      const size_t hi = std::min(total, lo + chunk);
       size_t k = static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), lo) -
                                      starts.begin()) - 1;
       for (; k < count && starts[k] < hi; ++k) {
@@ -304,14 +307,21 @@ void stream_bound(const Buffers* tensors, size_t count, Isa isa, int num_threads
 }
 
 void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* nested, void* out,
-                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads) {
+                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads,
+                    size_t begin, size_t end) {
   const KernelSet& k = kernels_for(isa);
   check_threads(num_threads);
   if (group_size == 0) throw std::invalid_argument("group_size must be >= 1, got 0");
   if (nested != nullptr && nested->block_size == 0) {
     throw std::invalid_argument("the nested scales' block_size must be >= 1, got 0");
   }
-  if (numel == 0) return;
+  if (begin > end || end > numel) {
+    throw std::invalid_argument(
+        "dequantize_nf4: the range [" + std::to_string(begin) + ", " + std::to_string(end) +
+        ") is not inside the " + std::to_string(numel) +
+        " elements; give 0 <= begin <= end <= numel");
+  }
+  if (begin == end) return;
   if (codes == nullptr || out == nullptr || (nested == nullptr && absmax == nullptr)) {
     throw std::invalid_argument("dequantize_nf4: codes, absmax and out must not be null");
   }
@@ -337,9 +347,23 @@ void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* 
     throw std::invalid_argument(
         "dequantize_nf4: out overlaps the codes or the scales; give it memory of its own");
   }
-  const Nf4Args args{codes, absmax, nested, out, dtype, group_size};
-  parallel_ranges({0, numel}, num_threads,
-                  [&](size_t, size_t b, size_t e) { k.dequant_nf4(args, b, e); });
+  // [Note: NF4 lookup] in kernel_impl.h: stream an output the cache cannot hold anyway.
+  const bool stream = (end - begin) * dtype_size(dtype) > g_stream_min_bytes.load();
+  const Nf4Args args{codes, absmax, nested, out, dtype, group_size, stream};
+  // Chunks of whole groups starting on a byte ([Note: NF4 lookup] in kernel_impl.h: a group cut
+  // in two builds its table twice, and a range starting mid-byte takes its first element alone),
+  // and a multiple of 64 elements (no cache line written by two threads) where the groups allow.
+  const size_t whole = group_size % 2 == 0 ? group_size : 2 * group_size;
+  const size_t aligned = std::lcm<size_t>(whole, 64);
+  const size_t unit = aligned <= kChunkElements ? aligned : whole;
+  const size_t chunk = std::max<size_t>(1, kChunkElements / unit) * unit;
+  // The chunks are laid from element 0, so that they stay whole groups for any begin.
+  parallel_ranges(
+      {0, end}, num_threads,
+      [&](size_t, size_t b, size_t e) {
+        if (e > begin) k.dequant_nf4(args, std::max(b, begin), e);
+      },
+      chunk);
 }
 
 }  // namespace infinity::adam

@@ -63,7 +63,8 @@ const char* isa_name(Isa isa);
 const char* threading_backend();
 
 // Steps whose buffers exceed this many bytes (16 per parameter) write the
-// 16-bit copy with non-temporal stores; default: the last-level cache size.
+// 16-bit copy with non-temporal stores, and NF4 dequantisations whose output
+// exceeds it write that; default: the last-level cache size.
 // Process-wide; tests lower it to exercise that path on small tensors.
 size_t stream_min_bytes();
 void set_stream_min_bytes(size_t bytes);
@@ -103,10 +104,12 @@ struct Nf4Nested {
 // Dequantises `numel` NF4 elements: out[i] = code[nibble i] * scale[i / group_size] in `dtype`
 // ([Note: NF4 code book] in kernel.h), where scale is `absmax` (ceil(numel / group_size) floats)
 // or, when `nested` is given (absmax is then unused), the scales it holds, dequantised in the same
-// pass. `codes` holds ceil(numel / 2) bytes. The same bits on every ISA and thread count. Throws
-// std::invalid_argument on a group_size or block_size of 0, a null pointer, or `out` overlapping
-// an input.
+// pass. `codes` holds ceil(numel / 2) bytes. Only elements [begin, end) of `out` are written
+// (0 and numel: all of them). The same bits on every ISA and thread count. Throws
+// std::invalid_argument on a group_size or block_size of 0, a null pointer, `out` overlapping an
+// input, or a range not inside [0, numel].
 void dequantize_nf4(const uint8_t* codes, const float* absmax, const Nf4Nested* nested, void* out,
-                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads);
+                    DType dtype, size_t numel, size_t group_size, Isa isa, int num_threads,
+                    size_t begin, size_t end);
 
 }  // namespace infinity::adam

@@ -11,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -222,7 +223,8 @@ PYBIND11_MODULE(_adam, m) {
       "dequantize_nf4",
       [](uintptr_t codes, uintptr_t absmax, uintptr_t out, int dtype, size_t numel,
          size_t group_size, int isa, int num_threads, uintptr_t scale_codes, uintptr_t scale_code,
-         uintptr_t scale_absmax, float scale_offset, size_t scale_block) {
+         uintptr_t scale_absmax, float scale_offset, size_t scale_block, size_t begin,
+         std::optional<size_t> end) {
         const ad::DType d = to_dtype(dtype);
         const ad::Isa which = to_isa(isa);
         ad::Nf4Nested nested;
@@ -235,16 +237,17 @@ PYBIND11_MODULE(_adam, m) {
         ad::dequantize_nf4(reinterpret_cast<const uint8_t*>(codes),
                            reinterpret_cast<const float*>(absmax),
                            scale_codes == 0 ? nullptr : &nested, reinterpret_cast<void*>(out), d,
-                           numel, group_size, which, num_threads);
+                           numel, group_size, which, num_threads, begin, end.value_or(numel));
       },
       py::kw_only(), py::arg("codes"), py::arg("absmax"), py::arg("out"), py::arg("dtype"),
       py::arg("numel"), py::arg("group_size"), py::arg("isa"), py::arg("num_threads"),
       py::arg("scale_codes") = 0, py::arg("scale_code") = 0, py::arg("scale_absmax") = 0,
-      py::arg("scale_offset") = 0.0f, py::arg("scale_block") = 256,
+      py::arg("scale_offset") = 0.0f, py::arg("scale_block") = 256, py::arg("begin") = 0,
+      py::arg("end") = py::none(),
       "NF4 codes and their scales (data pointers) dequantised into out (see "
       "infinity.weights.nf4): fp32 absmax, or with scale_codes the scales quantised again "
       "(scale_code: the 256-value code book, scale_absmax: one fp32 per scale_block groups, "
-      "scale_offset: their mean).");
+      "scale_offset: their mean); only elements [begin, end) of out (end None: numel).");
 
   // torch keeps each parameter's step count in its own 0-dim tensor; with
   // hundreds of parameters, reading and bumping them with tensor ops costs more

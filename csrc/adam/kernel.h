@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "adam/adam.h"
 
@@ -46,6 +47,10 @@ inline constexpr float kNf4Code[16] = {
     0x1.c3497p-2f,   0x1.200f56p-1f,  0x1.722766p-1f,  0x1p+0f,
 };
 
+// The C++ type of one element stored in `D` (16-bit ones as their bit patterns).
+template <DType D>
+using Stored = std::conditional_t<D == DType::kFloat32, float, uint16_t>;
+
 // One NF4 dequantisation: element i is the nibble i of `codes` (the high
 // nibble of byte i/2 for even i, the low one for odd i, as bitsandbytes packs
 // them) looked up in kNf4Code and multiplied by absmax[i / group_size], then
@@ -57,6 +62,7 @@ struct Nf4Args {
   void* out = nullptr;
   DType dtype = DType::kFloat32;
   size_t group_size = 64;
+  bool stream = false;  // non-temporal stores for the output ([Note: NF4 lookup] in kernel_impl.h)
 };
 
 // [Note: NF4 double quantisation] QLoRA's "double quant" (bitsandbytes' compress_statistics=True):
@@ -87,7 +93,8 @@ struct KernelSet {
   double (*sum_squares)(const float* x, size_t begin, size_t end);
   void (*stream)(const Buffers& b, size_t begin, size_t end);
   // Elements [begin, end) of an NF4 dequantisation; the same bits on every ISA
-  // (one multiply per element, nothing fused) for any split of the range.
+  // (a group's 16 values one multiply each, nothing fused, its elements looked
+  // up: [Note: NF4 lookup] in kernel_impl.h) for any split of the range.
   void (*dequant_nf4)(const Nf4Args& a, size_t begin, size_t end);
 };
 

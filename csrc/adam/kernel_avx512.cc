@@ -48,16 +48,58 @@ struct Avx512 {
   static void stream_bf16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
   static void stream_f16(uint16_t* p, R x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_f16(x)); }
 
-  // 16 nibbles (8 bytes, high nibble first) as code-book values: one 16-entry permute.
-  static R nf4(const uint8_t* p) {
-    uint64_t word;
-    std::memcpy(&word, p, sizeof word);
-    const __m128i bytes = _mm_cvtsi64_si128(static_cast<long long>(word));
+  // [Note: NF4 lookup] in kernel_impl.h. The AVX2 set's structure at twice the width: 64 elements
+  // a block, 16 code bytes at a time giving the table indices of e0..e15 and e16..e31 in order.
+  static constexpr size_t kNf4Block = 64;
+  static constexpr size_t kNf4StreamAlign = 64;  // bytes: vmovntps / vmovntdq zmm
+  static void nf4_indices(const uint8_t* p, __m128i& first, __m128i& second) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i low4 = _mm_set1_epi8(0x0f);
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
     const __m128i lo = _mm_and_si128(bytes, low4);
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(hi, lo));
-    return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(kNf4Code));
+    first = _mm_unpacklo_epi8(hi, lo);
+    second = _mm_unpackhi_epi8(hi, lo);
+  }
+
+  // The 16 table entries, 16-bit (in the low 256 bits; indices < 16 read no others) or fp32: one
+  // vpermw / vpermps looks up 32 or 16 elements.
+  struct Nf4Lut {
+    __m512i t;
+  };
+  template <DType D>
+  static Nf4Lut nf4_lut(const R* products) {
+    if constexpr (D == DType::kFloat32) {
+      return {_mm512_castps_si512(products[0])};
+    } else if constexpr (D == DType::kBFloat16) {
+      return {_mm512_zextsi256_si512(to_bf16(products[0]))};
+    } else {
+      return {_mm512_zextsi256_si512(to_f16(products[0]))};
+    }
+  }
+  template <bool Stream>
+  static void store512(void* p, __m512i x) {
+    if constexpr (Stream) {
+      _mm512_stream_si512(static_cast<__m512i*>(p), x);
+    } else {
+      _mm512_storeu_si512(p, x);
+    }
+  }
+  template <DType D, bool Stream>
+  static void nf4_expand(const uint8_t* codes, const Nf4Lut& lut, Stored<D>* out) {
+    for (int half = 0; half < 2; ++half) {
+      __m128i first, second;
+      nf4_indices(codes + 16 * half, first, second);
+      if constexpr (D == DType::kFloat32) {
+        const __m512 table = _mm512_castsi512_ps(lut.t);
+        const __m512 lower = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table);
+        const __m512 upper = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table);
+        store512<Stream>(out + 32 * half, _mm512_castps_si512(lower));
+        store512<Stream>(out + 32 * half + 16, _mm512_castps_si512(upper));
+      } else {
+        const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(second, first));
+        store512<Stream>(out + 32 * half, _mm512_permutexvar_epi16(idx, lut.t));
+      }
+    }
   }
 
   static U zero_u() { return _mm512_setzero_si512(); }

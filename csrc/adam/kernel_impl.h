@@ -10,8 +10,11 @@
 // non-temporal twins stream_bf16/stream_f16 (aligned to 2 * kWidth bytes;
 // kCanStream says whether they differ from the plain stores), kPrefetch
 // (whether software prefetch pays, see [Note: prefetch]),
-// nf4(bytes) (kWidth NF4 code-book values of the kWidth nibbles in kWidth/2
-// bytes, high nibble first; only where kWidth > 1),
+// kNf4Block, nf4_lut<D>(products) (a group's table: its 16 fp32 values
+// code[q] * scale, 16 / kWidth registers, rounded to D) and nf4_expand<D,
+// Stream>(codes, lut, out) (kNf4Block NF4 elements from kNf4Block/2 bytes, high
+// nibble first, looked up in it; Stream: non-temporal stores, to an address
+// aligned to kNf4StreamAlign bytes; see [Note: NF4 lookup]),
 // U (an integer register) with zero_u, max_abs32 (kWidth fp32 bit patterns
 // with the sign cleared, max-accumulated), max_abs16 (2 * kWidth 16-bit
 // patterns likewise), hmax32, hmax16, and fence() (after streaming stores).
@@ -296,53 +299,73 @@ struct Kernels {
     }
   }
 
-  // [Note: NF4 code book] in kernel.h. Group by group: the vector loop starts on a byte (an even
-  // element) and stays inside the group; the elements around it go one at a time.
+  // [Note: NF4 lookup] ([Note: NF4 code book] in kernel.h) A group has one scale, so its elements
+  // take at most 16 values: code[q] * scale rounded to the output dtype. Where a group holds a
+  // whole block of V::kNf4Block elements, its 16 values are computed once, by the fp32 multiply
+  // and the rounding of the ISA's own 16-bit stores (V::nf4_lut, in registers), and its blocks are
+  // table lookups (V::nf4_expand: byte shuffles and permutes, no arithmetic); the elements
+  // outside whole blocks (an odd start, a group's tail, tiny groups) are computed one at a time,
+  // the same multiply and half.h's rounding, which the vector roundings equal bit for bit. Every
+  // output is thus a value the format's definition gives, whatever the ISA or the split of the
+  // range. An output larger than the last-level
+  // cache (a.stream, set in adam.cc) is written with non-temporal stores where a block is aligned
+  // to them, as the Adam step's 16-bit copy is ([Note: streaming the 16-bit copy]): it would be
+  // evicted before its use anyway, and a plain store first reads every line it writes, 4 bytes
+  // of traffic per 16-bit element instead of 2 (the codes and scales are 0.56).
   template <DType D>
-  static void put(void* out, size_t i, R x) {
+  static Stored<D> rounded(float x) {
     if constexpr (D == DType::kFloat32) {
-      V::store(static_cast<float*>(out) + i, x);
+      return x;
     } else if constexpr (D == DType::kBFloat16) {
-      V::store_bf16(static_cast<uint16_t*>(out) + i, x);
+      return float_to_bf16(x);
     } else {
-      V::store_f16(static_cast<uint16_t*>(out) + i, x);
+      return float_to_half(x);
     }
   }
 
-  template <DType D>
-  static void put_one(void* out, size_t i, float x) {
-    if constexpr (D == DType::kFloat32) {
-      static_cast<float*>(out)[i] = x;
-    } else if constexpr (D == DType::kBFloat16) {
-      static_cast<uint16_t*>(out)[i] = float_to_bf16(x);
-    } else {
-      static_cast<uint16_t*>(out)[i] = float_to_half(x);
-    }
+  static uint8_t nibble(const uint8_t* codes, size_t i) {
+    const uint8_t byte = codes[i >> 1];
+    return (i & 1) ? (byte & 0x0f) : (byte >> 4);
   }
 
   // Elements [begin, end) whose groups' scales are scales[group - first_group].
   template <DType D>
   static void dequant_nf4_groups(const Nf4Args& a, const float* scales, size_t first_group,
                                  size_t begin, size_t end) {
+    static_assert(16 % W == 0, "the table is filled a vector at a time");
+    constexpr size_t kBlock = V::kNf4Block;
+    static_assert(kBlock % 2 == 0, "a block starts and ends on a byte");
     const uint8_t* __restrict codes = a.codes;
+    Stored<D>* __restrict out = static_cast<Stored<D>*>(a.out);
     const size_t g = a.group_size;
     size_t i = begin;
-    while (i < end) {
-      const size_t group = i / g;
+    // one division for the range: per group it would stand in the loop's dependency chain
+    for (size_t group = begin / g; i < end; ++group) {
       const size_t stop = std::min(end, (group + 1) * g);
       const float scale = scales[group - first_group];
-      if constexpr (W > 1) {
-        if (i & 1) {
-          put_one<D>(a.out, i, kNf4Code[codes[i >> 1] & 0x0f] * scale);
-          ++i;
-        }
+      if (i & 1) {
+        out[i] = rounded<D>(kNf4Code[codes[i >> 1] & 0x0f] * scale);
+        ++i;
+      }
+      // (a table for fewer than its 16 values' worth of elements would cost more than it saves)
+      if (i + std::max<size_t>(kBlock, 16) <= stop) {
         const R s = V::set1(scale);
-        for (; i + W <= stop; i += W) put<D>(a.out, i, V::mul(V::nf4(codes + (i >> 1)), s));
+        R products[16 / W];
+        for (size_t k = 0; k < 16 / W; ++k) products[k] = V::mul(V::load(kNf4Code + k * W), s);
+        const auto lut = V::template nf4_lut<D>(products);
+        // a block's bytes are a multiple of kNf4StreamAlign: aligned once, aligned throughout
+        const bool aligned = reinterpret_cast<uintptr_t>(out + i) % V::kNf4StreamAlign == 0;
+        if (V::kCanStream && a.stream && aligned) {
+          for (; i + kBlock <= stop; i += kBlock) {
+            V::template nf4_expand<D, true>(codes + (i >> 1), lut, out + i);
+          }
+        } else {
+          for (; i + kBlock <= stop; i += kBlock) {
+            V::template nf4_expand<D, false>(codes + (i >> 1), lut, out + i);
+          }
+        }
       }
-      for (; i < stop; ++i) {
-        const uint8_t byte = codes[i >> 1];
-        put_one<D>(a.out, i, kNf4Code[(i & 1) ? (byte & 0x0f) : (byte >> 4)] * scale);
-      }
+      for (; i < stop; ++i) out[i] = rounded<D>(kNf4Code[nibble(codes, i)] * scale);
     }
   }
 
@@ -370,10 +393,11 @@ struct Kernels {
 
   static void dequant_nf4(const Nf4Args& a, size_t begin, size_t end) {
     switch (a.dtype) {
-      case DType::kFloat32: return dequant_nf4_as<DType::kFloat32>(a, begin, end);
-      case DType::kBFloat16: return dequant_nf4_as<DType::kBFloat16>(a, begin, end);
-      case DType::kFloat16: return dequant_nf4_as<DType::kFloat16>(a, begin, end);
+      case DType::kFloat32: dequant_nf4_as<DType::kFloat32>(a, begin, end); break;
+      case DType::kBFloat16: dequant_nf4_as<DType::kBFloat16>(a, begin, end); break;
+      case DType::kFloat16: dequant_nf4_as<DType::kFloat16>(a, begin, end); break;
     }
+    V::fence();
   }
 
   static KernelSet make(Isa isa) {

@@ -32,6 +32,34 @@ struct Scalar {
   static void stream_bf16(uint16_t* p, R x) { store_bf16(p, x); }
   static void stream_f16(uint16_t* p, R x) { store_f16(p, x); }
 
+  // [Note: NF4 lookup] in kernel_impl.h: one byte (two elements) a block, looked up in the group's
+  // 16 values rounded by this set's own 16-bit stores.
+  static constexpr size_t kNf4Block = 2;
+  static constexpr size_t kNf4StreamAlign = 1;  // no streaming stores (kCanStream)
+  template <DType D>
+  struct Nf4Lut {
+    Stored<D> t[16];
+  };
+  template <DType D>
+  static Nf4Lut<D> nf4_lut(const R* products) {
+    Nf4Lut<D> lut;
+    for (int k = 0; k < 16; ++k) {
+      if constexpr (D == DType::kFloat32) {
+        lut.t[k] = products[k];
+      } else if constexpr (D == DType::kBFloat16) {
+        store_bf16(&lut.t[k], products[k]);
+      } else {
+        store_f16(&lut.t[k], products[k]);
+      }
+    }
+    return lut;
+  }
+  template <DType D, bool Stream>
+  static void nf4_expand(const uint8_t* codes, const Nf4Lut<D>& lut, Stored<D>* out) {
+    out[0] = lut.t[codes[0] >> 4];
+    out[1] = lut.t[codes[0] & 0x0f];
+  }
+
   static U zero_u() { return 0; }
   static U max_abs32(U acc, const float* p) {
     const U bits = float_bits(*p) & 0x7fffffffu;

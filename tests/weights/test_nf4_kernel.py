@@ -1,11 +1,16 @@
 """The NF4 dequantisation kernel gives the same bits on every ISA this CPU runs as on the scalar path,
-for any size, group size (odd ones too: groups that start mid-byte), output dtype and thread count; the
-scalar path is checked against the format's definition written in torch (code[q] · absmax, rounded
-once; with double-quantised scales, absmax = code8[c] · block absmax + offset, each step rounded); bad
-arguments are refused with the reason. Cheap: also run under ASan/UBSan (.ci/sanitize.sh).
+for any size, group size (odd ones too: groups that start mid-byte; ones below, at and around the
+vector kernels' blocks of 32 and 64 elements), output dtype, thread count and range of the elements
+(a start or end inside a group or a byte); the scalar path is checked against the format's definition
+written in torch (code[q] · absmax, rounded once; with double-quantised scales, absmax = code8[c] ·
+block absmax + offset, each step rounded); bad arguments are refused with the reason. Cheap: also run
+under ASan/UBSan (.ci/sanitize.sh).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,6 +23,17 @@ from infinity.weights import nf4
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CODES = {"scalar": _adam.SCALAR, "avx2": _adam.AVX2, "avx512": _adam.AVX512}
+
+
+@contextlib.contextmanager
+def streamed(on: bool) -> Iterator[None]:
+    """Force (or forbid) the kernel's non-temporal stores of the output, whatever its size."""
+    previous = _adam.stream_min_bytes()
+    _adam.set_stream_min_bytes(0 if on else 2**63)
+    try:
+        yield
+    finally:
+        _adam.set_stream_min_bytes(previous)
 
 
 def random_packed(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,27 +75,33 @@ def run(codes, scales, n, group_size, dtype, isa: str, threads: int) -> torch.Te
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(0, 5000),
-    group_size=st.sampled_from([1, 3, 5, 32, 63, 64, 65, 128, 4096]),
+    group_size=st.sampled_from([1, 2, 3, 5, 16, 30, 32, 34, 63, 64, 65, 96, 128, 4096]),
     dtype=st.sampled_from(DTYPES),
     threads=st.sampled_from([1, 2]),
     nested=st.booleans(),
+    stream=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_every_isa_equals_scalar_bit_for_bit(isa, n, group_size, dtype, threads, nested, seed):
-    """Plain and double-quantised scales (group counts not multiples of the nested block of 256)."""
+def test_every_isa_equals_scalar_bit_for_bit(
+    isa, n, group_size, dtype, threads, nested, stream, seed
+):
+    """Plain and double-quantised scales (group counts not multiples of the nested block of 256);
+    plain and non-temporal stores of the output."""
     if isa not in kernel.supported_isas():
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     codes, absmax = random_packed(n, group_size, seed)
     scales = random_nested(n, group_size, seed) if nested else absmax
-    got = run(codes, scales, n, group_size, dtype, isa, threads)
-    want = run(codes, scales, n, group_size, dtype, "scalar", 1)
+    with streamed(stream):
+        got = run(codes, scales, n, group_size, dtype, isa, threads)
+    with streamed(False):
+        want = run(codes, scales, n, group_size, dtype, "scalar", 1)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(0, 3000),
-    group_size=st.sampled_from([1, 2, 7, 64, 100]),
+    group_size=st.sampled_from([1, 2, 7, 17, 64, 100]),
     dtype=st.sampled_from(DTYPES),
     nested=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -89,6 +111,67 @@ def test_scalar_kernel_is_the_formats_definition(n, group_size, dtype, nested, s
     scales = random_nested(n, group_size, seed) if nested else absmax
     got = run(codes, scales, n, group_size, dtype, "scalar", 1)
     assert torch.equal(got, by_definition(codes, scales, n, group_size, dtype))
+
+
+def run_range(codes, scales, n, group_size, dtype, isa: str, threads: int, begin: int, end: int):
+    """Elements [begin, end) dequantised into an output filled with 0xff bytes (a NaN in every
+    dtype, so that no element the kernel writes can equal it)."""
+    out = torch.full((n,), -1, dtype=torch.int32 if dtype == torch.float32 else torch.int16)
+    out = out.view(dtype)
+    nested = scales if isinstance(scales, nf4.NestedScales) else None
+    by_scales = (
+        dict(
+            absmax=0,
+            scale_codes=nested.codes.data_ptr(),
+            scale_code=nf4.DYNAMIC_CODE.data_ptr(),
+            scale_absmax=nested.absmax.data_ptr(),
+            scale_offset=nested.offset,
+        )
+        if nested is not None
+        else dict(absmax=scales.data_ptr())
+    )
+    _adam.dequantize_nf4(
+        codes=codes.data_ptr(),
+        out=out.data_ptr(),
+        dtype={torch.float32: _adam.FLOAT32, torch.bfloat16: _adam.BFLOAT16}.get(
+            dtype, _adam.FLOAT16
+        ),
+        numel=n,
+        group_size=group_size,
+        isa=CODES[isa],
+        num_threads=threads,
+        begin=begin,
+        end=end,
+        **by_scales,
+    )
+    return out
+
+
+@pytest.mark.parametrize("isa", kernel.ISAS)
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    group_size=st.sampled_from([2, 3, 32, 64, 65, 96, 128]),
+    dtype=st.sampled_from(DTYPES),
+    nested=st.booleans(),
+    cut=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    seed=st.integers(0, 2**16),
+)
+def test_a_range_of_the_elements_is_those_elements_of_the_whole(
+    isa, n, group_size, dtype, nested, cut, seed
+):
+    """Any [begin, end): inside a group or a byte, across groups and blocks; the rest untouched."""
+    if isa not in kernel.supported_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernels")
+    begin, end = sorted(round(c * n) for c in cut)
+    codes, absmax = random_packed(n, group_size, seed)
+    scales = random_nested(n, group_size, seed) if nested else absmax
+    whole = run(codes, scales, n, group_size, dtype, "scalar", 1)
+    with streamed(True):
+        got = run_range(codes, scales, n, group_size, dtype, isa, 2, begin, end)
+    bits = got.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    assert torch.equal(got[begin:end].view(torch.uint8), whole[begin:end].view(torch.uint8))
+    assert bool((bits[:begin] == -1).all()) and bool((bits[end:] == -1).all())
 
 
 def test_large_inputs_split_over_threads_give_the_same_bits():
@@ -127,6 +210,19 @@ def test_bad_arguments_are_refused_with_the_reason():
             group_size=64,
             isa=_adam.SCALAR,
             num_threads=1,
+        )
+    with pytest.raises(ValueError, match=r"the range \[100, 129\) is not inside the 128 elements"):
+        _adam.dequantize_nf4(
+            codes=codes.data_ptr(),
+            absmax=absmax.data_ptr(),
+            out=torch.empty(128).data_ptr(),
+            dtype=_adam.FLOAT32,
+            numel=128,
+            group_size=64,
+            isa=_adam.SCALAR,
+            num_threads=1,
+            begin=100,
+            end=129,
         )
     with pytest.raises(ValueError, match="num_threads must be >= 1"):
         nf4.dequantize_into(codes, absmax, torch.empty(128), 64, num_threads=0)

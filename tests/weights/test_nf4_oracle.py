@@ -3,7 +3,7 @@ scales ``bitsandbytes.functional.quantize_4bit(..., quant_type="nf4")`` makes, a
 bitsandbytes' own packed bytes to exactly what its ``dequantize_4bit`` gives, in fp32, bf16 and fp16, for
 sizes with and without a shorter last group, and weights of any scale (an all-zero group too); with
 double quantisation (``compress_statistics=True``) ``nf4.quantize_scales`` makes bitsandbytes' nested
-state and the kernel gives its ``dequantize_4bit`` values."""
+state and the kernel gives its ``dequantize_4bit`` values; each ISA's kernel this CPU runs."""
 
 from __future__ import annotations
 
@@ -12,11 +12,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infinity import _adam
+from infinity.optim import kernel
 from infinity.weights import nf4
 
 bnb = pytest.importorskip("bitsandbytes.functional")
 
+CODES = {"scalar": _adam.SCALAR, "avx2": _adam.AVX2, "avx512": _adam.AVX512}
 BLOCKSIZES = [32, 64, 128, 256]  # bitsandbytes takes powers of two from 32
+
+
+def dequantize(codes, scales, n: int, group_size: int, dtype, isa: str) -> torch.Tensor:
+    """The kernel of one ISA (each ISA this CPU runs is held to bitsandbytes, not only to scalar)."""
+    out = torch.empty(n, dtype=dtype)
+    nf4.dequantize_into(codes, scales, out, group_size, isa=CODES[isa])
+    return out
 
 
 def weights(n: int, seed: int, scale: float, zero_group: bool) -> torch.Tensor:
@@ -48,8 +58,9 @@ def test_quantize_and_dequantize_equal_bitsandbytes(n, blocksize, dtype, scale, 
         return
     want = bnb.dequantize_4bit(packed, state).reshape(-1)
     assert want.dtype == dtype
-    got = nf4.dequantize(packed.reshape(-1), state.absmax, n, blocksize, dtype)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for isa in kernel.supported_isas():
+        got = dequantize(packed.reshape(-1), state.absmax, n, blocksize, dtype, isa)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), isa
 
 
 def test_dynamic_code_is_bitsandbytes():
@@ -81,8 +92,9 @@ def test_double_quant_equals_bitsandbytes(groups, dtype, scale, zero_groups, see
     assert torch.equal(nested.absmax, state.state2.absmax)
     assert nested.offset == state.offset.item()
     want = bnb.dequantize_4bit(packed, state).reshape(-1)
-    got = nf4.dequantize(codes, nested, n, 64, dtype)
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for isa in kernel.supported_isas():
+        got = dequantize(codes, nested, n, 64, dtype, isa)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), isa
 
 
 def test_a_real_shaped_weight_round_trips_within_the_codes_resolution():
