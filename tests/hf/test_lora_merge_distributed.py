@@ -30,7 +30,7 @@ def _train_save_and_merge(rank: int, nvme: str, out: str) -> dict:
     root = Path(out)
     engine = make_engine(Path(nvme), None)  # each rank swaps under nvme/rank<N>
     try:
-        train(engine, 0, 2)  # B is zero at the start: trained, the merge changes the weights
+        train(engine, 0, 1)  # B is zero at the start: after a step the merge changes the weights
         engine.save_merged(root / "live")
         engine.save_checkpoint(root / "ckpt")
         adapters = {n: t for n, t in engine.gathered_state_dict().items() if ".lora_" in n}
