@@ -122,6 +122,7 @@ def main() -> None:
             report_to=[],
             use_cpu=True,
             disable_tqdm=True,
+            bf16=False,  # SFTConfig's default True would add an enabled bf16 section: fp32 here
         )
     trainer = infinity_trainer(trl.SFTTrainer)(
         model=model,

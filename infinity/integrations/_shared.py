@@ -86,6 +86,19 @@ def is_auto(value: Any) -> bool:
 # state), and an adapter handed the module again (a second Trainer evaluating it, a second
 # prepare) finds the engine there, or refuses a second engine. The module owns the link: it
 # lives and dies with it, no table outside the objects keeps it.
+# Each precision's section under the names DeepSpeed reads it by (bfloat16 is bf16's alias).
+PRECISION_SECTIONS: dict[str, tuple[str, ...]] = {"fp16": ("fp16",), "bf16": ("bf16", "bfloat16")}
+
+
+def precision_section(cfg: Mapping[str, Any], dtype: str) -> Mapping[str, Any] | None:
+    """The config's ``dtype`` ("fp16" or "bf16") section under any of its names, None if absent."""
+    for key in PRECISION_SECTIONS[dtype]:
+        node = cfg.get(key)
+        if isinstance(node, Mapping):
+            return node
+    return None
+
+
 _ENGINE_ATTR = "_infinity_engine"
 
 

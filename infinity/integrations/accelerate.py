@@ -116,34 +116,22 @@ def _auto_or_absent(cfg: Mapping[str, Any], key: str) -> bool:
     return key not in cfg or _shared.is_auto(cfg[key])
 
 
-# Each precision's section under the names DeepSpeed reads it by (bfloat16 is bf16's alias).
-_SECTIONS: dict[str, tuple[str, ...]] = {"fp16": ("fp16",), "bf16": ("bf16", "bfloat16")}
-
-
-def _section(cfg: Mapping[str, Any], dtype: str) -> Mapping[str, Any] | None:
-    for key in _SECTIONS[dtype]:
-        node = cfg.get(key)
-        if isinstance(node, Mapping):
-            return node
-    return None
-
-
 def _precision(cfg: dict[str, Any], mixed_precision: str) -> dict[str, Any]:
     """Accelerate's ``DeepSpeedPlugin.set_mixed_precision``: the section of the mixed precision is
     added where missing, "auto" ``enabled`` flags take it, another dtype enabled is refused."""
     out: dict[str, Any] = {}
     if mixed_precision in ("fp16", "bf16"):
         other = "bf16" if mixed_precision == "fp16" else "fp16"
-        node = _section(cfg, other)
+        node = _shared.precision_section(cfg, other)
         if node is not None and node.get("enabled") is True:
             raise ValueError(
                 f"the Accelerator's mixed_precision is {mixed_precision!r} and the config enables {other}; "
                 f"make them agree (Accelerator(mixed_precision={other!r}), or remove the {other} section)"
             )
-        if _section(cfg, mixed_precision) is None:
+        if _shared.precision_section(cfg, mixed_precision) is None:
             cfg[mixed_precision] = {"enabled": True}
     for name in ("fp16", "bf16"):
-        node = _section(cfg, name)
+        node = _shared.precision_section(cfg, name)
         if node is not None and _shared.is_auto(node.get("enabled")):
             out[name] = mixed_precision == name
     return out

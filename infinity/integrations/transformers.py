@@ -10,7 +10,9 @@ the engine's forward/backward/step, its checkpoints and ``save_pretrained``):
   infinity/config/arguments.py, through ``training_arguments_values``), with
   the Trainer's count of optimizer steps as ``num_training_steps``; a value the
   config writes that disagrees with ``TrainingArguments`` is refused, naming
-  both (HF's ``fill_match``).
+  both (HF's ``fill_match``). ``bf16=True`` / ``fp16=True`` with no such section
+  in the config adds it, enabled, as Accelerate's DeepSpeed plugin does
+  ([Note: the Trainer's precision]).
 - The optimizer: a config ``optimizer`` section is the engine's own; without
   one, the Trainer's (``create_optimizer``: ``args.optim``, its decay and
   no-decay param groups, or ``optimizers=``) is mapped onto the engine's
@@ -73,7 +75,7 @@ import infinity
 from infinity.config import ConfigError
 from infinity.config.arguments import training_arguments_values
 from infinity.engine import Engine, StepRecord
-from infinity.integrations._shared import EngineModule, read_config
+from infinity.integrations._shared import EngineModule, precision_section, read_config
 from infinity.monitor import step_metrics
 
 if not hasattr(Trainer, "_prepare_for_training"):
@@ -102,6 +104,37 @@ __all__ = ["ENGINE_TAG", "InfinityTrainer", "InfinityTrainerMixin", "infinity_tr
 # window's first training_step and EngineOptimizer.step() only takes that update as the window's
 # (``window_stepped``). Either way one update per window, at the Trainer's count; a request at
 # another point is an error, never a silent update at another step.
+
+
+# [Note: the Trainer's precision]
+# Under HF's Trainer with DeepSpeed, two layers read TrainingArguments' precision: HF's config table
+# fills a bf16 / fp16 section's "auto" and refuses a written value that disagrees (fill_match), and
+# Accelerate's DeepSpeed plugin (``DeepSpeedPlugin.set_mixed_precision``, accelerate 1.15) adds a
+# missing section enabled for ``mixed_precision`` "bf16" / "fp16", which the Trainer sets from
+# ``bf16=`` / ``fp16=``. So ``TrainingArguments(bf16=True)`` trains in bf16 whether the config has
+# no bf16 section or one with "auto", and is refused against ``"bf16": {"enabled": false}``. The
+# InfinityTrainer does the same: the missing section is added (``precision_sections``) before the
+# table fills and checks the config, so the refusal names both settings (the config's bf16.enabled
+# and the argument). Without this a config with no section would train in fp32 while the arguments
+# asked for bf16, silently. (Accelerate also writes ``auto_cast: true`` into an fp16 section it adds,
+# its autocast of the forward; the engine casts the parameters and needs none.)
+
+
+def precision_sections(config: dict[str, Any], args: Any) -> dict[str, Any]:
+    """``config`` with the bf16 / fp16 section ``args`` (TrainingArguments) ask for added, enabled,
+    where the config has none ([Note: the Trainer's precision])."""
+    out = dict(config)
+    for flag in ("bf16", "fp16"):
+        if getattr(args, flag, False) and precision_section(out, flag) is None:
+            log.info(
+                "TrainingArguments(%s=True) and infinity_config has no %s section: training in %s "
+                "(the section added, as Accelerate's DeepSpeed plugin adds it)",
+                flag,
+                flag,
+                flag,
+            )
+            out[flag] = {"enabled": True}
+    return out
 
 
 # [Note: the Trainer's window, layer-major]
@@ -254,7 +287,7 @@ class InfinityTrainerMixin:
         """The engine places the model's state (device, host memory or NVMe): not moved here."""
 
     def _build_engine(self, max_steps: int) -> Engine:
-        config = copy.deepcopy(self._infinity_config)
+        config = precision_sections(copy.deepcopy(self._infinity_config), self.args)
         values = training_arguments_values(self.args, num_training_steps=max_steps)
         optimizer = None
         if "optimizer" in config and self.optimizer is not None:

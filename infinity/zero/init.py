@@ -26,6 +26,10 @@ change back (Hugging Face loads and initialises weights this way). The
 modules holding them keep the store alive — it is their forward pre-hook,
 which refuses to run a module whose parameters are still at rest there.
 
+Floating-point parameters rest in the store in the dtype Init was given (its
+``dtype=``, else the config's bf16 / fp16 section), as DeepSpeed's zero.Init
+casts them; see [Note: zero.Init's dtype].
+
 Threading: the thread that builds the model (hooks and the TorchFunctionMode
 are per process; building two models at once in two threads is not supported).
 """
@@ -65,6 +69,28 @@ _INIT_POOL_NBYTES = 64 << 20
 _INIT_CHUNK_NBYTES = 32 << 20
 
 
+# [Note: zero.Init's dtype]
+# DeepSpeed's zero.Init gives every floating-point tensor made inside the context the dtype of its
+# ``dtype=`` argument, else of the config (bf16 / fp16 enabled, else fp32), so a model written in
+# fp32 and built under a bf16 config waits partitioned in bf16: half the bytes at rest, and
+# ``p.dtype`` is bf16, as the engine will train it. Here:
+# - a floating-point parameter rests in the store in ``InitStore.dtype`` (Init's ``dtype=``, else
+#   the config's bf16 / fp16; None: in the dtype it was built in, as before, since the engine casts
+#   at initialize and an fp32 config needs no cast, while inference keeps a model's dtype as loaded);
+#   its placeholder has that dtype, and GatheredParameters after the context gives it whole in it;
+# - inside the context a parameter that a torch function uses is made whole in the dtype it was
+#   built in, and rounded as it goes back to rest: the parent's ``_init_weights`` draws its values
+#   as the same code would in plain PyTorch, so where each parameter is set by one initialiser (a
+#   ``normal_``, a ``fill_``) the values at rest are exactly the plain model's cast to the dtype
+#   (DeepSpeed draws them in 16 bits, from other random numbers);
+# - buffers are left as built (DeepSpeed's constructor patch makes them 16-bit too, which costs
+#   rotary embeddings their precision; the engine keeps buffers as the model made them);
+# - initialize starts the fp32 masters from the values at rest, widened — what DeepSpeed's
+#   optimizer does with its 16-bit parameters. A model not built under zero.Init keeps its fp32
+#   starting values in the masters, as before; ``zero.Init(config, dtype=torch.float32)`` keeps
+#   them for one built under it (at twice the bytes at rest until initialize).
+
+
 class InitState(enum.Enum):
     AT_REST = "at rest"
     """Only this rank's slice exists, in the store; ``.data`` is an empty placeholder."""
@@ -76,7 +102,7 @@ class InitState(enum.Enum):
 class _Record:
     keys: list[tuple[str, int, int]]  # (store key, lo, hi) over the flat shard
     shape: torch.Size
-    dtype: torch.dtype
+    dtype: torch.dtype  # at rest ([Note: zero.Init's dtype])
     shard_numel: int
     numel: int
     state: InitState = InitState.AT_REST
@@ -87,6 +113,7 @@ class _Record:
     source_crc: int = (
         0  # CRC32C of the shard ``fill`` wrote: a rewrite of the same bytes keeps the source
     )
+    built: torch.dtype | None = None  # the dtype it was built in, if not its dtype at rest
 
 
 @dataclasses.dataclass
@@ -118,10 +145,18 @@ class InitStore:
     """Where parameters built under zero.Init wait for ``initialize``: this rank's slice of each."""
 
     def __init__(
-        self, *, home: Home, nvme_path: NvmePath, aio: AioConfig, group: DataParallelGroup
+        self,
+        *,
+        home: Home,
+        nvme_path: NvmePath,
+        aio: AioConfig,
+        group: DataParallelGroup,
+        dtype: torch.dtype | None = None,
     ):
         self.home = home
         self.group = group
+        self.dtype = dtype
+        """Floating-point parameters rest in it (None: as built); [Note: zero.Init's dtype]."""
         self.building = True  # the Init context is still open
         paths = None
         if nvme_path:
@@ -178,15 +213,20 @@ class InitStore:
                 "infinity.GatheredParameters"
             )
 
+    def rest_dtype(self, built: torch.dtype) -> torch.dtype:
+        """The dtype a parameter built in ``built`` rests in ([Note: zero.Init's dtype])."""
+        return self.dtype if self.dtype is not None and built.is_floating_point else built
+
     def partition(self, p: nn.Parameter) -> None:
         data = p.data.detach()
         self.records[p] = self._store_slice(data)
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        p.data = torch.empty(0, dtype=self.records[p].dtype, device=p.device)
         self._freed.freed(data.numel() * data.element_size())
 
     def partition_meta(self, p: nn.Parameter, shape: torch.Size) -> None:
         """``p`` (an empty CPU parameter standing for a meta one of ``shape``) is partitioned with zeros."""
         self.records[p] = self._store_slice(torch.zeros(0, dtype=p.dtype), shape=shape)
+        p.data = torch.empty(0, dtype=self.records[p].dtype, device=p.device)
 
     def repartition(self, p: nn.Parameter, *, src: int) -> None:
         """``p`` (held whole) was given a new shape: rank ``src``'s ``.data`` becomes its value, laid out
@@ -206,18 +246,21 @@ class InitStore:
         )
 
     def _store_slice(self, data: torch.Tensor, *, shape: torch.Size | None = None) -> _Record:
-        """Writes this rank's slice of the whole tensor ``data`` under new keys; its record (at rest).
-        ``shape``: the parameter's, where ``data`` holds none of it (zeros then)."""
+        """Writes this rank's slice of the whole tensor ``data`` under new keys, in the dtype it rests
+        in; its record (at rest). ``shape``: the parameter's, where ``data`` holds none of it (zeros
+        then)."""
         flat = data.reshape(-1)
         shape = data.shape if shape is None else torch.Size(shape)
-        layout = make_layout(["p"], [shape], data.dtype, self.group.world_size)
+        dtype = self.rest_dtype(data.dtype)
+        layout = make_layout(["p"], [shape], dtype, self.group.world_size)
         lo, hi = layout.shard_range(self.group.rank)
-        shard = torch.zeros(layout.shard_numel, dtype=data.dtype)
+        shard = torch.zeros(layout.shard_numel, dtype=dtype)
         part = flat[lo : min(hi, flat.numel())]
-        shard[: part.numel()] = part
-        keys = self._register(layout.shard_numel, data.dtype)
+        shard[: part.numel()] = part  # rounded once, where it rests in another dtype
+        keys = self._register(layout.shard_numel, dtype)
         self._write(keys, shard)
-        return _Record(keys, shape, data.dtype, layout.shard_numel, shape.numel())
+        built = data.dtype if data.dtype != dtype else None
+        return _Record(keys, shape, dtype, layout.shard_numel, shape.numel(), built=built)
 
     def _register(self, numel: int, dtype: torch.dtype) -> list[tuple[str, int, int]]:
         step = max(1, _INIT_CHUNK_NBYTES // dtype.itemsize)
@@ -267,14 +310,18 @@ class InitStore:
         for key, lo, hi in keys:
             self.store.write(key, shard[lo:hi]).result()
 
-    def to_whole(self, p: nn.Parameter) -> None:
-        """``.data`` becomes the whole parameter (collective: every rank, the same order)."""
+    def to_whole(self, p: nn.Parameter, *, as_built: bool = False) -> None:
+        """``.data`` becomes the whole parameter (collective: every rank, the same order), in its
+        dtype at rest, or with ``as_built`` in the dtype it was built in (the torch functions of the
+        context: [Note: zero.Init's dtype])."""
         rec = self.records[p]
         if rec.state is not InitState.AT_REST:
             raise RuntimeError(
                 f"a parameter of shape {tuple(rec.shape)} made whole twice (it is {rec.state.name})"
             )
-        p.data = self.full(p).clone()  # compact: the gathered buffer carries the shards' padding
+        dtype = rec.built if as_built and rec.built is not None else rec.dtype
+        # a copy, compact: the gathered buffer carries the shards' padding
+        p.data = self.full(p).to(dtype, copy=True)
         rec.state = InitState.WHOLE
 
     def to_rest(self, p: nn.Parameter, *, rewrite: bool) -> None:
@@ -287,7 +334,7 @@ class InitStore:
         full = p.data
         if rewrite:
             self.rewrite(p, full)
-        p.data = torch.empty(0, dtype=full.dtype, device=full.device)
+        p.data = torch.empty(0, dtype=rec.dtype, device=full.device)
         rec.state = InitState.AT_REST
         self._freed.freed(full.numel() * full.element_size())
 
@@ -439,7 +486,7 @@ class InitMode(TorchFunctionMode):
         with torch._C.DisableTorchFunction():
             for p in involved:
                 if all(p is not q for q in self.materialized):
-                    self.store.to_whole(p)
+                    self.store.to_whole(p, as_built=True)
                     self.materialized.append(p)
         out = func(*args, **kwargs)
         if involved:

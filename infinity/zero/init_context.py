@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+import torch
 from torch.nn.modules import module as module_hooks
 
 from infinity.store import Home
@@ -18,8 +19,11 @@ from infinity.zero.init import InitMode, InitStore
 log = logging.getLogger("infinity.zero")
 
 
-INIT_SECTIONS = ("zero_optimization", "aio")
+INIT_SECTIONS = ("zero_optimization", "aio", "bf16", "bfloat16", "fp16")
 """The parts of a config zero.Init reads."""
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The dtypes zero.Init partitions floating-point parameters in (DeepSpeed's)."""
 
 
 def _init_sections(config: Any) -> dict[str, Any]:
@@ -38,13 +42,31 @@ class Init:
     """Context manager: modules built inside have their parameters partitioned as they are created.
 
     ``config`` is the training config (path or dict) or an already loaded
-    InfinityConfig; it decides where parameters wait (``offload_param``). With a
-    stage below 3 the context does nothing (DeepSpeed's behaviour), and says so.
+    InfinityConfig; it decides where parameters wait (``offload_param``).
+    Floating-point parameters wait in ``dtype`` (fp32, bf16 or fp16) where
+    given, else in the dtype of the config's enabled ``bf16`` / ``fp16``
+    section, else each in the dtype it was built in, as DeepSpeed chooses but
+    for the last ([Note: zero.Init's dtype] in init.py). With a stage below 3
+    the context does nothing (DeepSpeed's behaviour), and says so.
     """
 
-    def __init__(self, config: Any = None, *, enabled: bool = True, **auto_values: Any):
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        **auto_values: Any,
+    ):
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(
+                f"zero.Init(dtype={dtype}): parameters are partitioned in torch.float32, "
+                "torch.bfloat16 or torch.float16 (DeepSpeed's choices); pass one of them, or None "
+                "for the config's bf16 / fp16 section"
+            )
         self.enabled = enabled
         self.config = config
+        self.dtype = dtype
         self.auto_values = auto_values
         self._mode: InitMode | None = None
         self._handles: list[Any] = []
@@ -77,6 +99,7 @@ class Init:
             nvme_path=offload.nvme_path if home == "nvme" else None,
             aio=cfg.aio,
             group=group,
+            dtype=self.dtype or _config_dtype(cfg),
         )
         self._mode = InitMode(self.store)
         self.store.settle = self._mode.finish
@@ -102,3 +125,12 @@ class Init:
         self._handles.clear()
         mode.finish()
         mode.store.building = False
+
+
+def _config_dtype(cfg: Any) -> torch.dtype | None:
+    """The 16-bit dtype the config trains in, None for fp32 (the parameters then rest as built)."""
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return None

@@ -138,10 +138,13 @@ def ds_config(nvme_path, *, precision: str = "fp32", lr: float | None = None) ->
     return cfg
 
 
-def build_under_init(arch: str, ds: dict, seed: int = 0) -> torch.nn.Module:
-    """``build`` inside ``infinity.zero.Init(ds)``: the same seed, parameters partitioned as they are made."""
+def build_under_init(
+    arch: str, ds: dict, seed: int = 0, *, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """``build`` inside ``infinity.zero.Init(ds, dtype=dtype)``: the same seed, parameters partitioned
+    as they are made (in the config's 16-bit dtype, or ``dtype``)."""
     import infinity
 
     torch.manual_seed(seed)
-    with infinity.zero.Init(ds):
+    with infinity.zero.Init(ds, dtype=dtype):
         return ARCHS[arch][0](config(arch))

@@ -53,14 +53,20 @@ def plain_run(arch: str, *, steps: int) -> dict:
     return losses
 
 
-def mixed_run(arch: str, dtype: torch.dtype, *, steps: int) -> tuple[dict, dict]:
+def mixed_run(
+    arch: str, dtype: torch.dtype, *, steps: int, rounded_start: bool = False
+) -> tuple[dict, dict]:
     """Mixed precision by hand: the parameters in ``dtype`` for forward and backward (buffers as the
     model made them, as the engine leaves them), fp32 masters stepped by torch AdamW with a correctly
     rounded sqrt, the clip norm in float64 (tests/engine/reference.py [Note: a 16-bit oracle that does
-    not depend on the CPU]). Returns the losses and the final masters by name."""
+    not depend on the CPU]). The masters start from the fp32 weights as built, or with
+    ``rounded_start`` from the ``dtype`` weights, widened (DeepSpeed's optimizer over a model built in
+    16 bits). Returns the losses and the final masters by name."""
     model = build(arch)
     model.train()
     names = [n for n, _ in model.named_parameters()]
+    for p in model.parameters() if rounded_start else ():
+        p.data = p.data.to(dtype)
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
     for p in model.parameters():
         p.data = p.data.to(dtype)

@@ -379,6 +379,39 @@ def test_config_disagreeing_with_training_arguments_is_refused(
         infinity_run(tmp_path, config)
 
 
+# -- precision ([Note: the Trainer's precision]) ------------------------------------------------
+
+
+def test_bf16_arguments_and_no_bf16_section_train_in_bf16_as_with_the_section(nvme_dir, tmp_path):
+    """Accelerate's DeepSpeed plugin adds the missing section, enabled: the run is the one whose
+    config enables bf16 (the same losses, gradient norms and bf16 weights), not an fp32 one."""
+    runs = {}
+    for name, extra in (("added", {}), ("written", {"bf16": {"enabled": True}})):
+        (nvme_dir / name).mkdir()
+        config = {**stage3_nvme(nvme_dir / name), **extra}
+        rec, trainer = infinity_run(tmp_path / name, config, max_steps=2, bf16=True)
+        engine = trainer.engine
+        assert engine.dtype == torch.bfloat16 and engine.config.bf16.enabled, name
+        with GatheredParameters(engine):
+            weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        engine.close()
+        assert all(w.dtype == torch.bfloat16 for w in weights.values()), name
+        runs[name] = (rec.losses, rec.grad_norms, weights)
+    (losses, norms, weights), (want_losses, want_norms, want) = runs["added"], runs["written"]
+    assert losses == want_losses and norms == want_norms
+    for n, w in want.items():
+        assert torch.equal(weights[n], w), n
+
+
+def test_bf16_arguments_against_a_disabled_bf16_section_are_refused_naming_both(nvme_dir, tmp_path):
+    config = {**stage3_nvme(nvme_dir), "bf16": {"enabled": False}}
+    with pytest.raises(
+        ConfigError,
+        match=r"bf16\|bf16_full_eval=True was given but the config sets bf16\.enabled to False",
+    ):
+        infinity_run(tmp_path, config, bf16=True)
+
+
 # -- layer-major accumulation ([Note: the Trainer's window, layer-major]) ------------------------
 
 LM_GAS, LM_BATCH, LM_STEPS = 4, 3, 3  # 11 batches an epoch (the last of 2 samples): windows 4, 4, 3

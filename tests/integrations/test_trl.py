@@ -7,9 +7,10 @@ SFTTrainer's losses.
 
 SFTConfig defaults to ``bf16=True``: plain SFTTrainer then runs its forward under bf16 autocast (on the
 CPU too: Accelerate's mixed precision), which put its step-0 loss 3.4e-6 relative off the fp32 loss,
-and more after a step. The engine's precision is its config's (``bf16.enabled``, filled from ``bf16=``
-only where the config says "auto", as DeepSpeed's integration does); the config here trains in fp32,
-so the arguments say ``bf16=False`` and plain SFTTrainer then gives the hand-written losses exactly.
+and more after a step. The engine's precision follows ``bf16=`` too (an "auto" filled, a missing
+section added enabled: [Note: the Trainer's precision] in infinity/integrations/transformers.py); the
+config here trains in fp32, so the arguments say ``bf16=False`` and plain SFTTrainer then gives the
+hand-written losses exactly.
 SFTConfig's default ``gradient_checkpointing=True`` is not the cause: the Trainer turns on the model's
 own activation checkpointing (``activation_checkpointing_enable``) before the engine exists, and it
 recomputes each layer under the engine as in plain PyTorch (checked below: on, and equal losses).

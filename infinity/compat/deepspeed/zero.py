@@ -138,13 +138,6 @@ class Init(contextlib.ContextDecorator):
                     "zero.Init, sequence parallelism and custom swappers are DeepSpeed's)",
                     f"leave {name} at its default",
                 )
-        if dtype is not None and dtype is not torch.float32:
-            raise refuse(
-                f"{call}(dtype={dtype})",
-                "infinity builds parameters in fp32 and gives them the config's training precision "
-                "(fp16 / bf16 sections) at initialize",
-                "leave dtype None and set the precision in the config",
-            )
         if config is not None:
             if config_dict_or_path is not None:
                 log.warning(
@@ -157,13 +150,14 @@ class Init(contextlib.ContextDecorator):
             sections = _with_remote_device(sections, remote_device)
         self.config = sections
         self.enabled = enabled
+        self.dtype = dtype
         if not dist.is_initialized():
             init_distributed()  # as DeepSpeed's Init does: its partitions span the process group
         self._inner: infinity.zero.Init | None = None
         self._hook: Any = None
 
     def __enter__(self) -> Init:
-        inner = infinity.zero.Init(self.config, enabled=self.enabled)
+        inner = infinity.zero.Init(self.config, enabled=self.enabled, dtype=self.dtype)
         inner.__enter__()
         self._inner = inner
         if inner.store is not None:
