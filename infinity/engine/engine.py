@@ -32,7 +32,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, TraceConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
-from infinity.engine.layer_major import LayerMajorForward, call_module
+from infinity.engine.layer_major import LayerMajorForward, call_module, trimming_per_unit
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.notes import add_note
 from infinity.engine.optimizers import choose_optimizer
@@ -43,6 +43,7 @@ from infinity.engine.window import Outcome, UpdateWindow, no_backward_message
 from infinity.estimate.blocks import block_after_initialize
 from infinity.estimate.runtime_plan import RuntimePlan, train_dtype
 from infinity.host import peak_rss_nbytes
+from infinity.memory import trim_heap
 from infinity.optim.lr_schedules import build_scheduler
 from infinity.store.errors import NvmePathError
 from infinity.timeline import Timeline
@@ -382,7 +383,7 @@ class Engine:
         plan = self.runtime.plan
         if self._block is None and plan is not None:
             self._block = plan.layer_major_block or block_after_initialize(
-                self.module, self.config, plan, device=self.device, group=self.group
+                self.module, self.config, device=self.device, group=self.group
             )
         return min(self._block or g, g)
 
@@ -444,9 +445,10 @@ class Engine:
                 if layer_major:
                     if rt.reducer is not None:
                         rt.reducer.begin_micro(last=last)
-                    torch.autograd.backward(
-                        losses, grad_tensors=[torch.full_like(loss, scale) for loss in losses]
-                    )
+                    with trimming_per_unit(rt.grad_hooks):
+                        torch.autograd.backward(
+                            losses, grad_tensors=[torch.full_like(loss, scale) for loss in losses]
+                        )
                     done = len(losses)
                 else:
                     for i, loss in enumerate(losses):
@@ -460,6 +462,9 @@ class Engine:
             self._backward_failed(e)
             raise
         finally:
+            # the block's activations went back to its forward threads' heaps ([Note:
+            # layer-major accumulation]): out of the process before the next block or the step
+            trim_heap()
             if span is not None and tl is not None:
                 tl.end(span)
             self._clock.backward_s += self._now() - t0

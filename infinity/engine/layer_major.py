@@ -33,6 +33,18 @@ fetch unit once per step instead of 2g - 1 times:
   micro-batches: each gradient is reduced, and written, once. With 16-bit
   weights that sum is taken in the training dtype (the micro-batch loop
   sums the g gradients in fp32), a difference within the dtype's rounding.
+- Heaps: glibc gives each thread its own heap (arena), and memory freed into
+  one is reused only by the threads allocating from it. Each forward's
+  activations come from its thread's heap, the backward (in the training
+  thread) frees them there, and its own working set comes from another: left
+  alone, the process keeps the forwards' transients and every freed
+  activation besides what the backward allocates, and the block's peak grows
+  with the model's width (1,519 MiB against 1,001 trimmed, 152M GPT at
+  sequence 256, 2 micro-batches). So the free pages of every heap go back to
+  the OS (``trim_heap``) when each forward ends, each time a unit's grads are
+  reduced in the backward (``trimming_per_unit``) and after each block's
+  backward: resident memory then follows the live tensors, as in the
+  micro-batch loop.
 - The prefetch trace records one step for the whole batch: forward and
   backward in layer-major order, the same every step, so it replays.
 - Dropout draws from the one generator in the order the interleaving runs,
@@ -61,6 +73,8 @@ from torch import nn
 
 from infinity.aio.waits import wait_until
 from infinity.engine.notes import add_note
+from infinity.memory import trim_heap
+from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.partitioner import Stage3Partitioner
 from infinity.zero.unit import ParamUnit
 
@@ -218,6 +232,7 @@ class LayerMajorForward:
             with self._cv:
                 self._cancelled = True
         finally:
+            trim_heap()  # this thread's freed transients: no other thread reuses them (the note)
             self._arrive(r, _END)
 
     def _meet(self, module: nn.Module, args: Any) -> None:
@@ -287,6 +302,28 @@ class LayerMajorForward:
         if self.partitioner is not None:
             for unit in held:
                 self.partitioner.unhold(unit)
+
+
+@contextlib.contextmanager
+def trimming_per_unit(grad_hooks: GradHooks | None) -> Iterator[None]:
+    """While a block's backward runs: the heaps trimmed each time a unit's grads are reduced, so
+    that the activations it freed into the forward threads' heaps leave the process as it walks
+    down, instead of staying beside the training thread's own working set (the note's heaps)."""
+    if grad_hooks is None:
+        yield
+        return
+    done = grad_hooks.on_unit_done
+
+    def trimmed(unit: ParamUnit) -> None:
+        if done is not None:
+            done(unit)
+        trim_heap()
+
+    grad_hooks.on_unit_done = trimmed
+    try:
+        yield
+    finally:
+        grad_hooks.on_unit_done = done
 
 
 def _describe(point: Any) -> str:

@@ -26,10 +26,11 @@ gradients: two blocks' worth.
 
 Trained by engine.train_batch, a block of k micro-batches keeps k of each
 figure at once (their backwards walk together: k working sets too), and
-each micro-batch beyond that its fp32 logits (``thread``: freed by its
-forward's thread into that thread's own heap, which the others do not reuse)
-and the largest layer's parameters in fp32 (itemise.py; [Note: layer-major
-blocks] in blocks.py has the measurements).
+each micro-batch beyond that THREAD_LOGITS × its fp32 logits (``thread``):
+the backward walks the k heads before any unit's grads are reduced, so the
+log-softmax outputs it frees there (into the forward threads' heaps, which
+the engine trims only as units finish) sit beside the k logits' gradients
+([Note: layer-major blocks] in blocks.py has the measurements).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ import dataclasses
 from infinity.models import GPTConfig
 
 BLOCK_FIT_MARGIN = 1.06
-"""A layer-major block's per-micro-batch bytes were fitted within 6% ([Note: layer-major blocks] in
-blocks.py); counted 6% high, so that the estimate stays at or above a measured peak (at the fit's
-centre it sat 0.1% under one)."""
-
+"""A layer-major block's bytes per micro-batch were fitted within 6% ([Note: layer-major blocks] in
+blocks.py); counted 6% high, so that the estimate stays at or above a measured peak."""
+THREAD_LOGITS = 3
+"""Per micro-batch of a layer-major block beyond its peak: this many times its fp32 logits (measured:
+2.6 at vocabulary 8192, where the logits dominate; the module docstring says why)."""
 SAVED_PER_BLOCK = 16  # B·T·d elements autograd saves per block
 HEAP_PER_BLOCK = 2  # measured extra per block (allocator), B·T·d fp32 values
 FINAL_LN = 2  # B·T·d elements: the final LayerNorm's input and output
@@ -65,19 +67,19 @@ class Activations:
     working: int
     """Transient working memory of backward (at its start: the logits' gradients)."""
     thread: int = 0
-    """Engine.train_batch: what each micro-batch's forward thread keeps beyond its saves (the fp32
-    logits it freed; [Note: layer-major blocks] in blocks.py)."""
+    """Engine.train_batch: what each micro-batch of a block keeps beyond its peak (THREAD_LOGITS ×
+    its fp32 logits; [Note: layer-major blocks] in blocks.py)."""
     source: str = "infinity.models.GPT's measured coefficients"
     """How the figures were made (the GPT coefficients here, or traced.py's count of one forward)."""
 
     def peak(self, *, checkpointing: bool) -> int:
         return (self.saved_checkpointed if checkpointing else self.saved) + self.working
 
-    def block(self, k: int, *, checkpointing: bool, unit_nbytes: int) -> int:
-        """What a layer-major block of ``k`` micro-batches keeps at once (engine.train_batch), given
-        the largest layer's parameter bytes in fp32 ([Note: layer-major blocks] in blocks.py),
-        counted at the top of the fit's range (BLOCK_FIT_MARGIN)."""
-        per = self.peak(checkpointing=checkpointing) + self.thread + unit_nbytes
+    def block(self, k: int, *, checkpointing: bool) -> int:
+        """What a layer-major block of ``k`` micro-batches keeps at once (engine.train_batch;
+        [Note: layer-major blocks] in blocks.py), counted at the top of the fit's range
+        (BLOCK_FIT_MARGIN)."""
+        per = self.peak(checkpointing=checkpointing) + self.thread
         return int(k * per * BLOCK_FIT_MARGIN)
 
 
@@ -98,5 +100,5 @@ def gpt_activations(cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int
         saved=cfg.n_layer * block + top,
         saved_checkpointed=cfg.n_layer * btd + 2 * block + top,
         working=working,
-        thread=LOGSOFTMAX_NBYTES * bt * cfg.vocab_size,
+        thread=THREAD_LOGITS * LOGSOFTMAX_NBYTES * bt * cfg.vocab_size,
     )

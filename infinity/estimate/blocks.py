@@ -9,13 +9,17 @@ micro-batches, the optimizer step after the last. k = g reads each unit once
 per step; k = 1 is the micro-batch loop's order.
 - Memory: a block's k micro-batches are alive at once. Each keeps its saved
   activations and, since one autograd call walks the k graphs together, its
-  backward working set; and beyond those (measured on infinity's GPT, fp32,
-  4 shapes: L 2-8, d 128-512, V 256-8192, B·T 32-128, slopes over k from 4 to
-  32 fitted within 6%) its fp32 logits — freed by its forward's thread into
-  that thread's own heap, which the other threads do not reuse — and the
-  largest layer's parameters in fp32 (a transformer block, or the embedding:
-  ``largest_layer_nbytes``). ``Activations.block`` counts them;
-  itemise.py itemises them.
+  backward working set; and beyond those THREAD_LOGITS × its fp32 logits
+  (activations.py says why). ``Activations.block`` counts them (6% high,
+  BLOCK_FIT_MARGIN); itemise.py itemises them. That holds only because the
+  engine trims the heaps as the block runs ([Note: layer-major accumulation],
+  heaps): untrimmed, the forward threads' heaps kept their transients and the
+  freed activations, a share that grows with the model's width. Measured peak
+  RSS of train_batch in a fresh process against the estimate (infinity's
+  GPT, fp32, stage 3, everything on NVMe): 1.04-1.09 at L 2-4, d 128-256,
+  V 256-8192, T 32-256, k 8-32, and 1.06 at the 152M bench GPT (d 1024,
+  T 256, k 2), where the untrimmed run peaked at 1,519 MiB against 1,208
+  estimated (tests/estimate/test_layer_major.py holds the cheap shapes).
 - Traffic: each array on NVMe moves as with gas = ceil(g/k) (traffic.py).
 - Choice (``zero_optimization.layer_major.block``): an integer is taken as
   it is (at most g); "auto" takes, among k = ceil(g/n) for n = 1..g (n blocks),
@@ -49,7 +53,7 @@ from infinity.config import InfinityConfig
 from infinity.estimate.budget import default_budget
 from infinity.estimate.context import run_context
 from infinity.estimate.machine import MachineView, machine_view
-from infinity.estimate.runtime_plan import FP32_NBYTES, RuntimePlan
+from infinity.estimate.runtime_plan import RuntimePlan
 from infinity.estimate.traffic import expected_traffic
 from infinity.memory import format_nbytes
 from infinity.zero.collectives import DataParallelGroup
@@ -111,15 +115,9 @@ def agree(block: int, group: DataParallelGroup) -> int:
     return -int(agreed)
 
 
-def largest_layer_nbytes(plan: RuntimePlan) -> int:
-    """The largest layer's parameters in fp32: what each micro-batch of a block keeps (the note)."""
-    return plan.largest_layer_numel() * FP32_NBYTES
-
-
 def block_after_initialize(
     model: nn.Module,
     cfg: InfinityConfig,
-    plan: RuntimePlan,
     *,
     device: torch.device | str,
     group: DataParallelGroup,
@@ -144,15 +142,14 @@ def block_after_initialize(
         )
         return agree(gas, group)
     free, source = default_budget(machine or machine_view(), ctx.ranks_per_node)
-    unit = largest_layer_nbytes(plan)
     counted = a.peak(checkpointing=ctx.checkpointing)
     fits = [
         k
         for k in candidate_blocks(gas)
-        if a.block(k, checkpointing=ctx.checkpointing, unit_nbytes=unit) - counted <= free
+        if a.block(k, checkpointing=ctx.checkpointing) - counted <= free
     ]
     block = agree(max(fits, default=1), group)
-    need = a.block(block, checkpointing=ctx.checkpointing, unit_nbytes=unit) - counted
+    need = a.block(block, checkpointing=ctx.checkpointing) - counted
     log.info(
         "engine.train_batch: %d micro-batches per layer-major block (%d block(s) per step), "
         "%s more host memory than one micro-batch's, within %s (set "

@@ -18,7 +18,7 @@ import torch
 
 from infinity.config import InfinityConfig
 from infinity.estimate import rules
-from infinity.estimate.activations import Activations
+from infinity.estimate.activations import THREAD_LOGITS, Activations
 from infinity.estimate.breakdown import Breakdown, Item, Phase, Problem
 from infinity.estimate.model import ModelSpec
 from infinity.estimate.runtime_plan import (
@@ -649,18 +649,17 @@ class Itemiser:
             )
         )
         if block is not None:
-            unit = self.rt.largest_layer_numel() * FP32_NBYTES
             self.add(
                 Item(
                     "layer-major block's micro-batches",
                     "device",
-                    a.block(k, checkpointing=checkpointing, unit_nbytes=unit)
+                    a.block(k, checkpointing=checkpointing)
                     - (a.saved_checkpointed if checkpointing else a.saved) * k
                     - a.working * k,
                     "train",
-                    f"per micro-batch of the block: its forward thread's freed logits "
-                    f"({format_nbytes(a.thread)}) and the largest layer's parameters in fp32 "
-                    f"({format_nbytes(unit)}), measured; the block counted 6% high (the fit's range)",
+                    f"per micro-batch of the block: {THREAD_LOGITS} × its fp32 logits "
+                    f"({format_nbytes(a.thread)}, freed at the backward's head) and 6% of its "
+                    "activations, the fit's range (measured)",
                     "zero_optimization.layer_major.block",
                     heap=True,
                 )

@@ -316,17 +316,6 @@ class RuntimePlan:
     def units(self) -> list[ParamUnit]:
         return self.unit_map.units
 
-    def largest_layer_numel(self) -> int:
-        """Elements of the largest layer: an element of a module list (a unit's name up to its first
-        index: ``blocks.3``, ``model.layers.5``), or a unit outside any."""
-        layers: dict[str, int] = {}
-        for u in self.units:
-            parts = u.module_name.split(".")
-            cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), len(parts))
-            key = ".".join(parts[:cut])
-            layers[key] = layers.get(key, 0) + u.layout.numel
-        return max(layers.values(), default=0)
-
     @property
     def shard_rank(self) -> int:
         """The rank whose part of each unit this rank owns (stage 0 keeps whole units: rank 0's)."""

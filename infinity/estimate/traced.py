@@ -80,6 +80,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from infinity.estimate.activations import (
     SAVED_PER_BLOCK,
+    THREAD_LOGITS,
     WORK_BTD,
     WORK_LOGITS_TENTHS,
     Activations,
@@ -368,7 +369,7 @@ def traced_activations(
         saved=count.saved + HEAP_MARGIN_QUARTERS * sum(count.layers) // 4,
         saved_checkpointed=saved_checkpointed,
         working=working,
-        thread=count.largest_outside,
+        thread=THREAD_LOGITS * count.largest_outside,
         source=f"counted in one forward of {type(model).__name__}"
         + (
             " (its experts as transformers' grouped_mm computes them: the eager loop it is set to"

@@ -45,8 +45,10 @@ def test_the_command_takes_layer_major(capsys):
     assert "--layer-major are training's" in capsys.readouterr().err
 
 
-# name: (GPT shape, micro-batch, seq, gradient_accumulation_steps): a wide unit and a large vocabulary
-# (what each micro-batch of a block keeps beyond its saves), and a deeper stack of small units
+# name: (GPT shape, micro-batch, seq, gradient_accumulation_steps): a deeper stack of small units, a
+# large vocabulary (what each micro-batch of a block keeps beyond its peak), and width at sequence 256
+# (the forward threads' heaps, untrimmed, kept a share growing with the width: [Note: layer-major
+# accumulation])
 REALITY = {
     "g8-4-layers": (dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256), 2, 64, 8),
     "g32-vocab-8192": (
@@ -54,6 +56,12 @@ REALITY = {
         1,
         32,
         32,
+    ),
+    "g2-width-1024-seq-256": (
+        dict(vocab_size=256, seq_len=256, n_layer=2, n_head=16, d_model=1024),
+        1,
+        256,
+        2,
     ),
 }
 
@@ -71,6 +79,8 @@ def test_the_estimate_holds_train_batchs_peak(name, tmp_path):
     )
     cfg["gradient_accumulation_steps"] = g
     cfg["zero_optimization"]["layer_major"] = {"block": g}
+    param = cfg["zero_optimization"]["offload_param"]  # a buffer holds the largest (the MLP's 4d·d)
+    param["buffer_size"] = max(param["buffer_size"], 4 * shape["d_model"] ** 2)
     spec = dict(model=shape, config=cfg, micro_batch=mb, seq=seq, steps=2, nvme_path=str(nvme))
     m = probe({**spec, "train_batch": True})
     est = estimate_memory(
