@@ -313,7 +313,8 @@ def test_estimate_holds_a_transformers_model(name, probes):
 
 # LoRA over a frozen base streamed from NVMe (stage 3, parameters and optimizer on NVMe), the base at
 # rest in NF4 or unquantised, checkpointed: what the frozen units take in backward is the sizing
-# model's frozen_buffers_nbytes ([Note: frozen units in backward]); same tolerance as the HF cases.
+# model's frozen_buffers_nbytes ([Note: frozen units in backward]). Held to 15% (measured: 1.03 for
+# NF4, 1.02 unquantised).
 LORA = {"r": 8, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 LORA_BATCH = (1, 256)
 LORA_CASES = {"llama-lora-nf4-non_reentrant": "nf4", "llama-lora-fp32-non_reentrant": None}
@@ -330,7 +331,7 @@ def _run_lora(name: str, nvme: Path) -> tuple[dict, dict]:
     if LORA_CASES[name] == "nf4":
         cfg["zero_optimization"]["zero_quantized_nontrainable_weights"] = True
         cfg["weight_quantization"] = {
-            "quantized_initialization": {"num_bits": 4, "group_size": 64, "quant_type": "nf4"}
+            "quantized_initialization": {"num_bits": 4, "group_size": 32, "quant_type": "nf4"}
         }
     return cfg, _probe(
         {
@@ -366,8 +367,8 @@ def test_estimate_holds_a_lora_run_over_a_frozen_base_on_nvme(name, probes):
     line = f"{name}: peak RSS {peak / MiB:.1f} MiB, estimate {ram / MiB:.1f} MiB ({ram / peak:.3f})"
     print(line)
     assert ram >= peak, "estimate below the measured peak RSS: " + line
-    assert ram <= (1 + HF_TOLERANCE) * peak, (
-        f"estimate more than {HF_TOLERANCE:.0%} above the measured peak RSS: " + line
+    assert ram <= (1 + TOLERANCE) * peak, (
+        f"estimate more than {TOLERANCE:.0%} above the measured peak RSS: " + line
     )
     assert all(x == x and x < 10 for x in m["losses"]), f"training diverged: {m['losses']}"
 
