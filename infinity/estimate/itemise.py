@@ -463,9 +463,9 @@ class Itemiser:
             self.spec.module, self.unit_map, forward=lambda u: u.index in quantised
         )
         what = (
-            "dequantised after each read (infinity/weights/quant.py) when used in forward, "
+            "dequantised when gathered (infinity/weights/quant.py), in forward while in use "
             if quantised
-            else "copied out of the parameter pool "
+            else "copied out of the parameter pool when gathered in backward, "
         )
         self.add(
             Item(
@@ -474,7 +474,8 @@ class Itemiser:
                 nbytes,
                 "train",
                 f"{what}and in backward while a saved tensor views them (at once: a checkpointed "
-                "layer's, or one unit), each in a TensorCache buffer reused by a unit of its size",
+                "layer's, or one unit), each in a TensorCache buffer reused by a unit of its size "
+                "(zero/partitioner.py [Note: frozen units in backward])",
                 heap=True,
             )
         )
