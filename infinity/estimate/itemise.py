@@ -33,9 +33,13 @@ from infinity.estimate.setting import ZeroSetting
 from infinity.estimate.traffic import worst_case_traffic
 from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.store.nvme_path import paths_of
+from infinity.weights.quant import NF4_CHUNK_NUMEL
 from infinity.zero.unit import ParamUnit
 
 _ZINIT_CPU = "zero.Init store (fp32 shards)"
+NF4_CHUNK_TEMP_NBYTES = 20
+"""Bytes per element of nf4.quantize's temporaries at once: the values in fp32, their scaled copy
+and its clamp, the int64 bucket indices."""
 
 
 def _sum(units: Sequence[ParamUnit], attr: str, pred=lambda u: True) -> int:
@@ -624,14 +628,26 @@ class Itemiser:
                     heap=True,
                 )
             )
-        # The staging buffer, and at most one unit's values converted to the parameter dtype.
+        # The staging buffer, and at most one unit's values converted to the parameter dtype; NF4
+        # quantises them a chunk at a time (its temporaries: fp32 values, scaled values, int64 codes).
+        nf4_chunk = any(f is not None and f.spec.quant_type == "nf4" for f in self.rt.formats or ())
         self.add(
             Item(
                 "initialisation transient",
                 "host",
-                self.rt.staging_numel * (FP32_NBYTES + self.b),
+                self.rt.staging_numel * (FP32_NBYTES + self.b)
+                + (
+                    min(NF4_CHUNK_NUMEL, self.rt.staging_numel) * NF4_CHUNK_TEMP_NBYTES
+                    if nf4_chunk
+                    else 0
+                ),
                 "init",
-                "build.py _full_values: one unit's flat fp32 values and its converted shard",
+                "build.py _full_values: one unit's flat fp32 values and its converted shard"
+                + (
+                    f"; NF4 quantises {NF4_CHUNK_NUMEL:,} elements at a time (weights/quant.py)"
+                    if nf4_chunk
+                    else ""
+                ),
                 heap=True,
             )
         )
