@@ -640,12 +640,13 @@ def partitioner_working_set(
     def recomputed(m: nn.Module) -> int:
         if full:
             return subtree(m)
-        return subtree(m, lambda u: counts(u) and u.trainable) + chain(m)
+        trains = subtree(m, lambda u: counts(u) and u.trainable)
+        return trains + chain(m, lambda u: counts(u) and not u.trainable)
 
-    def chain(m: nn.Module) -> int:
+    def chain(m: nn.Module, which: Callable[[ParamUnit], bool] = counts) -> int:
         if checkpointing and isinstance(m, nn.ModuleList):
-            return own(m) + max((recomputed(c) for c in m.children()), default=0)
-        return own(m) + max((chain(c) for c in m.children()), default=0)
+            return own(m, which) + max((recomputed(c) for c in m.children()), default=0)
+        return own(m, which) + max((chain(c, which) for c in m.children()), default=0)
 
     largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
     return chain(model) + largest * (2 if checkpointing else 1)
