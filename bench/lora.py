@@ -31,6 +31,10 @@ bench as a sharded safetensors directory (tensor by tensor: never a whole model 
                                       #   real-shaped weights: |Δlogit|, greedy agreement
                                       #   (bench/nf4_quality.py's measurement)
 
+``--kinds infinity-nf4`` runs only the contenders named. Each infinity contender reports each phase
+(built, loaded, initialized, each step: the peak RSS and the cgroup's peak so far) as it reaches
+it, so a run cut short by ``--timeout`` or the OOM killer records how far it got.
+
 Writes a JSON into bench/results/ (INFINITY_BENCH_RESULTS overrides the folder).
 """
 
@@ -59,6 +63,7 @@ SHAPES = {
 }
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SHARD_NBYTES = 2 << 30
+PROGRESS = "lora-progress: "
 
 
 def llama_config(shape: str):
@@ -150,6 +155,31 @@ def _batch(step: int, seq: int, vocab: int):
     return {"input_ids": ids, "labels": ids}
 
 
+def _progress(a: dict, t0: float, phase: str, **figures) -> None:
+    """One line on stderr per phase of a contender's run: what a run cut short (a timeout, the OOM
+    killer) reached, which run_child records."""
+    from infinity.host import peak_rss_nbytes
+
+    line = {
+        "phase": phase,
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "peak_rss_nbytes": peak_rss_nbytes(),
+        "cgroup_peak_nbytes": _cgroup.peak(a.get("cgroup")),
+        **figures,
+    }
+    print(PROGRESS + json.dumps(line), file=sys.stderr, flush=True)
+
+
+def _progress_of(stderr: str | bytes | None) -> list[dict]:
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    return [
+        json.loads(line[len(PROGRESS) :])
+        for line in (stderr or "").splitlines()
+        if line.startswith(PROGRESS)
+    ]
+
+
 def child(a: dict) -> dict:
     """One contender's run (in its own process, in the parent's cgroup where there is one)."""
     import torch
@@ -219,13 +249,16 @@ def child(a: dict) -> dict:
                 model = LlamaForCausalLM(config)
         finally:
             torch.set_default_dtype(default_dtype)
+        _progress(a, t_load, "built under zero.Init")
         infinity.zero.load_pretrained(model, base)
+        _progress(a, t_load, "loaded")
         if a.get("small_box"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         engine = infinity.initialize(_lora(model, a["r"]), cfg)
         load_s = time.perf_counter() - t_load
+        _progress(a, t_load, "initialized")
         rt = engine.runtime
         frozen = {u.key for u in rt.unit_map.units if not u.trainable}
         at_rest = sum(rt.plan.at_rest_nbytes(u) for u in rt.unit_map.units if not u.trainable)
@@ -245,6 +278,16 @@ def child(a: dict) -> dict:
             base_reads.append(sum(n for k, n in moved.read.items() if k in frozen))
             base_writes.append(sum(n for k, n in moved.written.items() if k in frozen))
             losses.append(loss.item())
+            _progress(
+                a,
+                t_load,
+                f"step {step}",
+                loss=losses[-1],
+                step_s=times[-1],
+                read_nbytes=reads[-1],
+                write_nbytes=writes[-1],
+                base_read_nbytes=base_reads[-1],
+            )
         engine.close()
     return {
         "kind": a["kind"],
@@ -342,10 +385,21 @@ def run_child(spec: dict, limit_nbytes: int | None, timeout_s: float, notes: lis
             timeout=timeout_s,
         )
         if r.returncode != 0:
-            return {"kind": spec["kind"], "failed": r.stderr[-2000:], "rc": r.returncode}
+            return {
+                "kind": spec["kind"],
+                "failed": r.stderr[-2000:],
+                "rc": r.returncode,
+                "progress": _progress_of(r.stderr),
+                "cgroup_peak_nbytes": _cgroup.peak(cgroup),
+            }
         return json.loads(r.stdout.strip().splitlines()[-1])
-    except subprocess.TimeoutExpired:
-        return {"kind": spec["kind"], "failed": f"timed out after {timeout_s:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        return {
+            "kind": spec["kind"],
+            "failed": f"timed out after {timeout_s:.0f} s",
+            "progress": _progress_of(e.stderr),
+            "cgroup_peak_nbytes": _cgroup.peak(cgroup),
+        }
     finally:
         _cgroup.remove(cgroup)
 
@@ -385,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the model files and the swap files (one file system, a local NVMe)",
     )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per contender run")
+    ap.add_argument(
+        "--kinds", default=None, help="comma-separated: run only these of the mode's contenders"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
@@ -434,6 +491,12 @@ def main(argv: list[str] | None = None) -> int:
         base_dir = Path(args.base_dir)
         shape, steps, seq, r, rounds = "1b", 4, 512, 16, args.rounds
         kinds, limits = ["peft", "infinity-bf16", "deepspeed"], {}
+    if args.kinds:
+        asked = args.kinds.split(",")
+        unknown = sorted(set(asked) - set(kinds))
+        if unknown:
+            ap.error(f"--kinds: {', '.join(unknown)} not among this mode's {', '.join(kinds)}")
+        kinds = [k for k in kinds if k in asked]
     if "deepspeed" in kinds and importlib.util.find_spec("deepspeed") is None:
         kinds.remove("deepspeed")
         notes.append(

@@ -44,6 +44,10 @@ class RunContext:
     checkpointing: bool = False
     """Activations counted as with every transformer block checkpointed (as the model is set up, or the
     estimate's option)."""
+    constructed: bool = False
+    """The model is built (the pre-flight check, run inside initialize): what zero.Init's construction
+    allocated is there already — its heap in ``held_nbytes``, its swap files on the disk whose free
+    space is read — shown, not counted again."""
     block: int | None = None
     """Trained by engine.train_batch in blocks of this many micro-batches, their activations alive at
     once ([Note: layer-major blocks] in blocks.py); None: by the micro-batch loop."""
@@ -68,6 +72,7 @@ class RunContext:
             checkpointing=self.checkpointing,
             block=self.block,
             zero_init=self.zero_init,
+            constructed=self.constructed,
             changes=changes,
             runtime=runtime,
         )
@@ -100,4 +105,5 @@ def run_context(
         world_size=world_size,
         ranks_per_node=ranks_on_this_node(),
         checkpointing=checkpointing,
+        constructed=True,
     )

@@ -22,10 +22,10 @@ from infinity.estimate.activations import THREAD_LOGITS, Activations
 from infinity.estimate.breakdown import Breakdown, Item, Phase, Problem
 from infinity.estimate.model import ModelSpec
 from infinity.estimate.runtime_plan import (
-    CACHED_DEQUANT_BUFFERS,
     FP32_NBYTES,
     PoolPlan,
     RuntimePlan,
+    frozen_buffers_nbytes,
     partitioner_working_set,
     plan_runtime,
 )
@@ -33,9 +33,13 @@ from infinity.estimate.setting import ZeroSetting
 from infinity.estimate.traffic import worst_case_traffic
 from infinity.memory import BufferPool, format_nbytes, round_up
 from infinity.store.nvme_path import paths_of
+from infinity.weights.quant import NF4_CHUNK_NUMEL
 from infinity.zero.unit import ParamUnit
 
 _ZINIT_CPU = "zero.Init store (fp32 shards)"
+NF4_CHUNK_TEMP_NBYTES = 20
+"""Bytes per element of nf4.quantize's temporaries at once: the values in fp32, their scaled copy
+and its clamp, the int64 bucket indices."""
 
 
 def _sum(units: Sequence[ParamUnit], attr: str, pred=lambda u: True) -> int:
@@ -57,6 +61,7 @@ def itemise(
     activations: Activations | None,
     checkpointing: bool,
     zero_init: bool,
+    constructed: bool = False,
     block: int | None = None,
     changes: Sequence[tuple[str, int, int]] = (),
     runtime: RuntimePlan | None = None,
@@ -65,7 +70,8 @@ def itemise(
     ``changes``: the sizing keys tune.py changed (recorded in the breakdown). ``runtime``: the setting's
     RuntimePlan when one is made already (initialize's); else plan_runtime's for rank 0.
     ``block``: trained by engine.train_batch in blocks of that many micro-batches ([Note: layer-major
-    blocks] in blocks.py: a block's activations at once; each array on NVMe moved once per block)."""
+    blocks] in blocks.py: a block's activations at once; each array on NVMe moved once per block).
+    ``constructed``: the model is built already (RunContext.constructed)."""
     gas = cfg.gradient_accumulation_steps
     block = None if block is None else min(block, gas)
     runtime = runtime or plan_runtime(spec.module, cfg, world_size=world_size)
@@ -80,7 +86,7 @@ def itemise(
             + (", the CUDA context" if p.cuda else ""),
         )
     )
-    p.model_as_built(zero_init and p.stage == 3)
+    p.model_as_built(zero_init and p.stage == 3, constructed=constructed)
     p.optimizer_state()
     if p.stage == 3:
         p.parameter_store()
@@ -157,11 +163,17 @@ class Itemiser:
         detail: str,
         key: str | None = None,
         phase: Phase = "run",
+        present: bool = False,
     ) -> None:
         """A store's swap files (``nbytes`` over every drive of ``nvme_path``), plus each drive's
-        directory: its lock file and extent blocks."""
+        directory: its lock file and extent blocks. ``present``: they exist already (the disk's free
+        space is read after them): shown, not added."""
         n = len(paths_of(nvme_path))
-        meta = self._by_path(nvme_path, nbytes)
+        meta = (
+            rules.swap_dir_overhead_nbytes(nbytes // n) * n
+            if present
+            else self._by_path(nvme_path, nbytes)
+        )
         self.add(
             Item(
                 label,
@@ -170,6 +182,7 @@ class Itemiser:
                 phase,
                 detail + (f", striped over {n} folders" if n > 1 else ""),
                 key,
+                counted=not present,
             )
         )
         self.add(
@@ -179,6 +192,7 @@ class Itemiser:
                 meta,
                 phase,
                 "lock file and file-system extent blocks" + (" (one per folder)" if n > 1 else ""),
+                counted=not present,
             )
         )
 
@@ -195,8 +209,11 @@ class Itemiser:
     def _drives(self, nvme_path) -> int:
         return len(paths_of(nvme_path))
 
-    def model_as_built(self, zinit: bool) -> None:
-        """The parameters as the user built them: in the module, or in zero.Init's store."""
+    def model_as_built(self, zinit: bool, *, constructed: bool = False) -> None:
+        """The parameters as the user built them: in the module, or in zero.Init's store.
+        ``constructed``: built already, so what zero.Init's construction left behind is shown, not
+        added: its heap in what the process holds, its swap files on the disk (free space is read
+        after them)."""
         if not zinit:
             built = self.spec.built_nbytes or self.spec.num_params * FP32_NBYTES
             same = self.stage < 3 and self.dtype == torch.float32 and not self.cuda
@@ -220,7 +237,13 @@ class Itemiser:
                 rules.zero_init_heap_nbytes(rules.zero_init_param_nbytes(self.spec.module)),
                 "init",
                 "parameters freed as they were partitioned, kept by the heap until initialize trims it "
-                "(memory/trim.py)",
+                "(memory/trim.py)"
+                + (
+                    "; the model is built: what it kept is in what the process holds"
+                    if constructed
+                    else ""
+                ),
+                counted=not constructed,
             )
         )
         off = self.zero.offload_param
@@ -241,9 +264,11 @@ class Itemiser:
                 "zero.Init swap files",
                 rules.swap_growth_nbytes(sizes, self.block, self._drives(off.nvme_path)),
                 off.nvme_path,
-                "each parameter's fp32 shard as built, files grown on demand; removed after initialize",
+                "each parameter's fp32 shard as built, files grown on demand; removed after initialize"
+                + ("; the model is built: on the disk already" if constructed else ""),
                 "offload_param.nvme_path",
                 phase="init",
+                present=constructed,
             )
         else:
             self.add(
@@ -427,25 +452,34 @@ class Itemiser:
         self._dequantised_frozen_units()
 
     def _dequantised_frozen_units(self) -> None:
-        """Training over a quantised frozen base ([Note: a quantised frozen base]): on a CPU device at
-        world size 1 (elsewhere _scheduler counts the gathered units) the frozen units in use are
-        dequantised into buffers of their dtype, and the TensorCache keeps a few for reuse."""
+        """Training with frozen units at world size 1 (elsewhere _scheduler counts the gathered
+        units): each frozen unit gathered in backward rests in a TensorCache buffer of its own while
+        autograd's saved tensors view it, and a quantised one is dequantised into one in forward too
+        ([Note: frozen units in backward]; [Note: a quantised frozen base])."""
         rt = self.rt
-        if rt.optimizer is None or rt.formats is None or self.cuda or self.world > 1:
+        if rt.optimizer is None or self.world > 1:
             return
-        quantised = {u.index for u in self.units if rt.format_of(u) is not None}
-        working = partitioner_working_set(
-            self.spec.module, self.unit_map, lambda u: u.index in quantised, full=True
+        frozen = [u for u in self.units if not u.trainable and not u.persistent]
+        if not frozen:
+            return
+        quantised = {u.index for u in frozen if rt.format_of(u) is not None}
+        nbytes = frozen_buffers_nbytes(
+            self.spec.module, self.unit_map, forward=lambda u: u.index in quantised
         )
-        largest = max((u.full_nbytes for u in self.units if u.index in quantised), default=0)
+        what = (
+            "dequantised when gathered (infinity/weights/quant.py), in forward while in use "
+            if quantised
+            else "copied out of the parameter pool when gathered in backward, "
+        )
         self.add(
             Item(
-                f"dequantised frozen units ({self.dname})",
+                f"{'dequantised ' if quantised else ''}frozen units ({self.dname})",
                 "device",
-                working + CACHED_DEQUANT_BUFFERS * largest,
+                nbytes,
                 "train",
-                "the frozen units in use, dequantised after each read (infinity/weights/quant.py), "
-                "and the buffers the TensorCache keeps for reuse",
+                f"{what}and in backward while a saved tensor views them (at once: a checkpointed "
+                "layer's, or one unit), each in a TensorCache buffer reused by a unit of its size "
+                "(zero/partitioner.py [Note: frozen units in backward])",
                 heap=True,
             )
         )
@@ -594,14 +628,26 @@ class Itemiser:
                     heap=True,
                 )
             )
-        # The staging buffer, and at most one unit's values converted to the parameter dtype.
+        # The staging buffer, and at most one unit's values converted to the parameter dtype; NF4
+        # quantises them a chunk at a time (its temporaries: fp32 values, scaled values, int64 codes).
+        nf4_chunk = any(f is not None and f.spec.quant_type == "nf4" for f in self.rt.formats or ())
         self.add(
             Item(
                 "initialisation transient",
                 "host",
-                self.rt.staging_numel * (FP32_NBYTES + self.b),
+                self.rt.staging_numel * (FP32_NBYTES + self.b)
+                + (
+                    min(NF4_CHUNK_NUMEL, self.rt.staging_numel) * NF4_CHUNK_TEMP_NBYTES
+                    if nf4_chunk
+                    else 0
+                ),
                 "init",
-                "build.py _full_values: one unit's flat fp32 values and its converted shard",
+                "build.py _full_values: one unit's flat fp32 values and its converted shard"
+                + (
+                    f"; NF4 quantises {NF4_CHUNK_NUMEL:,} elements at a time (weights/quant.py)"
+                    if nf4_chunk
+                    else ""
+                ),
                 heap=True,
             )
         )

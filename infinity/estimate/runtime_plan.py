@@ -43,9 +43,10 @@ computed from, never change.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -70,9 +71,10 @@ CACHED_FLAT_BUFFERS = 4
 world size > 1, flat fp32 grads): the few buffers in use at once, not one per unit."""
 
 CACHED_DEQUANT_BUFFERS = 2
-"""Inference (no optimizer): the TensorCache keeps up to this many of the largest unit's size in its dtype for
-reuse — dequantised shards, gathers for world size > 1 (the units in use are the partitioner's working set,
-counted apart); nothing with neither (the partitioner computes from the pool)."""
+"""Inference (no optimizer), and training at world size > 1: the TensorCache keeps up to this many of the
+largest unit's size in its dtype for reuse — dequantised shards, gathers for world size > 1 (the units in
+use are the partitioner's working set, counted apart); nothing with neither (the partitioner computes from
+the pool). Training at world size 1 keeps what its frozen units use at once (frozen_buffers_nbytes)."""
 
 OPTIMIZER_POOL_BUFFERS = 3
 """Sub-groups the optimizer pool holds: the one being read, the one being updated and the one being
@@ -478,7 +480,9 @@ def plan_runtime(
     optimizer = _optimizer(trainable, shards, keys, zero) if trainable else None
     formats = _formats(cfg, units, rank, trains)
     schedule = (
-        _schedule(model, unit_map, homes, zero, world_size, dtype) if zero.stage == 3 else None
+        _schedule(model, unit_map, homes, zero, world_size, dtype, formats)
+        if zero.stage == 3
+        else None
     )
     param_store, refusal = None, None
     if zero.stage == 3:
@@ -509,7 +513,13 @@ def plan_runtime(
         swap_reserves=_swap_reserves(zero, param_store, state_store),
         tensor_cache_cap_nbytes=(
             CACHED_FLAT_BUFFERS * FP32_NBYTES * largest_flat
-            + CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_quantised
+            + (
+                frozen_buffers_nbytes(
+                    model, unit_map, forward=lambda u: bool(formats and formats[u.index])
+                )
+                if zero.stage == 3 and world_size == 1
+                else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_quantised
+            )
             if trains
             else CACHED_DEQUANT_BUFFERS * itemsize(dtype) * largest_flat
             if formats is not None or world_size > 1
@@ -586,36 +596,96 @@ def partitioner_working_set(
     counts: Callable[[ParamUnit], bool] = lambda u: True,
     *,
     full: bool = False,
+    size_of: Callable[[ParamUnit], int] | None = None,
 ) -> int:
     """The most (non-persistent, ``counts``) unit bytes the stage-3 partitioner holds at once: the
     heaviest root-to-leaf chain of modules' units (a frame holds its module's units while its children
     run) plus the largest unit again (a tied weight is held from its first use in backward to its last).
-    ``full``: gathered units (world size > 1) instead of this rank's shards.
+    ``full``: gathered units (world size > 1) instead of this rank's shards; ``size_of``: a unit's
+    bytes otherwise (the parameter pool holds a quantised shard at its packed size).
 
     A model that checkpoints its layers (``checkpoints_layers``) holds more in backward: the
     recomputation of a layer hands every unit of it to backward until the unit's grads are reduced
     ([Note: recomputation under stage 3]), so a layer of a ModuleList counts its whole subtree, and
     one more largest unit is kept free: the layer's units, of several sizes, are released in another
     order than they were taken, and the pool's best fit can leave the free bytes in runs each smaller
-    than the next unit while the thread that waits is the one holding the rest."""
+    than the next unit while the thread that waits is the one holding the rest. Of this rank's
+    shards (not ``full``), a recomputed layer's frozen units count as a forward holds them (its
+    chain): they are released at their module's post-hook, their memory a buffer of their own that
+    autograd keeps ([Note: frozen units in backward]; frozen_buffers_nbytes counts it)."""
     checkpointing = checkpoints_layers(model)
 
     def size(u: ParamUnit) -> int:
+        if size_of is not None:
+            return size_of(u)
         return u.full_nbytes if full else u.layout.shard_nbytes
 
-    def own(m: nn.Module) -> int:
-        return sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and counts(u))
+    def own(m: nn.Module, which: Callable[[ParamUnit], bool] = counts) -> int:
+        return sum(size(u) for u in unit_map.uses.get(m, ()) if not u.persistent and which(u))
 
-    def subtree(m: nn.Module) -> int:
-        return own(m) + sum(subtree(c) for c in m.children())
+    def subtree(m: nn.Module, which: Callable[[ParamUnit], bool] = counts) -> int:
+        return own(m, which) + sum(subtree(c, which) for c in m.children())
 
-    def chain(m: nn.Module) -> int:
+    def recomputed(m: nn.Module) -> int:
+        if full:
+            return subtree(m)
+        trains = subtree(m, lambda u: counts(u) and u.trainable)
+        return trains + chain(m, lambda u: counts(u) and not u.trainable)
+
+    def chain(m: nn.Module, which: Callable[[ParamUnit], bool] = counts) -> int:
         if checkpointing and isinstance(m, nn.ModuleList):
-            return own(m) + max((subtree(c) for c in m.children()), default=0)
-        return own(m) + max((chain(c) for c in m.children()), default=0)
+            return own(m, which) + max((recomputed(c) for c in m.children()), default=0)
+        return own(m, which) + max((chain(c, which) for c in m.children()), default=0)
 
     largest = max((size(u) for u in unit_map.units if not u.persistent and counts(u)), default=0)
     return chain(model) + largest * (2 if checkpointing else 1)
+
+
+def frozen_buffers_nbytes(
+    model: nn.Module,
+    unit_map: UnitMap,
+    counts: Callable[[ParamUnit], bool] = lambda u: True,
+    *,
+    forward: Callable[[ParamUnit], bool] = lambda u: False,
+) -> int:
+    """World size 1: the most bytes the TensorCache's buffers of frozen (``counts``) units take at
+    once. Such a unit gathered in backward rests in a buffer of its own that autograd keeps while a
+    saved tensor views it ([Note: frozen units in backward]); a ``forward`` one's forward gathers use
+    one too (a unit at rest quantised, dequantised into it). A buffer is reused by a unit of its size once nothing views it, and
+    a new one is made only when every buffer of that size is in use, so each size takes its size
+    times the most units of that size in use at once: a checkpointed layer's frozen units (its
+    recomputation's saved tensors view all of them), else one unit (the backward node unpacking it),
+    and in forward a root-to-leaf chain of modules' units (a frame holds its units while its children
+    run)."""
+
+    def frozen(us: Iterable[ParamUnit]) -> list[ParamUnit]:
+        return [u for u in us if not u.persistent and not u.trainable and counts(u)]
+
+    def own(m: nn.Module) -> list[ParamUnit]:
+        return frozen(unit_map.uses.get(m, ()))
+
+    def subtree(m: nn.Module) -> list[ParamUnit]:
+        return own(m) + [u for c in m.children() for u in subtree(c)]
+
+    groups: list[list[ParamUnit]] = [[u] for u in frozen(unit_map.units)]
+    if checkpoints_layers(model):
+        groups += [subtree(c) for m in model.modules() if isinstance(m, nn.ModuleList) for c in m]
+
+    def chains(m: nn.Module, above: list[ParamUnit]) -> Iterator[list[ParamUnit]]:
+        held = above + [u for u in own(m) if forward(u)]
+        children = list(m.children())
+        if not children:
+            yield held
+        for c in children:
+            yield from chains(c, held)
+
+    groups += chains(model, [])
+    most: dict[int, int] = {}
+    for g in groups:
+        sizes = collections.Counter(u.layout.shard_nbytes for u in dict.fromkeys(g))
+        for n, k in sizes.items():
+            most[n] = max(most.get(n, 0), k)
+    return sum(n * k for n, k in most.items())
 
 
 def checkpoints_layers(model: nn.Module) -> bool:
@@ -673,8 +743,13 @@ def _schedule(
     zero: ZeroConfig,
     world_size: int,
     dtype: torch.dtype,
+    formats: Sequence[ShardFormat | None] | None,
 ) -> SchedulePlan:
     b = itemsize(dtype)
+
+    def at_rest(u: ParamUnit) -> int:
+        fmt = formats[u.index] if formats is not None else None
+        return fmt.nbytes if fmt is not None else u.layout.shard_nbytes
 
     def per_rank_nbytes(numel: float) -> int:
         return int(numel / world_size) * b
@@ -690,7 +765,7 @@ def _schedule(
         ),
         working_set_nbytes=partitioner_working_set(model, unit_map),
         pool_working_set_nbytes=partitioner_working_set(
-            model, unit_map, lambda u: homes[u.index] == "nvme"
+            model, unit_map, lambda u: homes[u.index] == "nvme", size_of=at_rest
         ),
         largest_unit_nbytes=largest.layout.shard_nbytes if largest else 0,
         largest_unit=repr(largest.module_name) if largest else "the largest unit",

@@ -58,6 +58,10 @@ from infinity.weights import nf4
 
 PART_ALIGN = 16
 SCALE_DTYPE = torch.float16
+NF4_CHUNK_NUMEL = 1 << 22
+"""NF4 quantises a piece this many elements at a time (groups are independent): its torch
+temporaries (fp32 values, scaled values, int64 bucket indices: ~20 bytes an element) stay ~80 MiB
+however large the piece (a 7B model's embedding is 131M elements: 2.6 GB at once)."""
 
 
 def _up(n: int) -> int:
@@ -220,11 +224,15 @@ def quantize_into(
         g = spec.group_size
         c, so, oo = fmt._parts(p)
         if spec.quant_type == "nf4":
-            try:
-                codes, absmax = nf4.quantize(src, g)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-            out[c : c + codes.numel()].copy_(codes)
+            absmax = torch.empty(p.groups, dtype=torch.float32)
+            step = _nf4_chunk(g)
+            for lo in range(0, p.numel, step):
+                try:
+                    codes, part = nf4.quantize(src[lo : lo + step], g)
+                except ValueError as e:
+                    raise ValueError(f"{name}: {e}") from None
+                out[c + lo // 2 : c + lo // 2 + codes.numel()].copy_(codes)
+                absmax[lo // g : lo // g + part.numel()].copy_(part)
             if not spec.double_quant:
                 out[so : so + 4 * p.groups].copy_(absmax.view(torch.uint8))
                 continue
@@ -263,6 +271,12 @@ def quantize_into(
         out[so : so + 2 * p.groups].copy_(scale.view(torch.uint8))
         if base is not None:
             out[oo : oo + 2 * p.groups].copy_(base.view(torch.uint8))
+
+
+def _nf4_chunk(group_size: int) -> int:
+    """Elements per NF4 quantisation step: whole groups, an even count (two codes a byte)."""
+    groups = max(1, NF4_CHUNK_NUMEL // group_size)
+    return group_size * (groups + groups % 2 if group_size % 2 else groups)
 
 
 def dequantize_into(fmt: ShardFormat, packed: torch.Tensor, out: torch.Tensor) -> None:

@@ -4,6 +4,13 @@ On CUDA, torch's caching allocator already reuses memory. On the CPU, a fresh
 multi-MB allocation is served by mmap and first-touched at ~1.4 GB/s (vs ~16
 GB/s for reused memory, measured here), so buffers of the sizes a model uses
 every step are kept in per-size free lists, bounded by ``cap_nbytes``.
+
+A buffer put back may still be viewed by a tensor someone else holds (the
+stage-3 partitioner hands a frozen unit's gathered buffer to autograd's saved
+tensors and puts it back at once: [Note: frozen units in backward] in
+partitioner.py): ``get`` hands out only a buffer whose storage nothing but the
+cache references, so such a buffer is reused once the last view of it is gone,
+and until then it lives as long as that view, as any tensor's memory does.
 """
 
 from __future__ import annotations
@@ -11,6 +18,15 @@ from __future__ import annotations
 import collections
 
 import torch
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors and storage objects hold ``t``'s storage (torch's own count)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_ALONE = _storage_refs(torch.empty(1))
+"""The count for a tensor nothing else views (the tensor and the storage object asked)."""
 
 
 class TensorCache:
@@ -24,13 +40,16 @@ class TensorCache:
 
     def get(self, numel: int, dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         key = (numel, dtype)
-        bucket = self._free.get(key)
-        if bucket:
-            t = bucket.pop()
+        bucket = self._free.get(key, [])
+        i = next(
+            (i for i in reversed(range(len(bucket))) if _storage_refs(bucket[i]) <= _ALONE), -1
+        )
+        if i >= 0:
+            t = bucket.pop(i)
             if not bucket:
                 del self._free[key]  # put()'s eviction takes the oldest bucket's first buffer
             self._free_nbytes -= t.numel() * t.element_size()
-        else:
+        else:  # none, or each still viewed by a tensor held elsewhere
             t = torch.empty(numel, dtype=dtype, device=self.device)
         if zero:
             t.zero_()

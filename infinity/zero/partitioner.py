@@ -36,6 +36,29 @@ ordinary acquires of the step: the prefetch trace records them in step 0 and
 replays them after (the order is the same every step), so a recomputation
 costs reads ahead of use, not on-demand misses.
 
+[Note: frozen units in backward]
+A frozen unit (no parameter requires grad: a LoRA base) has no grads whose
+reduction would say that backward is done with it, so a hold for backward
+would keep it until the end of backward, and with it every frozen unit the
+backward gathers: the whole base, dequantised where it rests quantised. A
+frozen unit gathered while autograd runs a backward (for a recomputation or to
+unpack a saved tensor) is therefore gathered into a buffer that goes back to
+the TensorCache when the unit is released — the one its dequantisation fills
+(QuantizedShards), the one an all-gather fills (world size > 1), or at world
+size 1 a copy of its pooled shard, whose pool room is given back at once —
+and released as any forward releases it: at its module's post-hook in a
+recomputation, right after the view is made when unpacking. The tensors
+autograd saved keep viewing the buffer, which lives until the last of them is
+gone, and the TensorCache reuses no buffer a tensor still views
+(zero/buffers.py). So a frozen unit's memory lasts exactly as long as the
+backward nodes that need it: at most a checkpointed layer's frozen units at
+once, however many layers there are. A recomputation reads a frozen parameter
+as a detached view (``_on_param_read``): a saved tensor then views the buffer
+rather than being the Parameter, whose ``.data`` the release points back at
+the placeholder. A frozen unit that was gathered into pool memory before the
+backward needed it (held by a frame or by the user) is held for backward as
+before.
+
 Gradients are handed to the GradReducer by GradHooks (grad_hooks.py), which
 is built with ``on_unit_done=partitioner.release_backward``: a unit gathered
 for backward is released once its grads are reduced, everything else at the
@@ -138,7 +161,7 @@ class _InterceptingParams(dict):
         p = dict.__getitem__(self, name)
         on_read = self.on_read()
         if on_read is not None and p is not None:
-            on_read(p)
+            return on_read(p)  # p, or a detached view of it ([Note: frozen units in backward])
         return p
 
 
@@ -196,6 +219,9 @@ class Stage3Partitioner:
         self._copies: set[int] = (
             set()
         )  # units whose gathered buffer is a user copy (gather_for_user)
+        # World size 1: frozen units gathered for backward into a copy of their pooled shard
+        # ([Note: frozen units in backward]), put back into the cache when released.
+        self._own: set[int] = set()
         self._handles: list[Any] = []
         self._end_of_backward_queued = False
         self._installed = False
@@ -236,10 +262,12 @@ class Stage3Partitioner:
     # -- gather / release -------------------------------------------------------
 
     def _gather(self, unit: ParamUnit) -> None:
-        shard = self.shards.acquire(unit.key)
-        if self.group.world_size == 1:
-            full = shard  # zero copy: the shard is the whole (padded) unit
+        if self.group.world_size == 1 and not unit.trainable and _in_backward():
+            full = self._own_copy(unit)  # [Note: frozen units in backward]
+        elif self.group.world_size == 1:
+            full = self.shards.acquire(unit.key)  # zero copy: the shard is the whole (padded) unit
         else:
+            shard = self.shards.acquire(unit.key)
             try:
                 full = self.cache.get(unit.layout.padded_numel, unit.layout.dtype)
                 self.group.all_gather(full, shard)
@@ -251,6 +279,36 @@ class Stage3Partitioner:
             bisect.insort(self._ranges, (start, start + unit.full_nbytes, unit), key=lambda r: r[0])
             if self.on_gather is not None and self._fw.frames:
                 self.on_gather(unit)
+
+    def _serves_cache_buffers(self, key: Hashable) -> bool:
+        """Whether the shard source serves ``key`` in a TensorCache buffer of its own, put back on
+        release (QuantizedShards' dequantised shards), rather than in pool memory."""
+        serves = getattr(self.shards, "serves_cache_buffer", None)
+        return serves is not None and bool(serves(key))
+
+    def _own_copy(self, unit: ParamUnit) -> torch.Tensor:
+        """World size 1: a frozen unit's shard in a buffer that goes back to the TensorCache when the
+        unit is released ([Note: frozen units in backward]); its pool room is given back at once."""
+        shard = self.shards.acquire(unit.key)
+        if self._serves_cache_buffers(unit.key):
+            return shard  # released through the shard source, which puts it back into the cache
+        try:
+            full = self.cache.get(shard.numel(), shard.dtype)
+            full.copy_(shard)
+        finally:
+            self.shards.release(unit.key)
+        self._own.add(unit.index)
+        return full
+
+    def _handed_to_autograd(self, unit: ParamUnit) -> bool:
+        """Whether a frozen unit may be released while autograd's saved tensors still view it: its
+        buffer returns to the TensorCache (or is freed), never to the pool."""
+        return not unit.trainable and (
+            self.group.world_size > 1
+            or unit.index in self._own
+            or unit.index in self._copies
+            or self._serves_cache_buffers(unit.key)
+        )
 
     def _gather_copy(self, unit: ParamUnit) -> None:
         """Gathers ``unit`` into memory of its own, giving its pool buffer back at once
@@ -271,6 +329,9 @@ class Stage3Partitioner:
         self._ranges = [r for r in self._ranges if r[2] is not unit]
         if unit.index in self._copies:
             self._copies.discard(unit.index)  # its own memory, freed with it
+        elif unit.index in self._own:
+            self._own.discard(unit.index)
+            self.cache.put(full)
         elif self.group.world_size == 1:
             self.shards.release(unit.key)
         else:
@@ -467,7 +528,7 @@ class Stage3Partitioner:
         if frame.span is not None and tl is not None:
             tl.end(frame.span)
         for unit in frame.units:
-            if self._fw.recomputing:
+            if self._fw.recomputing and not self._handed_to_autograd(unit):
                 self._hold_for_backward(unit)  # [Note: recomputation under stage 3]
             self._unhold(unit)
         if not self._fw.frames:
@@ -476,20 +537,28 @@ class Stage3Partitioner:
                 self._fw.saved_hooks.__exit__(None, None, None)
                 self._fw.saved_hooks = None
 
-    def _on_param_read(self, p: nn.Parameter) -> None:
+    def _on_param_read(self, p: nn.Parameter) -> torch.Tensor:
+        """What a module's forward reads for ``p``: ``p``, gathered if it was released; in a
+        recomputation, a frozen parameter as a detached view ([Note: frozen units in backward])."""
         if not self._fw.frames and not _in_backward():
-            return
+            return p
         entry = self.unit_of.get(p)
         if entry is None:
-            return
+            return p
         unit = entry[0]
-        if unit.persistent or unit.state is UnitState.GATHERED:
-            return
-        if not self._fw.frames:
-            self._hold_for_backward(unit)  # read by a recomputation outside any module's forward
-            return
-        self._hold(unit)
-        self._fw.frames[-1].units.append(unit)
+        if unit.persistent:
+            return p
+        if unit.state is UnitState.RELEASED:
+            if not self._fw.frames:
+                self._hold_for_backward(
+                    unit
+                )  # read by a recomputation outside any module's forward
+                return p
+            self._hold(unit)
+            self._fw.frames[-1].units.append(unit)
+        if self._fw.frames and self._fw.recomputing and not unit.trainable:
+            return p.detach()
+        return p
 
     # -- saved tensors ------------------------------------------------------------
 
@@ -516,8 +585,21 @@ class Stage3Partitioner:
         if not isinstance(packed, _SavedParamRef):
             return packed
         unit = packed.unit
+        if not unit.trainable and (
+            unit.state is UnitState.RELEASED or self._handed_to_autograd(unit)
+        ):
+            # [Note: frozen units in backward]: the view keeps the buffer; the unit is released now.
+            self._hold(unit)
+            try:
+                return self._view(unit, packed)
+            finally:
+                self._unhold(unit)
         self._hold_for_backward(unit)
-        full = unit.gathered()  # _hold_for_backward gathered it
+        return self._view(unit, packed)  # _hold_for_backward gathered it
+
+    @staticmethod
+    def _view(unit: ParamUnit, packed: _SavedParamRef) -> torch.Tensor:
+        full = unit.gathered()
         base = full if packed.dtype == unit.layout.dtype else full.view(packed.dtype)
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 

@@ -5,8 +5,9 @@ shards] in infinity/weights/quant.py); ``unit_shard_format`` makes it from the
 unit's layout. QuantizedShards sits between the partitioner and the shard
 source (the prefetch scheduler): ``acquire`` takes the packed shard (read
 ahead like any other), dequantises it into a buffer of the unit's dtype from
-the TensorCache and gives the packed hold back; ``release`` returns the
-buffer; ``mark_dirty`` (a change made under GatheredParameters) quantises the
+the TensorCache and gives the packed hold back (a unit waiting for its use
+stays in its packed bytes: NF4 is a quarter of bf16); ``release`` returns the
+buffer to the cache, which reuses it once no saved tensor views it; ``mark_dirty`` (a change made under GatheredParameters) quantises the
 held values back into the store. Keys without a format (a training run's
 trainable units, beside its quantised frozen ones) pass through unchanged.
 
@@ -65,6 +66,11 @@ class QuantizedShards:
             self.inner.release(key)
         self._held[key] = (values, 1)
         return values
+
+    def serves_cache_buffer(self, key: Hashable) -> bool:
+        """Whether ``key`` is served in a TensorCache buffer (dequantised), put back on release: a
+        tensor may keep viewing it after ([Note: frozen units in backward] in partitioner.py)."""
+        return key in self.formats
 
     def release(self, key: Hashable) -> None:
         if key not in self.formats:

@@ -3,7 +3,8 @@
 The model is infinity's GPT (``"model"``: GPTConfig fields) or a transformers
 one (``"hf"``: ``{"arch": "gpt2" | "llama", "config": {...}, "checkpointing":
 "reentrant" | "non_reentrant" | null}``, built from its config as
-``build_hf`` builds it, with gradient checkpointing enabled as asked).
+``build_hf`` builds it, with gradient checkpointing enabled as asked, and with
+``"lora": {"r": ..., "targets": [...]}`` wrapped in PEFT's LoRA, whose base is frozen).
 
 Run as ``python tests/estimate/probe.py '<json spec>'`` (a fresh process, so
 the peak is this run's): prints one JSON line with the resident set after
@@ -78,6 +79,16 @@ def build_hf(hf: dict):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": hf["checkpointing"] == "reentrant"}
             )
+    if hf.get("lora"):
+        import peft
+
+        r = hf["lora"]["r"]
+        lora = peft.LoraConfig(
+            r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=hf["lora"]["targets"]
+        )
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated attribute
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.get_peft_model(model, lora)
     model.train()
     return model
 
@@ -94,6 +105,9 @@ def main() -> None:
     if spec.get("hf") is not None:
         # the user's process has imported the model's classes before initialize: part of its baseline
         from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
+        if spec["hf"].get("lora"):
+            import peft  # noqa: F401
     baseline = runtime_baseline_nbytes()
     sampler = Sampler(spec.get("nvme_path"))
     sampler.start()

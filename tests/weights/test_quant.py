@@ -158,3 +158,39 @@ def test_nf4_at_rest_bytes_per_weight(double_quant, per_weight):
 def test_double_quant_is_for_nf4_only():
     with pytest.raises(ValueError, match="double quantisation applies to NF4 scales"):
         QuantSpec(4, 64, False, "int", double_quant=True)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    cols=st.sampled_from([3, 8, 24, 64]),
+    group=st.sampled_from([3, 4, 8, 64]),
+    chunk=st.integers(1, 40),
+    double_quant=st.booleans(),
+)
+def test_nf4_quantised_a_chunk_at_a_time_is_byte_for_byte_the_whole_piece_at_once(
+    rows, cols, group, chunk, double_quant
+):
+    """quantize_into bounds NF4's temporaries by quantising NF4_CHUNK_NUMEL elements at a time; the
+    oracle is nf4.quantize over the whole piece (one call, as bitsandbytes quantises a tensor)."""
+    from infinity.weights import nf4, quant
+
+    w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols + chunk))
+    spec = QuantSpec(4, group, True, quant_type="nf4", double_quant=double_quant)
+    fmt = shard_format([(0, w.numel(), tuple(w.shape))], w.numel(), torch.float32, spec)
+
+    def packed() -> torch.Tensor:
+        out = torch.zeros(fmt.nbytes, dtype=torch.uint8)
+        quantize_into(fmt, w.reshape(-1), out)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quant, "NF4_CHUNK_NUMEL", chunk)
+        chunked = packed()
+        mp.setattr(quant, "NF4_CHUNK_NUMEL", 1 << 30)
+        assert torch.equal(chunked, packed())
+    codes, absmax = nf4.quantize(w.reshape(-1), group)
+    assert torch.equal(chunked[: codes.numel()], codes)
+    if not double_quant:
+        c, so, _ = fmt._parts(fmt.pieces[0])
+        assert torch.equal(chunked[so : so + 4 * absmax.numel()].view(torch.float32), absmax)
