@@ -113,12 +113,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        blocks = [Block(cfg) for _ in range(cfg.n_layer)]
+        self.blocks = nn.ModuleList(blocks)
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.gradient_checkpointing = False
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
-        for block in self.blocks:
+        for block in blocks:  # typed as Block (iterating the ModuleList gives Module)
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
 
