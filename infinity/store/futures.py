@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -435,29 +436,30 @@ def gather(futures: Sequence[StoreFuture], label: str) -> StoreFuture:
 
 
 class Reaper:
-    """A daemon thread that completes a store's ops nobody waits for (see [Note: completing ops])."""
+    """A daemon thread that completes a store's ops nobody waits for (see [Note: completing ops]).
+
+    Ops reach it through a ``queue.SimpleQueue``, not a lock-guarded list: ``put`` runs no Python
+    code, so a KeyboardInterrupt in the thread that adds an op cannot land between acquiring and
+    releasing a lock (a ``with lock:`` whose ``__enter__`` is interrupted after the acquire never
+    releases it; that left this thread blocked and ``close`` waiting on it forever)."""
+
+    _STOP = object()
 
     def __init__(self, owner: Any, name: str):
         # A plain weak reference to the store (whose ``_finish`` completes ops): a WeakMethod's own
         # callback would run Python code when the store is dropped ([Note: finalizers run no Python]).
         self._owner = weakref.ref(owner)
-        self._cv = threading.Condition()
-        self._ops: list[IoOp] = []
-        self._stop = False
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, name=f"infinity-store-reaper[{name}]", daemon=True
         )
         self._thread.start()
 
     def add(self, op: IoOp) -> None:
-        with self._cv:
-            self._ops.append(op)
-            self._cv.notify()
+        self._inbox.put(op)
 
     def stop(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
+        self._inbox.put(self._STOP)
         thread = self._thread
         if thread is not threading.current_thread():
 
@@ -471,24 +473,35 @@ class Reaper:
                 log=log,
             )
 
+    def _take(self, ops: list[IoOp]) -> bool:
+        """Move what ``add`` queued into ``ops``, waiting up to 1 s for the first one when there
+        is nothing to watch. False once ``stop`` was called."""
+        try:
+            item = self._inbox.get(timeout=1.0) if not ops else self._inbox.get_nowait()
+            while True:
+                if item is self._STOP:
+                    return False
+                ops.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
     def _run(self) -> None:
+        ops: list[IoOp] = []
         while True:
-            with self._cv:
-                while not self._ops and not self._stop:
-                    self._cv.wait(1.0)
-                    if self._owner() is None:
-                        return
-                if self._stop:
+            if not self._take(ops):
+                return
+            if not ops:
+                if self._owner() is None:
                     return
-                oldest = self._ops[0]
-            oldest.wait_io(REAPER_SLICE_S)
-            with self._cv:
-                # One pass: an op that ends between two passes would be dropped unnoticed.
-                ended: list[IoOp] = []
-                pending: list[IoOp] = []
-                for op in self._ops:
-                    (ended if op.claimed or op.io_done() else pending).append(op)
-                self._ops = pending
+                continue
+            ops[0].wait_io(REAPER_SLICE_S)
+            # One pass: an op that ends between two passes would be dropped unnoticed.
+            ended: list[IoOp] = []
+            pending: list[IoOp] = []
+            for op in ops:
+                (ended if op.claimed or op.io_done() else pending).append(op)
+            ops = pending
             owner = self._owner()
             if owner is None:
                 return
