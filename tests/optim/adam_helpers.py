@@ -27,8 +27,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def streamed_copy(on: bool = True) -> Iterator[None]:
-    """Force (or forbid) non-temporal stores for the 16-bit copy, whatever the step's size."""
+def streamed_stores(on: bool = True) -> Iterator[None]:
+    """Force (or forbid) the kernels' non-temporal stores (the step's 16-bit copy, the NF4
+    output), whatever the size."""
     previous = _adam.stream_min_bytes()
     _adam.set_stream_min_bytes(0 if on else 2**63)
     try:

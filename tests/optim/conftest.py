@@ -1,5 +1,5 @@
 import pytest
-from adam_helpers import streamed_copy
+from adam_helpers import streamed_stores
 
 from infinity.optim import kernel
 
@@ -19,5 +19,5 @@ def isa(request):
 @pytest.fixture(params=[False, True], ids=["cached-copy", "streamed-copy"])
 def copy_mode(request):
     """Runs the test with the 16-bit copy written through the cache, and with non-temporal stores."""
-    with streamed_copy(request.param):
+    with streamed_stores(request.param):
         yield request.param

@@ -4,7 +4,7 @@ Every kernel set this CPU supports gives the same bits, and they match torch.
 """
 
 import torch
-from adam_helpers import assert_adam_close, bits, streamed_copy
+from adam_helpers import assert_adam_close, bits, streamed_stores
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -96,11 +96,11 @@ def test_foreach_equals_one_call_per_tensor_for_any_thread_count(
     ms, vs = [torch.full_like(p, 0.1) for p in params], [torch.full_like(p, 0.2) for p in params]
     # The 16-bit copies are views into one buffer, at an arbitrary alignment.
     halves = list(torch.empty(offset + sum(numels), dtype=F16)[offset:].split(numels))
-    with streamed_copy(streamed):
+    with streamed_stores(streamed):
         foreach_adam_step(ours, grads, ms, vs, h, step=3, out_halves=halves, num_threads=threads)
     for p, g, m, v, out in zip(params, grads, ms, vs, halves, strict=True):
         m1, v1, out1 = torch.full_like(p, 0.1), torch.full_like(p, 0.2), torch.empty_like(out)
-        with streamed_copy(False):
+        with streamed_stores(False):
             adam_step(p, g, m1, v1, h, step=3, out_half=out1, num_threads=1)
         assert torch.equal(bits(m), bits(m1)) and torch.equal(bits(v), bits(v1))
         assert torch.equal(bits(out), bits(out1))

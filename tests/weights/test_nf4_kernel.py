@@ -9,9 +9,6 @@ under ASan/UBSan (.ci/sanitize.sh).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,20 +17,10 @@ from hypothesis import strategies as st
 from infinity import _adam
 from infinity.optim import kernel
 from infinity.weights import nf4
+from tests.optim.adam_helpers import streamed_stores
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CODES = {"scalar": _adam.SCALAR, "avx2": _adam.AVX2, "avx512": _adam.AVX512}
-
-
-@contextlib.contextmanager
-def streamed(on: bool) -> Iterator[None]:
-    """Force (or forbid) the kernel's non-temporal stores of the output, whatever its size."""
-    previous = _adam.stream_min_bytes()
-    _adam.set_stream_min_bytes(0 if on else 2**63)
-    try:
-        yield
-    finally:
-        _adam.set_stream_min_bytes(previous)
 
 
 def random_packed(n: int, group_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,9 +78,9 @@ def test_every_isa_equals_scalar_bit_for_bit(
         pytest.skip(f"this CPU cannot run the {isa} kernels")
     codes, absmax = random_packed(n, group_size, seed)
     scales = random_nested(n, group_size, seed) if nested else absmax
-    with streamed(stream):
+    with streamed_stores(stream):
         got = run(codes, scales, n, group_size, dtype, isa, threads)
-    with streamed(False):
+    with streamed_stores(False):
         want = run(codes, scales, n, group_size, dtype, "scalar", 1)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -167,7 +154,7 @@ def test_a_range_of_the_elements_is_those_elements_of_the_whole(
     codes, absmax = random_packed(n, group_size, seed)
     scales = random_nested(n, group_size, seed) if nested else absmax
     whole = run(codes, scales, n, group_size, dtype, "scalar", 1)
-    with streamed(True):
+    with streamed_stores(True):
         got = run_range(codes, scales, n, group_size, dtype, isa, 2, begin, end)
     bits = got.view(torch.int32 if dtype == torch.float32 else torch.int16)
     assert torch.equal(got[begin:end].view(torch.uint8), whole[begin:end].view(torch.uint8))
