@@ -174,6 +174,14 @@ def test_large_inputs_split_over_threads_give_the_same_bits():
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+def raw_dequantize_128(**pointers: int) -> None:
+    """The binding called directly on 128 fp32 elements in groups of 64, scalar, one thread (the
+    checks the Python face cannot reach: overlaps, ranges, the nested scales' block)."""
+    _adam.dequantize_nf4(
+        dtype=_adam.FLOAT32, numel=128, group_size=64, isa=_adam.SCALAR, num_threads=1, **pointers
+    )
+
+
 def test_bad_arguments_are_refused_with_the_reason():
     codes, absmax = random_packed(128, 64, 0)
     with pytest.raises(ValueError, match="need 64 code bytes and 2 scales; got 10"):
@@ -188,26 +196,16 @@ def test_bad_arguments_are_refused_with_the_reason():
         nf4.dequantize_into(codes, absmax, torch.empty(128), 0)
     shared = torch.zeros(1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match="out overlaps"):
-        _adam.dequantize_nf4(
+        raw_dequantize_128(
             codes=shared.data_ptr(),
             absmax=absmax.data_ptr(),
             out=shared.data_ptr() + 16,
-            dtype=_adam.FLOAT32,
-            numel=128,
-            group_size=64,
-            isa=_adam.SCALAR,
-            num_threads=1,
         )
     with pytest.raises(ValueError, match=r"the range \[100, 129\) is not inside the 128 elements"):
-        _adam.dequantize_nf4(
+        raw_dequantize_128(
             codes=codes.data_ptr(),
             absmax=absmax.data_ptr(),
             out=torch.empty(128).data_ptr(),
-            dtype=_adam.FLOAT32,
-            numel=128,
-            group_size=64,
-            isa=_adam.SCALAR,
-            num_threads=1,
             begin=100,
             end=129,
         )
@@ -225,29 +223,19 @@ def test_bad_arguments_are_refused_with_the_reason():
             codes, nf4.NestedScales(nested.codes.float(), nested.absmax, 0.0), torch.empty(128), 64
         )
     with pytest.raises(ValueError, match="out overlaps"):
-        _adam.dequantize_nf4(
+        raw_dequantize_128(
             codes=codes.data_ptr(),
             absmax=0,
             out=shared.data_ptr(),
-            dtype=_adam.FLOAT32,
-            numel=128,
-            group_size=64,
-            isa=_adam.SCALAR,
-            num_threads=1,
             scale_codes=shared.data_ptr() + 8,
             scale_code=nf4.DYNAMIC_CODE.data_ptr(),
             scale_absmax=nested.absmax.data_ptr(),
         )
     with pytest.raises(ValueError, match="block_size must be >= 1"):
-        _adam.dequantize_nf4(
+        raw_dequantize_128(
             codes=codes.data_ptr(),
             absmax=0,
             out=torch.empty(128).data_ptr(),
-            dtype=_adam.FLOAT32,
-            numel=128,
-            group_size=64,
-            isa=_adam.SCALAR,
-            num_threads=1,
             scale_codes=nested.codes.data_ptr(),
             scale_code=nf4.DYNAMIC_CODE.data_ptr(),
             scale_absmax=nested.absmax.data_ptr(),
