@@ -23,8 +23,9 @@ bench as a sharded safetensors directory (tensor by tensor: never a whole model 
     python bench/lora.py --capacity   # 7B-shaped Llama (hidden 4096, 32 layers, MLP 11008), LoRA r 16
                                       #   on the attention projections, seq 128, 3 steps, NF4 and bf16,
                                       #   each inside a 4 GiB memory cgroup
-    python bench/lora.py --speed      # ~1B Llama, bf16: infinity with the base on NVMe in a cgroup of a
-                                      #   quarter of the base, against PEFT in RAM, interleaved rounds
+    python bench/lora.py --speed      # ~1B Llama, bf16, seq 256, 3 steps: infinity with the base on NVMe
+                                      #   in a cgroup of a quarter of the base, against PEFT in RAM,
+                                      #   both with activation checkpointing, interleaved rounds
     python bench/lora.py --kernel     # NF4 dequantisation GB/s (plain and double quant) against a
                                       #   copy of the same bytes (bench/dequant.py's measurement)
     python bench/lora.py --quality    # NF4, NF4 + double quant and int8 against bf16 on a Llama with
@@ -182,6 +183,13 @@ def _progress_of(stderr: str | bytes | None) -> list[dict]:
 
 def child(a: dict) -> dict:
     """One contender's run (in its own process, in the parent's cgroup where there is one)."""
+    if a["kind"] == "runtime":  # what a contender holds before any of the model: the imports
+        import peft  # noqa: F401
+        import transformers  # noqa: F401
+
+        import infinity  # noqa: F401
+
+        return {"kind": "runtime", "cgroup_peak_nbytes": _cgroup.peak(a.get("cgroup"))}
     import torch
 
     from infinity.host import peak_rss_nbytes
@@ -197,7 +205,12 @@ def child(a: dict) -> dict:
     if a["kind"] == "peft":
         from transformers import LlamaForCausalLM
 
-        model = _lora(LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16), a["r"])
+        model = LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        if a.get("checkpointing"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model = _lora(model, a["r"])
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         load_s = time.perf_counter() - t_load
         for step in range(steps):
@@ -235,6 +248,14 @@ def child(a: dict) -> dict:
                 max_in_cpu=0, buffer_count=4, buffer_size=116_129_792
             )
             cfg["zero_optimization"]["sub_group_size"] = 1_000_000
+        elif a.get("limited"):
+            # --speed: what the pre-flight check's fixes name for its cgroup (no parameter shards
+            # kept in host memory, a pool holding the units the model holds at once, the
+            # adapters' small sub-groups).
+            cfg["zero_optimization"]["offload_param"].update(
+                max_in_cpu=0, buffer_count=3, buffer_size=65_536_000
+            )
+            cfg["zero_optimization"]["sub_group_size"] = 1_000_000
         if a["kind"] == "infinity-nf4":
             cfg["zero_optimization"]["zero_quantized_nontrainable_weights"] = True
             cfg["weight_quantization"] = {
@@ -252,7 +273,7 @@ def child(a: dict) -> dict:
         _progress(a, t_load, "built under zero.Init")
         infinity.zero.load_pretrained(model, base)
         _progress(a, t_load, "loaded")
-        if a.get("small_box"):
+        if a.get("checkpointing"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
@@ -387,7 +408,7 @@ def run_child(spec: dict, limit_nbytes: int | None, timeout_s: float, notes: lis
         if r.returncode != 0:
             return {
                 "kind": spec["kind"],
-                "failed": r.stderr[-2000:],
+                "failed": r.stderr[-8000:],
                 "rc": r.returncode,
                 "progress": _progress_of(r.stderr),
                 "cgroup_peak_nbytes": _cgroup.peak(cgroup),
@@ -433,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quality", action="store_true", help="NF4 / int8 accuracy against bf16")
     ap.add_argument("--rounds", type=int, default=2, help="--speed: interleaved rounds")
     ap.add_argument("--limit-gib", type=float, default=4.0, help="--capacity: the cgroup's limit")
+    ap.add_argument(
+        "--base-fraction",
+        type=float,
+        default=0.25,
+        help="--speed: infinity's cgroup holds the imports and this fraction of the base",
+    )
     ap.add_argument(
         "--base-dir",
         default=os.path.join(Path.home(), ".cache", "infinity-bench-lora"),
@@ -489,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         base_dir = Path(args.base_dir)
-        shape, steps, seq, r, rounds = "1b", 4, 512, 16, args.rounds
+        shape, steps, seq, r, rounds = "1b", 3, 256, 16, args.rounds
         kinds, limits = ["peft", "infinity-bf16", "deepspeed"], {}
     if args.kinds:
         asked = args.kinds.split(",")
@@ -507,7 +534,21 @@ def main(argv: list[str] | None = None) -> int:
     base = base_dir / f"llama-{shape}"
     base_nbytes = write_base(base, shape)
     if args.speed:
-        limits = {"infinity-bf16": base_nbytes // 4}
+        # A share of the base (a quarter unless --base-fraction) above what the process holds
+        # before it builds anything (torch, transformers, peft and infinity imported: ~0.55 GB
+        # with their files' pages, a quarter of a 1B bf16 base by itself), measured here in a
+        # cgroup of its own after the caches are dropped.
+        runtime = run_child({"kind": "runtime", "shape": shape}, 1 << 40, args.timeout, notes)
+        runtime_nbytes = runtime.get("cgroup_peak_nbytes")
+        if runtime_nbytes is None:
+            ap.error(f"could not measure the runtime's memory in a cgroup: {runtime}")
+        share = int(args.base_fraction * base_nbytes)
+        limits = {"infinity-bf16": runtime_nbytes + share}
+        notes.append(
+            f"infinity-bf16's cgroup: {runtime_nbytes / 2**20:.0f} MiB for the imports (measured) "
+            f"+ {share / 2**20:.0f} MiB ({args.base_fraction:g} of the base)"
+        )
+        print(notes[-1], flush=True)
     if limits and _cgroup.root() is None:
         notes.append("no memory cgroup could be made (needs root and a memory controller)")
     runs = []
@@ -522,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
                 "base": str(base),
                 "nvme": str(base_dir / "swap"),
                 "small_box": bool(args.capacity),
+                "limited": kind in limits,
+                # Activation checkpointing for every contender outside --quick: a quarter of a 1B
+                # base (the speed cgroup) cannot hold its activations at sequence 256, and it is
+                # how QLoRA runs (peft.prepare_model_for_kbit_training turns it on), so PEFT in
+                # RAM recomputes as much as infinity does.
+                "checkpointing": not args.quick,
             }
             row = run_child(spec, limits.get(kind), args.timeout, notes)
             row["round"] = rnd
