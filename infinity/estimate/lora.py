@@ -48,7 +48,7 @@ def with_lora(model: nn.Module, rank: int, targets: Sequence[str] | None = None)
     except ValueError as e:
         raise ValueError(
             f"LoRA targets {', '.join(targets) if targets else '(PEFT default)'} do not fit "
-            f"{type(model).__name__}: {e}. Its linear layers are named: "
+            f"{type(model).__name__}: {str(e).rstrip('.')}. Its linear layers are named: "
             f"{', '.join(linear_names(model))}"
         ) from None
 
