@@ -235,7 +235,7 @@ def judge(
 ) -> LargestBase:
     """Each scanned shape against ``budget`` on ``machine`` (default: this one, read now): fits when
     one of its breakdowns fits (the fastest that does is named), else the one needing the least host
-    memory is shown with what is short."""
+    memory (one the runtime would not refuse, where there is one) is shown with what is short."""
     paths = dict.fromkeys(p for s in scanned for b in s.breakdowns for p, _ in b.nvme_by_path)
     view = budget.view(machine or machine_view(paths))
     rows = []
@@ -247,7 +247,7 @@ def judge(
         b, f = (
             min(ok, key=lambda bf: bf[0].speed_key())
             if ok
-            else min(fits, key=lambda bf: (_host(bf[0]), bf[0].nvme_nbytes))
+            else min(fits, key=lambda bf: (bool(bf[0].problems), _host(bf[0]), bf[0].nvme_nbytes))
         )
         rt = b.runtime
         trainable = (
