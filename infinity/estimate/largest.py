@@ -1,7 +1,9 @@
 """The largest base that fits a budget: a family of real Llama shapes, each estimated as one model.
 
-Each shape is built on the meta device (transformers' LlamaForCausalLM from its LlamaConfig), wrapped
-in LoRA adapters when asked (lora.py: frozen as a user's run freezes it), and estimated by
+Each shape is built on the meta device (transformers' LlamaForCausalLM from its LlamaConfig) in the
+dtype the run trains in (as a 16-bit checkpoint's config.json builds it, and as zero.Init stores it:
+[Note: zero.Init's dtype] in infinity/zero/init.py), wrapped in LoRA adapters when asked (lora.py:
+frozen as a user's run freezes it), and estimated by
 ``estimate_memory`` under one config: the sizing model the engine allocates with. The config's own
 setting is judged (default: stage 3 with parameters and optimizer state on NVMe, what docs/lora.md
 runs), with its sizes tuned (tune.py) when that makes it fit. The estimates do not depend on the
@@ -23,12 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from infinity.config import InfinityConfig
 from infinity.estimate.breakdown import Breakdown
 from infinity.estimate.estimate import EstimateOptions, estimate_config, estimate_memory
 from infinity.estimate.fit import check_fit
 from infinity.estimate.lora import with_lora
 from infinity.estimate.machine import MachineView, machine_view
 from infinity.estimate.report import MemoryEstimate
+from infinity.estimate.runtime_plan import train_dtype
 from infinity.estimate.setting import ZeroSetting
 from infinity.memory import format_nbytes
 
@@ -45,8 +49,8 @@ class LlamaShape:
     num_key_value_heads: int
     vocab_size: int = 32000
 
-    def build(self) -> nn.Module:
-        """The model on the meta device (nothing allocated)."""
+    def build(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The model on the meta device (nothing allocated), its parameters in ``dtype``."""
         import transformers
 
         config = transformers.LlamaConfig(
@@ -58,7 +62,7 @@ class LlamaShape:
             num_key_value_heads=self.num_key_value_heads,
         )
         with torch.device("meta"):
-            return transformers.LlamaForCausalLM(config)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 LLAMA_FAMILY: tuple[LlamaShape, ...] = (
@@ -206,23 +210,24 @@ def scan_family(
     opts = options or EstimateOptions()
     out = []
     for shape in sorted(family, key=_size):
-        model = shape.build()
+        cfg = estimate_config(opts.config, 1, opts.precision, shape.hidden_size)
+        model = shape.build(train_dtype(cfg))
         if lora_rank is not None:
             model = with_lora(model, lora_rank, lora_targets)
-        judged = _judged_settings(opts, shape.hidden_size)
+        judged = _judged_settings(opts, cfg)
         estimate = estimate_memory(model, dataclasses.replace(opts, machine=False, settings=judged))
         out.append(ShapeEstimate(shape, estimate))
     return tuple(out)
 
 
-def _judged_settings(opts: EstimateOptions, hidden_size: int) -> tuple[ZeroSetting, ...]:
+def _judged_settings(opts: EstimateOptions, cfg: InfinityConfig) -> tuple[ZeroSetting, ...]:
     """The settings judged: the options' own, else the config's setting alone, else DEFAULT_SETTING
     (estimate_memory adds each one's tuned sizes)."""
     if opts.settings is not None:
         return opts.settings
     if opts.config is None:
         return (DEFAULT_SETTING,)
-    zero = estimate_config(opts.config, 1, opts.precision, hidden_size).zero_optimization
+    zero = cfg.zero_optimization
     return (ZeroSetting(zero.stage, zero.offload_param.device, zero.offload_optimizer.device),)
 
 
