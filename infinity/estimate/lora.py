@@ -108,13 +108,13 @@ def lora_footprint(breakdown: Breakdown) -> LoraFootprint:
     frozen = [u for u in units if not u.trainable]
     at_rest: dict[str, int] = {}
     for u in frozen:
-        home = rt.shards[u.index].param_home or "module"
-        at_rest[home] = at_rest.get(home, 0) + rt.at_rest_nbytes(u)
+        rests = rt.shards[u.index].param_home or "module"
+        at_rest[rests] = at_rest.get(rests, 0) + rt.at_rest_nbytes(u)
     state: dict[str, int] = {}
     if rt.optimizer is not None:
         for key in rt.optimizer.state_keys:
-            for home in ("cpu", "nvme"):
-                state[home] = state.get(home, 0) + rt.state_nbytes(key, home)
+            for where in ("cpu", "nvme"):
+                state[where] = state.get(where, 0) + rt.state_nbytes(key, where)
     fmt = next((rt.format_of(u) for u in frozen if rt.format_of(u) is not None), None)
     dtype = str(rt.dtype).removeprefix("torch.")
     return LoraFootprint(
