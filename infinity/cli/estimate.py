@@ -33,7 +33,7 @@ from torch import nn
 
 from infinity.config import ConfigError
 from infinity.estimate import EstimateOptions, estimate_memory
-from infinity.estimate.largest import Budget, largest_base
+from infinity.estimate.largest import LLAMA_FAMILY, Budget, largest_base
 from infinity.estimate.lora import lora_footprint, with_lora
 from infinity.inference import estimate_inference
 from infinity.measure.sizes import names_arg, size_arg
@@ -332,7 +332,8 @@ def _largest_base(args: argparse.Namespace) -> int:
             layer_major=args.layer_major,
         )
         answer = largest_base(
-            budget=Budget(args.host_memory, args.nvme_space),
+            LLAMA_FAMILY,
+            Budget(args.host_memory, args.nvme_space),
             lora_rank=args.lora,
             lora_targets=args.lora_targets,
             options=options,

@@ -30,7 +30,7 @@ from infinity.estimate.breakdown import Breakdown
 from infinity.estimate.estimate import EstimateOptions, estimate_config, estimate_memory
 from infinity.estimate.fit import check_fit
 from infinity.estimate.lora import with_lora
-from infinity.estimate.machine import MachineView, machine_view
+from infinity.estimate.machine import MachineView, machine_view, runtime_baseline_nbytes
 from infinity.estimate.report import MemoryEstimate
 from infinity.estimate.runtime_plan import train_dtype
 from infinity.estimate.setting import ZeroSetting
@@ -206,10 +206,13 @@ def scan_family(
     options: EstimateOptions | None = None,
 ) -> tuple[ShapeEstimate, ...]:
     """Each shape estimated (no fit check) under ``options`` (its config's own setting, else
-    DEFAULT_SETTING), with LoRA adapters of ``lora_rank`` on ``lora_targets`` when a rank is given."""
+    DEFAULT_SETTING), with LoRA adapters of ``lora_rank`` on ``lora_targets`` when a rank is given;
+    the fewest parameters first. The process baseline is measured once, for every shape alike."""
     opts = options or EstimateOptions()
+    if opts.baseline_nbytes is None:  # once: every shape's run starts from the same process
+        opts = dataclasses.replace(opts, baseline_nbytes=runtime_baseline_nbytes())
     out = []
-    for shape in sorted(family, key=_size):
+    for shape in family:
         cfg = estimate_config(opts.config, 1, opts.precision, shape.hidden_size)
         model = shape.build(train_dtype(cfg))
         if lora_rank is not None:
@@ -217,7 +220,7 @@ def scan_family(
         judged = _judged_settings(opts, cfg)
         estimate = estimate_memory(model, dataclasses.replace(opts, machine=False, settings=judged))
         out.append(ShapeEstimate(shape, estimate))
-    return tuple(out)
+    return tuple(sorted(out, key=lambda s: s.estimate.num_params))
 
 
 def _judged_settings(opts: EstimateOptions, cfg: InfinityConfig) -> tuple[ZeroSetting, ...]:
@@ -229,10 +232,6 @@ def _judged_settings(opts: EstimateOptions, cfg: InfinityConfig) -> tuple[ZeroSe
         return (DEFAULT_SETTING,)
     zero = cfg.zero_optimization
     return (ZeroSetting(zero.stage, zero.offload_param.device, zero.offload_optimizer.device),)
-
-
-def _size(shape: LlamaShape) -> tuple[int, int]:
-    return shape.num_hidden_layers * shape.hidden_size * shape.intermediate_size, shape.hidden_size
 
 
 def judge(

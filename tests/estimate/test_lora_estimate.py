@@ -227,3 +227,22 @@ def test_below_the_smallest_need_none_fits_and_the_table_says_why(tiny_scan):
     table = answer.table()
     assert "none fits: the smallest, tiny-a, host memory" in table
     assert f"needs {format_nbytes(smallest.host_nbytes)}" in table
+
+
+def test_the_cli_names_the_largest_base_within_its_budget(capsys, tmp_path, monkeypatch, tiny_scan):
+    import infinity.cli.estimate as cli
+    import infinity.estimate.largest as largest
+
+    monkeypatch.setattr(cli, "LLAMA_FAMILY", TINY)  # the real family takes a minute to trace
+    monkeypatch.setattr(largest, "runtime_baseline_nbytes", lambda: 0)  # as tiny_scan's
+    rows = judge(tiny_scan, Budget(1 << 40, 1 << 40)).rows
+    between = (rows[1].host_nbytes + rows[2].host_nbytes) // 2
+    argv = ["--largest-base", "--lora", "4", "--lora-targets", "q_proj,v_proj", "--device", "cpu"]
+    argv += ["--nvme-path", str(tmp_path), "--nvme-space", "1T", "--host-memory", str(between)]
+    code, out, err = _cli(capsys, *argv, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["largest"] == "tiny-b" and got["budget"]["host_nbytes"] == between
+    assert [r["fits"] for r in got["rows"]] == [True, True, False]
+    code, out, _ = _cli(capsys, *argv)
+    assert code == 0 and "largest that fits: tiny-b" in out and "activations not counted" in out
