@@ -3,18 +3,25 @@
     infinity estimate --params 13e9 | --model-config config.json [--nodes 1] [--gpus-per-node 1]
                       [--config ds_config.json] [--micro-batch 1 --seq 2048] [--json]
     infinity estimate --inference --params 7e9 [--batch 8 --prompt 128 --gen 16] [--config ...] [--json]
+    infinity estimate --model-config config.json --lora 16 [--lora-targets q_proj,v_proj] [--config ...]
+    infinity estimate --largest-base [--lora 16] [--host-memory 4GiB] [--nvme-space 100GiB] [--config ...]
 
 Prints the table (or, with --json, the whole estimate as JSON) from
 infinity.estimate.estimate_memory; with --inference, the plan of generation
 with the weights streamed from NVMe (estimate_inference: weights, KV cache,
-working memory) and the largest batch that fits. Exit status 0, or 2 for bad
-arguments.
+working memory) and the largest batch that fits; with --lora, the model wrapped in
+PEFT's LoRA adapters (infinity.estimate.lora: the base frozen as the run freezes
+it) and what the plan holds for the frozen base and the adapters; with
+--largest-base, a family of real Llama shapes each estimated the same way and the
+largest that fits the budget (infinity.estimate.largest). Exit status 0, or 2 for
+bad arguments.
 Registered in infinity.cli.main.COMMANDS (NAME, HELP, add_arguments, run).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -25,8 +32,11 @@ import torch
 from torch import nn
 
 from infinity.config import ConfigError
-from infinity.estimate import estimate_memory
+from infinity.estimate import EstimateOptions, estimate_memory
+from infinity.estimate.largest import LLAMA_FAMILY, Budget, largest_base
+from infinity.estimate.lora import lora_footprint, with_lora
 from infinity.inference import estimate_inference
+from infinity.measure.sizes import names_arg, size_arg
 from infinity.models import GPTConfig
 
 _SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -170,6 +180,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fits, shown): a block's activations at once, each array on NVMe moved once per block",
     )
     p.add_argument("--json", action="store_true", help="print the whole estimate as JSON")
+    g = p.add_argument_group("LoRA (--lora) and the largest base that fits (--largest-base)")
+    g.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="train LoRA adapters of rank R (lora_alpha 2R) over the frozen model, wrapped by "
+        "peft.get_peft_model as a run wraps it; with --config's zero_quantized_nontrainable_weights "
+        "and weight_quantization the frozen base is counted packed",
+    )
+    g.add_argument(
+        "--lora-targets",
+        type=names_arg,
+        metavar="NAMES",
+        help="comma-separated module names the adapters go on (default: PEFT's for the "
+        "architecture; Llama: q_proj,v_proj)",
+    )
+    g.add_argument(
+        "--largest-base",
+        action="store_true",
+        help="estimate each of a family of real Llama shapes (1.1B to 70B) and name the largest "
+        "that fits the budget (with --lora: its LoRA run, else full fine-tuning)",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=size_arg,
+        metavar="SIZE",
+        help="--largest-base: host memory the run may use (4G, 4GiB; default: what is available "
+        "here)",
+    )
+    g.add_argument(
+        "--nvme-space",
+        type=size_arg,
+        metavar="SIZE",
+        help="--largest-base: NVMe space the run may use (default: what is free at the nvme_path)",
+    )
     g = p.add_argument_group("inference (--inference)")
     g.add_argument(
         "--inference",
@@ -185,18 +230,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.largest_base:
+        return _largest_base(args)
+    if args.host_memory is not None or args.nvme_space is not None:
+        print(
+            "infinity estimate: --host-memory and --nvme-space are --largest-base's",
+            file=sys.stderr,
+        )
+        return 2
     if args.params is None and args.model_config is None:
         print("infinity estimate: give --params (e.g. 13e9) or --model-config", file=sys.stderr)
         return 2
     notes = []
     try:
         model = read_model_config(args.model_config) if args.model_config else None
+        if args.lora is not None or args.lora_targets:
+            model = _with_lora(args, model)
         # A GPTConfig shapes a count (--params) or is the model; a transformers model is the model.
         model_config = model if isinstance(model, GPTConfig) else None
         subject = model if args.params is None or isinstance(model, nn.Module) else args.params
         if args.nodes < 1 or args.gpus_per_node < 1:
             raise ValueError("--nodes and --gpus-per-node must be at least 1")
         if args.inference:
+            if args.lora is not None:
+                raise ValueError("--lora estimates training; --inference has no adapters to train")
             if args.nodes * args.gpus_per_node != 1:
                 raise ValueError("--inference estimates one rank (--nodes 1 --gpus-per-node 1)")
             if (
@@ -241,6 +298,58 @@ def run(args: argparse.Namespace) -> int:
     return _print(est, args, notes, model)
 
 
+def _with_lora(args: argparse.Namespace, model: nn.Module | GPTConfig | None) -> nn.Module:
+    """--model-config's model wrapped in LoRA adapters; --params and GPT shapes refused."""
+    if args.lora is None:
+        raise ValueError("--lora-targets names where --lora R's adapters go: give --lora R too")
+    if args.params is not None or not isinstance(model, nn.Module):
+        raise ValueError(
+            "--lora needs --model-config with a Hugging Face config.json: the adapters target "
+            "modules by name, which a parameter count (--params) or a GPT shape does not give"
+        )
+    return with_lora(model, args.lora, args.lora_targets)
+
+
+def _largest_base(args: argparse.Namespace) -> int:
+    try:
+        if args.params is not None or args.model_config is not None or args.inference:
+            raise ValueError(
+                "--largest-base estimates its own family of Llama shapes: leave out --params, "
+                "--model-config and --inference"
+            )
+        if args.nodes * args.gpus_per_node != 1:
+            raise ValueError("--largest-base estimates one rank (--nodes 1 --gpus-per-node 1)")
+        if args.lora_targets and args.lora is None:
+            raise ValueError("--lora-targets names where --lora R's adapters go: give --lora R too")
+        options = EstimateOptions.from_keywords(
+            config=args.config,
+            micro_batch=args.micro_batch,
+            seq=args.seq,
+            precision=args.precision,
+            nvme_path=args.nvme_path,
+            device=args.device,
+            activation_checkpointing=args.activation_checkpointing,
+            layer_major=args.layer_major,
+        )
+        answer = largest_base(
+            LLAMA_FAMILY,
+            Budget(args.host_memory, args.nvme_space),
+            lora_rank=args.lora,
+            lora_targets=args.lora_targets,
+            options=options,
+        )
+    except (ConfigError, ValueError) as e:
+        print(f"infinity estimate: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(answer.to_dict(), indent=2, default=str))
+    else:
+        print(answer.table())
+        if args.seq is None and args.micro_batch is None:
+            print("note: activations not counted; give --seq (and --micro-batch) to count them")
+    return 0
+
+
 def _print(
     est: Any, args: argparse.Namespace, notes: list[str], model: nn.Module | GPTConfig | None
 ) -> int:
@@ -250,12 +359,22 @@ def _print(
             notes.append(
                 f"--model-config has {est.num_params:,} parameters, {rel:.0%} off --params; it was used"
             )
+    lora = None
+    if args.lora is not None and est.focus is not None:
+        lora = lora_footprint(est.focus.breakdown)
     if args.json:
         out = est.to_dict()
         out["notes"] = notes
+        if lora is not None:
+            out["lora"] = dataclasses.asdict(lora)
         print(json.dumps(out, indent=2, default=str))
     else:
         print(est.table())
+        if lora is not None:
+            focus = est.focus
+            assert focus is not None
+            print(f"\nLoRA r={args.lora}, {focus.setting.label()}:")
+            print("\n".join("  " + line for line in lora.lines()))
         for n in notes:
             print(f"note: {n}")
     return 0

@@ -17,6 +17,10 @@ One concept per module:
   (``MemoryEstimate`` as a table and a dict);
 - activations: ``activations.py`` (infinity GPT's coefficients) and
   ``traced.py`` (any model, counted on fake tensors);
+- LoRA: ``lora.py`` (``with_lora``: PEFT's adapters over a model, the base
+  frozen as a run freezes it; ``lora_footprint``: the frozen base and the
+  adapters as a setting's RuntimePlan holds them) and ``largest.py``
+  (``largest_base``: real Llama shapes, each estimated, against a ``Budget``);
 - the machine: ``machine.py`` (``MachineView``, the process baseline);
 - the run: ``model.py`` (``ModelSpec``), ``context.py`` (``RunContext``) and
   ``preflight.py`` (the check ``infinity.initialize`` runs before it
@@ -38,6 +42,8 @@ from infinity.estimate.estimate import (
 )
 from infinity.estimate.fit import Fit, check_fit
 from infinity.estimate.itemise import Itemiser, itemise
+from infinity.estimate.largest import LLAMA_FAMILY, Budget, LargestBase, largest_base
+from infinity.estimate.lora import LoraFootprint, lora_footprint, with_lora
 from infinity.estimate.machine import (
     DiskInfo,
     GPUInfo,
@@ -61,15 +67,19 @@ from infinity.estimate.setting import ZeroSetting, all_settings
 from infinity.estimate.tune import tune
 
 __all__ = [
+    "LLAMA_FAMILY",
     "ActivationOptions",
     "Activations",
     "Breakdown",
+    "Budget",
     "DiskInfo",
     "EstimateOptions",
     "Fit",
     "GPUInfo",
     "Item",
     "Itemiser",
+    "LargestBase",
+    "LoraFootprint",
     "MachineView",
     "MemoryEstimate",
     "ModelSpec",
@@ -90,6 +100,8 @@ __all__ = [
     "gpt_activations",
     "items_table",
     "itemise",
+    "largest_base",
+    "lora_footprint",
     "machine_view",
     "nvme_path_value",
     "partitioner_working_set",
@@ -100,4 +112,5 @@ __all__ = [
     "runtime_baseline_nbytes",
     "tune",
     "warn_preflight_skipped",
+    "with_lora",
 ]

@@ -248,6 +248,13 @@ def _pool_cases(choices: list[_Choice]) -> list[list[_Choice]]:
     return cases
 
 
+def _param_format(plan: RuntimePlan) -> str:
+    """How parameter shards rest: their dtype, with the quantised format of those that are packed."""
+    dtype = str(plan.dtype).removeprefix("torch.")
+    fmt = next((f for f in plan.formats or () if f is not None), None)
+    return dtype if fmt is None else f"{fmt.spec.name.lower()} / {dtype}"
+
+
 def describe_placement(plan: RuntimePlan, *, blocks: int | None = None) -> list[str]:
     """A few lines on where the plan puts each state class and what it moves per step (``blocks``:
     trained by engine.train_batch in that many blocks; by default the plan's own layer-major block,
@@ -270,7 +277,7 @@ def describe_placement(plan: RuntimePlan, *, blocks: int | None = None) -> list[
                 )
             )
     names = {
-        PARAM: f"parameters ({str(plan.dtype).removeprefix('torch.')})",
+        PARAM: f"parameters ({_param_format(plan)})",
         "master": "fp32 master",
         "m": "Adam m",
         "v": "Adam v",

@@ -355,12 +355,13 @@ class RuntimePlan:
         return [u for u in self.units if self.shards[u.index].param_home == "nvme"]
 
     def state_nbytes(self, cls: str, home: Home | None = None) -> int:
-        """Bytes of state class ``cls`` (PARAM or an optimizer key) over every shard, at ``home`` (any: None)."""
+        """Bytes of state class ``cls`` (PARAM or an optimizer key) over every shard, at ``home`` (any: None);
+        parameter shards as they rest (packed when quantised: at_rest_nbytes)."""
         out = 0
         for sp, u in zip(self.shards, self.units, strict=True):
             if cls == PARAM:
                 if sp.param_home is not None and home in (None, sp.param_home):
-                    out += u.layout.shard_nbytes
+                    out += self.at_rest_nbytes(u)
             elif (
                 self.optimizer is not None
                 and cls in self.optimizer.state_keys
