@@ -53,7 +53,7 @@ class _Fp32FrozenLinear(torch.autograd.Function):
     output rows at a time; the gradient is the input's only."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):  # type: ignore[override]
+    def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
         x32 = x.float()
         out = x.new_empty((*x.shape[:-1], weight.shape[0]))
@@ -63,15 +63,15 @@ class _Fp32FrozenLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
         g32 = grad.float()
-        gx = None
-        for r0, r1 in _row_blocks(weight):
-            part = g32[..., r0:r1] @ weight[r0:r1].float()
-            gx = part if gx is None else gx.add_(part)
+        (r0, r1), *rest = _row_blocks(weight)
+        gx = g32[..., r0:r1] @ weight[r0:r1].float()
+        for r0, r1 in rest:
+            gx.add_(g32[..., r0:r1] @ weight[r0:r1].float())
         return gx.to(grad.dtype), None, None
 
 
@@ -85,6 +85,7 @@ def _forward(module: nn.Linear, original: Callable, x: torch.Tensor) -> torch.Te
         and not w.requires_grad
         and (b is None or (not b.requires_grad and b.dtype == w.dtype))
         and w.dim() == 2
+        and w.shape[0] > 0
         and cpu_lacks_16bit_matmul(w.dtype)
     ):
         return _Fp32FrozenLinear.apply(x, w, b)
