@@ -4,6 +4,9 @@ Contenders, each in a fresh subprocess (a memory cgroup where this process may m
 dropped before it starts where it may), interleaved round by round:
 - ``peft``: plain PEFT in RAM, the reference: the base loaded whole with ``from_pretrained``, torch's
   AdamW over the adapters;
+- ``peft-fp32mm`` (--speed): the same with the frozen layers multiplied as infinity multiplies them
+  on a CPU without 16-bit matrix hardware ([Note: frozen 16-bit Linear on the CPU]), so that its
+  ratio to infinity is the cost of streaming the base, not of torch's reference bf16 loops;
 - ``infinity-bf16`` / ``infinity-nf4``: the base built under ``zero.Init`` and read with
   ``load_pretrained`` (never whole), stage 3 with parameters and optimizer state on NVMe, the frozen
   base at rest in bf16 or NF4 (``zero_quantized_nontrainable_weights`` + ``weight_quantization``);
@@ -202,7 +205,7 @@ def child(a: dict) -> dict:
     t_load = time.perf_counter()
     if a["kind"] == "deepspeed":
         return _deepspeed(a, config)
-    if a["kind"] == "peft":
+    if a["kind"] in ("peft", "peft-fp32mm"):
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
@@ -211,6 +214,10 @@ def child(a: dict) -> dict:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         model = _lora(model, a["r"])
+        if a["kind"] == "peft-fp32mm":  # the frozen layers' matmuls as infinity's on this CPU
+            from infinity.zero.frozen_linear import FrozenLinears
+
+            FrozenLinears(model).install()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         load_s = time.perf_counter() - t_load
         for step in range(steps):
@@ -517,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         base_dir = Path(args.base_dir)
         shape, steps, seq, r, rounds = "1b", 3, 256, 16, args.rounds
-        kinds, limits = ["peft", "infinity-bf16", "deepspeed"], {}
+        kinds, limits = ["peft", "peft-fp32mm", "infinity-bf16", "deepspeed"], {}
     if args.kinds:
         asked = args.kinds.split(",")
         unknown = sorted(set(asked) - set(kinds))
@@ -579,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                 shown["error"] = {k: v for k, v in row["error"].items() if k != "traceback_tail"}
             print(json.dumps(shown), flush=True)
     summary = {}
-    ref = next((r_["losses"] for r_ in runs if r_["kind"] == "peft" and "losses" in r_), None)
+    ref_kind = next(k for k in ("peft", "peft-fp32mm", None) if k is None or k in kinds)
+    ref = next((r_["losses"] for r_ in runs if r_["kind"] == ref_kind and "losses" in r_), None)
     for kind in kinds:
         done = [r_ for r_ in runs if r_["kind"] == kind and "step_s" in r_]
         errors = [r_["error"] for r_ in runs if r_["kind"] == kind and "error" in r_]
@@ -589,8 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         steady = [min(r_["step_s"][1:] or r_["step_s"]) for r_ in done]
         row = {"step_s": min(steady), "peak_rss_nbytes": max(r_["peak_rss_nbytes"] for r_ in done)}
-        if ref is not None and kind != "peft":
-            row["max_rel_loss_diff_vs_peft"] = max(
+        if ref is not None and kind != ref_kind:
+            row[f"max_rel_loss_diff_vs_{ref_kind}"] = max(
                 abs(a - b) / abs(b) for a, b in zip(done[0]["losses"], ref, strict=True)
             )
         if done[0].get("read_nbytes_per_step"):
@@ -602,10 +610,11 @@ def main(argv: list[str] | None = None) -> int:
             row["base_read_over_least"] = row["base_read_nbytes_per_step"] / least
             row["base_write_nbytes_per_step"] = done[0]["base_write_nbytes_per_step"][-1]
         summary[kind] = row
-    if "peft" in summary and "infinity-bf16" in summary:
-        summary["step_time_ratio_bf16_vs_peft"] = (
-            summary["infinity-bf16"]["step_s"] / summary["peft"]["step_s"]
-        )
+    for ref_name in ("peft", "peft-fp32mm"):
+        if "step_s" in summary.get(ref_name, {}) and "step_s" in summary.get("infinity-bf16", {}):
+            summary[f"step_time_ratio_bf16_vs_{ref_name}"] = (
+                summary["infinity-bf16"]["step_s"] / summary[ref_name]["step_s"]
+            )
     out = {
         "bench": "lora",
         "mode": name,
