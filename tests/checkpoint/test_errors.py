@@ -281,6 +281,17 @@ def flip_bit_at(path, needle: bytes, *, after: int = 0) -> None:
     Path(path).write_bytes(bytes(data))
 
 
+def flip_last_digit_of(path, key: bytes) -> None:
+    """Flips the lowest bit of the last digit of the number after ``key``: another digit, so the JSON
+    stays valid whatever the number is (its first digit would turn 10 into 00, which is not JSON,
+    and the number depends on which tests trained the module's engine before)."""
+    data = Path(path).read_bytes()
+    start = data.index(key) + len(key)
+    digits = len(data[start:]) - len(data[start:].lstrip(b"0123456789"))
+    assert digits > 0, f"no number after {key!r} in {path}"
+    flip_bit_at(path, key, after=digits - 1)
+
+
 def _client_state_and_its_checksum(bad: Path) -> None:
     """The client state changed in the rank file, and the manifest's CRC32C of that file updated to match."""
     import json
@@ -300,15 +311,15 @@ def _client_state_and_its_checksum(bad: Path) -> None:
 TAMPERED = {
     "manifest-global_steps": (
         "manifest.json",
-        lambda bad: flip_bit_at(bad / "manifest.json", b'"global_steps": '),
+        lambda bad: flip_last_digit_of(bad / "manifest.json", b'"global_steps": '),
     ),
     "manifest-skipped_steps": (
         "manifest.json",
-        lambda bad: flip_bit_at(bad / "manifest.json", b'"skipped_steps": '),
+        lambda bad: flip_last_digit_of(bad / "manifest.json", b'"skipped_steps": '),
     ),
     "manifest-micro_steps": (
         "manifest.json",
-        lambda bad: flip_bit_at(bad / "manifest.json", b'"micro_steps": '),
+        lambda bad: flip_last_digit_of(bad / "manifest.json", b'"micro_steps": '),
     ),
     "part-header-metadata": (
         "part-00000-of-00001.safetensors",
