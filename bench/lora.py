@@ -202,6 +202,7 @@ def child(a: dict) -> dict:
     config = llama_config(a["shape"])
     steps, seq = a["steps"], a["seq"]
     losses, times, reads, writes, base_reads, base_writes = [], [], [], [], [], []
+    records: list = []  # infinity's step records: where each step's time went
     t_load = time.perf_counter()
     if a["kind"] == "deepspeed":
         return _deepspeed(a, config)
@@ -288,6 +289,7 @@ def child(a: dict) -> dict:
         load_s = time.perf_counter() - t_load
         _progress(a, t_load, "initialized")
         rt = engine.runtime
+        engine.add_step_listener(records.append)
         frozen = {u.key for u in rt.unit_map.units if not u.trainable}
         at_rest = sum(rt.plan.at_rest_nbytes(u) for u in rt.unit_map.units if not u.trainable)
         for step in range(steps):
@@ -317,8 +319,13 @@ def child(a: dict) -> dict:
                 base_read_nbytes=base_reads[-1],
             )
         engine.close()
+    breakdown = {
+        k: [round(getattr(r, k), 3) for r in records]
+        for k in ("forward_s", "backward_s", "optimizer_s", "fetch_stall_s", "io_wait_s")
+    }
     return {
         "kind": a["kind"],
+        "time_breakdown": breakdown,
         "losses": losses,
         "step_s": times,
         "load_s": load_s,
