@@ -281,21 +281,29 @@ def run(args: argparse.Namespace) -> int:
         est = estimate_memory(
             subject,
             model_config=model_config,
-            config=args.config,
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,
-            micro_batch=args.micro_batch,
-            seq=args.seq,
-            precision=args.precision,
-            nvme_path=args.nvme_path,
-            device=args.device,
-            activation_checkpointing=args.activation_checkpointing,
-            layer_major=args.layer_major,
+            **_run_keywords(args),
         )
     except (ConfigError, ValueError) as e:
         print(f"infinity estimate: {e}", file=sys.stderr)
         return 2
     return _print(est, args, notes, model)
+
+
+def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """The run the estimate is for (config, batch, precision, disks, device, activations), as both
+    estimate_memory and --largest-base's EstimateOptions take it."""
+    return dict(
+        config=args.config,
+        micro_batch=args.micro_batch,
+        seq=args.seq,
+        precision=args.precision,
+        nvme_path=args.nvme_path,
+        device=args.device,
+        activation_checkpointing=args.activation_checkpointing,
+        layer_major=args.layer_major,
+    )
 
 
 def _with_lora(args: argparse.Namespace, model: nn.Module | GPTConfig | None) -> nn.Module:
@@ -321,16 +329,7 @@ def _largest_base(args: argparse.Namespace) -> int:
             raise ValueError("--largest-base estimates one rank (--nodes 1 --gpus-per-node 1)")
         if args.lora_targets and args.lora is None:
             raise ValueError("--lora-targets names where --lora R's adapters go: give --lora R too")
-        options = EstimateOptions.from_keywords(
-            config=args.config,
-            micro_batch=args.micro_batch,
-            seq=args.seq,
-            precision=args.precision,
-            nvme_path=args.nvme_path,
-            device=args.device,
-            activation_checkpointing=args.activation_checkpointing,
-            layer_major=args.layer_major,
-        )
+        options = EstimateOptions.from_keywords(**_run_keywords(args))
         answer = largest_base(
             LLAMA_FAMILY,
             Budget(args.host_memory, args.nvme_space),

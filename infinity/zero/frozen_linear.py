@@ -75,18 +75,20 @@ class _Fp32FrozenLinear(torch.autograd.Function):
         return gx.to(grad.dtype), None, None
 
 
-def _forward(module: nn.Linear, original: Callable, x: torch.Tensor) -> torch.Tensor:
+def _forward(
+    module: nn.Linear, original: Callable, slow: frozenset[torch.dtype], x: torch.Tensor
+) -> torch.Tensor:
+    """``slow``: the 16-bit dtypes this CPU multiplies with torch's reference loops (probed once)."""
     w, b = module.weight, module.bias
     if (
         x.device.type == "cpu"
         and w.device.type == "cpu"
         and x.dtype == w.dtype
-        and w.dtype in _SIXTEEN_BIT
+        and w.dtype in slow
         and not w.requires_grad
         and (b is None or (not b.requires_grad and b.dtype == w.dtype))
         and w.dim() == 2
         and w.shape[0] > 0
-        and cpu_lacks_16bit_matmul(w.dtype)
     ):
         return _Fp32FrozenLinear.apply(x, w, b)
     return original(x)
@@ -107,12 +109,13 @@ class FrozenLinears:
         self._installed: list[nn.Linear] = []
 
     def install(self) -> None:
-        if not any(cpu_lacks_16bit_matmul(d) for d in _SIXTEEN_BIT):
+        slow = frozenset(d for d in _SIXTEEN_BIT if cpu_lacks_16bit_matmul(d))
+        if not slow:
             return
         for m in self._modules:
             if "forward" in vars(m):  # another library's hook owns it (Accelerate's): leave it
                 continue
-            m.forward = functools.partial(_forward, m, m.forward)  # type: ignore[method-assign]
+            m.forward = functools.partial(_forward, m, m.forward, slow)  # type: ignore[method-assign]
             self._installed.append(m)
 
     def remove(self) -> None:
