@@ -126,8 +126,11 @@ def _rank(rank: int, port: int, work: str, n_layer: int, d_model: int, repeat: i
                 f.stat().st_size for f in (work / "shared" / tag).iterdir()
             )
             rows.append(row)
-            for d in ("shared", "node0", "node1", "gathered"):
-                shutil.rmtree(work / d / tag, ignore_errors=True)
+            dist.barrier()  # both ranks have listed the files before either removes them
+            if rank == 0:
+                for d in ("shared", "node0", "node1", "gathered"):
+                    shutil.rmtree(work / d / tag, ignore_errors=True)
+            dist.barrier()
         nbytes = rows[-1]["checkpoint_nbytes"]
         # the units' sizes: under zero.Init the model's parameters are empty placeholders
         params = sum(u.layout.numel for u in engine.checkpoint_parts().units)
