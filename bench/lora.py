@@ -5,7 +5,7 @@ dropped before it starts where it may), interleaved round by round:
 - ``peft``: plain PEFT in RAM, the reference: the base loaded whole with ``from_pretrained``, torch's
   AdamW over the adapters;
 - ``peft-fp32mm`` (--speed): the same with the frozen layers multiplied as infinity multiplies them
-  on a CPU without 16-bit matrix hardware ([Note: frozen 16-bit Linear on the CPU]), so that its
+  on a CPU without 16-bit matrix hardware ([Note: 16-bit Linear on the CPU]), so that its
   ratio to infinity is the cost of streaming the base, not of torch's reference bf16 loops;
 - ``infinity-bf16`` / ``infinity-nf4``: the base built under ``zero.Init`` and read with
   ``load_pretrained`` (never whole), stage 3 with parameters and optimizer state on NVMe, the frozen
@@ -216,9 +216,9 @@ def child(a: dict) -> dict:
             )
         model = _lora(model, a["r"])
         if a["kind"] == "peft-fp32mm":  # the frozen layers' matmuls as infinity's on this CPU
-            from infinity.zero.frozen_linear import FrozenLinears
+            from infinity.zero.cpu_linear import Fp32Linears
 
-            FrozenLinears(model).install()
+            Fp32Linears(model).install()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         load_s = time.perf_counter() - t_load
         for step in range(steps):

@@ -36,7 +36,7 @@ from infinity.weights.quant import ShardFormat, quantize_into
 from infinity.zero import init as zero_init
 from infinity.zero.buffers import TensorCache
 from infinity.zero.collectives import DataParallelGroup
-from infinity.zero.frozen_linear import FrozenLinears
+from infinity.zero.cpu_linear import Fp32Linears
 from infinity.zero.grad_hooks import GradHooks
 from infinity.zero.grads import GradReducer
 from infinity.zero.partitioner import Stage3Partitioner
@@ -81,14 +81,14 @@ class Runtime:
     sources: dict[int, UnitSource] = dataclasses.field(default_factory=dict)
     """Frozen units read from files and unchanged when moved home, by unit index ([Note: frozen units in a
     checkpoint] in infinity/engine/checkpoint/sources.py)."""
-    frozen_linears: FrozenLinears | None = None
-    """Training on the CPU: frozen 16-bit Linear layers multiplied in fp32 ([Note: frozen 16-bit
-    Linear on the CPU] in infinity/zero/frozen_linear.py)."""
+    cpu_linears: Fp32Linears | None = None
+    """Training on the CPU: 16-bit Linear layers multiplied in fp32 ([Note: 16-bit Linear on the
+    CPU] in infinity/zero/cpu_linear.py)."""
 
     def close(self) -> None:
         self.overlap.synchronize()
-        if self.frozen_linears is not None:
-            self.frozen_linears.remove()
+        if self.cpu_linears is not None:
+            self.cpu_linears.remove()
         if self.partitioner is not None:
             self.partitioner.release_all()
             self.partitioner.remove()
@@ -398,12 +398,12 @@ def _wire(
         on_unit_done=partitioner.release_backward if partitioner is not None else None,
     )
     grad_hooks.install()
-    frozen_linears = None
+    cpu_linears = None
     if plan.device.type == "cpu":
-        frozen_linears = FrozenLinears(model)
-        frozen_linears.install()
+        cpu_linears = Fp32Linears(model)
+        cpu_linears.install()
     return Runtime(
-        frozen_linears=frozen_linears,
+        cpu_linears=cpu_linears,
         plan=plan,
         unit_map=unit_map,
         params=optimizer.params,

@@ -52,6 +52,12 @@ LOGSOFTMAX_NBYTES = 4  # per B·T·V: the fp32 log-softmax output saved by cross
 WORK_BTD = 10  # backward working set, B·T·d fp32 values
 WORK_LOGITS_TENTHS = 21  # backward working set, tenths of the fp32 logits (2.1 ×)
 INDEX_NBYTES = 3 * 8  # int64 tokens, targets, positions per token
+FP32_LINEAR_TEMPS = 6
+"""16-bit training on a CPU whose Linear layers multiply in fp32 ([Note: 16-bit Linear on the CPU]
+in infinity/zero/cpu_linear.py): this many times the widest Linear's fp32 input and output
+(B·T · (in + out) · 4 bytes) more. Measured: bf16 stage-2 training of infinity.models.GPT (B·T
+1024; d 256, 512, 768; 8, 4, 2 layers) peaked 3.8-5.8 times that above the same runs with torch's
+16-bit kernels (its conversions' transients, and what the heap keeps of them)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +89,11 @@ class Activations:
         return int(k * per * BLOCK_FIT_MARGIN)
 
 
-def gpt_activations(cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int) -> Activations:
-    """Activations of infinity.models.GPT (see [Note: activation coefficients])."""
+def gpt_activations(
+    cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int, fp32_linears: bool = False
+) -> Activations:
+    """Activations of infinity.models.GPT (see [Note: activation coefficients]); ``fp32_linears``:
+    its 16-bit Linear layers multiply in fp32 on this CPU (``FP32_LINEAR_TEMPS``)."""
     if micro_batch < 1 or seq < 1:
         raise ValueError(f"micro_batch and seq must be >= 1; got {micro_batch} and {seq}")
     bt = micro_batch * seq
@@ -94,6 +103,8 @@ def gpt_activations(cfg: GPTConfig, *, micro_batch: int, seq: int, itemsize: int
     block = SAVED_PER_BLOCK * btd + HEAP_PER_BLOCK * btd32 + stats
     top = FINAL_LN * btd + LOGSOFTMAX_NBYTES * bt * cfg.vocab_size + INDEX_NBYTES * bt
     working = WORK_BTD * btd32 + WORK_LOGITS_TENTHS * 4 * bt * cfg.vocab_size // 10
+    if fp32_linears:  # the widest Linear: the MLP's fc, d in and 4·d out
+        working += FP32_LINEAR_TEMPS * 5 * btd32
     return Activations(
         micro_batch=micro_batch,
         seq=seq,

@@ -95,6 +95,7 @@ def run_context(
         micro_batch=cfg.train_micro_batch_size_per_gpu,
         seq=cfg.max_seq_length or (min(context, PREFLIGHT_MAX_SEQ) if context else None),
         dtype=train_dtype(cfg),
+        device_type=device_type,
     )
     return RunContext(
         spec=spec,

@@ -361,7 +361,12 @@ def _estimate(
     if act.counted:
         mb = act.micro_batch or cfg.train_micro_batch_size_per_gpu
         acts, detected = model_activations(
-            spec, micro_batch=mb, seq=act.seq, dtype=train_dtype(cfg), inputs=act.inputs
+            spec,
+            micro_batch=mb,
+            seq=act.seq,
+            dtype=train_dtype(cfg),
+            inputs=act.inputs,
+            device_type=device,
         )
         if act.checkpointing is None:
             checkpointing = detected

@@ -88,6 +88,7 @@ from infinity.estimate.activations import (
 )
 from infinity.estimate.model import ModelSpec, placeholder_shapes
 from infinity.models import GPT
+from infinity.zero.cpu_linear import linears_multiply_in_fp32
 
 log = logging.getLogger("infinity.estimate")
 
@@ -171,6 +172,7 @@ def model_activations(
     seq: int | None,
     dtype: torch.dtype,
     inputs: Inputs | None = None,
+    device_type: str = "cpu",
 ) -> tuple[Activations | None, bool]:
     """(activations of one micro-batch, whether the model checkpoints) for the model an estimate is for.
 
@@ -207,9 +209,14 @@ def model_activations(
         spec.gpt is not None
     ):  # infinity GPT's coefficients are measured; the trace says if it checkpoints
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return gpt_activations(spec.gpt, micro_batch=micro_batch, seq=seq, itemsize=itemsize), bool(
-            traced and traced[1]
+        acts = gpt_activations(
+            spec.gpt,
+            micro_batch=micro_batch,
+            seq=seq,
+            itemsize=itemsize,
+            fp32_linears=device_type == "cpu" and linears_multiply_in_fp32(dtype),
         )
+        return acts, bool(traced and traced[1])
     return traced if traced is not None else (None, False)
 
 

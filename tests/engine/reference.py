@@ -5,6 +5,7 @@ import math
 import torch
 from torch.overrides import TorchFunctionMode
 
+from infinity.zero.cpu_linear import Fp32Linears
 from tests.engine.models import MODELS, batch
 
 # eps = 1e-6, not 1e-8: some coordinates have a true gradient of exactly zero
@@ -171,6 +172,12 @@ def _forced(model, config: dict, placement):
 # - clip_grad_norm_ sums fp32 norms in an order set by torch's vector width;
 #   the oracle sums the squares in float64 (exact to ~1e-16, so its fp32
 #   coefficient does not depend on the order), as the engine does.
+# - on a CPU without 16-bit matrix hardware the engine multiplies 16-bit Linear
+#   layers in fp32 and rounds once ([Note: 16-bit Linear on the CPU] in
+#   infinity/zero/cpu_linear.py), where torch's reference loops add in another
+#   order; the oracle's linears take the same path (``Fp32Linears``, a no-op on
+#   CPUs with the hardware), and tests/zero/test_cpu_linear.py checks that path
+#   against float64.
 # The fp32 equivalence tests keep torch's own AdamW and clipping: there an ulp
 # stays an ulp, far inside their 1e-5.
 
@@ -212,6 +219,7 @@ def reference_mixed_run(
     model = MODELS[model_name]()
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
     model.to(dtype)
+    Fp32Linears(model).install()
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     losses = {}
     for step in range(steps):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from infinity.zero.cpu_linear import Fp32Linears
 from tests.engine.reference import (
     BETAS,
     CLIP,
@@ -59,7 +60,7 @@ def mixed_run(
     """Mixed precision by hand: the parameters in ``dtype`` for forward and backward (buffers as the
     model made them, as the engine leaves them), fp32 masters stepped by torch AdamW with a correctly
     rounded sqrt, the clip norm in float64 (tests/engine/reference.py [Note: a 16-bit oracle that does
-    not depend on the CPU]). The masters start from the fp32 weights as built, or with
+    not depend on the CPU]; its 16-bit linears multiply as the engine's on this CPU). The masters start from the fp32 weights as built, or with
     ``rounded_start`` from the ``dtype`` weights, widened (DeepSpeed's optimizer over a model built in
     16 bits). Returns the losses and the final masters by name."""
     model = build(arch)
@@ -70,6 +71,7 @@ def mixed_run(
     masters = [p.detach().clone().float().requires_grad_(True) for p in model.parameters()]
     for p in model.parameters():
         p.data = p.data.to(dtype)
+    Fp32Linears(model).install()
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
     losses = {}
     for step in range(steps):
