@@ -32,7 +32,7 @@ from torch import nn
 from infinity.config import ConfigError, InfinityConfig, TraceConfig
 from infinity.engine import checkpoint
 from infinity.engine.build import Runtime, build_runtime
-from infinity.engine.layer_major import LayerMajorForward, call_module, trimming_per_unit
+from infinity.engine.layer_major import HeapTrimmer, LayerMajorForward, call_module
 from infinity.engine.loss_scaler import LossScaler
 from infinity.engine.notes import add_note
 from infinity.engine.optimizers import choose_optimizer
@@ -156,6 +156,9 @@ class Engine:
         self._tracing = self._make_tracing(trace_config, trace_path)
         self._traced_step = -1  # the optimizer step whose first forward the window was told of
         self._block: int | None = None  # train_batch's micro-batches per layer-major block
+        self._heap_trimmer = (
+            HeapTrimmer()
+        )  # train_batch's backward ([Note: layer-major accumulation])
 
     def _make_tracing(self, settings: TraceConfig, path: Path | None) -> TraceWindow:
         rt = self.runtime
@@ -445,7 +448,7 @@ class Engine:
                 if layer_major:
                     if rt.reducer is not None:
                         rt.reducer.begin_micro(last=last)
-                    with trimming_per_unit(rt.grad_hooks):
+                    with self._heap_trimmer.during_backward(rt.grad_hooks):
                         torch.autograd.backward(
                             losses, grad_tensors=[torch.full_like(loss, scale) for loss in losses]
                         )
