@@ -156,9 +156,8 @@ class Engine:
         self._tracing = self._make_tracing(trace_config, trace_path)
         self._traced_step = -1  # the optimizer step whose first forward the window was told of
         self._block: int | None = None  # train_batch's micro-batches per layer-major block
-        self._heap_trimmer = (
-            HeapTrimmer()
-        )  # train_batch's backward ([Note: layer-major accumulation])
+        # train_batch's backward trims near the peak ([Note: layer-major accumulation])
+        self._heap_trimmer = HeapTrimmer()
 
     def _make_tracing(self, settings: TraceConfig, path: Path | None) -> TraceWindow:
         rt = self.runtime

@@ -52,12 +52,14 @@ LOGSOFTMAX_NBYTES = 4  # per B·T·V: the fp32 log-softmax output saved by cross
 WORK_BTD = 10  # backward working set, B·T·d fp32 values
 WORK_LOGITS_TENTHS = 21  # backward working set, tenths of the fp32 logits (2.1 ×)
 INDEX_NBYTES = 3 * 8  # int64 tokens, targets, positions per token
-FP32_LINEAR_TEMPS = 6
+FP32_LINEAR_TEMPS = 5
 """16-bit training on a CPU whose Linear layers multiply in fp32 ([Note: 16-bit Linear on the CPU]
 in infinity/zero/cpu_linear.py): this many times the widest Linear's fp32 input and output
 (B·T · (in + out) · 4 bytes) more. Measured: bf16 stage-2 training of infinity.models.GPT (B·T
 1024; d 256, 512, 768; 8, 4, 2 layers) peaked 3.8-5.8 times that above the same runs with torch's
-16-bit kernels (its conversions' transients, and what the heap keeps of them)."""
+16-bit kernels; at 5 the estimates came out 5-12% above the peaks (the other terms' margins cover
+the rest), where 6 put one at the 15% the estimate is held to. The extra is the path's fp32
+copies and what the heap keeps of them."""
 
 
 @dataclasses.dataclass(frozen=True)
