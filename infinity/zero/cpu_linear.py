@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_BLOCK_ELEMENTS = 8 << 20  # fp32 elements of the weight converted at once (32 MiB)
+_BLOCK_ELEMENTS = 8 << 20  # fp32 elements of a weight block, and of its output block (32 MiB)
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
