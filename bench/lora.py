@@ -4,7 +4,7 @@ Contenders, each in a fresh subprocess (a memory cgroup where this process may m
 dropped before it starts where it may), interleaved round by round:
 - ``peft``: plain PEFT in RAM, the reference: the base loaded whole with ``from_pretrained``, torch's
   AdamW over the adapters;
-- ``peft-fp32mm`` (--speed): the same with the frozen layers multiplied as infinity multiplies them
+- ``peft-fp32mm`` (--speed): the same with its 16-bit layers multiplied as infinity multiplies them
   on a CPU without 16-bit matrix hardware ([Note: 16-bit Linear on the CPU]), so that its
   ratio to infinity is the cost of streaming the base, not of torch's reference bf16 loops;
 - ``infinity-bf16`` / ``infinity-nf4``: the base built under ``zero.Init`` and read with
@@ -215,7 +215,7 @@ def child(a: dict) -> dict:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         model = _lora(model, a["r"])
-        if a["kind"] == "peft-fp32mm":  # the frozen layers' matmuls as infinity's on this CPU
+        if a["kind"] == "peft-fp32mm":  # the 16-bit layers' matmuls as infinity's on this CPU
             from infinity.zero.cpu_linear import Fp32Linears
 
             Fp32Linears(model).install()

@@ -400,7 +400,7 @@ def _wire(
     grad_hooks.install()
     cpu_linears = None
     if plan.device.type == "cpu":
-        cpu_linears = Fp32Linears(model)
+        cpu_linears = Fp32Linears(model, train_dtype=plan.dtype)
         cpu_linears.install()
     return Runtime(
         cpu_linears=cpu_linears,

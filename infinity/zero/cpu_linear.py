@@ -123,15 +123,22 @@ def _forward(
 
 class Fp32Linears:
     """Installs the fp32 path on every ``nn.Linear`` of a model ([Note: 16-bit Linear on the
-    CPU]); ``remove`` puts each module's forward back. Which calls take it is decided per call (the
-    weight's dtype and device are known only once the partitioner has gathered it)."""
+    CPU]); ``remove`` puts each module's forward back. Installed on the linears whose weight is
+    16-bit, or on all of them when ``train_dtype`` is (an fp32 run's linears keep a plain call);
+    which calls take the path is decided per call (the weight's dtype and device are known only once
+    the partitioner has gathered it)."""
 
-    def __init__(self, model: nn.Module):
-        self._modules = [m for m in model.modules() if type(m) is nn.Linear]  # subclasses: theirs
+    def __init__(self, model: nn.Module, *, train_dtype: torch.dtype | None = None):
+        self._modules = [
+            m
+            for m in model.modules()
+            if type(m) is nn.Linear  # subclasses keep their own forward
+            and (m.weight.dtype in _SIXTEEN_BIT or train_dtype in _SIXTEEN_BIT)
+        ]
         self._installed: list[nn.Linear] = []
 
     def install(self) -> None:
-        slow = frozenset(d for d in _SIXTEEN_BIT if cpu_lacks_16bit_matmul(d))
+        slow = frozenset(d for d in _SIXTEEN_BIT if linears_multiply_in_fp32(d))
         if not slow:
             return
         for m in self._modules:

@@ -127,6 +127,15 @@ def test_fp32_layers_take_torch_path(monkeypatch):
     Fp32Linears(m).install()
     m(torch.randn(2, 8))
     assert calls == []  # fp32 weights: F.linear as the module would
+    assert "forward" not in vars(m[0])  # an fp32 run's linears keep a plain call
+
+
+def test_a_16bit_run_installs_on_linears_built_in_fp32(monkeypatch):
+    """The engine casts to the training dtype after building: the config's dtype decides too."""
+    monkeypatch.setattr(cpu_linear, "cpu_lacks_16bit_matmul", lambda dtype: True)
+    m = _model(torch.float32)
+    Fp32Linears(m, train_dtype=torch.bfloat16).install()
+    assert "forward" in vars(m[0]) and "forward" in vars(m[2])
 
 
 def test_not_installed_where_the_cpu_has_16bit_matmul(monkeypatch):
