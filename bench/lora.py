@@ -151,6 +151,16 @@ def _lora(model, r: int):
         return peft.get_peft_model(model, config)
 
 
+def _recomputes(model, a: dict) -> bool:
+    """Whether the contender's layers will recompute in its backward: asked for, and the model in
+    training mode (transformers checkpoints only there)."""
+    if not a.get("checkpointing"):
+        return False
+    if not model.training:
+        raise RuntimeError(f"{a['kind']}: the model is in eval mode, so it would not recompute")
+    return True
+
+
 def _batch(step: int, seq: int, vocab: int):
     import torch
 
@@ -210,6 +220,9 @@ def child(a: dict) -> dict:
         from transformers import LlamaForCausalLM
 
         model = LlamaForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+        # from_pretrained returns the model in eval mode, where transformers skips the layers'
+        # checkpointing: a training loop's train() is what makes PEFT recompute as infinity does.
+        model.train()
         if a.get("checkpointing"):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -220,6 +233,7 @@ def child(a: dict) -> dict:
 
             Fp32Linears(model).install()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        recomputes = _recomputes(model, a)
         load_s = time.perf_counter() - t_load
         for step in range(steps):
             t0 = time.perf_counter()
@@ -286,6 +300,7 @@ def child(a: dict) -> dict:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         engine = infinity.initialize(_lora(model, a["r"]), cfg)
+        recomputes = _recomputes(engine.module, a)
         load_s = time.perf_counter() - t_load
         _progress(a, t_load, "initialized")
         rt = engine.runtime
@@ -325,6 +340,7 @@ def child(a: dict) -> dict:
     }
     return {
         "kind": a["kind"],
+        "recomputes": recomputes,
         "time_breakdown": breakdown,
         "losses": losses,
         "step_s": times,
@@ -373,6 +389,7 @@ def _deepspeed(a: dict, config) -> dict:
         phase = "load"
         keep = HfDeepSpeedConfig(ds_cfg)  # noqa: F841 -- routes from_pretrained through zero.Init
         model = _lora(LlamaForCausalLM.from_pretrained(a["base"], dtype=torch.bfloat16), a["r"])
+        model.train()  # from_pretrained's eval mode; DeepSpeed's own train() follows in its engine
         phase = "initialize"
         trainable = [p for p in model.parameters() if p.requires_grad]
         engine = deepspeed.initialize(model=model, model_parameters=trainable, config=ds_cfg)[0]
