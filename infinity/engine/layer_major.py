@@ -108,7 +108,6 @@ class _Runner:
     error: BaseException | None = None
     finished: bool = False
     at: Any = None  # the meeting point reached: a module, or _END
-    turn: threading.Condition | None = None  # notified when the baton comes to this micro-batch
 
 
 @dataclasses.dataclass
@@ -148,9 +147,8 @@ class LayerMajorForward:
         # One lock; a condition per waiter, so that a move of the baton wakes only the micro-batch
         # it goes to (waking all g threads each time cost the forward more than its compute).
         lock = threading.Lock()
-        self.runners = [
-            _Runner(i, b, turn=threading.Condition(lock)) for i, b in enumerate(batches)
-        ]
+        self.runners = [_Runner(i, b) for i, b in enumerate(batches)]
+        self._turns = [threading.Condition(lock) for _ in batches]  # micro-batch i's: its turn
         self.meeting = list(dict.fromkeys(meeting))
         self.partitioner = partitioner
         self._cv = threading.Condition(lock)  # the training thread's: a forward finished
@@ -187,9 +185,8 @@ class LayerMajorForward:
             except BaseException:  # Ctrl-C: each forward stops at its next meeting point
                 with self._cv:
                     self._cancelled = True
-                    for r in self.runners:
-                        assert r.turn is not None
-                        r.turn.notify()
+                    for turn in self._turns:
+                        turn.notify()
                 self._wait(lambda: all(r.finished for r in self.runners), "the forwards to stop")
                 raise
         finally:
@@ -264,7 +261,9 @@ class LayerMajorForward:
         self._wait_turn(r)
 
     def _wait_turn(self, r: _Runner) -> None:
-        self._wait(lambda: self._turn == r.index, f"micro-batch {r.index}'s turn", r.turn)
+        self._wait(
+            lambda: self._turn == r.index, f"micro-batch {r.index}'s turn", self._turns[r.index]
+        )
         if self._cancelled:
             raise _Cancelled
 
@@ -287,9 +286,7 @@ class LayerMajorForward:
             self._turn = -1 if nxt is None else nxt
             self._moves += 1
             if nxt is not None and nxt != r.index:
-                turn = self.runners[nxt].turn
-                assert turn is not None
-                turn.notify()
+                self._turns[nxt].notify()
             if r.finished:
                 self._cv.notify()
 
